@@ -1,0 +1,164 @@
+"""Lloyd-Max codebooks and random-sign Hadamard rotations for TurboQuant keys and values.
+
+After a random rotation, one coordinate of a unit vector in R^D follows the law of a coordinate
+of a uniformly random point on the sphere: density proportional to (1 - x^2)^((D - 3) / 2) on
+[-1, 1] (a scaled Beta law, close to N(0, 1/D)). The codebooks here are the Lloyd-Max
+(minimum mean-squared error) quantizers of that exact law, computed once per (bits, D) and cached.
+
+Code convention (shared with every kernel): codes are **sign-magnitude**. A b-bit code is
+``sign << (b - 1) | magnitude_index`` with magnitudes in ascending order, so the symmetric
+codebook needs a table of 2^(b-1) magnitudes and one sign bit. Levels are rounded to float16
+once, here, because the decode kernels multiply them on fp16 tensor cores: the reference and
+every kernel then use bit-identical levels.
+
+Rotation convention: ``R = diag(signs) @ H.T`` is a +-1 matrix (H a Hadamard matrix of order D),
+and the orthogonal rotation is ``Pi = R.T / sqrt(D)``, so for row vectors ``y = x @ R / sqrt(D)``
+and ``x = y @ R.T / sqrt(D)``. Keeping R at +-1 makes it exact in fp16/bf16, so kernels rotate
+with one tensor-core matmul and no rounding of the matrix. Hadamard matrices exist for every
+supported head dim: Sylvester for powers of two, Paley's construction (times a Sylvester factor)
+for 80 = 80 * 1 and 96 = 48 * 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+__all__ = [
+    "lloyd_max_magnitudes",
+    "signed_levels",
+    "hadamard",
+    "rotation_matrix",
+    "codebook_table",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def lloyd_max_magnitudes(bits: int, head_dim: int) -> tuple[float, ...]:
+    """Lloyd-Max magnitudes for one coordinate of a random unit vector in R^head_dim.
+
+    Args:
+        bits: code width b (1..8); the symmetric codebook has 2^(b-1) magnitudes.
+        head_dim: the dimension D of the sphere (>= 3).
+
+    Returns:
+        The 2^(b-1) non-negative reconstruction magnitudes in ascending order, as float64.
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    if head_dim < 3:
+        raise ValueError(f"head_dim must be >= 3, got {head_dim}")
+    # The law is symmetric, so the optimal codebook is too: solve on [0, 1] for the magnitudes.
+    # Cumulative integrals F(t) = int_0^t f and G(t) = int_0^t x f on a fine grid give each
+    # cell's mass and first moment by interpolation; Lloyd's iteration then converges quickly.
+    x = np.linspace(0.0, 1.0, (1 << 20) + 1)
+    density = np.maximum(1.0 - x * x, 0.0) ** (0.5 * (head_dim - 3))
+    step = x[1] - x[0]
+    mass = np.concatenate([[0.0], np.cumsum(0.5 * (density[1:] + density[:-1]) * step)])
+    xf = x * density
+    moment = np.concatenate([[0.0], np.cumsum(0.5 * (xf[1:] + xf[:-1]) * step)])
+
+    n = 1 << (bits - 1)
+    # Start from quantiles of the law: every cell non-empty.
+    cdf = mass / mass[-1]
+    levels = np.interp((np.arange(n) + 0.5) / n, cdf, x)
+    for _ in range(10_000):
+        bounds = np.concatenate([[0.0], 0.5 * (levels[1:] + levels[:-1]), [1.0]])
+        cell_mass = np.diff(np.interp(bounds, x, mass))
+        cell_moment = np.diff(np.interp(bounds, x, moment))
+        new_levels = cell_moment / cell_mass
+        if np.max(np.abs(new_levels - levels)) < 1e-13:
+            levels = new_levels
+            break
+        levels = new_levels
+    return tuple(float(v) for v in levels)
+
+
+@functools.lru_cache(maxsize=None)
+def _signed_levels_list(bits: int, head_dim: int) -> tuple[float, ...]:
+    mags = torch.tensor(lloyd_max_magnitudes(bits, head_dim), dtype=torch.float64)
+    mags = mags.to(torch.float16).to(torch.float32)
+    return tuple(torch.cat([mags, -mags]).tolist())
+
+
+def signed_levels(bits: int, head_dim: int) -> torch.Tensor:
+    """Reconstruction level of every sign-magnitude code.
+
+    Returns:
+        ``[2^bits] float32``: entry ``s << (bits-1) | m`` is ``(-1)^s * magnitude[m]``, with the
+        magnitudes rounded to float16 (exactly what the kernels multiply with).
+    """
+    return torch.tensor(_signed_levels_list(bits, head_dim), dtype=torch.float32)
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % p for p in range(2, math.isqrt(n) + 1))
+
+
+def _paley(order: int) -> np.ndarray:
+    """Paley construction I: a Hadamard matrix of order q + 1 for a prime q = 3 (mod 4)."""
+    q = order - 1
+    residues = {(i * i) % q for i in range(1, q)}
+    chi = np.array([0] + [1 if i in residues else -1 for i in range(1, q)], dtype=np.int64)
+    jacobsthal = chi[(np.arange(q)[None, :] - np.arange(q)[:, None]) % q]
+    skew = np.zeros((order, order), dtype=np.int64)
+    skew[0, 1:] = 1
+    skew[1:, 0] = -1
+    skew[1:, 1:] = jacobsthal
+    return np.eye(order, dtype=np.int64) + skew
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_np(order: int) -> np.ndarray:
+    if order == 1:
+        return np.ones((1, 1), dtype=np.int64)
+    if order % 2 == 0 and order & (order - 1) == 0:
+        half = _hadamard_np(order // 2)
+        return np.block([[half, half], [half, -half]])
+    # order = 2^a * (q + 1) with q a prime = 3 (mod 4): Paley times Sylvester.
+    power = 1
+    while order % power == 0:
+        core = order // power
+        if core % 4 == 0 and _is_prime(core - 1) and (core - 1) % 4 == 3:
+            return np.kron(_paley(core), _hadamard_np(power))
+        power *= 2
+    raise ValueError(f"no Hadamard construction implemented for order {order}")
+
+
+def hadamard(order: int) -> torch.Tensor:
+    """A Hadamard matrix (entries +-1, ``H @ H.T == order * I``) as ``[order, order] float32``."""
+    return torch.from_numpy(_hadamard_np(order).astype(np.float32))
+
+
+def rotation_matrix(head_dim: int, seed: int) -> torch.Tensor:
+    """The +-1 rotation matrix ``R = diag(signs) @ H.T`` for a seeded random-sign Hadamard.
+
+    The orthogonal rotation applied to keys (and Lloyd-Max values) is ``Pi = R.T / sqrt(D)``:
+    ``y = x @ R / sqrt(D)`` for row vectors. The signs come from a CPU generator seeded with
+    ``seed``, so every device and process builds the same matrix.
+
+    Returns:
+        ``[head_dim, head_dim] float32`` with entries +-1 (on the CPU).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (head_dim,), generator=gen, dtype=torch.int64) * 2 - 1
+    return (signs.to(torch.float32)[:, None] * hadamard(head_dim).T).contiguous()
+
+
+MAX_LEVELS = 16
+
+
+def codebook_table(key_bits: int | None, value_bits: int | None, head_dim: int) -> torch.Tensor:
+    """The codebook table passed to the ops: ``[2, 16] float32``.
+
+    Row 0 holds the key levels and row 1 the value levels (:func:`signed_levels`) for the sides
+    whose codec is Lloyd-Max (``*_bits`` not None); other entries are zero.
+    """
+    table = torch.zeros(2, MAX_LEVELS, dtype=torch.float32)
+    for row, bits in enumerate((key_bits, value_bits)):
+        if bits is not None:
+            table[row, : 1 << bits] = signed_levels(bits, head_dim)
+    return table

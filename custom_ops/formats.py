@@ -1,0 +1,249 @@
+"""Every KV-cache format and its byte layout: the one module that knows where each byte lives.
+
+A paged cache is three tensors (planes), all indexed ``[page, kv_head, slot_in_page, ...]``:
+
+* ``k_codes [num_pages, Hk, page_size, key_code_bytes] uint8``: the key codes of one token-head
+  in one row.
+* ``v_codes [num_pages, Hk, page_size, value_code_bytes] uint8``: the value codes.
+* ``meta [num_pages, Hk, page_size, num_meta] float16 | float32``: the per-token-head scalars
+  (key norm or scale, value scale / zero / norm) in one record, keys' fields first.
+
+Head-major inside a page keeps one kv-head's ``page_size`` rows contiguous, which is what the
+decode kernel (one program per (sequence, kv-head, split)) streams.
+
+Codes of ``b`` bits are split into *bit planes* stored one after the other in the row: 8 and 4
+bits are one plane, 3 bits are a 2-bit plane (the low bits) followed by a 1-bit plane (the top
+bit, which is the sign of a sign-magnitude code), 2 and 1 bits one plane. Inside a plane of
+``w`` bits (``n = D * w / 8`` bytes) the elements are **strided**: element ``e`` sits in byte
+``e % n`` at bit ``w * (e // n)``. So byte ``j`` of a 4-bit plane holds element ``j`` in its low
+nibble and element ``j + D/2`` in its high nibble: one shift (or mask) of a whole row of bytes
+yields a contiguous half of the head dim, which the decode kernel multiplies with the matching
+half of the query without any shuffle.
+
+Lloyd-Max codes are sign-magnitude (see :mod:`custom_ops.codebook`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "SUPPORTED_HEAD_DIMS",
+    "Kind",
+    "Codec",
+    "BitPlane",
+    "KVFormat",
+    "PagedKVCache",
+    "FORMATS",
+    "get_format",
+]
+
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+
+
+class Kind(enum.IntEnum):
+    """How a codec turns a vector into codes (the integer is what kernels see as constexpr)."""
+
+    LLOYD_MAX = 0  # rotate, store Lloyd-Max sign-magnitude codes + one (norm-corrected) norm
+    UNIFORM = 1  # asymmetric uniform codes + fp16 scale and zero (min)
+    FP8 = 2  # plain e4m3 cast per element (saturating), no scalar
+    FP8_ABSMAX = 3  # e4m3 of x / scale with scale = absmax / 448, per token-head
+    INT8_ABSMAX = 4  # int8 of x / scale with scale = absmax / 127, per token-head
+
+
+_META_FIELDS = {
+    Kind.LLOYD_MAX: ("norm",),
+    Kind.UNIFORM: ("scale", "zero"),
+    Kind.FP8: (),
+    Kind.FP8_ABSMAX: ("scale",),
+    Kind.INT8_ABSMAX: ("scale",),
+}
+
+_BITS = {Kind.FP8: (8,), Kind.FP8_ABSMAX: (8,), Kind.INT8_ABSMAX: (8,)}
+
+
+@dataclass(frozen=True)
+class BitPlane:
+    """One bit plane of a code row.
+
+    Attributes:
+        width: bits per element in this plane (1, 2, 4 or 8).
+        shift: the plane holds bits ``[shift, shift + width)`` of each code.
+        offset: byte offset of the plane inside the code row.
+        nbytes: ``D * width // 8``; element ``e`` is in byte ``offset + e % nbytes`` at bit
+            ``width * (e // nbytes)``.
+    """
+
+    width: int
+    shift: int
+    offset: int
+    nbytes: int
+
+    @property
+    def groups(self) -> int:
+        """How many elements share one byte (``8 // width``)."""
+        return 8 // self.width
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How one side (keys or values) of a token-head is encoded.
+
+    Attributes:
+        kind: the :class:`Kind` of quantizer.
+        bits: code width per element.
+        norm_correction: Lloyd-Max only: the stored norm is ``||x|| / ||c[codes]||`` so the
+            reconstruction has the original norm (vLLM's "nc"), folded in at write time.
+    """
+
+    kind: Kind
+    bits: int
+    norm_correction: bool = False
+
+    def __post_init__(self) -> None:
+        allowed = _BITS.get(self.kind, (1, 2, 3, 4))
+        if self.bits not in allowed:
+            raise ValueError(f"{self.kind.name} codes take bits in {allowed}, got {self.bits}")
+        if self.norm_correction and self.kind != Kind.LLOYD_MAX:
+            raise ValueError("norm_correction applies to LLOYD_MAX codecs only")
+
+    @property
+    def rotated(self) -> bool:
+        """Whether codes live in the rotated space (the reader must rotate q / un-rotate out)."""
+        return self.kind == Kind.LLOYD_MAX
+
+    @property
+    def meta_fields(self) -> tuple[str, ...]:
+        return _META_FIELDS[self.kind]
+
+    def code_bytes(self, head_dim: int) -> int:
+        return head_dim * self.bits // 8
+
+    def planes(self, head_dim: int) -> tuple[BitPlane, ...]:
+        """The bit planes of a code row, low bits first (3 bits: a 2-bit then a 1-bit plane)."""
+        widths = (2, 1) if self.bits == 3 else (self.bits,)
+        planes, offset, shift = [], 0, 0
+        for width in widths:
+            nbytes = head_dim * width // 8
+            planes.append(BitPlane(width, shift, offset, nbytes))
+            offset += nbytes
+            shift += width
+        return tuple(planes)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """A KV-cache format: a key codec, a value codec and the dtype of the meta record.
+
+    Attributes:
+        name: preset name (vLLM's where one exists).
+        key: codec of the keys.
+        value: codec of the values.
+        meta_dtype: dtype of the per-token-head meta record.
+    """
+
+    name: str
+    key: Codec
+    value: Codec
+    meta_dtype: torch.dtype
+
+    @property
+    def meta_columns(self) -> tuple[str, ...]:
+        """Names of the meta record's columns: ``k_<field>`` then ``v_<field>``."""
+        return tuple(f"k_{f}" for f in self.key.meta_fields) + tuple(
+            f"v_{f}" for f in self.value.meta_fields
+        )
+
+    def meta_index(self, column: str) -> int:
+        """Column index of ``column`` in the meta record, or -1 when the format has none."""
+        return self.meta_columns.index(column) if column in self.meta_columns else -1
+
+    @property
+    def rotated(self) -> bool:
+        return self.key.rotated or self.value.rotated
+
+    def bytes_per_token_head(self, head_dim: int) -> int:
+        meta_bytes = len(self.meta_columns) * self.meta_dtype.itemsize
+        return self.key.code_bytes(head_dim) + self.value.code_bytes(head_dim) + meta_bytes
+
+    def plane_shapes(
+        self, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each plane of a paged cache."""
+        lead = (num_pages, num_kv_heads, page_size)
+        return {
+            "k_codes": ((*lead, self.key.code_bytes(head_dim)), torch.uint8),
+            "v_codes": ((*lead, self.value.code_bytes(head_dim)), torch.uint8),
+            "meta": ((*lead, len(self.meta_columns)), self.meta_dtype),
+        }
+
+    def allocate(
+        self,
+        num_pages: int,
+        num_kv_heads: int,
+        page_size: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedKVCache:
+        """Allocate a zero-filled paged cache of this format."""
+        check_head_dim(head_dim)
+        planes = {
+            name: torch.zeros(shape, dtype=dtype, device=device)
+            for name, (shape, dtype) in self.plane_shapes(
+                num_pages, num_kv_heads, page_size, head_dim
+            ).items()
+        }
+        return PagedKVCache(**planes)
+
+
+class PagedKVCache(NamedTuple):
+    """The three planes of a paged cache (see the module docstring for the layout)."""
+
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    meta: torch.Tensor
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"unsupported head dim {head_dim}: expected one of {SUPPORTED_HEAD_DIMS}"
+        )
+
+
+_F16 = torch.float16
+_LM = Kind.LLOYD_MAX
+
+FORMATS: dict[str, KVFormat] = {
+    f.name: f
+    for f in (
+        # vLLM's presets, same names and semantics.
+        KVFormat("k8v4", Codec(Kind.FP8, 8), Codec(Kind.UNIFORM, 4), _F16),
+        KVFormat("4bit_nc", Codec(_LM, 4, True), Codec(Kind.UNIFORM, 4), _F16),
+        KVFormat("k3v4_nc", Codec(_LM, 3, True), Codec(Kind.UNIFORM, 4), _F16),
+        KVFormat("3bit_nc", Codec(_LM, 3, True), Codec(Kind.UNIFORM, 3), _F16),
+        # Per-token-head absmax formats (vLLM's per_token_head INT8 / FP8), float32 scales.
+        KVFormat(
+            "int8", Codec(Kind.INT8_ABSMAX, 8), Codec(Kind.INT8_ABSMAX, 8), torch.float32
+        ),
+        KVFormat("fp8", Codec(Kind.FP8_ABSMAX, 8), Codec(Kind.FP8_ABSMAX, 8), torch.float32),
+        # turboquant-vllm's TQ4: Lloyd-Max keys and rotated Lloyd-Max values, 4 bits each.
+        KVFormat("tq4_nc", Codec(_LM, 4, True), Codec(_LM, 4, True), _F16),
+    )
+}
+
+
+def get_format(name: str | KVFormat) -> KVFormat:
+    """Look a format up by preset name (a :class:`KVFormat` passes through)."""
+    if isinstance(name, KVFormat):
+        return name
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown KV format {name!r}: expected one of {sorted(FORMATS)}"
+        ) from None

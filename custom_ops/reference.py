@@ -1,0 +1,301 @@
+"""Pure-torch encode / decode / attention for every format: the CPU implementation and the oracle.
+
+This module is the executable specification of each format. The Triton kernels reproduce its
+arithmetic step by step (same float32 operations in the same order where it matters), so their
+bytes match up to the summation order of a norm or a rotation: a code can differ by one step
+only where a value sits on a decision boundary.
+
+Shapes: ``R`` token-head rows of ``D`` elements; a paged cache as in :mod:`custom_ops.formats`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from custom_ops.formats import Codec, KVFormat, Kind, PagedKVCache
+
+__all__ = [
+    "encode_rows",
+    "decode_rows",
+    "pack_codes",
+    "unpack_codes",
+    "store",
+    "gather_rows",
+    "dequantize",
+    "attention",
+]
+
+# Norms below this are treated as zero vectors (codes of +0, stored norm 0).
+TINY_NORM = 1e-30
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+
+
+def pack_codes(codec: Codec, codes: torch.Tensor) -> torch.Tensor:
+    """Pack integer codes into the codec's bit planes.
+
+    Args:
+        codec: the codec (defines the planes).
+        codes: ``[R, D]`` integer codes in ``[0, 2^bits)``.
+
+    Returns:
+        ``[R, code_bytes] uint8``.
+    """
+    rows, head_dim = codes.shape
+    codes = codes.to(torch.int32)
+    out = []
+    for plane in codec.planes(head_dim):
+        bits = (codes >> plane.shift) & ((1 << plane.width) - 1)
+        grouped = bits.reshape(rows, plane.groups, plane.nbytes)
+        shifts = torch.arange(plane.groups, dtype=torch.int32, device=codes.device) * plane.width
+        out.append((grouped << shifts[None, :, None]).sum(dim=1))
+    return torch.cat(out, dim=1).to(torch.uint8)
+
+
+def unpack_codes(codec: Codec, packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``[R, code_bytes] uint8 -> [R, D] int32``."""
+    rows = packed.shape[0]
+    head_dim = packed.shape[1] * 8 // codec.bits
+    packed = packed.to(torch.int32)
+    codes = torch.zeros(rows, head_dim, dtype=torch.int32, device=packed.device)
+    for plane in codec.planes(head_dim):
+        data = packed[:, plane.offset : plane.offset + plane.nbytes]
+        shifts = torch.arange(plane.groups, dtype=torch.int32, device=packed.device)
+        bits = (data[:, None, :] >> (shifts * plane.width)[None, :, None]) & (
+            (1 << plane.width) - 1
+        )
+        codes |= bits.reshape(rows, head_dim) << plane.shift
+    return codes
+
+
+def _magnitude_midpoints(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    mags = levels[: 1 << (bits - 1)]
+    return (mags[1:] + mags[:-1]) * 0.5
+
+
+def _encode_lloyd_max(
+    codec: Codec, x: torch.Tensor, rotation: torch.Tensor, levels: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    head_dim = x.shape[1]
+    norm = torch.sqrt((x * x).sum(dim=1))
+    inv_sqrt_d = torch.tensor(1.0 / math.sqrt(head_dim), dtype=torch.float32)
+    y = (x @ rotation) * (inv_sqrt_d / norm.clamp_min(TINY_NORM))[:, None]
+    magnitude = torch.bucketize(y.abs(), _magnitude_midpoints(levels, codec.bits))
+    sign = (y < 0).to(torch.int32)
+    codes = (sign << (codec.bits - 1)) | magnitude.to(torch.int32)
+    stored = norm
+    if codec.norm_correction:
+        recon = levels[codes]
+        stored = norm / torch.sqrt((recon * recon).sum(dim=1))
+    return codes, [stored]
+
+
+def _encode_uniform(codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    qmax = (1 << codec.bits) - 1
+    lo = x.amin(dim=1)
+    hi = x.amax(dim=1)
+    # Quantize against the fp16 scale and zero that are stored, not the fp32 ones.
+    scale = ((hi - lo) / qmax).to(torch.float16).to(torch.float32)
+    zero = lo.to(torch.float16).to(torch.float32)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.floor((x - zero[:, None]) / safe[:, None] + 0.5)
+    q = torch.where(scale[:, None] > 0, q, torch.zeros_like(q)).clamp(0, qmax)
+    return q.to(torch.int32), [scale, zero]
+
+
+def _encode_absmax(codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    qmax = FP8_MAX if codec.kind == Kind.FP8_ABSMAX else INT8_MAX
+    scale = x.abs().amax(dim=1) / qmax
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scaled = torch.where(scale[:, None] > 0, x / safe[:, None], torch.zeros_like(x))
+    if codec.kind == Kind.FP8_ABSMAX:
+        codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        codes = torch.floor(scaled + 0.5).clamp(-128, 127).to(torch.int8).view(torch.uint8)
+    return codes.to(torch.int32), [scale]
+
+
+def encode_rows(
+    codec: Codec, x: torch.Tensor, rotation: torch.Tensor, levels: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Encode token-head rows with one codec.
+
+    Args:
+        codec: the codec.
+        x: ``[R, D]`` rows (any float dtype; computed in float32).
+        rotation: ``[D, D]`` +-1 rotation matrix (used by Lloyd-Max codecs).
+        levels: ``[2^bits]`` float32 signed levels (used by Lloyd-Max codecs).
+
+    Returns:
+        ``(packed [R, code_bytes] uint8, meta)`` with one ``[R] float32`` per meta field.
+    """
+    x = x.to(torch.float32)
+    if codec.kind == Kind.LLOYD_MAX:
+        codes, meta = _encode_lloyd_max(codec, x, rotation.to(x.device), levels.to(x.device))
+    elif codec.kind == Kind.UNIFORM:
+        codes, meta = _encode_uniform(codec, x)
+    elif codec.kind == Kind.FP8:
+        codes, meta = x.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32), []
+    else:
+        codes, meta = _encode_absmax(codec, x)
+    return pack_codes(codec, codes), meta
+
+
+def decode_rows(
+    codec: Codec,
+    packed: torch.Tensor,
+    meta: list[torch.Tensor],
+    rotation: torch.Tensor,
+    levels: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode rows back to vectors in the original (un-rotated) space.
+
+    Args:
+        codec: the codec.
+        packed: ``[R, code_bytes] uint8``.
+        meta: one ``[R]`` tensor per meta field of the codec.
+        rotation: ``[D, D]`` +-1 rotation matrix.
+        levels: ``[2^bits]`` float32 signed levels.
+        dtype: float32 for the CPU implementation, float64 for oracles.
+
+    Returns:
+        ``[R, D]`` in ``dtype``.
+    """
+    meta = [m.to(dtype) for m in meta]
+    if codec.kind in (Kind.FP8, Kind.FP8_ABSMAX, Kind.INT8_ABSMAX):
+        raw = packed.view(torch.float8_e4m3fn if codec.kind != Kind.INT8_ABSMAX else torch.int8)
+        values = raw.to(dtype)
+        return values if codec.kind == Kind.FP8 else values * meta[0][:, None]
+    codes = unpack_codes(codec, packed)
+    if codec.kind == Kind.UNIFORM:
+        return codes.to(dtype) * meta[0][:, None] + meta[1][:, None]
+    head_dim = codes.shape[1]
+    rotated = levels.to(device=packed.device, dtype=dtype)[codes]
+    inv_sqrt_d = 1.0 / math.sqrt(head_dim)
+    unrotated = rotated @ rotation.to(device=packed.device, dtype=dtype).T
+    return unrotated * (meta[0] * inv_sqrt_d)[:, None]
+
+
+def _split_meta(fmt: KVFormat, meta: torch.Tensor) -> tuple[list, list]:
+    n_key = len(fmt.key.meta_fields)
+    columns = [meta[..., i] for i in range(meta.shape[-1])]
+    return columns[:n_key], columns[n_key:]
+
+
+def store(
+    fmt: KVFormat,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    slot_mapping: torch.Tensor,
+    rotation: torch.Tensor,
+    codebooks: torch.Tensor,
+) -> None:
+    """Quantize ``key``/``value`` ``[N, Hk, D]`` and write them into the slots of a paged cache.
+
+    ``slot_mapping [N] int32`` gives each token's slot (``page * page_size + offset``); a
+    negative slot is padding and skipped. The cache planes are modified in place.
+    """
+    n_tokens, num_kv_heads, head_dim = key.shape
+    page_size = cache.k_codes.shape[2]
+    k_packed, k_meta = encode_rows(fmt.key, key.reshape(-1, head_dim), rotation, codebooks[0])
+    v_packed, v_meta = encode_rows(
+        fmt.value, value.reshape(-1, head_dim), rotation, codebooks[1]
+    )
+    meta = torch.stack(k_meta + v_meta, dim=1).to(fmt.meta_dtype)
+
+    slots = slot_mapping.to(torch.int64)
+    keep = slots >= 0
+    tokens = torch.nonzero(keep).flatten()
+    pages = (slots[tokens] // page_size)[:, None]
+    offsets = (slots[tokens] % page_size)[:, None]
+    heads = torch.arange(num_kv_heads, device=key.device)[None, :]
+
+    def rows_of(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(n_tokens, num_kv_heads, *t.shape[1:])[tokens]
+
+    cache.k_codes[pages, heads, offsets] = rows_of(k_packed)
+    cache.v_codes[pages, heads, offsets] = rows_of(v_packed)
+    cache.meta[pages, heads, offsets] = rows_of(meta)
+
+
+def gather_rows(
+    cache: PagedKVCache, block_table: torch.Tensor, max_seq_len: int
+) -> PagedKVCache:
+    """Gather each sequence's rows from the pages: planes become ``[B, Hk, max_seq_len, ...]``.
+
+    Positions whose page index is out of the table read page 0 (callers mask them by length).
+    """
+    page_size = cache.k_codes.shape[2]
+    positions = torch.arange(max_seq_len, device=block_table.device)
+    page_index = (positions // page_size).clamp_max(block_table.shape[1] - 1)
+    pages = block_table.to(torch.int64)[:, page_index].clamp_min(0)  # [B, S]
+    offsets = (positions % page_size)[None, :]
+
+    def gather(plane: torch.Tensor) -> torch.Tensor:
+        rows = plane.permute(0, 2, 1, 3)[pages, offsets]  # [B, S, Hk, W]
+        return rows.permute(0, 2, 1, 3)
+
+    return PagedKVCache(*(gather(p) for p in cache))
+
+
+def dequantize(
+    fmt: KVFormat,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rotation: torch.Tensor,
+    codebooks: torch.Tensor,
+    max_seq_len: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantize every sequence's cache to ``[B, Hk, max_seq_len, D]`` K and V in ``dtype``.
+
+    Positions at or beyond ``seq_lens[b]`` are zero. float64 ``dtype`` computes in float64
+    (the oracle); anything else computes in float32 and casts at the end.
+    """
+    rows = gather_rows(cache, block_table, max_seq_len)
+    batch, num_kv_heads, seq, _ = rows.k_codes.shape
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    k_meta, v_meta = _split_meta(fmt, rows.meta.reshape(-1, rows.meta.shape[-1]))
+
+    def side(codec, packed, meta, levels):
+        flat = decode_rows(codec, packed.reshape(-1, packed.shape[-1]), meta, rotation, levels,
+                           compute)
+        return flat.reshape(batch, num_kv_heads, seq, -1)
+
+    k = side(fmt.key, rows.k_codes, k_meta, codebooks[0])
+    v = side(fmt.value, rows.v_codes, v_meta, codebooks[1])
+    valid = torch.arange(seq, device=k.device)[None, :] < seq_lens.to(k.device)[:, None]
+    valid = valid[:, None, :, None]
+    return (
+        torch.where(valid, k, torch.zeros((), dtype=compute)).to(dtype),
+        torch.where(valid, v, torch.zeros((), dtype=compute)).to(dtype),
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Single-query attention of ``q [B, Hq, D]`` over ``k, v [B, Hk, S, D]`` (GQA by groups).
+
+    Keys at positions ``>= seq_lens[b]`` are masked; a sequence of length 0 gives zeros.
+    Computed in the dtype of ``k``; returns ``[B, Hq, D]`` in that dtype.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, seq = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    qg = q.to(k.dtype).reshape(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bhsd->bhgs", qg, k) * scale
+    valid = torch.arange(seq, device=k.device)[None, :] < seq_lens.to(k.device)[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhgs,bhsd->bhgd", probs, v)
+    return out.reshape(batch, num_q_heads, head_dim)

@@ -1,0 +1,142 @@
+"""Triton helpers for the strided bit planes of :mod:`custom_ops.formats`, and their launch-time
+parameters.
+
+Kernels hold one token-head row of ``D`` elements as a tile ``[rows, G, C_PAD]``: element
+``e = g * C + c`` with ``C = D / G`` (``c < C``; ``C_PAD`` is C rounded up to a power of two so
+head dims 80 and 96 work). ``G = 8 / (narrowest plane width)`` is the number of strided groups
+the narrowest plane needs, so every plane maps onto the tile without moving elements: a plane of
+width ``w`` has ``GP = 8 / w`` groups per byte and ``RR = G / GP`` byte runs of C bytes each;
+tile group ``g = a * RR + k`` lives in bits ``[a * w, (a + 1) * w)`` of byte ``k * C + c``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from custom_ops.formats import Codec
+
+
+@dataclass(frozen=True)
+class PlaneParams:
+    """Compile-time description of a codec's code row for the kernels.
+
+    Attributes:
+        w0: width of the first (low-bit) plane.
+        w1: width of the second plane (0 when there is one plane).
+        off1: byte offset of the second plane in the row.
+        groups: G, the tile's number of strided groups.
+        chunk: C = D / G.
+        chunk_pad: C rounded up to a power of two.
+    """
+
+    w0: int
+    w1: int
+    off1: int
+    groups: int
+    chunk: int
+    chunk_pad: int
+
+    @staticmethod
+    def of(codec: Codec, head_dim: int) -> PlaneParams:
+        planes = codec.planes(head_dim)
+        w1 = planes[1].width if len(planes) > 1 else 0
+        off1 = planes[1].offset if len(planes) > 1 else 0
+        groups = 8 // min(p.width for p in planes)
+        chunk = head_dim // groups
+        return PlaneParams(planes[0].width, w1, off1, groups, chunk, triton.next_power_of_2(chunk))
+
+
+@triton.jit
+def tile_offsets(G: tl.constexpr, C: tl.constexpr, C_PAD: tl.constexpr):
+    """Element index ``e [1, G, C_PAD]`` of each tile position and its validity mask."""
+    g = tl.arange(0, G)[None, :, None]
+    c = tl.arange(0, C_PAD)[None, None, :]
+    return g * C + c, c < C
+
+
+@triton.jit
+def _store_plane(
+    codes,
+    row_ptr,
+    row_mask,
+    WIDTH: tl.constexpr,
+    SHIFT: tl.constexpr,
+    OFFSET: tl.constexpr,
+    ROWS: tl.constexpr,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    C_PAD: tl.constexpr,
+):
+    GP: tl.constexpr = 8 // WIDTH
+    RR: tl.constexpr = G // GP
+    bits = (codes >> SHIFT) & ((1 << WIDTH) - 1)
+    bits = tl.reshape(bits, (ROWS, GP, RR, C_PAD))
+    shifts = (tl.arange(0, GP) * WIDTH)[None, :, None, None]
+    packed = tl.sum(bits << shifts, axis=1)  # [ROWS, RR, C_PAD]
+    k = tl.arange(0, RR)[None, :, None]
+    c = tl.arange(0, C_PAD)[None, None, :]
+    mask = row_mask[:, None, None] & (c < C)
+    tl.store(row_ptr[:, None, None] + OFFSET + k * C + c, packed.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def store_codes(
+    codes,
+    row_ptr,
+    row_mask,
+    W0: tl.constexpr,
+    W1: tl.constexpr,
+    OFF1: tl.constexpr,
+    ROWS: tl.constexpr,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    C_PAD: tl.constexpr,
+):
+    """Pack ``codes [ROWS, G, C_PAD] int32`` into the planes of rows starting at ``row_ptr``."""
+    _store_plane(codes, row_ptr, row_mask, W0, 0, 0, ROWS, G, C, C_PAD)
+    if W1 > 0:
+        _store_plane(codes, row_ptr, row_mask, W1, W0, OFF1, ROWS, G, C, C_PAD)
+
+
+@triton.jit
+def _load_plane(
+    row_ptr,
+    row_mask,
+    WIDTH: tl.constexpr,
+    OFFSET: tl.constexpr,
+    ROWS: tl.constexpr,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    C_PAD: tl.constexpr,
+):
+    GP: tl.constexpr = 8 // WIDTH
+    RR: tl.constexpr = G // GP
+    k = tl.arange(0, RR)[None, :, None]
+    c = tl.arange(0, C_PAD)[None, None, :]
+    mask = row_mask[:, None, None] & (c < C)
+    packed = tl.load(row_ptr[:, None, None] + OFFSET + k * C + c, mask=mask, other=0)
+    shifts = (tl.arange(0, GP) * WIDTH)[None, :, None, None]
+    bits = (packed.to(tl.int32)[:, None, :, :] >> shifts) & ((1 << WIDTH) - 1)
+    return tl.reshape(bits, (ROWS, G, C_PAD))
+
+
+@triton.jit
+def load_codes(
+    row_ptr,
+    row_mask,
+    W0: tl.constexpr,
+    W1: tl.constexpr,
+    OFF1: tl.constexpr,
+    ROWS: tl.constexpr,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    C_PAD: tl.constexpr,
+):
+    """Unpack the code rows at ``row_ptr`` into ``[ROWS, G, C_PAD] int32`` (0 where masked)."""
+    codes = _load_plane(row_ptr, row_mask, W0, 0, ROWS, G, C, C_PAD)
+    if W1 > 0:
+        codes |= _load_plane(row_ptr, row_mask, W1, OFF1, ROWS, G, C, C_PAD) << W0
+    return codes

@@ -1,0 +1,273 @@
+"""Fused quantize-and-store of new K/V token-heads into a paged cache.
+
+One program encodes ``BLOCK_R`` token-head rows (row ``r`` = token ``r // Hk``, head ``r % Hk``)
+of keys and of values: it reads the bf16/fp16 inputs once, computes each row's codes and meta
+scalars in registers and scatters them to the row's slot. It reproduces
+:func:`custom_ops.reference.encode_rows` operation by operation:
+
+* Lloyd-Max: ``norm = ||x||``; ``y = (x @ R) * (1/sqrt(D) / norm)`` with the +-1 rotation R on
+  the tensor cores (tf32 is exact here: bf16 and fp16 inputs and +-1 fit in tf32's mantissa);
+  magnitude index = number of magnitude midpoints below ``|y|``; sign-magnitude code; with norm
+  correction the stored norm is ``norm / ||levels[codes]||``.
+* Uniform: fp16 scale ``(max - min) / (2^b - 1)`` and zero ``min``; codes from those rounded
+  values: ``floor((x - zero) / scale + 0.5)``, clamped.
+* FP8 / absmax: saturating e4m3 casts, ``floor(x / scale + 0.5)`` for int8.
+
+Slots that are negative (padding) or beyond the cache's capacity are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.formats import Codec, KVFormat, Kind, PagedKVCache
+from custom_ops.reference import FP8_MAX, INT8_MAX, TINY_NORM
+from custom_ops.triton.planes import PlaneParams, store_codes, tile_offsets
+
+_LLOYD_MAX = tl.constexpr(int(Kind.LLOYD_MAX))
+_UNIFORM = tl.constexpr(int(Kind.UNIFORM))
+_FP8 = tl.constexpr(int(Kind.FP8))
+_FP8_ABSMAX = tl.constexpr(int(Kind.FP8_ABSMAX))
+_INT8_ABSMAX = tl.constexpr(int(Kind.INT8_ABSMAX))
+_TINY = tl.constexpr(TINY_NORM)
+
+
+@triton.jit
+def _row_sum(x):
+    return tl.sum(tl.sum(x, axis=2), axis=1)
+
+
+@triton.jit
+def _encode_side(
+    x_ptr,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    tok,
+    head,
+    ok,
+    code_ptr,
+    meta_ptr,
+    rot_ptr,
+    levels_ptr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    NC: tl.constexpr,
+    META_COL: tl.constexpr,
+    W0: tl.constexpr,
+    W1: tl.constexpr,
+    OFF1: tl.constexpr,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    C_PAD: tl.constexpr,
+    D: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Encode one side (keys or values) of ``BLOCK_R`` rows and store codes and meta.
+
+    ``code_ptr [BLOCK_R]`` / ``meta_ptr [BLOCK_R]`` point at each row's code row and meta record.
+    """
+    e, e_mask = tile_offsets(G, C, C_PAD)  # [1, G, C_PAD]
+    mask = ok[:, None, None] & e_mask
+    x_offs = tok[:, None, None] * stride_xn + head[:, None, None] * stride_xh + e * stride_xd
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_R, G, C_PAD]
+    meta_ty = meta_ptr.dtype.element_ty
+
+    if KIND == _LLOYD_MAX:
+        norm = tl.sqrt_rn(_row_sum(x * x))
+        # The +-1 rotation, gathered into the tile's padded order: [G*C_PAD, G*C_PAD].
+        i = tl.arange(0, G * C_PAD)
+        i_elem = (i // C_PAD) * C + i % C_PAD
+        i_ok = (i % C_PAD) < C
+        rot = tl.load(
+            rot_ptr + i_elem[:, None] * D + i_elem[None, :],
+            mask=i_ok[:, None] & i_ok[None, :],
+            other=0.0,
+        )
+        y = tl.dot(tl.reshape(x, (BLOCK_R, G * C_PAD)), rot, input_precision="tf32")
+        y = tl.reshape(y, (BLOCK_R, G, C_PAD))
+        inv = tl.math.div_rn(tl.full([BLOCK_R], INV_SQRT_D, tl.float32), tl.maximum(norm, _TINY))
+        y = y * inv[:, None, None]
+        magnitude = tl.abs(y)
+        mag_index = tl.zeros([BLOCK_R, G, C_PAD], dtype=tl.int32)
+        for m in tl.static_range((1 << (BITS - 1)) - 1):
+            midpoint = (tl.load(levels_ptr + m) + tl.load(levels_ptr + m + 1)) * 0.5
+            mag_index += (magnitude > midpoint).to(tl.int32)
+        codes = ((y < 0).to(tl.int32) << (BITS - 1)) | mag_index
+        stored = norm
+        if NC:
+            recon = tl.load(levels_ptr + codes)
+            recon = tl.where(e_mask, recon * recon, 0.0)
+            stored = tl.math.div_rn(norm, tl.sqrt_rn(_row_sum(recon)))
+        tl.store(meta_ptr + META_COL, stored.to(meta_ty), mask=ok)
+        store_codes(codes, code_ptr, ok, W0, W1, OFF1, BLOCK_R, G, C, C_PAD)
+    elif KIND == _UNIFORM:
+        QMAX: tl.constexpr = (1 << BITS) - 1
+        lo = tl.min(tl.min(tl.where(e_mask, x, float("inf")), axis=2), axis=1)
+        hi = tl.max(tl.max(tl.where(e_mask, x, float("-inf")), axis=2), axis=1)
+        scale16 = tl.math.div_rn(hi - lo, tl.full([BLOCK_R], QMAX, tl.float32)).to(tl.float16)
+        zero16 = lo.to(tl.float16)
+        scale = scale16.to(tl.float32)[:, None, None]
+        zero = zero16.to(tl.float32)[:, None, None]
+        safe = tl.where(scale > 0, scale, 1.0)
+        q = tl.floor(tl.math.div_rn(x - zero, safe) + 0.5)
+        q = tl.minimum(tl.maximum(tl.where(scale > 0, q, 0.0), 0.0), QMAX)
+        tl.store(meta_ptr + META_COL, scale16.to(meta_ty), mask=ok)
+        tl.store(meta_ptr + META_COL + 1, zero16.to(meta_ty), mask=ok)
+        store_codes(q.to(tl.int32), code_ptr, ok, W0, W1, OFF1, BLOCK_R, G, C, C_PAD)
+    else:
+        if KIND == _FP8:
+            scaled = x
+        else:
+            QMAX_ABS: tl.constexpr = FP8_MAX if KIND == _FP8_ABSMAX else INT8_MAX
+            absmax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+            scale = tl.math.div_rn(absmax, tl.full([BLOCK_R], QMAX_ABS, tl.float32))
+            tl.store(meta_ptr + META_COL, scale.to(meta_ty), mask=ok)
+            scale = scale[:, None, None]
+            safe = tl.where(scale > 0, scale, 1.0)
+            scaled = tl.where(scale > 0, tl.math.div_rn(x, safe), 0.0)
+        if KIND == _INT8_ABSMAX:
+            q = tl.minimum(tl.maximum(tl.floor(scaled + 0.5), -128.0), 127.0)
+            byte = q.to(tl.int8).to(tl.uint8, bitcast=True)
+        else:
+            byte = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        # 8-bit codes: one plane, G == 1, element e at byte e.
+        tl.store(code_ptr[:, None, None] + e, byte, mask=mask)
+
+
+@triton.jit
+def _store_kernel(
+    key_ptr,
+    value_ptr,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    k_codes_ptr,
+    v_codes_ptr,
+    meta_ptr,
+    stride_kc_page,
+    stride_kc_head,
+    stride_kc_slot,
+    stride_vc_page,
+    stride_vc_head,
+    stride_vc_slot,
+    stride_m_page,
+    stride_m_head,
+    stride_m_slot,
+    slot_mapping_ptr,
+    rot_ptr,
+    codebooks_ptr,
+    num_rows,
+    num_kv_heads,
+    page_size,
+    capacity,
+    D: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_NC: tl.constexpr,
+    K_META: tl.constexpr,
+    K_W0: tl.constexpr,
+    K_W1: tl.constexpr,
+    K_OFF1: tl.constexpr,
+    K_G: tl.constexpr,
+    K_C: tl.constexpr,
+    K_C_PAD: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_NC: tl.constexpr,
+    V_META: tl.constexpr,
+    V_W0: tl.constexpr,
+    V_W1: tl.constexpr,
+    V_OFF1: tl.constexpr,
+    V_G: tl.constexpr,
+    V_C: tl.constexpr,
+    V_C_PAD: tl.constexpr,
+    CODEBOOK_STRIDE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = rows < num_rows
+    tok = rows // num_kv_heads
+    head = rows % num_kv_heads
+    slot = tl.load(slot_mapping_ptr + tok, mask=in_range, other=-1)
+    ok = in_range & (slot >= 0) & (slot < capacity)
+    slot = tl.where(ok, slot, 0).to(tl.int64)
+    page = slot // page_size
+    pos = slot % page_size
+    head64 = head.to(tl.int64)
+    k_row = k_codes_ptr + page * stride_kc_page + head64 * stride_kc_head + pos * stride_kc_slot
+    v_row = v_codes_ptr + page * stride_vc_page + head64 * stride_vc_head + pos * stride_vc_slot
+    m_row = meta_ptr + page * stride_m_page + head64 * stride_m_head + pos * stride_m_slot
+    _encode_side(key_ptr, stride_kn, stride_kh, stride_kd, tok, head, ok, k_row, m_row,
+                 rot_ptr, codebooks_ptr, K_KIND, K_BITS, K_NC, K_META, K_W0, K_W1, K_OFF1,
+                 K_G, K_C, K_C_PAD, D, INV_SQRT_D, BLOCK_R)
+    _encode_side(value_ptr, stride_vn, stride_vh, stride_vd, tok, head, ok, v_row, m_row,
+                 rot_ptr, codebooks_ptr + CODEBOOK_STRIDE, V_KIND, V_BITS, V_NC, V_META, V_W0,
+                 V_W1, V_OFF1, V_G, V_C, V_C_PAD, D, INV_SQRT_D, BLOCK_R)
+
+
+def codec_constexprs(prefix: str, codec: Codec, meta_col: int, head_dim: int) -> dict:
+    """The compile-time parameters describing one side's codec, named ``<prefix>_*``."""
+    planes = PlaneParams.of(codec, head_dim)
+    return {
+        f"{prefix}_KIND": int(codec.kind),
+        f"{prefix}_BITS": codec.bits,
+        f"{prefix}_NC": codec.norm_correction,
+        f"{prefix}_META": meta_col,
+        f"{prefix}_W0": planes.w0,
+        f"{prefix}_W1": planes.w1,
+        f"{prefix}_OFF1": planes.off1,
+        f"{prefix}_G": planes.groups,
+        f"{prefix}_C": planes.chunk,
+        f"{prefix}_C_PAD": planes.chunk_pad,
+    }
+
+
+def first_meta_column(fmt: KVFormat, side: str) -> int:
+    """Meta column of a side's first field (0 when the side has none; then it is unused)."""
+    codec = fmt.key if side == "k" else fmt.value
+    if not codec.meta_fields:
+        return 0
+    return fmt.meta_index(f"{side}_{codec.meta_fields[0]}")
+
+
+def store(
+    fmt: KVFormat,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    slot_mapping: torch.Tensor,
+    rotation: torch.Tensor,
+    codebooks: torch.Tensor,
+    block_rows: int = 32,
+) -> None:
+    """Launch the store kernel (inputs already validated; see ``torch.ops.tq.store``)."""
+    n_tokens, num_kv_heads, head_dim = key.shape
+    num_rows = n_tokens * num_kv_heads
+    if num_rows == 0:
+        return
+    num_pages, _, page_size, _ = cache.k_codes.shape
+    grid = (triton.cdiv(num_rows, block_rows),)
+    _store_kernel[grid](
+        key, value, *key.stride(), *value.stride(),
+        cache.k_codes, cache.v_codes, cache.meta,
+        *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:3], *cache.meta.stride()[:3],
+        slot_mapping, rotation, codebooks,
+        num_rows, num_kv_heads, page_size, num_pages * page_size,
+        D=head_dim,
+        INV_SQRT_D=1.0 / math.sqrt(head_dim),
+        BLOCK_R=block_rows,
+        **codec_constexprs("K", fmt.key, first_meta_column(fmt, "k"), head_dim),
+        **codec_constexprs("V", fmt.value, first_meta_column(fmt, "v"), head_dim),
+        CODEBOOK_STRIDE=codebooks.stride(0),
+        num_warps=4,
+    )

@@ -1,0 +1,41 @@
+"""Test-only fix for float conversions in Triton's CPU interpreter (triton issue #8322).
+
+The interpreter converts between float formats bit by bit and gets float8 wrong (no saturation,
+lost carries, wrong ties) and truncates float32 -> bfloat16. The GPU rounds to nearest even and
+saturates float8 (``cvt.rn.satfinite``), which is what torch's own conversions do, so the fix
+routes every interpreter float conversion through torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton.language as tl
+from triton.runtime import interpreter
+
+_TORCH_DTYPES = {
+    tl.float64: torch.float64,
+    tl.float32: torch.float32,
+    tl.float16: torch.float16,
+    tl.bfloat16: torch.bfloat16,
+    tl.float8e4nv: torch.float8_e4m3fn,
+    tl.float8e5: torch.float8_e5m2,
+}
+_STORAGE = {8: torch.uint8, 16: torch.uint16, 32: torch.uint32, 64: torch.uint64}
+_original = interpreter._convert_float
+
+
+def _convert_float(data, input_dtype, output_dtype, rounding_mode):
+    src_dtype = _TORCH_DTYPES.get(input_dtype)
+    dst_dtype = _TORCH_DTYPES.get(output_dtype)
+    if src_dtype is None or dst_dtype is None or rounding_mode == interpreter._ir.ROUNDING_MODE.RTZ:
+        return _original(data, input_dtype, output_dtype, rounding_mode)
+    array = np.ascontiguousarray(data)
+    bits = torch.from_numpy(array.view(f"uint{input_dtype.primitive_bitwidth}"))
+    converted = bits.view(src_dtype).to(dst_dtype)
+    return converted.view(_STORAGE[output_dtype.primitive_bitwidth]).numpy()
+
+
+def install() -> None:
+    """Patch the interpreter (idempotent)."""
+    interpreter._convert_float = _convert_float
