@@ -1,0 +1,21 @@
+"""Kernel layer of tq-compile: formats, reference codec, Triton kernels and ``torch.ops.tq``.
+
+Importing this package registers the ``torch.ops.tq`` operators.
+"""
+
+from custom_ops import ops
+from custom_ops.api import KVConstants, dequantize, make_constants, store
+from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, KVFormat, PagedKVCache, get_format
+
+__all__ = [
+    "FORMATS",
+    "SUPPORTED_HEAD_DIMS",
+    "KVConstants",
+    "KVFormat",
+    "PagedKVCache",
+    "dequantize",
+    "get_format",
+    "make_constants",
+    "ops",
+    "store",
+]

@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lloyd_max_magnitudes(bits: int, head_dim: int) -> tuple[float, ...]:
     """Lloyd-Max magnitudes for one coordinate of a random unit vector in R^head_dim.
 
@@ -77,7 +77,7 @@ def lloyd_max_magnitudes(bits: int, head_dim: int) -> tuple[float, ...]:
     return tuple(float(v) for v in levels)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _signed_levels_list(bits: int, head_dim: int) -> tuple[float, ...]:
     mags = torch.tensor(lloyd_max_magnitudes(bits, head_dim), dtype=torch.float64)
     mags = mags.to(torch.float16).to(torch.float32)
@@ -111,7 +111,7 @@ def _paley(order: int) -> np.ndarray:
     return np.eye(order, dtype=np.int64) + skew
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hadamard_np(order: int) -> np.ndarray:
     if order == 1:
         return np.ones((1, 1), dtype=np.int64)

@@ -210,9 +210,7 @@ class PagedKVCache(NamedTuple):
 
 def check_head_dim(head_dim: int) -> None:
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"unsupported head dim {head_dim}: expected one of {SUPPORTED_HEAD_DIMS}"
-        )
+        raise ValueError(f"unsupported head dim {head_dim}: expected one of {SUPPORTED_HEAD_DIMS}")
 
 
 _F16 = torch.float16
@@ -227,9 +225,7 @@ FORMATS: dict[str, KVFormat] = {
         KVFormat("k3v4_nc", Codec(_LM, 3, True), Codec(Kind.UNIFORM, 4), _F16),
         KVFormat("3bit_nc", Codec(_LM, 3, True), Codec(Kind.UNIFORM, 3), _F16),
         # Per-token-head absmax formats (vLLM's per_token_head INT8 / FP8), float32 scales.
-        KVFormat(
-            "int8", Codec(Kind.INT8_ABSMAX, 8), Codec(Kind.INT8_ABSMAX, 8), torch.float32
-        ),
+        KVFormat("int8", Codec(Kind.INT8_ABSMAX, 8), Codec(Kind.INT8_ABSMAX, 8), torch.float32),
         KVFormat("fp8", Codec(Kind.FP8_ABSMAX, 8), Codec(Kind.FP8_ABSMAX, 8), torch.float32),
         # turboquant-vllm's TQ4: Lloyd-Max keys and rotated Lloyd-Max values, 4 bits each.
         KVFormat("tq4_nc", Codec(_LM, 4, True), Codec(_LM, 4, True), _F16),

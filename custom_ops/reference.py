@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from custom_ops.formats import Codec, KVFormat, Kind, PagedKVCache
+from custom_ops.formats import Codec, Kind, KVFormat, PagedKVCache
 
 __all__ = [
     "encode_rows",
@@ -202,9 +202,7 @@ def store(
     n_tokens, num_kv_heads, head_dim = key.shape
     page_size = cache.k_codes.shape[2]
     k_packed, k_meta = encode_rows(fmt.key, key.reshape(-1, head_dim), rotation, codebooks[0])
-    v_packed, v_meta = encode_rows(
-        fmt.value, value.reshape(-1, head_dim), rotation, codebooks[1]
-    )
+    v_packed, v_meta = encode_rows(fmt.value, value.reshape(-1, head_dim), rotation, codebooks[1])
     meta = torch.stack(k_meta + v_meta, dim=1).to(fmt.meta_dtype)
 
     slots = slot_mapping.to(torch.int64)
@@ -222,9 +220,7 @@ def store(
     cache.meta[pages, heads, offsets] = rows_of(meta)
 
 
-def gather_rows(
-    cache: PagedKVCache, block_table: torch.Tensor, max_seq_len: int
-) -> PagedKVCache:
+def gather_rows(cache: PagedKVCache, block_table: torch.Tensor, max_seq_len: int) -> PagedKVCache:
     """Gather each sequence's rows from the pages: planes become ``[B, Hk, max_seq_len, ...]``.
 
     Positions whose page index is out of the table read page 0 (callers mask them by length).
@@ -263,8 +259,9 @@ def dequantize(
     k_meta, v_meta = _split_meta(fmt, rows.meta.reshape(-1, rows.meta.shape[-1]))
 
     def side(codec, packed, meta, levels):
-        flat = decode_rows(codec, packed.reshape(-1, packed.shape[-1]), meta, rotation, levels,
-                           compute)
+        flat = decode_rows(
+            codec, packed.reshape(-1, packed.shape[-1]), meta, rotation, levels, compute
+        )
         return flat.reshape(batch, num_kv_heads, seq, -1)
 
     k = side(fmt.key, rows.k_codes, k_meta, codebooks[0])

@@ -28,7 +28,8 @@ _original = interpreter._convert_float
 def _convert_float(data, input_dtype, output_dtype, rounding_mode):
     src_dtype = _TORCH_DTYPES.get(input_dtype)
     dst_dtype = _TORCH_DTYPES.get(output_dtype)
-    if src_dtype is None or dst_dtype is None or rounding_mode == interpreter._ir.ROUNDING_MODE.RTZ:
+    truncating = rounding_mode == interpreter._ir.ROUNDING_MODE.RTZ
+    if src_dtype is None or dst_dtype is None or truncating:
         return _original(data, input_dtype, output_dtype, rounding_mode)
     array = np.ascontiguousarray(data)
     bits = torch.from_numpy(array.view(f"uint{input_dtype.primitive_bitwidth}"))

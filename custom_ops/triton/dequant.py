@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.formats import KVFormat, Kind, PagedKVCache
+from custom_ops.formats import Kind, KVFormat, PagedKVCache
 from custom_ops.triton.planes import load_codes, tile_offsets
 from custom_ops.triton.store import codec_constexprs, first_meta_column
 
@@ -150,12 +150,48 @@ def _dequant_kernel(
     out_row = (batch_head.to(tl.int64) * max_seq_len + pos) * D
     in_bounds = pos < max_seq_len
     valid = valid & in_bounds
-    _decode_side(k_row, m_row, valid, in_bounds, k_out_ptr + out_row, rot_ptr, codebooks_ptr,
-                 K_KIND, K_BITS, K_META, K_W0, K_W1, K_OFF1, K_G, K_C, K_C_PAD, D, INV_SQRT_D,
-                 BLOCK_S)
-    _decode_side(v_row, m_row, valid, in_bounds, v_out_ptr + out_row, rot_ptr,
-                 codebooks_ptr + CODEBOOK_STRIDE, V_KIND, V_BITS, V_META, V_W0, V_W1, V_OFF1,
-                 V_G, V_C, V_C_PAD, D, INV_SQRT_D, BLOCK_S)
+    _decode_side(
+        k_row,
+        m_row,
+        valid,
+        in_bounds,
+        k_out_ptr + out_row,
+        rot_ptr,
+        codebooks_ptr,
+        K_KIND,
+        K_BITS,
+        K_META,
+        K_W0,
+        K_W1,
+        K_OFF1,
+        K_G,
+        K_C,
+        K_C_PAD,
+        D,
+        INV_SQRT_D,
+        BLOCK_S,
+    )
+    _decode_side(
+        v_row,
+        m_row,
+        valid,
+        in_bounds,
+        v_out_ptr + out_row,
+        rot_ptr,
+        codebooks_ptr + CODEBOOK_STRIDE,
+        V_KIND,
+        V_BITS,
+        V_META,
+        V_W0,
+        V_W1,
+        V_OFF1,
+        V_G,
+        V_C,
+        V_C_PAD,
+        D,
+        INV_SQRT_D,
+        BLOCK_S,
+    )
 
 
 def dequantize(
@@ -180,10 +216,23 @@ def dequantize(
         return k_out, v_out
     grid = (batch * num_kv_heads, triton.cdiv(max_seq_len, block_s))
     _dequant_kernel[grid](
-        cache.k_codes, cache.v_codes, cache.meta,
-        *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:3], *cache.meta.stride()[:3],
-        block_table, block_table.stride(0), seq_lens, rotation, codebooks, k_out, v_out,
-        num_kv_heads, page_size, block_table.shape[1], max_seq_len,
+        cache.k_codes,
+        cache.v_codes,
+        cache.meta,
+        *cache.k_codes.stride()[:3],
+        *cache.v_codes.stride()[:3],
+        *cache.meta.stride()[:3],
+        block_table,
+        block_table.stride(0),
+        seq_lens,
+        rotation,
+        codebooks,
+        k_out,
+        v_out,
+        num_kv_heads,
+        page_size,
+        block_table.shape[1],
+        max_seq_len,
         D=head_dim,
         INV_SQRT_D=1.0 / math.sqrt(head_dim),
         BLOCK_S=block_s,

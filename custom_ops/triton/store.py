@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.formats import Codec, KVFormat, Kind, PagedKVCache
+from custom_ops.formats import Codec, Kind, KVFormat, PagedKVCache
 from custom_ops.reference import FP8_MAX, INT8_MAX, TINY_NORM
 from custom_ops.triton.planes import PlaneParams, store_codes, tile_offsets
 
@@ -207,12 +207,58 @@ def _store_kernel(
     k_row = k_codes_ptr + page * stride_kc_page + head64 * stride_kc_head + pos * stride_kc_slot
     v_row = v_codes_ptr + page * stride_vc_page + head64 * stride_vc_head + pos * stride_vc_slot
     m_row = meta_ptr + page * stride_m_page + head64 * stride_m_head + pos * stride_m_slot
-    _encode_side(key_ptr, stride_kn, stride_kh, stride_kd, tok, head, ok, k_row, m_row,
-                 rot_ptr, codebooks_ptr, K_KIND, K_BITS, K_NC, K_META, K_W0, K_W1, K_OFF1,
-                 K_G, K_C, K_C_PAD, D, INV_SQRT_D, BLOCK_R)
-    _encode_side(value_ptr, stride_vn, stride_vh, stride_vd, tok, head, ok, v_row, m_row,
-                 rot_ptr, codebooks_ptr + CODEBOOK_STRIDE, V_KIND, V_BITS, V_NC, V_META, V_W0,
-                 V_W1, V_OFF1, V_G, V_C, V_C_PAD, D, INV_SQRT_D, BLOCK_R)
+    _encode_side(
+        key_ptr,
+        stride_kn,
+        stride_kh,
+        stride_kd,
+        tok,
+        head,
+        ok,
+        k_row,
+        m_row,
+        rot_ptr,
+        codebooks_ptr,
+        K_KIND,
+        K_BITS,
+        K_NC,
+        K_META,
+        K_W0,
+        K_W1,
+        K_OFF1,
+        K_G,
+        K_C,
+        K_C_PAD,
+        D,
+        INV_SQRT_D,
+        BLOCK_R,
+    )
+    _encode_side(
+        value_ptr,
+        stride_vn,
+        stride_vh,
+        stride_vd,
+        tok,
+        head,
+        ok,
+        v_row,
+        m_row,
+        rot_ptr,
+        codebooks_ptr + CODEBOOK_STRIDE,
+        V_KIND,
+        V_BITS,
+        V_NC,
+        V_META,
+        V_W0,
+        V_W1,
+        V_OFF1,
+        V_G,
+        V_C,
+        V_C_PAD,
+        D,
+        INV_SQRT_D,
+        BLOCK_R,
+    )
 
 
 def codec_constexprs(prefix: str, codec: Codec, meta_col: int, head_dim: int) -> dict:
@@ -258,11 +304,23 @@ def store(
     num_pages, _, page_size, _ = cache.k_codes.shape
     grid = (triton.cdiv(num_rows, block_rows),)
     _store_kernel[grid](
-        key, value, *key.stride(), *value.stride(),
-        cache.k_codes, cache.v_codes, cache.meta,
-        *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:3], *cache.meta.stride()[:3],
-        slot_mapping, rotation, codebooks,
-        num_rows, num_kv_heads, page_size, num_pages * page_size,
+        key,
+        value,
+        *key.stride(),
+        *value.stride(),
+        cache.k_codes,
+        cache.v_codes,
+        cache.meta,
+        *cache.k_codes.stride()[:3],
+        *cache.v_codes.stride()[:3],
+        *cache.meta.stride()[:3],
+        slot_mapping,
+        rotation,
+        codebooks,
+        num_rows,
+        num_kv_heads,
+        page_size,
+        num_pages * page_size,
         D=head_dim,
         INV_SQRT_D=1.0 / math.sqrt(head_dim),
         BLOCK_R=block_rows,

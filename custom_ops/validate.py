@@ -1,0 +1,211 @@
+"""Input checks shared by the ops: run before any kernel, so bad input never touches a cache.
+
+Metadata (dtype, shape, device, layout) is always checked, also on fake tensors while tracing.
+Checks of tensor *values* (slots and lengths against capacity, page ids) read device data: they
+run on CPU tensors, and on CUDA tensors only when ``TQ_CHECK_VALUES=1`` and no CUDA graph is
+being captured, because a host sync per decode step is what this library exists to avoid. With
+the check off, the CUDA kernels still never write out of bounds: they skip slots beyond capacity
+and clamp lengths to the block table's capacity.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from custom_ops.codebook import MAX_LEVELS
+from custom_ops.formats import SUPPORTED_HEAD_DIMS, KVFormat, PagedKVCache, get_format
+
+MODEL_DTYPES = (torch.bfloat16, torch.float16)
+OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _fail(op: str, message: str, error: type[Exception] = ValueError) -> None:
+    raise error(f"tq.{op}: {message}")
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def checks_values(t: torch.Tensor) -> bool:
+    """Whether the values of ``t`` may be read here (see the module docstring)."""
+    if is_fake(t) or t.device.type == "meta":
+        return False
+    if t.device.type == "cpu":
+        return True
+    if os.environ.get("TQ_CHECK_VALUES") != "1":
+        return False
+    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def check_format(op: str, fmt: str) -> KVFormat:
+    try:
+        return get_format(fmt)
+    except ValueError as err:
+        _fail(op, str(err))
+
+
+def check_same_device(op: str, device: torch.device, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device != device:
+            _fail(
+                op,
+                f"{name} is on {t.device} but the cache is on {device}: expected every "
+                "tensor on the cache's device",
+            )
+
+
+def check_head_dim(op: str, head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        _fail(op, f"unsupported head dim {head_dim}: expected one of {SUPPORTED_HEAD_DIMS}")
+
+
+def check_cache(op: str, fmt: KVFormat, cache: PagedKVCache, head_dim: int) -> None:
+    """The planes must have exactly the format's shapes and dtypes, and be contiguous."""
+    if cache.k_codes.dim() != 4:
+        _fail(
+            op,
+            f"k_codes must be [num_pages, Hk, page_size, bytes], got shape "
+            f"{_shape(cache.k_codes)}",
+        )
+    num_pages, num_kv_heads, page_size = cache.k_codes.shape[:3]
+    expected = fmt.plane_shapes(num_pages, num_kv_heads, page_size, head_dim)
+    for name, plane in zip(cache._fields, cache, strict=True):
+        shape, dtype = expected[name]
+        if plane.dtype != dtype:
+            _fail(
+                op, f"{name} of a {fmt.name} cache must be {dtype}, got {plane.dtype}", TypeError
+            )
+        if _shape(plane) != shape:
+            _fail(
+                op,
+                f"{name} of a {fmt.name} cache with head dim {head_dim} must have shape "
+                f"{shape}, got {_shape(plane)}",
+            )
+        if not plane.is_contiguous():
+            _fail(op, f"{name} must be contiguous")
+    check_same_device(op, cache.k_codes.device, v_codes=cache.v_codes, meta=cache.meta)
+
+
+def check_constants(
+    op: str, rotation: torch.Tensor, codebooks: torch.Tensor, head_dim: int, device: torch.device
+) -> None:
+    if rotation.dtype != torch.float32 or codebooks.dtype != torch.float32:
+        _fail(
+            op,
+            f"rotation and codebooks must be float32, got {rotation.dtype} and {codebooks.dtype}",
+            TypeError,
+        )
+    if _shape(rotation) != (head_dim, head_dim) or not rotation.is_contiguous():
+        _fail(
+            op,
+            f"rotation must be a contiguous [{head_dim}, {head_dim}] matrix, got shape "
+            f"{_shape(rotation)}",
+        )
+    if _shape(codebooks) != (2, MAX_LEVELS) or not codebooks.is_contiguous():
+        _fail(
+            op,
+            f"codebooks must be a contiguous [2, {MAX_LEVELS}] table, got shape "
+            f"{_shape(codebooks)}",
+        )
+    check_same_device(op, device, rotation=rotation, codebooks=codebooks)
+
+
+def check_int32_vector(op: str, name: str, t: torch.Tensor, length: int | None = None) -> None:
+    if t.dtype != torch.int32:
+        _fail(op, f"{name} must be int32, got {t.dtype}", TypeError)
+    if t.dim() != 1 or (length is not None and t.shape[0] != length):
+        want = f"[{length}]" if length is not None else "1-D"
+        _fail(op, f"{name} must have shape {want}, got {_shape(t)}")
+
+
+def check_store(
+    fmt_name: str,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    slot_mapping: torch.Tensor,
+    rotation: torch.Tensor,
+    codebooks: torch.Tensor,
+) -> KVFormat:
+    op = "store"
+    fmt = check_format(op, fmt_name)
+    if key.dim() != 3:
+        _fail(op, f"key must be [N, Hk, D], got shape {_shape(key)}")
+    if key.dtype not in MODEL_DTYPES:
+        _fail(op, f"key must be bfloat16 or float16, got {key.dtype}", TypeError)
+    if value.dtype != key.dtype:
+        _fail(op, f"value must have the key's dtype {key.dtype}, got {value.dtype}", TypeError)
+    if _shape(value) != _shape(key):
+        _fail(op, f"value must have the key's shape {_shape(key)}, got {_shape(value)}")
+    n_tokens, num_kv_heads, head_dim = key.shape
+    check_head_dim(op, head_dim)
+    cache_head_dim = cache.k_codes.shape[-1] * 8 // fmt.key.bits
+    if cache.k_codes.dim() == 4 and cache_head_dim != head_dim:
+        _fail(
+            op,
+            f"key has head dim {head_dim} but the {fmt.name} cache holds head dim "
+            f"{cache_head_dim} (k_codes rows of {cache.k_codes.shape[-1]} bytes)",
+        )
+    check_cache(op, fmt, cache, head_dim)
+    if cache.k_codes.shape[1] != num_kv_heads:
+        _fail(op, f"key has {num_kv_heads} kv-heads but the cache has {cache.k_codes.shape[1]}")
+    device = cache.k_codes.device
+    check_same_device(op, device, key=key, value=value, slot_mapping=slot_mapping)
+    check_int32_vector(op, "slot_mapping", slot_mapping, n_tokens)
+    check_constants(op, rotation, codebooks, head_dim, device)
+    if n_tokens and checks_values(slot_mapping):
+        capacity = cache.k_codes.shape[0] * cache.k_codes.shape[2]
+        largest = int(slot_mapping.max())
+        if largest >= capacity:
+            _fail(
+                op,
+                f"slot {largest} is beyond the cache's capacity of {capacity} slots "
+                "(num_pages * page_size); expected slots in [0, capacity) or < 0 for "
+                "padding",
+            )
+    return fmt
+
+
+def check_block_table(
+    op: str,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int | None = None,
+) -> None:
+    """``block_table [B, P] int32`` and ``seq_lens [B] int32`` against the cache's pages."""
+    if block_table.dtype != torch.int32:
+        _fail(op, f"block_table must be int32, got {block_table.dtype}", TypeError)
+    if block_table.dim() != 2:
+        _fail(op, f"block_table must be [B, max_pages], got shape {_shape(block_table)}")
+    batch, max_pages = block_table.shape
+    check_int32_vector(op, "seq_lens", seq_lens, batch)
+    check_same_device(op, cache.k_codes.device, block_table=block_table, seq_lens=seq_lens)
+    num_pages, _, page_size = cache.k_codes.shape[:3]
+    table_capacity = max_pages * page_size
+    if max_seq_len is not None and not 0 <= max_seq_len <= table_capacity:
+        _fail(
+            op,
+            f"max_seq_len {max_seq_len} must be in [0, {table_capacity}] "
+            "(block_table pages * page_size)",
+        )
+    if batch == 0 or not checks_values(seq_lens):
+        return
+    bound = table_capacity if max_seq_len is None else max_seq_len
+    longest = int(seq_lens.max())
+    if longest > bound or int(seq_lens.min()) < 0:
+        _fail(
+            op,
+            f"seq_lens must be in [0, {bound}], got a length of "
+            f"{longest if longest > bound else int(seq_lens.min())}",
+        )
+    used = torch.arange(max_pages, device=seq_lens.device)[None, :] * page_size < seq_lens[:, None]
+    pages = block_table[used]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        _fail(
+            op, f"block_table holds page ids outside [0, {num_pages}) for positions below seq_lens"
+        )

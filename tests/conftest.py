@@ -1,0 +1,56 @@
+"""Test set-up: Triton's interpreter on machines without CUDA, shared fixtures and helpers.
+
+Kernel tests run on the ``kernel_device`` fixture: CUDA when present, otherwise the CPU through
+``TRITON_INTERPRET=1`` (set here before any kernel is defined) with the interpreter's float
+conversions fixed (see ``interpreter_fix``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+import interpreter_fix  # noqa: E402
+
+from custom_ops import ops  # noqa: E402
+
+if not CUDA:
+    interpreter_fix.install()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    """Where the Triton kernels run in this session: ``cuda`` or ``cpu`` (interpreter)."""
+    return "cuda" if CUDA else "cpu"
+
+
+@contextlib.contextmanager
+def triton_kernels(device: str):
+    """Route ``torch.ops.tq`` to the Triton kernels for tensors on ``device``."""
+    if device == "cpu":
+        with ops.triton_on_cpu():
+            yield
+    else:
+        yield
+
+
+@pytest.fixture
+def seeded() -> torch.Generator:
+    """A fresh, seeded generator per test (inputs are random, never zeros)."""
+    torch.manual_seed(1234)
+    return torch.Generator().manual_seed(1234)

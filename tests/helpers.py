@@ -1,0 +1,72 @@
+"""Helpers shared by the tests: random inputs, poisoned caches, code comparisons."""
+
+from __future__ import annotations
+
+import torch
+
+from custom_ops import reference
+from custom_ops.formats import Codec, Kind, KVFormat, PagedKVCache
+
+
+def random_kv(n_tokens: int, num_kv_heads: int, head_dim: int, dtype=torch.bfloat16, gen=None):
+    """Random keys and values ``[N, Hk, D]`` with per-row scales and a few outliers."""
+    scale = torch.rand(n_tokens, num_kv_heads, 1, generator=gen) * 4 + 0.1
+    key = torch.randn(n_tokens, num_kv_heads, head_dim, generator=gen) * scale
+    key[..., 3] *= 8  # an outlier channel, as real post-RoPE keys have
+    value = torch.randn(n_tokens, num_kv_heads, head_dim, generator=gen) * scale + 0.5
+    return key.to(dtype), value.to(dtype)
+
+
+def poisoned_cache(
+    fmt: KVFormat, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, gen=None
+) -> PagedKVCache:
+    """A cache whose planes hold random bytes (so unwritten bytes are detectable)."""
+    cache = fmt.allocate(num_pages, num_kv_heads, page_size, head_dim)
+    for plane in cache:
+        raw = plane.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+    # Meta records must stay finite floats for the kernels' arithmetic; use random scales.
+    cache.meta.copy_(torch.rand(cache.meta.shape, generator=gen) + 0.5)
+    return cache
+
+
+def clone_cache(cache: PagedKVCache, device="cpu") -> PagedKVCache:
+    return PagedKVCache(*(p.clone().to(device) for p in cache))
+
+
+def _rank(codec: Codec, codes: torch.Tensor) -> torch.Tensor:
+    """Position of each code's level in ascending value order (sign-magnitude -> rank)."""
+    if codec.kind != Kind.LLOYD_MAX:
+        return codes
+    half = 1 << (codec.bits - 1)
+    sign, mag = codes >> (codec.bits - 1), codes & (half - 1)
+    return torch.where(sign == 1, half - 1 - mag, half + mag)
+
+
+def assert_codes_match(codec: Codec, expected: torch.Tensor, actual: torch.Tensor) -> None:
+    """Packed code rows ``[..., bytes]`` equal, except a code may be one level off where the
+    float32 summation order of a norm or rotation lands a value on the other side of a decision
+    boundary (Lloyd-Max and uniform codes only; then for at most 0.1% of the elements)."""
+    expected = expected.reshape(-1, expected.shape[-1]).cpu()
+    actual = actual.reshape(-1, actual.shape[-1]).cpu()
+    if codec.kind in (Kind.FP8, Kind.FP8_ABSMAX, Kind.INT8_ABSMAX):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+        return
+    diff = (
+        _rank(codec, reference.unpack_codes(codec, actual))
+        - _rank(codec, reference.unpack_codes(codec, expected))
+    ).abs()
+    assert int(diff.max()) <= 1, f"a code differs by {int(diff.max())} levels"
+    assert float((diff > 0).float().mean()) <= 1e-3, "too many codes one level off"
+
+
+def filled_cache(
+    fmt: KVFormat, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, consts, gen
+) -> PagedKVCache:
+    """A cache with every slot holding a stored random token (reference store)."""
+    cache = fmt.allocate(num_pages, num_kv_heads, page_size, head_dim)
+    n_tokens = num_pages * page_size
+    key, value = random_kv(n_tokens, num_kv_heads, head_dim, torch.bfloat16, gen)
+    slots = torch.arange(n_tokens, dtype=torch.int32)
+    reference.store(fmt, key, value, cache, slots, *consts)
+    return cache
