@@ -8,8 +8,9 @@ import torch
 
 from custom_ops.codebook import codebook_table, rotation_matrix
 from custom_ops.formats import Kind, KVFormat, PagedKVCache, get_format
+from custom_ops.triton.decode import choose_num_splits
 
-__all__ = ["KVConstants", "make_constants", "store", "dequantize"]
+__all__ = ["KVConstants", "make_constants", "store", "dequantize", "decode", "num_splits_for"]
 
 
 class KVConstants(NamedTuple):
@@ -63,4 +64,44 @@ def dequantize(
     """Dense K and V ``[B, Hk, max_seq_len, D]`` of every sequence (zeros past its length)."""
     return torch.ops.tq.dequantize(
         *cache, block_table, seq_lens, *constants, get_format(fmt).name, max_seq_len, dtype
+    )
+
+
+def num_splits_for(
+    batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device | str
+) -> int:
+    """The fixed split count for a cache of this capacity on ``device`` (1 on the CPU).
+
+    Depends only on capacity and the GPU's SM count, never on current lengths, so it is chosen
+    once per cache and a captured CUDA graph stays valid as sequences grow.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    return choose_num_splits(batch, num_kv_heads, max_seq_len, sm_count)
+
+
+def decode(
+    fmt: str | KVFormat,
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    constants: KVConstants,
+    num_splits: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [B, Hq, D]`` (one token per sequence) over the cache: ``[B, Hq, D]``.
+
+    ``num_splits`` defaults to :func:`num_splits_for` the block table's capacity; ``scale`` to
+    ``1 / sqrt(D)``.
+    """
+    if num_splits is None:
+        capacity = block_table.shape[1] * cache.k_codes.shape[2]
+        num_splits = num_splits_for(q.shape[0], cache.k_codes.shape[1], capacity, q.device)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return torch.ops.tq.decode(
+        q, *cache, block_table, seq_lens, *constants, get_format(fmt).name, num_splits, scale
     )

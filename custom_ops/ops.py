@@ -18,10 +18,11 @@ from triton import knobs
 
 from custom_ops import reference, validate
 from custom_ops.formats import PagedKVCache
+from custom_ops.triton import decode as triton_decode
 from custom_ops.triton import dequant as triton_dequant
 from custom_ops.triton import store as triton_store
 
-__all__ = ["store", "dequantize", "triton_on_cpu"]
+__all__ = ["store", "dequantize", "decode", "triton_on_cpu"]
 
 _state = threading.local()
 
@@ -141,3 +142,60 @@ def _dequantize_fake(
     )
     shape = (block_table.shape[0], k_codes.shape[1], max_seq_len, head_dim)
     return k_codes.new_empty(shape, dtype=dtype), k_codes.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("tq::decode", mutates_args=())
+def decode(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    meta: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rotation: torch.Tensor,
+    codebooks: torch.Tensor,
+    fmt: str,
+    num_splits: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its compressed, paged cache.
+
+    Args:
+        q: ``[B, Hq, D]`` bf16/fp16 queries; ``Hq`` a multiple of the cache's ``Hk`` (GQA).
+        k_codes, v_codes, meta: the cache planes.
+        block_table: ``[B, max_pages] int32`` page ids; seq_lens: ``[B] int32`` lengths (a
+            sequence of length 0 gives zeros).
+        rotation, codebooks, fmt: as for :func:`store`.
+        num_splits: fixed number of KV splits (a power of two), chosen once per cache.
+        scale: softmax scale (``1 / sqrt(D)`` for standard attention).
+
+    Returns:
+        ``[B, Hq, D]`` in q's dtype.
+    """
+    cache = PagedKVCache(k_codes, v_codes, meta)
+    kv_format = validate.check_decode(
+        fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, scale
+    )
+    if _use_triton(q.device):
+        return triton_decode.decode(
+            kv_format, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, scale
+        )
+    return reference.decode(kv_format, q, cache, block_table, seq_lens, rotation, codebooks, scale)
+
+
+@decode.register_fake
+def _decode_fake(
+    q, k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, num_splits, scale
+):
+    validate.check_decode(
+        fmt,
+        q,
+        PagedKVCache(k_codes, v_codes, meta),
+        block_table,
+        seq_lens,
+        rotation,
+        codebooks,
+        num_splits,
+        scale,
+    )
+    return torch.empty_like(q)

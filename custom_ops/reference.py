@@ -25,6 +25,7 @@ __all__ = [
     "gather_rows",
     "dequantize",
     "attention",
+    "decode",
 ]
 
 # Norms below this are treated as zero vectors (codes of +0, stored norm 0).
@@ -296,3 +297,24 @@ def attention(
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhgs,bhsd->bhgd", probs, v)
     return out.reshape(batch, num_q_heads, head_dim)
+
+
+def decode(
+    fmt: KVFormat,
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rotation: torch.Tensor,
+    codebooks: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode attention of ``q [B, Hq, D]`` over a paged cache: dequantize, then attend.
+
+    Computed in ``dtype`` (float32 for the CPU op, float64 for oracles); returns ``[B, Hq, D]``
+    in the query's dtype.
+    """
+    max_seq_len = block_table.shape[1] * cache.k_codes.shape[2]
+    k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, codebooks, max_seq_len, dtype)
+    return attention(q, k, v, seq_lens, scale).to(q.dtype)

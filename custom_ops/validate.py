@@ -209,3 +209,40 @@ def check_block_table(
         _fail(
             op, f"block_table holds page ids outside [0, {num_pages}) for positions below seq_lens"
         )
+
+
+def check_decode(
+    fmt_name: str,
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rotation: torch.Tensor,
+    codebooks: torch.Tensor,
+    num_splits: int,
+    scale: float,
+) -> KVFormat:
+    op = "decode"
+    fmt = check_format(op, fmt_name)
+    if q.dim() != 3:
+        _fail(op, f"q must be [B, Hq, D] (one query token per sequence), got shape {_shape(q)}")
+    if q.dtype not in MODEL_DTYPES:
+        _fail(op, f"q must be bfloat16 or float16, got {q.dtype}", TypeError)
+    batch, num_q_heads, head_dim = q.shape
+    check_head_dim(op, head_dim)
+    check_cache(op, fmt, cache, head_dim)
+    num_kv_heads = cache.k_codes.shape[1]
+    if num_q_heads % num_kv_heads:
+        _fail(
+            op, f"q has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} kv-heads"
+        )
+    check_same_device(op, cache.k_codes.device, q=q)
+    check_constants(op, rotation, codebooks, head_dim, cache.k_codes.device)
+    check_block_table(op, cache, block_table, seq_lens)
+    if block_table.shape[0] != batch:
+        _fail(op, f"block_table has {block_table.shape[0]} rows for a batch of {batch} queries")
+    if not (1 <= num_splits <= 512 and num_splits & (num_splits - 1) == 0):
+        _fail(op, f"num_splits must be a power of two in [1, 512], got {num_splits}")
+    if not (scale > 0 and scale != float("inf")):
+        _fail(op, f"scale must be a positive finite float, got {scale}")
+    return fmt

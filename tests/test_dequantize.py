@@ -21,8 +21,9 @@ def test_kernel_matches_reference(fmt_name, head_dim, kernel_device, seeded):
     num_pages, num_kv_heads, page_size, max_seq_len = 10, 2, 4, 14
     consts = api.make_constants(fmt, head_dim, seed=5)
     cache = filled_cache(fmt, num_pages, num_kv_heads, page_size, head_dim, consts, seeded)
-    block_table = torch.randperm(num_pages, generator=seeded).to(torch.int32).reshape(2, 5)
-    block_table = block_table.repeat(2, 1)[:, :4]  # [4, 4], rows share pages
+    block_table = torch.randperm(num_pages, generator=seeded).to(torch.int32).reshape(5, 2)
+    block_table = block_table.repeat(1, 2)[:4].T  # [4, 4]: rows share pages, transposed strides
+    assert block_table.stride(1) != 1
     seq_lens = torch.tensor([14, 0, 1, 9], dtype=torch.int32)
     expected = reference.dequantize(
         fmt, cache, block_table, seq_lens, *consts, max_seq_len, torch.float32

@@ -100,7 +100,8 @@ def _dequant_kernel(
     stride_m_head,
     stride_m_slot,
     block_table_ptr,
-    stride_bt,
+    stride_bt_b,
+    stride_bt_p,
     seq_lens_ptr,
     rot_ptr,
     codebooks_ptr,
@@ -141,7 +142,8 @@ def _dequant_kernel(
     pos = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * page_size)
     valid = pos < seq_len
-    page = tl.load(block_table_ptr + b * stride_bt + pos // page_size, mask=valid, other=0)
+    page_ptr = block_table_ptr + b * stride_bt_b + (pos // page_size) * stride_bt_p
+    page = tl.load(page_ptr, mask=valid, other=0)
     page = page.to(tl.int64)
     slot = (pos % page_size).to(tl.int64)
     k_row = k_codes_ptr + page * stride_kc_page + head * stride_kc_head + slot * stride_kc_slot
@@ -223,7 +225,7 @@ def dequantize(
         *cache.v_codes.stride()[:3],
         *cache.meta.stride()[:3],
         block_table,
-        block_table.stride(0),
+        *block_table.stride(),
         seq_lens,
         rotation,
         codebooks,

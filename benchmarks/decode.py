@@ -1,0 +1,233 @@
+"""Decode attention speed: ``torch.ops.tq.decode`` vs bf16 SDPA, as ratios measured in one run.
+
+Shapes (Hq=32, Hk=8, D=128, page 16): B x S in {1 x 131072, 4 x 32768, 16 x 8192, 64 x 2048}
+(131072 cached tokens each) plus B=1 at S in {1024, 4096}. For each shape and format: median
+microseconds, effective bandwidth on the compressed bytes, its ratio to the device's copy
+bandwidth measured in the same run, and the speed-up over
+``F.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` on bf16 K/V of the same shape.
+
+Timing: each op is captured in a CUDA graph that calls it on R different copies of its inputs
+(R chosen so the copies total >= 256 MiB, several times the L2), and one replay's time is divided
+by R, so every call reads its cache from memory as a model's layers would, with no launch gaps.
+
+    python benchmarks/decode.py                      # all shapes and formats
+    python benchmarks/decode.py --formats 4bit_nc --sweep    # tuning sweep of the split kernel
+    python benchmarks/decode.py --plot results/decode.json   # PNG from a saved run
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth, gpu_name, print_table, require_cuda, write_json  # noqa: E402
+
+from custom_ops import api  # noqa: E402
+from custom_ops.formats import FORMATS, get_format  # noqa: E402
+from custom_ops.triton import decode as triton_decode  # noqa: E402
+
+SHAPES = [(1, 131072), (4, 32768), (16, 8192), (64, 2048), (1, 1024), (1, 4096)]
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
+COLD_BYTES = 256 << 20
+
+
+def time_graph(calls, reps: int = 20) -> float:
+    """Median microseconds of one call, from replays of a graph that makes all ``calls``."""
+    for call in calls:  # compile and warm up outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def replicas(nbytes: int) -> int:
+    return max(1, min(64, -(-COLD_BYTES // nbytes)))
+
+
+def sdpa_time(batch: int, seq: int) -> float:
+    kv_bytes = 2 * batch * NUM_KV_HEADS * seq * HEAD_DIM * 2
+    calls = []
+    for _ in range(replicas(kv_bytes)):
+        q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, NUM_KV_HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        calls.append(
+            lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        )
+    return time_graph(calls)
+
+
+def filled_cache(fmt, batch: int, seq: int):
+    """A cache holding ``batch`` sequences of ``seq`` random tokens, pages shuffled."""
+    num_pages = batch * seq // PAGE_SIZE
+    consts = api.make_constants(fmt, HEAD_DIM, device="cuda")
+    cache = fmt.allocate(num_pages, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM, "cuda")
+    chunk = 16384
+    for start in range(0, num_pages * PAGE_SIZE, chunk):
+        n = min(chunk, num_pages * PAGE_SIZE - start)
+        key = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        value = torch.randn_like(key)
+        slots = torch.arange(start, start + n, device="cuda", dtype=torch.int32)
+        api.store(fmt, cache, key, value, slots, consts)
+    table = torch.randperm(num_pages, device="cuda").to(torch.int32).reshape(batch, -1)
+    lens = torch.full((batch,), seq, device="cuda", dtype=torch.int32)
+    return cache, consts, table, lens
+
+
+def tq_time(fmt, batch: int, seq: int, **kernel_args) -> tuple[float, int]:
+    cache_bytes = batch * seq * NUM_KV_HEADS * fmt.bytes_per_token_head(HEAD_DIM)
+    num_splits = kernel_args.pop("num_splits", None) or api.num_splits_for(
+        batch, NUM_KV_HEADS, seq, "cuda"
+    )
+    calls = []
+    for _ in range(replicas(cache_bytes)):
+        cache, consts, table, lens = filled_cache(fmt, batch, seq)
+        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        calls.append(
+            lambda q=q, c=cache, k=consts, t=table, s=lens: triton_decode.decode(
+                fmt, q, c, t, s, *k, num_splits=num_splits, scale=HEAD_DIM**-0.5, **kernel_args
+            )
+        )
+    return time_graph(calls), num_splits
+
+
+def run(formats, shapes, sweep: bool) -> dict:
+    copy_bw = copy_bandwidth()
+    print(f"{gpu_name()}: copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
+    rows = []
+    for batch, seq in shapes:
+        base_us = sdpa_time(batch, seq)
+        bf16_bytes = 2 * batch * NUM_KV_HEADS * seq * HEAD_DIM * 2
+        rows.append(
+            dict(
+                shape=f"{batch}x{seq}",
+                format="bf16 sdpa",
+                us=base_us,
+                tb_s=bf16_bytes / base_us / 1e6,
+                copy_pct=100 * bf16_bytes / base_us / 1e-6 / copy_bw,
+                speedup=1.0,
+                splits=0,
+                config="",
+            )
+        )
+        for name in formats:
+            fmt = get_format(name)
+            nbytes = batch * seq * NUM_KV_HEADS * fmt.bytes_per_token_head(HEAD_DIM)
+            configs = [{}]
+            if sweep:
+                configs = [
+                    dict(block_n=bn, num_warps=w, num_stages=st, num_splits=sp)
+                    for bn, w, st, sp in itertools.product(
+                        (32, 64, 128),
+                        (2, 4),
+                        (2, 3, 4),
+                        (None, 2 * api.num_splits_for(batch, NUM_KV_HEADS, seq, "cuda")),
+                    )
+                ]
+            for config in configs:
+                try:
+                    us, splits = tq_time(fmt, batch, seq, **dict(config))
+                except Exception as err:  # a sweep point that does not compile or fit
+                    print(f"  {name} {config}: {type(err).__name__}: {str(err)[:120]}")
+                    continue
+                rows.append(
+                    dict(
+                        shape=f"{batch}x{seq}",
+                        format=name,
+                        us=us,
+                        tb_s=nbytes / us / 1e6,
+                        copy_pct=100 * nbytes / us / 1e-6 / copy_bw,
+                        speedup=base_us / us,
+                        splits=splits,
+                        config=",".join(f"{k}={v}" for k, v in config.items()),
+                    )
+                )
+        torch.cuda.empty_cache()
+    print_table(
+        rows,
+        dict(
+            shape="",
+            format="",
+            us=".1f",
+            tb_s=".2f",
+            copy_pct=".1f",
+            speedup=".2f",
+            splits="d",
+            config="",
+        ),
+    )
+    return dict(gpu=gpu_name(), copy_bandwidth=copy_bw, rows=rows)
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["rows"] if r["format"] != "bf16 sdpa" and not r["config"]]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    formats = list(dict.fromkeys(r["format"] for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(formats)
+    for i, name in enumerate(formats):
+        speed = {r["shape"]: r["speedup"] for r in rows if r["format"] == name}
+        xs = [j + i * width for j in range(len(shapes))]
+        ax.bar(xs, [speed.get(s, 0) for s in shapes], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
+    ax.set_xlabel("batch x cached tokens (Hq=32, Hk=8, D=128)")
+    ax.set_ylabel("speed-up vs bf16 SDPA")
+    ax.set_title(f"tq.decode on {payload['gpu']}")
+    ax.legend(ncol=4, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", nargs="*", default=list(FORMATS))
+    parser.add_argument("--shapes", nargs="*", help="BxS, e.g. 1x131072")
+    parser.add_argument("--sweep", action="store_true", help="tune block/warps/stages/splits")
+    parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
+    parser.add_argument("--out", default="decode.json")
+    args = parser.parse_args()
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
+    require_cuda("benchmarks/decode.py")
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
+    payload = run(args.formats, shapes, args.sweep)
+    path = write_json(args.out, payload)
+    print(f"wrote {path}")
+    try:
+        plot(payload, path.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib not installed: no PNG (python benchmarks/decode.py --plot JSON later)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Compile the decode kernels for Hopper (sm_90) on a machine without a GPU and count SASS.
+
+Decode is bound by the instructions that turn codes into numbers, not by bytes, so the number
+that predicts its speed is *warp-instructions per token-head* in the streaming loop. This tool
+compiles a kernel with Triton's bundled ptxas (no GPU needed), disassembles the cubin with the
+bundled nvdisasm, finds the innermost loop and reports its instruction mix divided by the
+tokens one iteration handles. Registers and spills come from the cubin's resource usage.
+
+    python benchmarks/sass_report.py --format 4bit_nc --block-n 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+
+class _OfflineCudaDriver:
+    """Just enough of Triton's CUDA driver to compile (``warmup``) without a GPU."""
+
+    def __init__(self, arch: int) -> None:
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def compile_offline(kernel, grid, *args, arch: int = 90, **kwargs):
+    """Compile ``kernel[grid](*args, **kwargs)`` for ``sm_<arch>`` and return the compiled
+    kernel (``.asm['cubin']``, ``.asm['ptx']``) without launching it."""
+    previous = driver._active
+    driver.set_active(_OfflineCudaDriver(arch))
+    try:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    finally:
+        driver._active = previous
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def disassemble(cubin: bytes) -> list[str]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run(
+            [_tool("nvdisasm"), "-c", "-g", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    return sass.splitlines()
+
+
+def resource_usage(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [_tool("cuobjdump"), "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    return " ".join(line.strip() for line in out.splitlines() if "REG" in line)
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+_BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_(\d+)\)|0x([0-9a-f]+))")
+_LABEL = re.compile(r"^\.L_x_(\d+):")
+
+
+def loop_body(lines: list[str]) -> list[str]:
+    """Opcodes of the largest backward-branch loop (the streaming loop), in order."""
+    instrs, labels = [], {}
+    for line in lines:
+        if m := _LABEL.match(line.strip()):
+            labels[m.group(1)] = len(instrs)
+        if m := _INSTR.search(line):
+            instrs.append((m.group(3), line))
+    best = (0, 0)
+    for end, (op, line) in enumerate(instrs):
+        if op.startswith("BRA") and (m := _BRANCH.search(line)) and m.group(1) in labels:
+            start = labels[m.group(1)]
+            if start < end and end - start > best[1] - best[0]:
+                best = (start, end + 1)
+    return [op for op, _ in instrs[best[0] : best[1]]]
+
+
+def report(compiled, tokens_per_iteration: int, title: str) -> dict:
+    lines = disassemble(compiled.asm["cubin"])
+    body = loop_body(lines)
+    mix = collections.Counter(op.split(".")[0] for op in body)
+    per_token = len(body) / tokens_per_iteration
+    print(f"{title}: {resource_usage(compiled.asm['cubin'])}")
+    print(
+        f"  loop: {len(body)} instructions / {tokens_per_iteration} tokens = "
+        f"{per_token:.1f} warp-instructions per token-head (per warp; x num_warps in total)"
+    )
+    top = ", ".join(f"{op} {n}" for op, n in mix.most_common(14))
+    print(f"  mix: {top}")
+    return {"loop_instructions": len(body), "per_token": per_token, "mix": dict(mix)}
+
+
+def main() -> None:
+    from custom_ops import api
+    from custom_ops.formats import get_format
+    from custom_ops.triton import decode
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--format", default="4bit_nc")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--block-n", type=int, default=64)
+    parser.add_argument("--dump", help="write the SASS here")
+    args = parser.parse_args()
+
+    fmt = get_format(args.format)
+    batch, hk, page = 1, 8, 16
+    cache = fmt.allocate(64, hk, page, args.head_dim)
+    consts = api.make_constants(fmt, args.head_dim)
+    q = torch.zeros(batch, hk * args.group, args.head_dim, dtype=torch.bfloat16)
+    table = torch.zeros(batch, 64, dtype=torch.int32)
+    lens = torch.zeros(batch, dtype=torch.int32)
+    compiled = decode.compile_split_kernel(
+        fmt,
+        q,
+        cache,
+        table,
+        lens,
+        *consts,
+        num_splits=16,
+        block_n=args.block_n,
+        compile_fn=compile_offline,
+    )
+    if args.dump:
+        with open(args.dump, "w") as f:
+            f.write("\n".join(disassemble(compiled.asm["cubin"])))
+    report(
+        compiled,
+        args.block_n,
+        f"{args.format} D={args.head_dim} group={args.group} BLOCK_N={args.block_n}",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# What one call on the lent GPU machine runs (see /work/.library/device): install the carried
+# wheels (torchao, expecttest, pytest-xdist are not on the image), then the requested stages:
+#   tests  - the kernel and op tests on CUDA (the CPU-only suites run in CI)
+#   bench  - benchmarks/store.py and benchmarks/decode.py
+#   sweep  - the decode kernel's tuning sweep for 4bit_nc and k8v4
+# Logs and JSON/PNG results go to $OUT.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/tq-out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+for stage in "${@:-tests bench}"; do
+  case "$stage" in
+    tests)
+      python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_store.py tests/test_dequantize.py \
+        tests/test_decode.py tests/test_ops.py 2>&1 | tee "$OUT/pytest.log" | tail -25
+      ;;
+    bench)
+      python3 benchmarks/store.py 2>&1 | tee "$OUT/store.log"
+      python3 benchmarks/decode.py 2>&1 | tee "$OUT/decode.log"
+      ;;
+    sweep)
+      python3 benchmarks/decode.py --formats 4bit_nc k8v4 --shapes 1x131072 16x8192 64x2048 \
+        --sweep --out sweep.json 2>&1 | tee "$OUT/sweep.log" | tail -120
+      ;;
+  esac
+done
+cp benchmarks/results/*.json benchmarks/results/*.png "$OUT"/ 2>/dev/null || true

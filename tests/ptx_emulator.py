@@ -1,0 +1,73 @@
+"""A bit-exact emulator of the few PTX instructions the decode kernel's inline asm uses.
+
+Inline asm does not run under Triton's interpreter, so the CPU tests run the asm strings here
+instead: ``mov``, ``and``, ``shl``, ``shr``, ``prmt`` (default mode), ``lop3`` and
+``sub.rn.f16x2`` on 32-bit registers.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    source = a | (b << 32)
+    out = 0
+    for i in range(4):
+        sel = (selector >> (4 * i)) & 0xF
+        byte = (source >> (8 * (sel & 7))) & 0xFF
+        if sel & 8:  # sign-replicate mode
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    out = 0
+    for bit in range(32):
+        index = ((a >> bit) & 1) << 2 | ((b >> bit) & 1) << 1 | ((c >> bit) & 1)
+        out |= ((lut >> index) & 1) << bit
+    return out
+
+
+def _sub_f16x2(a: int, b: int) -> int:
+    x = np.array([a], dtype=np.uint32).view(np.float16)
+    y = np.array([b], dtype=np.uint32).view(np.float16)
+    return int((x - y).astype(np.float16).view(np.uint32)[0])
+
+
+def run(asm: str, inputs: dict[int, int]) -> dict[int, int]:
+    """Run ``asm`` with ``$i`` operands preset from ``inputs``; returns every ``$i`` register."""
+    regs: dict[str, int] = {f"${k}": v for k, v in inputs.items()}
+
+    def value(token: str) -> int:
+        token = token.strip()
+        return int(token, 0) if token[0].isdigit() else regs[token]
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        vals = [value(s) for s in src]
+        if op == "mov.b32":
+            result = vals[0]
+        elif op == "and.b32":
+            result = vals[0] & vals[1]
+        elif op == "shl.b32":
+            result = vals[0] << vals[1]
+        elif op == "shr.b32":
+            result = vals[0] >> vals[1]
+        elif op == "prmt.b32":
+            result = _prmt(*vals)
+        elif op == "lop3.b32":
+            result = _lop3(*vals)
+        elif op == "sub.rn.f16x2":
+            result = _sub_f16x2(*vals)
+        else:
+            raise NotImplementedError(op)
+        regs[dst] = result & 0xFFFFFFFF
+    return {int(k[1:]): v for k, v in regs.items() if re.fullmatch(r"\$\d+", k)}
