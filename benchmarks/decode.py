@@ -18,7 +18,6 @@ by R, so every call reads its cache from memory as a model's layers would, with 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import sys
@@ -94,21 +93,39 @@ def filled_cache(fmt, batch: int, seq: int):
     return cache, consts, table, lens
 
 
-def tq_time(fmt, batch: int, seq: int, **kernel_args) -> tuple[float, int]:
+def tq_inputs(fmt, batch: int, seq: int) -> list:
+    """R replicas (enough to defeat L2) of (q, cache, constants, block table, lengths)."""
     cache_bytes = batch * seq * NUM_KV_HEADS * fmt.bytes_per_token_head(HEAD_DIM)
-    num_splits = kernel_args.pop("num_splits", None) or api.num_splits_for(
-        batch, NUM_KV_HEADS, seq, "cuda"
-    )
-    calls = []
+    inputs = []
     for _ in range(replicas(cache_bytes)):
         cache, consts, table, lens = filled_cache(fmt, batch, seq)
         q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        calls.append(
-            lambda q=q, c=cache, k=consts, t=table, s=lens: triton_decode.decode(
-                fmt, q, c, t, s, *k, num_splits=num_splits, scale=HEAD_DIM**-0.5, **kernel_args
-            )
+        inputs.append((q, cache, consts, table, lens))
+    return inputs
+
+
+def tq_time(fmt, inputs, num_splits: int, **kernel_args) -> float:
+    calls = [
+        lambda q=q, c=cache, k=consts, t=table, s=lens: triton_decode.decode(
+            fmt, q, c, t, s, *k, num_splits=num_splits, scale=HEAD_DIM**-0.5, **kernel_args
         )
-    return time_graph(calls), num_splits
+        for q, cache, consts, table, lens in inputs
+    ]
+    return time_graph(calls)
+
+
+# Tuning sweep: (BLOCK_N, num_warps, num_stages) of the split kernel.
+SWEEP = [
+    (64, 2, 3),
+    (32, 2, 3),
+    (64, 2, 2),
+    (64, 4, 3),
+    (64, 4, 2),
+    (128, 4, 3),
+    (128, 4, 2),
+    (32, 4, 3),
+    (128, 8, 3),
+]
 
 
 def run(formats, shapes, sweep: bool) -> dict:
@@ -130,25 +147,23 @@ def run(formats, shapes, sweep: bool) -> dict:
                 config="",
             )
         )
+        default_splits = api.num_splits_for(batch, NUM_KV_HEADS, seq, "cuda")
         for name in formats:
             fmt = get_format(name)
             nbytes = batch * seq * NUM_KV_HEADS * fmt.bytes_per_token_head(HEAD_DIM)
-            configs = [{}]
+            inputs = tq_inputs(fmt, batch, seq)
+            configs = [({}, default_splits)]
             if sweep:
                 configs = [
-                    dict(block_n=bn, num_warps=w, num_stages=st, num_splits=sp)
-                    for bn, w, st, sp in itertools.product(
-                        (32, 64, 128),
-                        (2, 4),
-                        (2, 3, 4),
-                        (None, 2 * api.num_splits_for(batch, NUM_KV_HEADS, seq, "cuda")),
-                    )
+                    (dict(block_n=bn, num_warps=w, num_stages=st), default_splits)
+                    for bn, w, st in SWEEP
                 ]
-            for config in configs:
+                configs += [({}, default_splits * 2), ({}, max(1, default_splits // 2))]
+            for config, splits in configs:
                 try:
-                    us, splits = tq_time(fmt, batch, seq, **dict(config))
+                    us = tq_time(fmt, inputs, splits, **config)
                 except Exception as err:  # a sweep point that does not compile or fit
-                    print(f"  {name} {config}: {type(err).__name__}: {str(err)[:120]}")
+                    print(f"  {name} {config}: {type(err).__name__}: {str(err)[:160]}")
                     continue
                 rows.append(
                     dict(
@@ -162,7 +177,8 @@ def run(formats, shapes, sweep: bool) -> dict:
                         config=",".join(f"{k}={v}" for k, v in config.items()),
                     )
                 )
-        torch.cuda.empty_cache()
+            del inputs
+            torch.cuda.empty_cache()
     print_table(
         rows,
         dict(

@@ -128,6 +128,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--block-n", type=int, default=64)
+    parser.add_argument("--warps", type=int, default=2)
+    parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--dump", help="write the SASS here")
     args = parser.parse_args()
 
@@ -144,10 +146,12 @@ def main() -> None:
         cache,
         table,
         lens,
-        *consts,
+        consts.codebooks,
         num_splits=16,
         block_n=args.block_n,
         compile_fn=compile_offline,
+        num_warps=args.warps,
+        num_stages=args.stages,
     )
     if args.dump:
         with open(args.dump, "w") as f:

@@ -27,8 +27,8 @@ for stage in "${@:-tests bench}"; do
       python3 benchmarks/decode.py 2>&1 | tee "$OUT/decode.log"
       ;;
     sweep)
-      python3 benchmarks/decode.py --formats 4bit_nc k8v4 --shapes 1x131072 16x8192 64x2048 \
-        --sweep --out sweep.json 2>&1 | tee "$OUT/sweep.log" | tail -120
+      python3 benchmarks/decode.py --formats 4bit_nc k8v4 3bit_nc int8 --shapes 1x131072 \
+        --sweep --out sweep.json 2>&1 | tee "$OUT/sweep.log" | tail -60
       ;;
   esac
 done

@@ -1,8 +1,8 @@
 """A bit-exact emulator of the few PTX instructions the decode kernel's inline asm uses.
 
 Inline asm does not run under Triton's interpreter, so the CPU tests run the asm strings here
-instead: ``mov``, ``and``, ``shl``, ``shr``, ``prmt`` (default mode), ``lop3`` and
-``sub.rn.f16x2`` on 32-bit registers.
+instead: ``mov``, ``and``, ``xor``, ``shl``, ``shr``, ``mad.lo``, ``prmt`` (default mode),
+``lop3`` and ``sub.rn.f16x2`` on 32-bit registers.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def run(asm: str, inputs: dict[int, int]) -> dict[int, int]:
             result = vals[0]
         elif op == "and.b32":
             result = vals[0] & vals[1]
+        elif op == "xor.b32":
+            result = vals[0] ^ vals[1]
         elif op == "shl.b32":
             result = vals[0] << vals[1]
         elif op == "shr.b32":
@@ -65,6 +67,8 @@ def run(asm: str, inputs: dict[int, int]) -> dict[int, int]:
             result = _prmt(*vals)
         elif op == "lop3.b32":
             result = _lop3(*vals)
+        elif op == "mad.lo.u32":
+            result = vals[0] * vals[1] + vals[2]
         elif op == "sub.rn.f16x2":
             result = _sub_f16x2(*vals)
         else:

@@ -7,39 +7,79 @@ import torch
 from ptx_emulator import run
 
 from custom_ops.codebook import signed_levels
-from custom_ops.triton.decode import UINT4_ASM, lut4_asm
+from custom_ops.triton.decode_asm import INT8_ASM, UINT3_ASM, UINT4_ASM, lut3_asm, lut4_asm
 
 
 def _fp16_pair(word: int) -> list[float]:
     return torch.tensor([word], dtype=torch.int64).to(torch.int32).view(torch.float16).tolist()
 
 
-def _decode(asm: str, word: int) -> tuple[list[float], list[float]]:
-    """Run an asm on the 4 bytes of ``word``: (low-nibble values, high-nibble values)."""
-    regs = run(asm, {4: word})
-    return _fp16_pair(regs[0]) + _fp16_pair(regs[1]), _fp16_pair(regs[2]) + _fp16_pair(regs[3])
+def _outputs(asm: str, inputs: dict[int, int], parts: int) -> list[list[float]]:
+    """Run an asm: the 4 fp16 values (bytes j..j+3) of each of its ``parts`` outputs."""
+    regs = run(asm, inputs)
+    return [_fp16_pair(regs[2 * p]) + _fp16_pair(regs[2 * p + 1]) for p in range(parts)]
+
+
+def _random_words(gen, extra=()):
+    words = torch.randint(0, 2**32, (64,), generator=gen, dtype=torch.int64).tolist()
+    return words + list(extra)
+
+
+def _bytes(word: int) -> list[int]:
+    return [(word >> (8 * i)) & 0xFF for i in range(4)]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_lut4_asm_decodes_every_code(head_dim, seeded):
-    """Each byte's low / high nibble (sign-magnitude) becomes its fp16 Lloyd-Max level, for
-    every nibble value in every byte position."""
+def test_lut4_asm(head_dim, seeded):
+    """Each byte's low / high nibble (sign-magnitude) becomes its fp16 Lloyd-Max level."""
     levels = signed_levels(4, head_dim)
     asm = lut4_asm(levels)
-    words = torch.randint(0, 2**32, (64,), generator=seeded, dtype=torch.int64).tolist()
-    words += [0x76543210, 0xFEDCBA98, 0x01234567, 0x89ABCDEF]
-    for word in words:
-        raw = [(word >> (8 * i)) & 0xFF for i in range(4)]
-        low, high = _decode(asm, word)
-        assert low == [levels[b & 15].item() for b in raw]
-        assert high == [levels[b >> 4].item() for b in raw]
+    for word in _random_words(seeded, [0x76543210, 0xFEDCBA98, 0x01234567, 0x89ABCDEF]):
+        low, high = _outputs(asm, {4: word}, 2)
+        assert low == [levels[b & 15].item() for b in _bytes(word)]
+        assert high == [levels[b >> 4].item() for b in _bytes(word)]
 
 
-def test_uint4_asm_decodes_every_code(seeded):
+def test_uint4_asm(seeded):
     """Each nibble becomes the fp16 of its integer value."""
-    words = torch.randint(0, 2**32, (64,), generator=seeded, dtype=torch.int64).tolist()
-    for word in words + [0xFFFFFFFF, 0x0F0F0F0F]:
-        raw = [(word >> (8 * i)) & 0xFF for i in range(4)]
-        low, high = _decode(UINT4_ASM, word)
-        assert low == [float(b & 15) for b in raw]
-        assert high == [float(b >> 4) for b in raw]
+    for word in _random_words(seeded, [0xFFFFFFFF, 0x0F0F0F0F]):
+        low, high = _outputs(UINT4_ASM, {4: word}, 2)
+        assert low == [float(b & 15) for b in _bytes(word)]
+        assert high == [float(b >> 4) for b in _bytes(word)]
+
+
+def _codes3(plane_word: int, sign_word: int, quarter: int) -> list[int]:
+    """3-bit codes of quarter ``q``: bits 2q of the 2-bit plane bytes, bit 2q of the sign tile."""
+    return [
+        ((b >> (2 * quarter)) & 3) | (((s >> (2 * quarter)) & 1) << 2)
+        for b, s in zip(_bytes(plane_word), _bytes(sign_word), strict=True)
+    ]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_lut3_asm(head_dim, seeded):
+    """Every quarter's 3-bit sign-magnitude code becomes its fp16 Lloyd-Max level."""
+    levels = signed_levels(3, head_dim)
+    asm = lut3_asm(levels)
+    signs = _random_words(seeded, [0xFFFFFFFF, 0])
+    for plane_word, sign_word in zip(_random_words(seeded, [0, 0xFFFFFFFF]), signs, strict=True):
+        outputs = _outputs(asm, {8: plane_word, 9: sign_word}, 4)
+        for quarter, values in enumerate(outputs):
+            codes = _codes3(plane_word, sign_word, quarter)
+            assert values == [levels[c].item() for c in codes]
+
+
+def test_uint3_asm(seeded):
+    """Every quarter's 3-bit uniform code becomes the fp16 of its integer value."""
+    signs = _random_words(seeded, [0xFFFFFFFF, 0])
+    for plane_word, sign_word in zip(_random_words(seeded, [0, 0xFFFFFFFF]), signs, strict=True):
+        outputs = _outputs(UINT3_ASM, {8: plane_word, 9: sign_word}, 4)
+        for quarter, values in enumerate(outputs):
+            assert values == [float(c) for c in _codes3(plane_word, sign_word, quarter)]
+
+
+def test_int8_asm(seeded):
+    """Each byte becomes the fp16 of its int8 value."""
+    for word in _random_words(seeded, [0x7F80FF00, 0x01FE817F]):
+        (values,) = _outputs(INT8_ASM, {2: word}, 1)
+        assert values == [float(b - 256 if b > 127 else b) for b in _bytes(word)]

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.formats import Kind, KVFormat, PagedKVCache
-from custom_ops.triton.planes import load_codes, tile_offsets
+from custom_ops.triton.planes import load_codes, rotation_slice, tile_offsets
 from custom_ops.triton.store import codec_constexprs, first_meta_column
 
 _LLOYD_MAX = tl.constexpr(int(Kind.LLOYD_MAX))
@@ -43,6 +43,7 @@ def _decode_side(
     G: tl.constexpr,
     C: tl.constexpr,
     C_PAD: tl.constexpr,
+    RC: tl.constexpr,
     D: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -50,27 +51,29 @@ def _decode_side(
     """Decode ``BLOCK_S`` rows of one side into ``out_ptr [BLOCK_S]`` (row starts): zeros where
     not ``valid``, nothing where not ``in_bounds``."""
     e, e_mask = tile_offsets(G, C, C_PAD)
-    if KIND == _LLOYD_MAX or KIND == _UNIFORM:
+    out_mask = in_bounds[:, None, None] & e_mask
+    out_ty = out_ptr.dtype.element_ty
+    if KIND == _LLOYD_MAX:
+        # x = levels[codes] @ R.T * (norm / sqrt(D)), one slice of RC columns per group at a time.
         codes = load_codes(code_row, valid, W0, W1, OFF1, BLOCK_S, G, C, C_PAD)
-        if KIND == _UNIFORM:
-            scale = tl.load(meta_row + META_COL, mask=valid, other=0.0).to(tl.float32)
-            zero = tl.load(meta_row + META_COL + 1, mask=valid, other=0.0).to(tl.float32)
-            x = codes.to(tl.float32) * scale[:, None, None] + zero[:, None, None]
-        else:
-            norm = tl.load(meta_row + META_COL, mask=valid, other=0.0).to(tl.float32)
-            rotated = tl.load(levels_ptr + codes)
-            i = tl.arange(0, G * C_PAD)
-            i_elem = (i // C_PAD) * C + i % C_PAD
-            i_ok = (i % C_PAD) < C
-            # rot_t[i, j] = R[elem(j), elem(i)]: x = rotated @ R.T in the tile's padded order.
-            rot_t = tl.load(
-                rot_ptr + i_elem[None, :] * D + i_elem[:, None],
-                mask=i_ok[:, None] & i_ok[None, :],
-                other=0.0,
-            )
-            rotated = tl.where(e_mask, rotated, 0.0)
-            x = tl.dot(tl.reshape(rotated, (BLOCK_S, G * C_PAD)), rot_t, input_precision="tf32")
-            x = tl.reshape(x, (BLOCK_S, G, C_PAD)) * (norm * INV_SQRT_D)[:, None, None]
+        norm = tl.load(meta_row + META_COL, mask=valid, other=0.0).to(tl.float32)
+        row_scale = tl.where(valid, norm * INV_SQRT_D, 0.0)[:, None, None]
+        rotated = tl.where(e_mask, tl.load(levels_ptr + codes), 0.0)
+        rotated = tl.reshape(rotated, (BLOCK_S, G * C_PAD))
+        for col0 in tl.static_range(0, C_PAD, RC):
+            rot_t = rotation_slice(rot_ptr, D, G, C, C_PAD, col0, RC, True)
+            x = tl.dot(rotated, rot_t, input_precision="tf32")
+            x = tl.reshape(x, (BLOCK_S, G, RC)) * row_scale
+            g = tl.arange(0, G)[None, :, None]
+            c = col0 + tl.arange(0, RC)[None, None, :]
+            mask = in_bounds[:, None, None] & (c < C)
+            tl.store(out_ptr[:, None, None] + g * C + c, x.to(out_ty), mask=mask)
+        return
+    if KIND == _UNIFORM:
+        codes = load_codes(code_row, valid, W0, W1, OFF1, BLOCK_S, G, C, C_PAD)
+        scale = tl.load(meta_row + META_COL, mask=valid, other=0.0).to(tl.float32)
+        zero = tl.load(meta_row + META_COL + 1, mask=valid, other=0.0).to(tl.float32)
+        x = codes.to(tl.float32) * scale[:, None, None] + zero[:, None, None]
     else:
         byte = tl.load(code_row[:, None, None] + e, mask=valid[:, None, None] & e_mask, other=0)
         if KIND == _INT8_ABSMAX:
@@ -81,8 +84,7 @@ def _decode_side(
             scale = tl.load(meta_row + META_COL, mask=valid, other=0.0).to(tl.float32)
             x = x * scale[:, None, None]
     x = tl.where(valid[:, None, None], x, 0.0)
-    out_mask = in_bounds[:, None, None] & e_mask
-    tl.store(out_ptr[:, None, None] + e, x.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(out_ptr[:, None, None] + e, x.to(out_ty), mask=out_mask)
 
 
 @triton.jit
@@ -124,6 +126,7 @@ def _dequant_kernel(
     K_G: tl.constexpr,
     K_C: tl.constexpr,
     K_C_PAD: tl.constexpr,
+    K_RC: tl.constexpr,
     V_KIND: tl.constexpr,
     V_BITS: tl.constexpr,
     V_NC: tl.constexpr,
@@ -134,6 +137,7 @@ def _dequant_kernel(
     V_G: tl.constexpr,
     V_C: tl.constexpr,
     V_C_PAD: tl.constexpr,
+    V_RC: tl.constexpr,
     CODEBOOK_STRIDE: tl.constexpr,
 ):
     batch_head = tl.program_id(0)
@@ -169,6 +173,7 @@ def _dequant_kernel(
         K_G,
         K_C,
         K_C_PAD,
+        K_RC,
         D,
         INV_SQRT_D,
         BLOCK_S,
@@ -190,6 +195,7 @@ def _dequant_kernel(
         V_G,
         V_C,
         V_C_PAD,
+        V_RC,
         D,
         INV_SQRT_D,
         BLOCK_S,

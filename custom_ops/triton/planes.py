@@ -30,6 +30,9 @@ class PlaneParams:
         groups: G, the tile's number of strided groups.
         chunk: C = D / G.
         chunk_pad: C rounded up to a power of two.
+        rot_cols: columns per group in one slice of the rotation (``rotation_slice``): the
+            whole ``C_PAD`` up to D=128; at D=256 a float32 rotation would not fit in shared
+            memory, so kernels rotate in slices of ``G * rot_cols = 64`` output elements.
     """
 
     w0: int
@@ -38,6 +41,7 @@ class PlaneParams:
     groups: int
     chunk: int
     chunk_pad: int
+    rot_cols: int
 
     @staticmethod
     def of(codec: Codec, head_dim: int) -> PlaneParams:
@@ -46,7 +50,9 @@ class PlaneParams:
         off1 = planes[1].offset if len(planes) > 1 else 0
         groups = 8 // min(p.width for p in planes)
         chunk = head_dim // groups
-        return PlaneParams(planes[0].width, w1, off1, groups, chunk, triton.next_power_of_2(chunk))
+        chunk_pad = triton.next_power_of_2(chunk)
+        rot_cols = chunk_pad if groups * chunk_pad <= 128 else max(1, 64 // groups)
+        return PlaneParams(planes[0].width, w1, off1, groups, chunk, chunk_pad, rot_cols)
 
 
 @triton.jit
@@ -55,6 +61,37 @@ def tile_offsets(G: tl.constexpr, C: tl.constexpr, C_PAD: tl.constexpr):
     g = tl.arange(0, G)[None, :, None]
     c = tl.arange(0, C_PAD)[None, None, :]
     return g * C + c, c < C
+
+
+@triton.jit
+def rotation_slice(
+    rot_ptr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    C_PAD: tl.constexpr,
+    COL0: tl.constexpr,
+    CW: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+):
+    """The +-1 rotation between a whole tile and a slice of it, in tile order, for ``tl.dot``.
+
+    Rows are the ``G * C_PAD`` positions of a tile, columns the ``G * CW`` positions
+    ``(g, COL0 + c)``; entry ``R[elem(row), elem(col)]`` (``R[elem(col), elem(row)]`` with
+    ``TRANSPOSE``), zero at padding.  ``[G * C_PAD, G * CW] float32``.
+    """
+    i = tl.arange(0, G * C_PAD)
+    i_elem = (i // C_PAD) * C + i % C_PAD
+    i_ok = (i % C_PAD) < C
+    j = tl.arange(0, G * CW)
+    j_col = COL0 + j % CW
+    j_elem = (j // CW) * C + j_col
+    j_ok = j_col < C
+    if TRANSPOSE:
+        offsets = j_elem[None, :] * D + i_elem[:, None]
+    else:
+        offsets = i_elem[:, None] * D + j_elem[None, :]
+    return tl.load(rot_ptr + offsets, mask=i_ok[:, None] & j_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -68,16 +105,17 @@ def _store_plane(
     ROWS: tl.constexpr,
     G: tl.constexpr,
     C: tl.constexpr,
-    C_PAD: tl.constexpr,
+    COL0: tl.constexpr,
+    CW: tl.constexpr,
 ):
     GP: tl.constexpr = 8 // WIDTH
     RR: tl.constexpr = G // GP
     bits = (codes >> SHIFT) & ((1 << WIDTH) - 1)
-    bits = tl.reshape(bits, (ROWS, GP, RR, C_PAD))
+    bits = tl.reshape(bits, (ROWS, GP, RR, CW))
     shifts = (tl.arange(0, GP) * WIDTH)[None, :, None, None]
-    packed = tl.sum(bits << shifts, axis=1)  # [ROWS, RR, C_PAD]
+    packed = tl.sum(bits << shifts, axis=1)  # [ROWS, RR, CW]
     k = tl.arange(0, RR)[None, :, None]
-    c = tl.arange(0, C_PAD)[None, None, :]
+    c = COL0 + tl.arange(0, CW)[None, None, :]
     mask = row_mask[:, None, None] & (c < C)
     tl.store(row_ptr[:, None, None] + OFFSET + k * C + c, packed.to(tl.uint8), mask=mask)
 
@@ -93,12 +131,14 @@ def store_codes(
     ROWS: tl.constexpr,
     G: tl.constexpr,
     C: tl.constexpr,
-    C_PAD: tl.constexpr,
+    COL0: tl.constexpr,
+    CW: tl.constexpr,
 ):
-    """Pack ``codes [ROWS, G, C_PAD] int32`` into the planes of rows starting at ``row_ptr``."""
-    _store_plane(codes, row_ptr, row_mask, W0, 0, 0, ROWS, G, C, C_PAD)
+    """Pack the tile slice ``codes [ROWS, G, CW] int32`` (columns ``COL0 + c``) into the planes
+    of the rows starting at ``row_ptr``."""
+    _store_plane(codes, row_ptr, row_mask, W0, 0, 0, ROWS, G, C, COL0, CW)
     if W1 > 0:
-        _store_plane(codes, row_ptr, row_mask, W1, W0, OFF1, ROWS, G, C, C_PAD)
+        _store_plane(codes, row_ptr, row_mask, W1, W0, OFF1, ROWS, G, C, COL0, CW)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from custom_ops.formats import Codec, Kind, KVFormat, PagedKVCache
 from custom_ops.reference import FP8_MAX, INT8_MAX, TINY_NORM
-from custom_ops.triton.planes import PlaneParams, store_codes, tile_offsets
+from custom_ops.triton.planes import PlaneParams, rotation_slice, store_codes, tile_offsets
 
 _LLOYD_MAX = tl.constexpr(int(Kind.LLOYD_MAX))
 _UNIFORM = tl.constexpr(int(Kind.UNIFORM))
@@ -34,6 +34,8 @@ _FP8 = tl.constexpr(int(Kind.FP8))
 _FP8_ABSMAX = tl.constexpr(int(Kind.FP8_ABSMAX))
 _INT8_ABSMAX = tl.constexpr(int(Kind.INT8_ABSMAX))
 _TINY = tl.constexpr(TINY_NORM)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_INT8_MAX = tl.constexpr(INT8_MAX)
 
 
 @triton.jit
@@ -64,6 +66,7 @@ def _encode_side(
     G: tl.constexpr,
     C: tl.constexpr,
     C_PAD: tl.constexpr,
+    RC: tl.constexpr,
     D: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -80,32 +83,29 @@ def _encode_side(
 
     if KIND == _LLOYD_MAX:
         norm = tl.sqrt_rn(_row_sum(x * x))
-        # The +-1 rotation, gathered into the tile's padded order: [G*C_PAD, G*C_PAD].
-        i = tl.arange(0, G * C_PAD)
-        i_elem = (i // C_PAD) * C + i % C_PAD
-        i_ok = (i % C_PAD) < C
-        rot = tl.load(
-            rot_ptr + i_elem[:, None] * D + i_elem[None, :],
-            mask=i_ok[:, None] & i_ok[None, :],
-            other=0.0,
-        )
-        y = tl.dot(tl.reshape(x, (BLOCK_R, G * C_PAD)), rot, input_precision="tf32")
-        y = tl.reshape(y, (BLOCK_R, G, C_PAD))
         inv = tl.math.div_rn(tl.full([BLOCK_R], INV_SQRT_D, tl.float32), tl.maximum(norm, _TINY))
-        y = y * inv[:, None, None]
-        magnitude = tl.abs(y)
-        mag_index = tl.zeros([BLOCK_R, G, C_PAD], dtype=tl.int32)
-        for m in tl.static_range((1 << (BITS - 1)) - 1):
-            midpoint = (tl.load(levels_ptr + m) + tl.load(levels_ptr + m + 1)) * 0.5
-            mag_index += (magnitude > midpoint).to(tl.int32)
-        codes = ((y < 0).to(tl.int32) << (BITS - 1)) | mag_index
+        x_flat = tl.reshape(x, (BLOCK_R, G * C_PAD))
+        recon_sq = tl.zeros([BLOCK_R], tl.float32)
+        # y = x @ R / sqrt(D) / norm, one slice of RC columns per group at a time.
+        for col0 in tl.static_range(0, C_PAD, RC):
+            rot = rotation_slice(rot_ptr, D, G, C, C_PAD, col0, RC, False)
+            y = tl.dot(x_flat, rot, input_precision="tf32")
+            y = tl.reshape(y, (BLOCK_R, G, RC)) * inv[:, None, None]
+            magnitude = tl.abs(y)
+            mag_index = tl.zeros([BLOCK_R, G, RC], dtype=tl.int32)
+            for m in tl.static_range((1 << (BITS - 1)) - 1):
+                midpoint = (tl.load(levels_ptr + m) + tl.load(levels_ptr + m + 1)) * 0.5
+                mag_index += (magnitude > midpoint).to(tl.int32)
+            codes = ((y < 0).to(tl.int32) << (BITS - 1)) | mag_index
+            if NC:
+                recon = tl.load(levels_ptr + codes)
+                col_ok = (col0 + tl.arange(0, RC))[None, None, :] < C
+                recon_sq += _row_sum(tl.where(col_ok, recon * recon, 0.0))
+            store_codes(codes, code_ptr, ok, W0, W1, OFF1, BLOCK_R, G, C, col0, RC)
         stored = norm
         if NC:
-            recon = tl.load(levels_ptr + codes)
-            recon = tl.where(e_mask, recon * recon, 0.0)
-            stored = tl.math.div_rn(norm, tl.sqrt_rn(_row_sum(recon)))
+            stored = tl.math.div_rn(norm, tl.sqrt_rn(recon_sq))
         tl.store(meta_ptr + META_COL, stored.to(meta_ty), mask=ok)
-        store_codes(codes, code_ptr, ok, W0, W1, OFF1, BLOCK_R, G, C, C_PAD)
     elif KIND == _UNIFORM:
         QMAX: tl.constexpr = (1 << BITS) - 1
         lo = tl.min(tl.min(tl.where(e_mask, x, float("inf")), axis=2), axis=1)
@@ -119,12 +119,12 @@ def _encode_side(
         q = tl.minimum(tl.maximum(tl.where(scale > 0, q, 0.0), 0.0), QMAX)
         tl.store(meta_ptr + META_COL, scale16.to(meta_ty), mask=ok)
         tl.store(meta_ptr + META_COL + 1, zero16.to(meta_ty), mask=ok)
-        store_codes(q.to(tl.int32), code_ptr, ok, W0, W1, OFF1, BLOCK_R, G, C, C_PAD)
+        store_codes(q.to(tl.int32), code_ptr, ok, W0, W1, OFF1, BLOCK_R, G, C, 0, C_PAD)
     else:
         if KIND == _FP8:
             scaled = x
         else:
-            QMAX_ABS: tl.constexpr = FP8_MAX if KIND == _FP8_ABSMAX else INT8_MAX
+            QMAX_ABS: tl.constexpr = _FP8_MAX if KIND == _FP8_ABSMAX else _INT8_MAX
             absmax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
             scale = tl.math.div_rn(absmax, tl.full([BLOCK_R], QMAX_ABS, tl.float32))
             tl.store(meta_ptr + META_COL, scale.to(meta_ty), mask=ok)
@@ -182,6 +182,7 @@ def _store_kernel(
     K_G: tl.constexpr,
     K_C: tl.constexpr,
     K_C_PAD: tl.constexpr,
+    K_RC: tl.constexpr,
     V_KIND: tl.constexpr,
     V_BITS: tl.constexpr,
     V_NC: tl.constexpr,
@@ -192,6 +193,7 @@ def _store_kernel(
     V_G: tl.constexpr,
     V_C: tl.constexpr,
     V_C_PAD: tl.constexpr,
+    V_RC: tl.constexpr,
     CODEBOOK_STRIDE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -229,6 +231,7 @@ def _store_kernel(
         K_G,
         K_C,
         K_C_PAD,
+        K_RC,
         D,
         INV_SQRT_D,
         BLOCK_R,
@@ -255,6 +258,7 @@ def _store_kernel(
         V_G,
         V_C,
         V_C_PAD,
+        V_RC,
         D,
         INV_SQRT_D,
         BLOCK_R,
@@ -275,6 +279,7 @@ def codec_constexprs(prefix: str, codec: Codec, meta_col: int, head_dim: int) ->
         f"{prefix}_G": planes.groups,
         f"{prefix}_C": planes.chunk,
         f"{prefix}_C_PAD": planes.chunk_pad,
+        f"{prefix}_RC": planes.rot_cols,
     }
 
 

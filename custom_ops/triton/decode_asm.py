@@ -1,0 +1,206 @@
+"""Inline PTX that turns packed codes into fp16 operands of the decode kernel's ``tl.dot``.
+
+Decode attention is bound by the instructions that decode codes, not by the bytes it reads; a
+``tl.load(table + code)`` gather costs ~6 instructions per element, these cost 1.5 to 2.6. Each
+string is used as ``tl.inline_asm_elementwise(asm, ..., pack=4)`` on ``uint8`` tiles whose
+columns are byte ``j`` of a code row, so one asm instance sees 4 consecutive bytes (``j .. j+3``)
+in a 32-bit register and writes, per output, 4 fp16 values in two registers (``j, j+1`` and
+``j+2, j+3``). Output ``p`` is part ``p`` of the head dim (elements ``p * D/parts + j``),
+following the strided bit planes of :mod:`custom_ops.formats`:
+
+* 4 bits, one plane: byte ``j`` = element ``j`` (low nibble) and ``j + D/2`` (high nibble).
+  Inputs ``$4`` (plane bytes); outputs ``$0 $1`` (low half), ``$2 $3`` (high half).
+* 8 bits (int8): byte ``j`` = element ``j``. Input ``$2``; outputs ``$0 $1``.
+* 3 bits, a 2-bit plane (bits ``2q`` of byte ``j``: element ``j + q D/4``) and a 1-bit plane,
+  which the kernel re-reads as a *sign tile* whose byte ``j`` holds element ``j + q D/4``'s top
+  bit at bit ``2q``. Inputs ``$8`` (2-bit plane bytes), ``$9`` (sign tile bytes); outputs
+  ``$2q $2q+1`` for quarter ``q``.
+
+Lloyd-Max codes are sign-magnitude: ``prmt`` looks the fp16 magnitudes up in registers (byte
+tables indexed by each code's magnitude bits) and ``lop3`` ors the sign into bit 15. Uniform
+codes become exact fp16 integers by or-ing them into the mantissa of 1024.0 (``0x6400``) and
+subtracting 1024. ``tests/test_decode_asm.py`` runs every string on a bit-exact emulator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from custom_ops.codebook import signed_levels
+from custom_ops.formats import Codec, Kind
+
+__all__ = [
+    "decode_asm",
+    "lut4_asm",
+    "lut3_asm",
+    "UINT4_ASM",
+    "UINT3_ASM",
+    "INT8_ASM",
+    "parts_of",
+]
+
+# lop3 truth tables, from F(a=0xF0, b=0xCC, c=0xAA)
+_A_OR_B_AND_C = 0xF8  # a | (b & c)
+_A_AND_B_OR_C = 0xEA  # (a & b) | c
+
+
+def _fp16_bits(values: torch.Tensor) -> list[int]:
+    return [int(v) & 0xFFFF for v in values.to(torch.float16).view(torch.int16)]
+
+
+def lut4_asm(levels: torch.Tensor) -> str:
+    """4-bit sign-magnitude Lloyd-Max codes -> fp16 levels (``levels``: ``[16]`` signed)."""
+    mags = _fp16_bits(levels[:8])
+
+    def word(values):
+        return values[0] | values[1] << 8 | values[2] << 16 | values[3] << 24
+
+    low, high = [m & 0xFF for m in mags], [m >> 8 for m in mags]
+    tables = (word(low[:4]), word(low[4:]), word(high[:4]), word(high[4:]))
+    # x / y: low / high bytes of the levels of nibbles 0-3 (then 4-7) of $4, i.e. of the low
+    # and high nibbles of bytes j, j+1 (then j+2, j+3); the 0x6240 / 0x7351 selectors pair each
+    # level's two bytes into fp16x2 words, then each nibble's bit 3 (sign) goes to bit 15.
+    return f"""{{
+.reg .b32 tl0, tl1, th0, th1, m, x, y, s, t;
+mov.b32 tl0, {tables[0]:#010x};
+mov.b32 tl1, {tables[1]:#010x};
+mov.b32 th0, {tables[2]:#010x};
+mov.b32 th1, {tables[3]:#010x};
+and.b32 m, $4, 0x77777777;
+prmt.b32 x, tl0, tl1, m;
+prmt.b32 y, th0, th1, m;
+prmt.b32 $0, x, y, 0x6240;
+prmt.b32 $2, x, y, 0x7351;
+shr.b32 m, m, 16;
+prmt.b32 x, tl0, tl1, m;
+prmt.b32 y, th0, th1, m;
+prmt.b32 $1, x, y, 0x6240;
+prmt.b32 $3, x, y, 0x7351;
+shl.b32 s, $4, 4;
+prmt.b32 t, s, 0, 0x1404;
+lop3.b32 $0, $0, t, 0x80008000, {_A_OR_B_AND_C:#x};
+prmt.b32 t, $4, 0, 0x1404;
+lop3.b32 $2, $2, t, 0x80008000, {_A_OR_B_AND_C:#x};
+prmt.b32 t, s, 0, 0x3424;
+lop3.b32 $1, $1, t, 0x80008000, {_A_OR_B_AND_C:#x};
+prmt.b32 t, $4, 0, 0x3424;
+lop3.b32 $3, $3, t, 0x80008000, {_A_OR_B_AND_C:#x};
+}}"""
+
+
+UINT4_ASM = f"""{{
+.reg .b32 t, magic;
+mov.b32 magic, 0x64006400;
+prmt.b32 t, $4, 0, 0x4140;
+lop3.b32 $0, t, 0x000F000F, magic, {_A_AND_B_OR_C:#x};
+shr.b32 t, t, 4;
+lop3.b32 $2, t, 0x000F000F, magic, {_A_AND_B_OR_C:#x};
+prmt.b32 t, $4, 0, 0x4342;
+lop3.b32 $1, t, 0x000F000F, magic, {_A_AND_B_OR_C:#x};
+shr.b32 t, t, 4;
+lop3.b32 $3, t, 0x000F000F, magic, {_A_AND_B_OR_C:#x};
+sub.rn.f16x2 $0, $0, magic;
+sub.rn.f16x2 $1, $1, magic;
+sub.rn.f16x2 $2, $2, magic;
+sub.rn.f16x2 $3, $3, magic;
+}}"""
+
+
+def _shift(dst: str, src: str, left: int) -> str:
+    if left > 0:
+        return f"shl.b32 {dst}, {src}, {left};"
+    if left < 0:
+        return f"shr.b32 {dst}, {src}, {-left};"
+    return f"mov.b32 {dst}, {src};"
+
+
+def lut3_asm(levels: torch.Tensor) -> str:
+    """3-bit sign-magnitude Lloyd-Max codes -> fp16 levels (``levels``: ``[8]`` signed).
+
+    The 4 magnitudes fill one 8-byte table, so a magnitude ``m`` selects bytes ``2m, 2m+1``:
+    ``m * 0x22 + 0x10`` is the selector nibble pair, computed for 4 bytes at once by one
+    ``mad``. ``sl`` / ``sh`` move the sign bytes of ``j, j+1`` / ``j+2, j+3`` under bits 15 and
+    31 (up to the quarter's shift).
+    """
+    mags = _fp16_bits(levels[:4])
+    lines = [
+        "{",
+        ".reg .b32 tab0, tab1, m, p, sl, sh, t;",
+        f"mov.b32 tab0, {mags[0] | mags[1] << 16:#010x};",
+        f"mov.b32 tab1, {mags[2] | mags[3] << 16:#010x};",
+        "prmt.b32 sl, $9, 0, 0x1404;",
+        "prmt.b32 sh, $9, 0, 0x3424;",
+    ]
+    for q in range(4):
+        lo, hi = f"${2 * q}", f"${2 * q + 1}"
+        lines += [
+            _shift("m", "$8", -2 * q),
+            "and.b32 m, m, 0x03030303;",
+            "mad.lo.u32 p, m, 0x22, 0x10101010;",
+            f"prmt.b32 {lo}, tab0, tab1, p;",
+            "shr.b32 p, p, 16;",
+            f"prmt.b32 {hi}, tab0, tab1, p;",
+            f"shl.b32 t, sl, {7 - 2 * q};",
+            f"lop3.b32 {lo}, {lo}, t, 0x80008000, {_A_OR_B_AND_C:#x};",
+            f"shl.b32 t, sh, {7 - 2 * q};",
+            f"lop3.b32 {hi}, {hi}, t, 0x80008000, {_A_OR_B_AND_C:#x};",
+        ]
+    return "\n".join([*lines, "}"])
+
+
+def _uint3_asm() -> str:
+    """3-bit uniform codes -> exact fp16 integers (same contract as :func:`lut3_asm`)."""
+    lines = [
+        "{",
+        ".reg .b32 magic, tl, th, sl, sh, a, b;",
+        "mov.b32 magic, 0x64006400;",
+        "prmt.b32 tl, $8, 0, 0x4140;",  # bytes j, j+1 into the two 16-bit lanes
+        "prmt.b32 th, $8, 0, 0x4342;",  # bytes j+2, j+3
+        "prmt.b32 sl, $9, 0, 0x4140;",
+        "prmt.b32 sh, $9, 0, 0x4342;",
+    ]
+    for q in range(4):
+        for low_bits, top_bit, out in (("tl", "sl", f"${2 * q}"), ("th", "sh", f"${2 * q + 1}")):
+            lines += [
+                _shift("a", low_bits, -2 * q),
+                f"lop3.b32 {out}, a, 0x00030003, magic, {_A_AND_B_OR_C:#x};",
+                _shift("b", top_bit, 2 - 2 * q),
+                f"lop3.b32 {out}, {out}, b, 0x00040004, {_A_OR_B_AND_C:#x};",
+                f"sub.rn.f16x2 {out}, {out}, magic;",
+            ]
+    return "\n".join([*lines, "}"])
+
+
+UINT3_ASM = _uint3_asm()
+
+# int8 -> exact fp16: each byte, sign bit flipped, goes under an 0x64 high byte (1024 + 128 +
+# value, since flipping the sign bit of two's complement adds 128), then 1152 (0x6480) is
+# subtracted.
+INT8_ASM = """{
+.reg .b32 t, magic;
+mov.b32 magic, 0x64806480;
+prmt.b32 t, $2, 0x64646464, 0x5150;
+xor.b32 $0, t, 0x00800080;
+prmt.b32 t, $2, 0x64646464, 0x5352;
+xor.b32 $1, t, 0x00800080;
+sub.rn.f16x2 $0, $0, magic;
+sub.rn.f16x2 $1, $1, magic;
+}"""
+
+
+def parts_of(codec: Codec) -> int:
+    """How many contiguous parts of the head dim the decode kernel splits a side into: one
+    ``tl.dot`` per part, each fed straight from the bit planes (2 for 4 bits, 4 for 3 bits)."""
+    return {4: 2, 3: 4}.get(codec.bits, 1)
+
+
+def decode_asm(codec: Codec, head_dim: int) -> str:
+    """The inline PTX that decodes one side on the GPU ("" where plain Triton is used)."""
+    if codec.kind == Kind.INT8_ABSMAX:
+        return INT8_ASM
+    if codec.bits not in (3, 4):
+        return ""
+    if codec.kind == Kind.UNIFORM:
+        return UINT4_ASM if codec.bits == 4 else UINT3_ASM
+    builder = lut4_asm if codec.bits == 4 else lut3_asm
+    return builder(signed_levels(codec.bits, head_dim))
