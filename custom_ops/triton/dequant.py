@@ -61,7 +61,7 @@ def _decode_side(
         rotated = tl.where(e_mask, tl.load(levels_ptr + codes), 0.0)
         rotated = tl.reshape(rotated, (BLOCK_S, G * C_PAD))
         for col0 in tl.static_range(0, C_PAD, RC):
-            rot_t = rotation_slice(rot_ptr, D, G, C, C_PAD, col0, RC, True)
+            rot_t = rotation_slice(rot_ptr, D, G, C, C_PAD, 0, G * C_PAD, col0, RC, True)
             x = tl.dot(rotated, rot_t, input_precision="tf32")
             x = tl.reshape(x, (BLOCK_S, G, RC)) * row_scale
             g = tl.arange(0, G)[None, :, None]

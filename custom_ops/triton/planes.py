@@ -70,17 +70,20 @@ def rotation_slice(
     G: tl.constexpr,
     C: tl.constexpr,
     C_PAD: tl.constexpr,
+    ROW0: tl.constexpr,
+    RW: tl.constexpr,
     COL0: tl.constexpr,
     CW: tl.constexpr,
     TRANSPOSE: tl.constexpr,
 ):
-    """The +-1 rotation between a whole tile and a slice of it, in tile order, for ``tl.dot``.
+    """A block of the +-1 rotation between tile positions, for ``tl.dot``: ``[RW, G * CW]``.
 
-    Rows are the ``G * C_PAD`` positions of a tile, columns the ``G * CW`` positions
+    Rows are the tile positions ``ROW0 .. ROW0 + RW`` (of ``G * C_PAD``), columns the positions
     ``(g, COL0 + c)``; entry ``R[elem(row), elem(col)]`` (``R[elem(col), elem(row)]`` with
-    ``TRANSPOSE``), zero at padding.  ``[G * C_PAD, G * CW] float32``.
+    ``TRANSPOSE``), zero at padding. Kernels multiply by the rotation block by block so that a
+    float32 rotation never has to sit in registers or shared memory whole.
     """
-    i = tl.arange(0, G * C_PAD)
+    i = ROW0 + tl.arange(0, RW)
     i_elem = (i // C_PAD) * C + i % C_PAD
     i_ok = (i % C_PAD) < C
     j = tl.arange(0, G * CW)

@@ -44,6 +44,17 @@ def _row_sum(x):
 
 
 @triton.jit
+def _reciprocal_or_zero(x):
+    """``1 / x`` (IEEE) where ``x > 0``, else 0: one division per row, multiplies per element."""
+    positive = x > 0
+    return tl.where(
+        positive,
+        tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), tl.where(positive, x, 1.0)),
+        0.0,
+    )
+
+
+@triton.jit
 def _encode_side(
     x_ptr,
     stride_xn,
@@ -84,23 +95,33 @@ def _encode_side(
     if KIND == _LLOYD_MAX:
         norm = tl.sqrt_rn(_row_sum(x * x))
         inv = tl.math.div_rn(tl.full([BLOCK_R], INV_SQRT_D, tl.float32), tl.maximum(norm, _TINY))
-        x_flat = tl.reshape(x, (BLOCK_R, G * C_PAD))
         recon_sq = tl.zeros([BLOCK_R], tl.float32)
-        # y = x @ R / sqrt(D) / norm, one slice of RC columns per group at a time.
+        # y = x @ R / sqrt(D) / norm: RC output columns per group at a time, contracting KC
+        # tile positions at a time (x re-read from L1), so no rotation block needs > 32 KiB.
+        KC: tl.constexpr = 32
         for col0 in tl.static_range(0, C_PAD, RC):
-            rot = rotation_slice(rot_ptr, D, G, C, C_PAD, col0, RC, False)
-            y = tl.dot(x_flat, rot, input_precision="tf32")
+            y = tl.zeros([BLOCK_R, G * RC], tl.float32)
+            for k0 in tl.static_range(0, G * C_PAD, KC):
+                i = k0 + tl.arange(0, KC)
+                i_elem = (i // C_PAD) * C + i % C_PAD
+                x_offs = tok[:, None] * stride_xn + head[:, None] * stride_xh + i_elem * stride_xd
+                x_mask = ok[:, None] & ((i % C_PAD) < C)[None, :]
+                x_k = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+                rot = rotation_slice(rot_ptr, D, G, C, C_PAD, k0, KC, col0, RC, False)
+                y = tl.dot(x_k, rot, y, input_precision="tf32")
             y = tl.reshape(y, (BLOCK_R, G, RC)) * inv[:, None, None]
             magnitude = tl.abs(y)
             mag_index = tl.zeros([BLOCK_R, G, RC], dtype=tl.int32)
+            level = tl.zeros([BLOCK_R, G, RC], dtype=tl.float32) + tl.load(levels_ptr)
             for m in tl.static_range((1 << (BITS - 1)) - 1):
-                midpoint = (tl.load(levels_ptr + m) + tl.load(levels_ptr + m + 1)) * 0.5
-                mag_index += (magnitude > midpoint).to(tl.int32)
+                upper = tl.load(levels_ptr + m + 1)
+                above = magnitude > (tl.load(levels_ptr + m) + upper) * 0.5
+                mag_index += above.to(tl.int32)
+                level = tl.where(above, upper, level)
             codes = ((y < 0).to(tl.int32) << (BITS - 1)) | mag_index
             if NC:
-                recon = tl.load(levels_ptr + codes)
                 col_ok = (col0 + tl.arange(0, RC))[None, None, :] < C
-                recon_sq += _row_sum(tl.where(col_ok, recon * recon, 0.0))
+                recon_sq += _row_sum(tl.where(col_ok, level * level, 0.0))
             store_codes(codes, code_ptr, ok, W0, W1, OFF1, BLOCK_R, G, C, col0, RC)
         stored = norm
         if NC:
@@ -112,11 +133,11 @@ def _encode_side(
         hi = tl.max(tl.max(tl.where(e_mask, x, float("-inf")), axis=2), axis=1)
         scale16 = tl.math.div_rn(hi - lo, tl.full([BLOCK_R], QMAX, tl.float32)).to(tl.float16)
         zero16 = lo.to(tl.float16)
-        scale = scale16.to(tl.float32)[:, None, None]
+        scale = scale16.to(tl.float32)
         zero = zero16.to(tl.float32)[:, None, None]
-        safe = tl.where(scale > 0, scale, 1.0)
-        q = tl.floor(tl.math.div_rn(x - zero, safe) + 0.5)
-        q = tl.minimum(tl.maximum(tl.where(scale > 0, q, 0.0), 0.0), QMAX)
+        inv = _reciprocal_or_zero(scale)[:, None, None]
+        q = tl.floor((x - zero) * inv + 0.5)
+        q = tl.minimum(tl.maximum(q, 0.0), QMAX)
         tl.store(meta_ptr + META_COL, scale16.to(meta_ty), mask=ok)
         tl.store(meta_ptr + META_COL + 1, zero16.to(meta_ty), mask=ok)
         store_codes(q.to(tl.int32), code_ptr, ok, W0, W1, OFF1, BLOCK_R, G, C, 0, C_PAD)
@@ -128,9 +149,7 @@ def _encode_side(
             absmax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
             scale = tl.math.div_rn(absmax, tl.full([BLOCK_R], QMAX_ABS, tl.float32))
             tl.store(meta_ptr + META_COL, scale.to(meta_ty), mask=ok)
-            scale = scale[:, None, None]
-            safe = tl.where(scale > 0, scale, 1.0)
-            scaled = tl.where(scale > 0, tl.math.div_rn(x, safe), 0.0)
+            scaled = x * _reciprocal_or_zero(scale)[:, None, None]
         if KIND == _INT8_ABSMAX:
             q = tl.minimum(tl.maximum(tl.floor(scaled + 0.5), -128.0), 127.0)
             byte = q.to(tl.int8).to(tl.uint8, bitcast=True)
@@ -300,6 +319,7 @@ def store(
     rotation: torch.Tensor,
     codebooks: torch.Tensor,
     block_rows: int = 32,
+    num_warps: int = 4,
 ) -> None:
     """Launch the store kernel (inputs already validated; see ``torch.ops.tq.store``)."""
     n_tokens, num_kv_heads, head_dim = key.shape
@@ -332,5 +352,5 @@ def store(
         **codec_constexprs("K", fmt.key, first_meta_column(fmt, "k"), head_dim),
         **codec_constexprs("V", fmt.value, first_meta_column(fmt, "v"), head_dim),
         CODEBOOK_STRIDE=codebooks.stride(0),
-        num_warps=4,
+        num_warps=num_warps,
     )

@@ -1,0 +1,138 @@
+"""Helpers shared by the benchmark scripts: timing, the copy-bandwidth yardstick, output.
+
+Benchmarks are plain scripts (``python benchmarks/<name>.py``), not tests. Each one times its
+kernels with :func:`bench`, relates achieved bandwidth to :func:`copy_bandwidth` measured in the
+same run (so results from different GPUs compare as fractions of what the memory can do),
+prints a table with :func:`print_table` and saves the numbers with :func:`write_json`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton.testing
+
+__all__ = [
+    "RESULTS_DIR",
+    "require_cuda",
+    "gpu_name",
+    "copy_bandwidth",
+    "bench",
+    "print_table",
+    "write_json",
+]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def require_cuda(script: str) -> None:
+    """Exit with a clear message (status 1) when no CUDA device is available."""
+    if not torch.cuda.is_available():
+        sys.exit(
+            f"{script}: needs a CUDA GPU and a CUDA build of torch "
+            f"(torch {torch.__version__} sees no CUDA device)"
+        )
+
+
+def gpu_name(device: torch.device | str = "cuda") -> str:
+    """The name of the CUDA device, e.g. ``NVIDIA H100 80GB HBM3``."""
+    return torch.cuda.get_device_name(torch.device(device))
+
+
+def copy_bandwidth(
+    device: torch.device | str = "cuda", nbytes: int = 2 << 30, reps: int = 50
+) -> float:
+    """Device-to-device copy bandwidth in bytes per second.
+
+    Copies an ``nbytes`` buffer (2 GiB: far larger than any L2) into another one ``reps``
+    times, timing each copy with CUDA events, and counts the bytes read plus the bytes written
+    (``2 * nbytes``) over the median time.
+    """
+    device = torch.device(device)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):  # warm up
+        dst.copy_(src)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(reps)
+    ]
+    for start, end in events:
+        start.record()
+        dst.copy_(src)
+        end.record()
+    torch.cuda.synchronize(device)
+    median_ms = statistics.median(start.elapsed_time(end) for start, end in events)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (median_ms * 1e-3)
+
+
+def bench(
+    fn: Callable[[], Any], *, warmup_ms: int = 25, rep_ms: int = 100, cuda_graph: bool = False
+) -> float:
+    """Median time of one call of ``fn`` in microseconds, with L2 flushed before every call.
+
+    Times with :func:`triton.testing.do_bench` (CUDA events around each call; a 256 MB buffer
+    zeroed before each call, so a working set that would fit in L2 is still read from memory).
+    Eager calls also count whatever host overhead (Python, op dispatch, launches) the GPU does
+    not hide behind that flush. With ``cuda_graph=True``, ``fn`` is first captured into a CUDA
+    graph and each call replays it, which leaves only the GPU's own time; ``fn`` must then be
+    capturable (no host syncs) and is run a few times on a side stream before capture.
+    """
+    run = fn
+    if cuda_graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    ms = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return ms * 1e3
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]) -> None:
+    """Print ``rows`` as an aligned text table.
+
+    Args:
+        rows: one mapping per row, from column key to value.
+        columns: column key -> format spec of its values (``""`` for ``str()``, ``".1f"``...);
+            the key is the header. Text is left-aligned, numbers right-aligned.
+    """
+    cells = [[format(row[key], spec) for key, spec in columns.items()] for row in rows]
+    numeric = [all(isinstance(row[key], int | float) for row in rows) for key in columns]
+    widths = [max(len(key), *(len(line[i]) for line in cells)) for i, key in enumerate(columns)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ).rstrip()
+
+    print(line(list(columns)))
+    print(line(["-" * w for w in widths]))
+    for values in cells:
+        print(line(values))
+
+
+def write_json(path: str | Path, payload: Any) -> Path:
+    """Write ``payload`` as JSON to ``benchmarks/results/<path>`` (created if missing).
+
+    Returns:
+        The path written.
+    """
+    out = RESULTS_DIR / path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    return out

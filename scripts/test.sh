@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Tests: set up the environment if needed, then run the whole suite. Without CUDA the kernels
+# run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1). Arguments replace
+# the default `tests` (e.g. `bash scripts/test.sh tests/test_store.py -x`); options alone, such as
+# `-k store`, apply to the whole suite (pyproject's testpaths).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="$(bash "$ROOT/scripts/setup_env.sh")"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+cd "$ROOT"
+if [[ $# -eq 0 ]]; then
+    set -- tests
+fi
+exec "$PY" -m pytest -q "$@"
