@@ -127,9 +127,9 @@ def main() -> None:
     parser.add_argument("--format", default="4bit_nc")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--block-n", type=int, default=64)
-    parser.add_argument("--warps", type=int, default=2)
-    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--block-n", type=int, default=128)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--dump", help="write the SASS here")
     args = parser.parse_args()
 

@@ -341,13 +341,13 @@ def _merge_kernel(
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
-    """A fixed split count for a cache: about 4 programs per SM, at least 64 tokens per split.
+    """A fixed split count for a cache: about 4 programs per SM, at least 128 tokens per split.
 
     Chosen once from the cache's capacity (``batch`` x ``max_seq_len``) and the GPU's SM count,
     never from the current lengths, so a captured graph stays valid as sequences grow.
     """
     wanted = triton.cdiv(4 * sm_count, max(1, batch * num_kv_heads))
-    by_length = max(1, max_seq_len // 64)
+    by_length = max(1, max_seq_len // 128)
     return min(512, triton.next_power_of_2(max(1, min(wanted, by_length))))
 
 
@@ -438,10 +438,10 @@ def decode(
     codebooks: torch.Tensor,
     num_splits: int,
     scale: float,
-    block_n: int = 64,
+    block_n: int = 128,
     fast: bool | None = None,
-    num_warps: int = 2,
-    num_stages: int = 3,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Launch the decode kernels (inputs validated; see ``torch.ops.tq.decode``).
 
@@ -496,8 +496,8 @@ def compile_split_kernel(
     block_n,
     compile_fn,
     fast=True,
-    num_warps=2,
-    num_stages=3,
+    num_warps=4,
+    num_stages=2,
 ):
     """Compile (not launch) the split kernel for these inputs through ``compile_fn(kernel, grid,
     *args, **kwargs)``; used by ``benchmarks/sass_report.py`` to inspect its SASS."""
