@@ -91,6 +91,7 @@ def decode(
     constants: KVConstants,
     num_splits: int | None = None,
     scale: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` (one token per sequence) over the cache: ``[B, Hq, D]``.
 
@@ -103,5 +104,13 @@ def decode(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return torch.ops.tq.decode(
-        q, *cache, block_table, seq_lens, *constants, get_format(fmt).name, num_splits, scale
+        q,
+        *cache,
+        block_table,
+        seq_lens,
+        *constants,
+        get_format(fmt).name,
+        num_splits,
+        scale,
+        mask,
     )

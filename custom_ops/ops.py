@@ -157,6 +157,7 @@ def decode(
     fmt: str,
     num_splits: int,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its compressed, paged cache.
 
@@ -168,34 +169,61 @@ def decode(
         rotation, codebooks, fmt: as for :func:`store`.
         num_splits: fixed number of KV splits (a power of two), chosen once per cache.
         scale: softmax scale (``1 / sqrt(D)`` for standard attention).
+        mask: optional ``[B or 1, Hq or 1, M]`` attention mask over cache positions: bool
+            (False masks out) or additive float (added to the scaled scores); positions
+            ``>= M`` are masked out. A query with no visible key gets zeros.
 
     Returns:
         ``[B, Hq, D]`` in q's dtype.
     """
     cache = PagedKVCache(k_codes, v_codes, meta)
     kv_format = validate.check_decode(
-        fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, scale
+        fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, scale, mask
     )
     if _use_triton(q.device):
         return triton_decode.decode(
-            kv_format, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, scale
+            kv_format,
+            q,
+            cache,
+            block_table,
+            seq_lens,
+            rotation,
+            codebooks,
+            num_splits,
+            scale,
+            mask,
         )
-    return reference.decode(kv_format, q, cache, block_table, seq_lens, rotation, codebooks, scale)
-
-
-@decode.register_fake
-def _decode_fake(
-    q, k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, num_splits, scale
-):
-    validate.check_decode(
-        fmt,
+    return reference.decode(
+        kv_format,
         q,
-        PagedKVCache(k_codes, v_codes, meta),
+        cache,
         block_table,
         seq_lens,
         rotation,
         codebooks,
-        num_splits,
         scale,
+        torch.float32,
+        mask,
+    )
+
+
+@decode.register_fake
+def _decode_fake(
+    q,
+    k_codes,
+    v_codes,
+    meta,
+    block_table,
+    seq_lens,
+    rotation,
+    codebooks,
+    fmt,
+    num_splits,
+    scale,
+    mask=None,
+):
+    cache = PagedKVCache(k_codes, v_codes, meta)
+    validate.check_decode(
+        fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, scale, mask
     )
     return torch.empty_like(q)

@@ -282,11 +282,14 @@ def attention(
     v: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Single-query attention of ``q [B, Hq, D]`` over ``k, v [B, Hk, S, D]`` (GQA by groups).
 
-    Keys at positions ``>= seq_lens[b]`` are masked; a sequence of length 0 gives zeros.
-    Computed in the dtype of ``k``; returns ``[B, Hq, D]`` in that dtype.
+    Keys at positions ``>= seq_lens[b]`` are masked, and so are those a boolean ``mask``
+    ``[B or 1, Hq or 1, M]`` sets False (an additive mask is added to the scores; positions
+    ``>= M`` are masked). A row with no key left gives zeros. Computed in the dtype of ``k``;
+    returns ``[B, Hq, D]`` in that dtype.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, seq = k.shape[1], k.shape[2]
@@ -295,6 +298,20 @@ def attention(
     scores = torch.einsum("bhgd,bhsd->bhgs", qg, k) * scale
     valid = torch.arange(seq, device=k.device)[None, :] < seq_lens.to(k.device)[:, None]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    if mask is not None:
+        full = torch.zeros(mask.shape[0], mask.shape[1], seq, dtype=scores.dtype)
+        if mask.dtype == torch.bool:
+            full = full.masked_fill(
+                ~torch.nn.functional.pad(mask.cpu(), (0, max(0, seq - mask.shape[-1])))[..., :seq],
+                float("-inf"),
+            )
+        else:
+            padded = torch.nn.functional.pad(
+                mask.cpu().to(scores.dtype), (0, max(0, seq - mask.shape[-1])), value=float("-inf")
+            )
+            full = full + padded[..., :seq]
+        full = full.to(k.device).expand(batch, num_q_heads, seq)
+        scores = scores + full.reshape(batch, num_kv_heads, group, seq)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhgs,bhsd->bhgd", probs, v)
     return out.reshape(batch, num_q_heads, head_dim)
@@ -310,12 +327,14 @@ def decode(
     codebooks: torch.Tensor,
     scale: float,
     dtype: torch.dtype = torch.float32,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention of ``q [B, Hq, D]`` over a paged cache: dequantize, then attend.
+    """Decode attention of ``q [B, Hq, D]`` over a paged cache: dequantize, then attend
+    (``mask`` as in :func:`attention`).
 
     Computed in ``dtype`` (float32 for the CPU op, float64 for oracles); returns ``[B, Hq, D]``
     in the query's dtype.
     """
     max_seq_len = block_table.shape[1] * cache.k_codes.shape[2]
     k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, codebooks, max_seq_len, dtype)
-    return attention(q, k, v, seq_lens, scale).to(q.dtype)
+    return attention(q, k, v, seq_lens, scale, mask).to(q.dtype)

@@ -221,6 +221,7 @@ def check_decode(
     codebooks: torch.Tensor,
     num_splits: int,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> KVFormat:
     op = "decode"
     fmt = check_format(op, fmt_name)
@@ -245,4 +246,22 @@ def check_decode(
         _fail(op, f"num_splits must be a power of two in [1, 512], got {num_splits}")
     if not (scale > 0 and scale != float("inf")):
         _fail(op, f"scale must be a positive finite float, got {scale}")
+    if mask is not None:
+        check_same_device(op, cache.k_codes.device, mask=mask)
+        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            _fail(op, f"mask must be bool or floating point, got {mask.dtype}", TypeError)
+        if (
+            mask.dim() != 3
+            or mask.shape[0] not in (1, batch)
+            or mask.shape[1]
+            not in (
+                1,
+                num_q_heads,
+            )
+        ):
+            _fail(
+                op,
+                f"mask must be [B or 1, Hq or 1, positions] = [{batch} or 1, "
+                f"{num_q_heads} or 1, M], got shape {_shape(mask)}",
+            )
     return fmt

@@ -226,3 +226,35 @@ def test_fast_and_portable_paths_agree(seeded):
         fast = triton_decode.decode(*args, num_splits=2, scale=0.1)
         portable = triton_decode.decode(*args, num_splits=2, scale=0.1, fast=False)
         torch.testing.assert_close(fast, portable, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc"])
+def test_kernel_mask(fmt_name, kind, kernel_device, seeded):
+    """A boolean or additive mask [B, Hq or 1, M] (M shorter than the cache: the rest masked),
+    including a query whose keys are all masked out (zeros), against float64 attention."""
+    fmt, consts, cache, table, lens, q = _case(fmt_name, 64, 4, seeded)
+    num_q_heads = q.shape[1]
+    if kind == "bool":
+        mask = torch.rand(3, num_q_heads, 12, generator=seeded) > 0.4
+        mask[0, 1] = False
+    else:
+        mask = torch.randn(3, 1, 12, generator=seeded) * 2
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 0.125, torch.float64, mask)
+    dev = api.KVConstants(*(c.to(kernel_device) for c in consts))
+    with triton_kernels(kernel_device):
+        actual = api.decode(
+            fmt,
+            q.to(kernel_device),
+            clone_cache(cache, kernel_device),
+            table.to(kernel_device),
+            lens.to(kernel_device),
+            dev,
+            num_splits=4,
+            scale=0.125,
+            mask=mask.to(kernel_device),
+        ).cpu()
+    assert not actual.isnan().any()
+    if kind == "bool":
+        assert bool((actual[0, 1] == 0).all())
+    assert _rel(actual, expected) < 1e-3

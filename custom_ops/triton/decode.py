@@ -40,6 +40,7 @@ _UNIFORM = tl.constexpr(int(Kind.UNIFORM))
 _FP8 = tl.constexpr(int(Kind.FP8))
 _INT8_ABSMAX = tl.constexpr(int(Kind.INT8_ABSMAX))
 LOG2E = 1.4426950408889634
+LOG2E_ = tl.constexpr(LOG2E)
 _MIN_ROWS = 16  # tl.dot needs at least 16 rows: the GQA group is padded to this
 
 
@@ -174,10 +175,15 @@ def _split_kernel(
     stride_bt_p,
     seq_lens_ptr,
     codebooks_ptr,
+    mask_ptr,
+    stride_mask_b,
+    stride_mask_h,
+    mask_len,
     part_out_ptr,
     part_lse_ptr,
     num_kv_heads,
     max_pages,
+    MASK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     D: tl.constexpr,
     GROUP: tl.constexpr,
@@ -215,7 +221,8 @@ def _split_kernel(
     # The GQA group's prepared queries: fp16 [G_PAD, K_PC_PAD] per part (rows >= GROUP: 0).
     g = tl.arange(0, G_PAD)
     row_ok = g < GROUP
-    q_rows = (b * num_kv_heads * GROUP + head * GROUP + g).to(tl.int64)
+    q_head = head * GROUP + g
+    q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
     q_part = q_ptr + q_rows[:, None] * (K_PARTS * K_PC_PAD) + tl.arange(0, K_PC_PAD)[None, :]
     q0 = tl.load(q_part, mask=row_ok[:, None], other=0.0)
     q1 = tl.load(q_part + K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 1), other=0.0)
@@ -254,11 +261,22 @@ def _split_kernel(
         if K_KIND != _FP8:
             k_mul = tl.load(m_row + K_META, mask=valid, other=0.0).to(tl.float32)
             scores = scores * k_mul[None, :]
+        if MASK != 0:
+            mask_ptrs = mask_ptr + b * stride_mask_b + q_head[:, None] * stride_mask_h + n[None, :]
+            in_mask = row_ok[:, None] & (n < mask_len)[None, :]
+            if MASK == 1:  # boolean: False masks out
+                allowed = tl.load(mask_ptrs, mask=in_mask, other=0) != 0
+                scores = tl.where(allowed, scores, float("-inf"))
+            else:  # additive, natural-log units
+                bias = tl.load(mask_ptrs, mask=in_mask, other=float("-inf")).to(tl.float32)
+                scores = scores + bias * LOG2E_
         scores = tl.where(valid[None, :], scores, float("-inf"))
 
+        # Online softmax; a row masked out so far keeps m = -inf, so subtract 0 instead.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(scores - m_new[:, None])
+        m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.math.exp2(m_i - m_sub)
+        p = tl.math.exp2(scores - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
@@ -384,6 +402,7 @@ def _split_launch(
     fast,
     num_warps,
     num_stages,
+    mask=None,
 ):
     """Grid, positional and keyword arguments of ``_split_kernel``."""
     batch, num_q_heads, _ = q_code.shape
@@ -391,13 +410,24 @@ def _split_launch(
     head_dim = part_out.shape[-1]
     group = num_q_heads // num_kv_heads
     grid = (num_splits, num_kv_heads, batch)
+    if mask is None:
+        mask_kind, mask_args = 0, (seq_lens, 0, 0, 0)
+    else:
+        # [B or 1, Hq or 1, S] -> broadcast strides; bool masks are read as bytes
+        mask = mask.expand(batch, num_q_heads, mask.shape[-1])
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        mask_kind = 1 if mask.dtype == torch.bool else 2
+        data = mask.view(torch.uint8) if mask_kind == 1 else mask
+        mask_args = (data, mask.stride(0), mask.stride(1), mask.shape[-1])
     args = (
         q_code, cache.k_codes, cache.v_codes, cache.meta,
         *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:3], *cache.meta.stride()[:3],
-        block_table, *block_table.stride(), seq_lens, codebooks, part_out, part_lse,
-        num_kv_heads, block_table.shape[1],
+        block_table, *block_table.stride(), seq_lens, codebooks, *mask_args, part_out,
+        part_lse, num_kv_heads, block_table.shape[1],
     )  # fmt: skip
     kwargs = dict(
+        MASK=mask_kind,
         PAGE_SIZE=page_size,
         D=head_dim,
         GROUP=group,
@@ -438,6 +468,7 @@ def decode(
     codebooks: torch.Tensor,
     num_splits: int,
     scale: float,
+    mask: torch.Tensor | None = None,
     block_n: int = 128,
     fast: bool | None = None,
     num_warps: int = 4,
@@ -476,6 +507,7 @@ def decode(
         fast,
         num_warps,
         num_stages,
+        mask,
     )
     _split_kernel[grid](*args, **kwargs)
     _merge_kernel[(batch * num_q_heads,)](
