@@ -79,7 +79,7 @@ def lloyd_max_magnitudes(bits: int, head_dim: int) -> tuple[float, ...]:
 
 @functools.cache
 def _signed_levels_list(bits: int, head_dim: int) -> tuple[float, ...]:
-    mags = torch.tensor(lloyd_max_magnitudes(bits, head_dim), dtype=torch.float64)
+    mags = torch.tensor(lloyd_max_magnitudes(bits, head_dim), dtype=torch.float64, device="cpu")
     mags = mags.to(torch.float16).to(torch.float32)
     return tuple(torch.cat([mags, -mags]).tolist())
 
@@ -91,7 +91,7 @@ def signed_levels(bits: int, head_dim: int) -> torch.Tensor:
         ``[2^bits] float32``: entry ``s << (bits-1) | m`` is ``(-1)^s * magnitude[m]``, with the
         magnitudes rounded to float16 (exactly what the kernels multiply with).
     """
-    return torch.tensor(_signed_levels_list(bits, head_dim), dtype=torch.float32)
+    return torch.tensor(_signed_levels_list(bits, head_dim), dtype=torch.float32, device="cpu")
 
 
 def _is_prime(n: int) -> bool:
@@ -129,7 +129,8 @@ def _hadamard_np(order: int) -> np.ndarray:
 
 
 def hadamard(order: int) -> torch.Tensor:
-    """A Hadamard matrix (entries +-1, ``H @ H.T == order * I``) as ``[order, order] float32``."""
+    """A Hadamard matrix (entries +-1, ``H @ H.T == order * I``): ``[order, order] float32``,
+    always built on the CPU (constants are moved by their users)."""
     return torch.from_numpy(_hadamard_np(order).astype(np.float32))
 
 
@@ -144,7 +145,8 @@ def rotation_matrix(head_dim: int, seed: int) -> torch.Tensor:
         ``[head_dim, head_dim] float32`` with entries +-1 (on the CPU).
     """
     gen = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (head_dim,), generator=gen, dtype=torch.int64) * 2 - 1
+    signs = torch.randint(0, 2, (head_dim,), generator=gen, dtype=torch.int64, device="cpu")
+    signs = signs * 2 - 1
     return (signs.to(torch.float32)[:, None] * hadamard(head_dim).T).contiguous()
 
 
@@ -157,7 +159,7 @@ def codebook_table(key_bits: int | None, value_bits: int | None, head_dim: int) 
     Row 0 holds the key levels and row 1 the value levels (:func:`signed_levels`) for the sides
     whose codec is Lloyd-Max (``*_bits`` not None); other entries are zero.
     """
-    table = torch.zeros(2, MAX_LEVELS, dtype=torch.float32)
+    table = torch.zeros(2, MAX_LEVELS, dtype=torch.float32, device="cpu")
     for row, bits in enumerate((key_bits, value_bits)):
         if bits is not None:
             table[row, : 1 << bits] = signed_levels(bits, head_dim)

@@ -3,7 +3,8 @@
 # wheels (torchao, expecttest, pytest-xdist are not on the image), then the requested stages:
 #   tests  - the kernel and op tests on CUDA (the CPU-only suites run in CI)
 #   bench  - benchmarks/store.py and benchmarks/decode.py
-#   sweep  - the decode kernel's tuning sweep for 4bit_nc and k8v4
+#   sweep  - the decode kernel's tuning sweep
+#   e2e    - benchmarks/e2e.py with $E2E_ARGS
 # Logs and JSON/PNG results go to $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -20,11 +21,15 @@ for stage in "${@:-tests bench}"; do
   case "$stage" in
     tests)
       python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_store.py tests/test_dequantize.py \
-        tests/test_decode.py tests/test_ops.py 2>&1 | tee "$OUT/pytest.log" | tail -25
+        tests/test_decode.py tests/test_ops.py tests/test_kv_tensor.py tests/test_tq_model.py \
+        2>&1 | tee "$OUT/pytest.log" | tail -25
       ;;
     bench)
       python3 benchmarks/store.py 2>&1 | tee "$OUT/store.log"
       python3 benchmarks/decode.py 2>&1 | tee "$OUT/decode.log"
+      ;;
+    e2e)
+      python3 benchmarks/e2e.py ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -30
       ;;
     sweep)
       python3 benchmarks/decode.py --formats 4bit_nc k8v4 3bit_nc int8 --shapes 1x131072 \

@@ -1,0 +1,133 @@
+"""End-to-end decode speed of the example model: TurboQuant caches vs the bf16 cache.
+
+For each cache format, batch size and context length: the example model (``examples/model.py``,
+random weights, default the ~1B ``1b-shape``: 16 layers, Hq=32, Hk=8, D=128) gets caches
+holding ``context`` random tokens per sequence, its decode step is compiled with
+``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs), and ``--steps`` steps
+are timed with CUDA events after warm-up. Reports ms per step, tokens/s (batch / step time),
+KV-cache bytes, speed-up over bf16 in the same run, and the largest context per sequence whose
+KV cache fits ``--kv-budget-gb`` at that batch size.
+
+    python benchmarks/e2e.py --batches 8 --contexts 8192           # one point
+    python benchmarks/e2e.py --batches 1 16 --contexts 4096 32768  # the grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import gpu_name, print_table, require_cuda, write_json  # noqa: E402
+
+from examples.model import ModelArgs, Transformer, decode_one_token, init_weights  # noqa: E402
+from tq_compile import TurboQuantKVCache  # noqa: E402
+
+FILL_CHUNK = 2048
+
+
+@torch.no_grad()
+def fill_caches(model: Transformer, batch: int, context: int, gen: torch.Generator) -> None:
+    """Put ``context`` random tokens in every layer's cache (what a prefill would leave)."""
+    cfg = model.config
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        for start in range(0, context, FILL_CHUNK):
+            n = min(FILL_CHUNK, context - start)
+            shape = (batch, cfg.n_local_heads, n, cfg.head_dim)
+            k = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+            v = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+            cache.update(torch.arange(start, start + n, device="cuda"), k, v)
+
+
+def kv_bytes(model: Transformer) -> int:
+    total = 0
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        if isinstance(cache, TurboQuantKVCache):
+            total += cache.nbytes()
+        else:
+            total += sum(b.numel() * b.element_size() for b in (cache.k_cache, cache.v_cache))
+    return total
+
+
+@torch.no_grad()
+def time_decode(model: Transformer, batch: int, context: int, steps: int) -> float:
+    """Milliseconds per compiled decode step at positions context, context + 1, ..."""
+    torch._dynamo.reset()
+    step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+    tok = torch.zeros(batch, 1, dtype=torch.int64, device="cuda")
+    pos = context
+    for _ in range(3):  # compile, record the CUDA graph, replay
+        tok, _ = step(model, tok, torch.tensor([pos], device="cuda"))
+        tok = tok.clone()
+        pos += 1
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        tok, _ = step(model, tok, torch.tensor([pos], device="cuda"))
+        tok = tok.clone()
+        pos += 1
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def run(args) -> dict:
+    cfg = ModelArgs.from_name(args.preset)
+    with torch.device("cuda"):
+        model = init_weights(Transformer(cfg), seed=0).to(torch.bfloat16).eval()
+    rows = []
+    for batch in args.batches:
+        for context in args.contexts:
+            base_ms = None
+            for fmt in args.formats:
+                factory = None if fmt == "bf16" else functools.partial(TurboQuantKVCache, fmt=fmt)
+                model.setup_caches(batch, context + args.steps + 8, cache_factory=factory)
+                fill_caches(model, batch, context, torch.Generator("cuda").manual_seed(1))
+                ms = time_decode(model, batch, context, args.steps)
+                nbytes = kv_bytes(model)
+                per_token = nbytes / (batch * (context + args.steps + 8))
+                base_ms = ms if fmt == "bf16" else base_ms
+                rows.append(dict(
+                    batch=batch, context=context, format=fmt, ms=ms, tok_s=batch / ms * 1e3,
+                    speedup=(base_ms / ms) if base_ms else float("nan"),
+                    kv_gb=nbytes / 1e9,
+                    max_context=int(args.kv_budget_gb * 1e9 / (per_token * batch)),
+                ))  # fmt: skip
+                print(rows[-1], flush=True)
+                for layer in model.layers:
+                    layer.attention.kv_cache = None
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+    print(
+        f"{gpu_name()}, {args.preset}, decode step compiled with reduce-overhead; "
+        f"max_context: tokens per sequence whose KV cache fits {args.kv_budget_gb} GB"
+    )
+    print_table(rows, dict(batch="d", context="d", format="", ms=".2f", tok_s=".0f",
+                           speedup=".2f", kv_gb=".2f", max_context="d"))  # fmt: skip
+    return dict(gpu=gpu_name(), preset=args.preset, kv_budget_gb=args.kv_budget_gb, rows=rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="1b-shape")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--formats", nargs="+", default=["bf16", "4bit_nc", "k8v4"])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--kv-budget-gb", type=float, default=40.0)
+    parser.add_argument("--out", default="e2e.json")
+    args = parser.parse_args()
+    require_cuda("benchmarks/e2e.py")
+    print(f"wrote {write_json(args.out, run(args))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""TurboQuantKVTensor and TurboQuantKVCache: the subclass contract, SDPA semantics, GQA views."""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from tq_compile import TurboQuantKVCache, TurboQuantKVTensor
+
+B, HK, GROUP, S_MAX, D = 2, 2, 4, 48, 64
+
+
+def _filled(fmt="4bit_nc", length=37, seed=0, dtype=torch.bfloat16):
+    """A cache holding ``length`` random tokens, and its key / value views."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = TurboQuantKVCache(B, HK, S_MAX, D, dtype, fmt=fmt, page_size=16)
+    k = (torch.randn(B, HK, length, D, generator=gen) * 2).to(dtype)
+    v = torch.randn(B, HK, length, D, generator=gen).to(dtype)
+    keys, values = cache.update(torch.arange(length), k, v)
+    return cache, keys, values
+
+
+def _query(length=1, heads=HK * GROUP, seed=1, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, heads, length, D, generator=gen) * 2).to(dtype)
+
+
+def _dense_sdpa(q, keys, values, **kwargs):
+    """SDPA on the dequantized cache in float64, positions past each length masked."""
+    k = keys.dequantize(torch.float64)
+    v = values.dequantize(torch.float64)
+    visible = torch.arange(S_MAX)[None, :] < keys.seq_lens[:, None]
+    mask = visible[:, None, None, :]
+    user = kwargs.pop("attn_mask", None)
+    if user is not None:
+        mask = mask & user if user.dtype == torch.bool else torch.where(mask, user.double(), -1e9)
+    return F.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask, **kwargs)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_update_returns_views_of_the_whole_cache():
+    """update() writes, then returns key/value views [B, Hk, S_max, D] of the model's dtype
+    whose lengths are input_pos.max() + 1."""
+    cache, keys, values = _filled(length=37)
+    assert isinstance(keys, TurboQuantKVTensor) and is_traceable_wrapper_subclass(keys)
+    assert keys.shape == (B, HK, S_MAX, D) and keys.dtype == torch.bfloat16
+    assert (keys.side, values.side) == ("key", "value")
+    assert keys.seq_lens.tolist() == [37, 37]
+    assert keys.k_codes.data_ptr() == cache.k_codes.data_ptr()  # a view, no copy
+
+
+@pytest.mark.parametrize("fmt", ["4bit_nc", "k8v4", "3bit_nc"])
+def test_decode_sdpa_matches_dense_attention(fmt):
+    """One query token: SDPA over the views (after gpt-fast's repeat_interleave) equals float64
+    attention over the dequantized cache."""
+    _, keys, values = _filled(fmt)
+    keys_rep = keys.repeat_interleave(GROUP, dim=1)
+    values_rep = values.repeat_interleave(GROUP, dim=1)
+    assert isinstance(keys_rep, TurboQuantKVTensor) and keys_rep.group == GROUP
+    q = _query()
+    out = F.scaled_dot_product_attention(q, keys_rep, values_rep)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    expected = _dense_sdpa(q, keys.repeat_interleave(GROUP, dim=1),
+                           values.repeat_interleave(GROUP, dim=1))  # fmt: skip
+    assert _rel(out, expected) < 4e-3  # bf16 output rounding
+
+
+def test_hf_repeat_kv_and_enable_gqa_stay_lazy():
+    """Hugging Face's repeat_kv (x[:, :, None].expand(...).reshape(...)) and enable_gqa=True
+    both reach the grouped kernel: same result as repeat_interleave, no dense copy."""
+    _, keys, values = _filled()
+    q = _query()
+
+    def repeat_kv(x):
+        return x[:, :, None, :, :].expand(B, HK, GROUP, S_MAX, D).reshape(B, HK * GROUP, S_MAX, D)
+
+    k_hf, v_hf = repeat_kv(keys), repeat_kv(values)
+    assert isinstance(k_hf, TurboQuantKVTensor) and k_hf.shape == (B, HK * GROUP, S_MAX, D)
+    a = F.scaled_dot_product_attention(q, k_hf, v_hf)
+    b = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+    c = F.scaled_dot_product_attention(q, keys.repeat_interleave(GROUP, 1),
+                                       values.repeat_interleave(GROUP, 1))  # fmt: skip
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_decode_masks():
+    """gpt-fast's boolean causal-mask slice [1, 1, 1, S_max] and an additive mask are honoured
+    at decode, as dense SDPA would."""
+    _, keys, values = _filled(length=37)
+    q = _query()
+    causal_row = (torch.arange(S_MAX) <= 30)[None, None, None, :]  # see only positions 0..30
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_row, enable_gqa=True)
+    expected = _dense_sdpa(q, keys.repeat_interleave(GROUP, 1), values.repeat_interleave(GROUP, 1),
+                           attn_mask=causal_row)  # fmt: skip
+    assert _rel(out, expected) < 4e-3
+    bias = torch.randn(1, HK * GROUP, 1, S_MAX, generator=torch.Generator().manual_seed(3))
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=True)
+    expected = _dense_sdpa(q, keys.repeat_interleave(GROUP, 1), values.repeat_interleave(GROUP, 1),
+                           attn_mask=bias)  # fmt: skip
+    assert _rel(out, expected) < 4e-3
+
+
+def test_prefill_sdpa_with_causal_mask_and_is_causal():
+    """Several query tokens: attention over the dequantized cache with gpt-fast's mask slice,
+    and with is_causal=True (top-left aligned, as dense SDPA), scale honoured."""
+    cache = TurboQuantKVCache(B, HK, S_MAX, D, fmt="4bit_nc")
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(B, HK, 20, D, generator=gen).bfloat16()
+    v = torch.randn(B, HK, 20, D, generator=gen).bfloat16()
+    keys, values = cache.update(torch.arange(20), k, v)
+    q = _query(length=20)
+    mask = torch.ones(S_MAX, S_MAX, dtype=torch.bool).tril()[None, None, :20]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True,
+                                         scale=0.1)  # fmt: skip
+    dense_k = keys.repeat_interleave(GROUP, 1)
+    dense_v = values.repeat_interleave(GROUP, 1)
+    expected = _dense_sdpa(q, dense_k, dense_v, attn_mask=mask, scale=0.1)
+    assert _rel(out, expected) < 4e-3
+    out_causal = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True,
+                                                scale=0.1)  # fmt: skip
+    assert _rel(out_causal, expected) < 4e-3
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_update_then_attend_sees_the_new_token(backend):
+    """Stale-read guard: in one compiled graph, update() writes a token and SDPA on the returned
+    views must see it. A query aligned with the new key attends almost only to it, so a stale
+    read (the pre-write cache) would give a different output."""
+    cache_e, _, _ = _filled(length=10, seed=5)
+    cache_c, _, _ = _filled(length=10, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    new_k = torch.randn(B, HK, 1, D, generator=gen).bfloat16() * 4
+    new_v = torch.randn(B, HK, 1, D, generator=gen).bfloat16()
+    q = new_k.repeat_interleave(GROUP, 1)  # [B, Hq, 1, D]
+
+    def step(cache, pos, k, v, q):
+        keys, values = cache.update(pos, k, v)
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+    pos = torch.tensor([10])
+    expected = step(cache_e, pos, new_k, new_v, q)
+    torch._dynamo.reset()
+    actual = torch.compile(step, backend=backend, fullgraph=True)(cache_c, pos, new_k, new_v, q)
+    torch._dynamo.reset()
+    torch.testing.assert_close(actual, expected, rtol=1e-2, atol=1e-2)
+    # the new value dominates the output: the write was seen
+    assert _rel(actual, new_v.repeat_interleave(GROUP, 1)) < 0.3
+
+
+def test_flatten_unflatten_roundtrip():
+    _, keys, _ = _filled()
+    names, attrs = keys.__tensor_flatten__()
+    inner = {n: getattr(keys, n) for n in names}
+    rebuilt = TurboQuantKVTensor.__tensor_unflatten__(inner, attrs, keys.shape, keys.stride())
+    assert rebuilt.shape == keys.shape and rebuilt.fmt == keys.fmt and rebuilt.side == "key"
+    assert all(getattr(rebuilt, n) is inner[n] for n in names)
+    assert keys._stable_hash_for_caching() == rebuilt._stable_hash_for_caching()
+
+
+def test_to_detach_clone():
+    """.to(device) moves the planes, .to(fp16) changes only the logical dtype, detach shares
+    data, clone copies it."""
+    _, keys, _ = _filled()
+    moved = keys.to("cpu")
+    assert isinstance(moved, TurboQuantKVTensor) and moved.device == keys.device
+    half = keys.to(torch.float16)
+    assert half.dtype == torch.float16 and half.k_codes.dtype == torch.uint8
+    detached = keys.detach()
+    assert detached.k_codes.data_ptr() == keys.k_codes.data_ptr()
+    cloned = keys.clone()
+    assert cloned.k_codes.data_ptr() != keys.k_codes.data_ptr()
+    assert torch.equal(cloned.k_codes, keys.k_codes)
+    assert torch.equal(cloned.dequantize(), keys.dequantize())
+
+
+def test_model_dtype_cast_keeps_the_cache_intact():
+    """model.to(fp16) / .half() after setup does not convert the cache's float buffers."""
+    cache, keys, _ = _filled()
+    before = keys.dequantize(torch.float32)
+    cache.half()
+    assert cache.meta.dtype == torch.float16 and cache.rotation.dtype == torch.float32
+    keys_after, _ = cache.update(torch.tensor([40]), *[torch.randn(B, HK, 1, D).bfloat16()] * 2)
+    torch.testing.assert_close(keys_after.dequantize(torch.float32)[:, :, :37], before[:, :, :37])
+
+
+class TestKVTensorMessages(expecttest.TestCase):
+    def test_repr(self):
+        _, keys, _ = _filled()
+        self.assertExpectedInline(
+            repr(keys.repeat_interleave(GROUP, dim=1)),
+            """TurboQuantKVTensor(fmt=4bit_nc, side=key, shape=(2, 8, 48, 64), dtype=torch.bfloat16, group=4, pages=6x16, device=cpu)""",  # noqa: E501
+        )
+
+    def test_unsupported_operations_raise(self):
+        """Arithmetic, reductions, slicing and float casts raise instead of dequantizing."""
+        _, keys, values = _filled()
+        q = _query()
+        cases = {
+            "add": lambda: keys + 1,
+            "matmul": lambda: q @ keys.transpose(-1, -2),
+            "slice positions": lambda: keys[:, :, :10],
+            "float cast": lambda: keys.float(),
+            "dropout": lambda: F.scaled_dot_product_attention(
+                q, keys, values, dropout_p=0.1, enable_gqa=True
+            ),
+            "heads mismatch": lambda: F.scaled_dot_product_attention(q, keys, values),
+            "value as key": lambda: F.scaled_dot_product_attention(
+                q, values, keys, enable_gqa=True
+            ),
+        }
+        messages = []
+        for case, fn in cases.items():
+            with self.assertRaises((TypeError, ValueError, NotImplementedError)) as ctx:
+                fn()
+            messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
+        self.assertExpectedInline(
+            "\n".join(messages),
+            """\
+add: NotImplementedError: TurboQuantKVTensor (a compressed KV cache) does not support aten.add.Tensor: it supports F.scaled_dot_product_attention, repeat_interleave / unsqueeze / expand / reshape of the head dim (GQA), .to(device), detach, clone and .dequantize() (a dense copy).
+matmul: NotImplementedError: TurboQuantKVTensor (a compressed KV cache) does not support aten.transpose.int: it supports F.scaled_dot_product_attention, repeat_interleave / unsqueeze / expand / reshape of the head dim (GQA), .to(device), detach, clone and .dequantize() (a dense copy).
+slice positions: TypeError: TurboQuantKVTensor.__getitem__: only head repetition for GQA is supported lazily (got index (slice(None, None, None), slice(None, None, None), slice(None, 10, None)) on shape (2, 2, 48, 64)); call .dequantize() for a dense tensor
+float cast: TypeError: TurboQuantKVTensor's dtype is the model's (bf16 or fp16), got torch.float32; call .dequantize(dtype) for a dense copy
+dropout: ValueError: dropout_p must be 0 with a TurboQuantKVTensor (inference only)
+heads mismatch: ValueError: query has 8 heads and key 2: repeat the key/value heads or pass enable_gqa=True (as for dense SDPA)
+value as key: ValueError: key and value must be the key and value views of one cache, got TurboQuantKVTensor(fmt=4bit_nc, side=value, shape=(2, 2, 48, 64), dtype=torch.bfloat16, group=1, pages=6x16, device=cpu) and TurboQuantKVTensor(fmt=4bit_nc, side=key, shape=(2, 2, 48, 64), dtype=torch.bfloat16, group=1, pages=6x16, device=cpu)""",  # noqa: E501
+        )

@@ -1,0 +1,199 @@
+"""The example gpt-fast model with a TurboQuantKVCache: eager, compiled, FX graph, CUDA graphs."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import expecttest
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+from torch._dynamo.backends.common import aot_autograd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ is not installed
+from examples.model import (  # noqa: E402
+    ModelArgs,
+    Transformer,
+    decode_one_token,
+    init_weights,
+    prefill,
+)
+from tq_compile import TurboQuantKVCache, TurboQuantKVTensor  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS, BATCH, MAX_SEQ = 64, 32, 2, 128
+
+# Largest relative error of the decode logits (TQ cache vs bf16 cache, teacher-forced on the
+# bf16 tokens) over 32 steps of the tiny model, 3 seeds, times 1.3.
+LOGIT_ERROR = {
+    "k8v4": 0.15,
+    "4bit_nc": 0.15,
+    "k3v4_nc": 0.15,
+    "3bit_nc": 0.3,
+    "int8": 0.013,
+    "fp8": 0.036,
+    "tq4_nc": 0.14,
+}
+
+
+def _model(fmt, seed=0, device="cpu", max_seq=MAX_SEQ, dtype=torch.bfloat16) -> Transformer:
+    model = init_weights(Transformer(ModelArgs.from_name("tiny")), seed)
+    model = model.to(device=device, dtype=dtype)
+    factory = None if fmt is None else functools.partial(TurboQuantKVCache, fmt=fmt)
+    model.setup_caches(BATCH, max_seq, cache_factory=factory)
+    return model
+
+
+def _prompt(seed: int, device: str = "cpu") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = ModelArgs.from_name("tiny").vocab_size
+    return torch.randint(0, vocab, (BATCH, PROMPT_LEN), generator=gen).to(device)
+
+
+@pytest.mark.parametrize("fmt", sorted(LOGIT_ERROR))
+@torch.no_grad()
+def test_eager_decode_against_bf16_cache(fmt):
+    """Prefill 64 tokens and decode 32 greedily (teacher-forced on the bf16 model's tokens):
+    the TQ cache's logits stay within the format's bound of the bf16 cache's; the next-token
+    agreement is recorded in the test's output."""
+    ref, tq = _model(None), _model(fmt)
+    prompt = _prompt(0)
+    tok, ref_logits = prefill(ref, prompt, torch.arange(PROMPT_LEN))
+    _, tq_logits = prefill(tq, prompt, torch.arange(PROMPT_LEN))
+    errors, agree = [], []
+    for step in range(NEW_TOKENS):
+        pos = torch.tensor([PROMPT_LEN + step])
+        next_ref, ref_logits = decode_one_token(ref, tok, pos)
+        next_tq, tq_logits = decode_one_token(tq, tok, pos)
+        errors.append((tq_logits.float() - ref_logits.float()).norm() / ref_logits.float().norm())
+        agree.append((next_ref == next_tq).float().mean())
+        tok = next_ref
+    print(f"{fmt}: max logits error {max(errors):.4f}, next-token agreement "
+          f"{torch.stack(agree).mean():.3f}")  # fmt: skip
+    assert max(errors) < LOGIT_ERROR[fmt]
+
+
+@torch.no_grad()
+def test_compiled_decode_no_graph_break_no_recompile():
+    """torch.compile(decode_one_token, fullgraph=True) with inductor on the TQ model: one graph,
+    no break, no recompile over 32 steps, tokens identical to eager TQ decoding (fp16 model:
+    in bf16, inductor's fused rounding can flip a near-tie argmax)."""
+    eager, compiled = (
+        _model("4bit_nc", dtype=torch.float16),
+        _model("4bit_nc", dtype=torch.float16),
+    )
+    prompt = _prompt(1)
+    tok_eager, _ = prefill(eager, prompt, torch.arange(PROMPT_LEN))
+    tok_compiled, _ = prefill(compiled, prompt, torch.arange(PROMPT_LEN))
+    assert torch.equal(tok_eager, tok_compiled)
+
+    explained = torch._dynamo.explain(decode_one_token)(
+        compiled, tok_compiled, torch.tensor([PROMPT_LEN])
+    )
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    step = torch.compile(decode_one_token, backend=counter, fullgraph=True)
+    previous = torch._dynamo.config.error_on_recompile
+    try:
+        for i in range(NEW_TOKENS):
+            pos = torch.tensor([PROMPT_LEN + i])
+            tok_eager, _ = decode_one_token(eager, tok_eager, pos)
+            tok_compiled, _ = step(compiled, tok_compiled, pos)
+            torch._dynamo.config.error_on_recompile = True
+            assert torch.equal(tok_compiled, tok_eager), f"step {i}"
+    finally:
+        torch._dynamo.config.error_on_recompile = previous
+        torch._dynamo.reset()
+    assert counter.frame_count == 1
+
+
+def _attention_ops(gm: torch.fx.GraphModule) -> str:
+    """The cache and attention calls of a traced graph, in order, and dense leftovers."""
+    lines, dense = [], 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = str(node.target)
+        if target.startswith("auto_functionalized"):
+            target = f"{target}({node.args[0]})"
+        if "tq." in target:
+            lines.append(target)
+        dense += "scaled_dot_product" in target or "dequantize" in target
+    return "\n".join([*lines, f"dense sdpa / dequantize calls: {dense}"])
+
+
+class TestDecodeGraph(expecttest.TestCase):
+    @torch.no_grad()
+    def test_graph_of_one_decode_step(self):
+        """The traced (AOT) graph of one decode step stores and decodes per layer (2 layers) on
+        the compressed cache and never dequantizes it or runs dense SDPA."""
+        model = _model("4bit_nc")
+        tok, _ = prefill(model, _prompt(2), torch.arange(PROMPT_LEN))
+        graphs = []
+
+        def forward_compiler(gm, example_inputs):
+            graphs.append(gm)
+            return gm
+
+        torch._dynamo.reset()
+        backend = aot_autograd(fw_compiler=forward_compiler)
+        torch.compile(decode_one_token, backend=backend, fullgraph=True)(
+            model, tok, torch.tensor([PROMPT_LEN])
+        )
+        torch._dynamo.reset()
+        self.assertEqual(len(graphs), 1)
+        self.assertExpectedInline(
+            _attention_ops(graphs[0]),
+            """\
+auto_functionalized_v2(tq.store.default)
+tq.decode.default
+auto_functionalized_v2(tq.store.default)
+tq.decode.default
+dense sdpa / dequantize calls: 0""",
+        )
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_reduce_overhead_cuda_graphs_200_steps():
+    """On CUDA, torch.compile(mode="reduce-overhead") runs the decode step in CUDA graphs (a
+    recorded graph tree, no "skipping cudagraphs") and 200 steps equal eager TQ decoding:
+    identical tokens when both are fed the same token, logits equal to bf16 rounding."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.cudagraph_trees import get_manager
+
+    prompt_len, steps = 16, 200
+    eager = _model("4bit_nc", device="cuda", max_seq=prompt_len + steps)
+    compiled = _model("4bit_nc", device="cuda", max_seq=prompt_len + steps)
+    prompt = _prompt(3, "cuda")[:, :prompt_len]
+    tok, _ = prefill(eager, prompt, torch.arange(prompt_len, device="cuda"))
+    prefill(compiled, prompt, torch.arange(prompt_len, device="cuda"))
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+    agree = 0
+    for i in range(steps):
+        pos = torch.tensor([prompt_len + i], device="cuda")
+        next_eager, logits_eager = decode_one_token(eager, tok, pos)
+        next_compiled, logits_compiled = step(compiled, tok, pos)
+        torch.testing.assert_close(logits_compiled, logits_eager, rtol=2e-2, atol=2e-2)
+        agree += int(torch.equal(next_compiled, next_eager))
+        tok = next_eager.clone()
+    assert agree == steps
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and any(manager.roots.values()), "no CUDA graph was recorded"
+    torch._dynamo.reset()
+
+
+def test_kv_bytes_4bit_at_head_dim_128():
+    """4bit_nc at D=128 takes <= 0.27x the bytes of the bf16 cache (134 / 512 per token-head)."""
+    cache = TurboQuantKVCache(4, 8, 4096, 128, fmt="4bit_nc")
+    ratio = cache.nbytes() / cache.dense_nbytes()
+    assert ratio == pytest.approx(134 / 512) and ratio <= 0.27
+    new_kv = torch.randn(4, 8, 3, 128).bfloat16()
+    assert isinstance(cache.update(torch.arange(3), new_kv, new_kv)[0], TurboQuantKVTensor)

@@ -1,0 +1,162 @@
+"""``TurboQuantKVCache``: a drop-in KV cache module with gpt-fast's ``update`` contract.
+
+The module owns the paged cache as plain buffers and writes new tokens with
+``torch.ops.tq.store``; ``update`` then returns freshly built :class:`TurboQuantKVTensor` views
+of those buffers. Building the views *after* the write (never writing through a view) is what
+keeps compiled graphs correct: a custom op that mutates a subclass's inner tensors and an SDPA
+on that same wrapper in one graph reads stale data (see ENVIRONMENT.md); rebuilding the wrapper
+from the mutated buffers does not.
+
+The cache of sequence ``b`` is pages ``b * pages_per_seq ... (b + 1) * pages_per_seq - 1``: a
+static cache is the identity block table of the paged kernels.
+
+Float buffers (the meta record, the rotation, the codebooks) are held as integer tensors of the
+same bits and viewed as floats when used, so ``model.to(dtype)`` / ``model.half()`` after
+``setup_caches`` cannot convert them (it converts floating-point buffers only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from custom_ops import api
+from custom_ops.formats import get_format
+from tq_compile.kv_tensor import TurboQuantKVTensor
+
+__all__ = ["TurboQuantKVCache"]
+
+_BITS = {2: torch.int16, 4: torch.int32}
+
+
+class TurboQuantKVCache(nn.Module):
+    """Quantized KV cache for ``max_batch_size`` sequences of up to ``max_seq_length`` tokens.
+
+    Its constructor starts with the signature of gpt-fast's ``KVCache`` (so it can be a
+    ``cache_factory``); the format and its options follow as keywords.
+
+    Args:
+        max_batch_size: B, sequences held.
+        n_heads: Hk, kv-heads.
+        max_seq_length: S_max, tokens per sequence.
+        head_dim: D.
+        dtype: the model's dtype (bf16 / fp16): the logical dtype of the returned views.
+        fmt: format name (``custom_ops.FORMATS``), default ``"4bit_nc"``.
+        page_size: tokens per page.
+        seed: seed of the rotation.
+        num_splits: the decode kernel's split count (default: chosen from the capacity and the
+            GPU's SM count, again whenever the module moves to another device).
+        device: where to allocate (default: the current default device, so that gpt-fast's
+            ``with torch.device(...)`` in ``setup_caches`` places it).
+    """
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        n_heads: int,
+        max_seq_length: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        fmt: str = "4bit_nc",
+        page_size: int = 16,
+        seed: int = 0,
+        num_splits: int | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"dtype must be the model's bfloat16 or float16, got {dtype}")
+        self.kv_format = get_format(fmt)
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        self.page_size, self.model_dtype = page_size, dtype
+        self._requested_splits = num_splits
+        pages_per_seq = -(-max_seq_length // page_size)
+        device = torch.get_default_device() if device is None else device  # honours `with device`
+        cache = self.kv_format.allocate(max_batch_size * pages_per_seq, n_heads, page_size,
+                                        head_dim, device)  # fmt: skip
+        consts = api.make_constants(self.kv_format, head_dim, seed, device)
+        table = torch.arange(max_batch_size * pages_per_seq, dtype=torch.int32, device=device)
+        self._float_dtypes = {}
+        for name, tensor in (*zip(cache._fields, cache, strict=True),
+                             ("block_table", table.reshape(max_batch_size, pages_per_seq)),
+                             *zip(consts._fields, consts, strict=True)):  # fmt: skip
+            if tensor.is_floating_point():
+                self._float_dtypes[name] = tensor.dtype
+                tensor = tensor.view(_BITS[tensor.dtype.itemsize])
+            self.register_buffer(f"_{name}" if name in self._float_dtypes else name, tensor,
+                                 persistent=False)  # fmt: skip
+        self.num_splits = self._choose_splits()
+
+    def __getattr__(self, name: str):
+        float_dtypes = self.__dict__.get("_float_dtypes", {})
+        if name in float_dtypes:  # meta, rotation, codebooks: their float view
+            return super().__getattr__(f"_{name}").view(float_dtypes[name])
+        return super().__getattr__(name)
+
+    def _choose_splits(self) -> int:
+        if self._requested_splits is not None:
+            return self._requested_splits
+        return api.num_splits_for(self.max_batch_size, self.k_codes.shape[1],
+                                  self.max_seq_length, self.k_codes.device)  # fmt: skip
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self.num_splits = self._choose_splits()  # the device may have changed
+        return module
+
+    def update(
+        self, input_pos: torch.Tensor, k_val: torch.Tensor, v_val: torch.Tensor
+    ) -> tuple[TurboQuantKVTensor, TurboQuantKVTensor]:
+        """Quantize and store new tokens; return key and value views of the whole cache.
+
+        Args:
+            input_pos: ``[T] int64`` positions of the new tokens (the same for every sequence,
+                as in gpt-fast); the cached length becomes ``input_pos.max() + 1``.
+            k_val, v_val: ``[B, Hk, T, D]`` new keys (after RoPE) and values, ``B <=
+                max_batch_size``.
+
+        Returns:
+            ``(k, v)``: :class:`TurboQuantKVTensor` of logical shape ``[B, Hk, S_max, D]``.
+        """
+        batch, num_kv_heads, _, head_dim = k_val.shape
+        pos = input_pos.to(torch.int64)
+        table = self.block_table[:batch]
+        pages = table[:, pos // self.page_size]  # [B, T]
+        slots = (pages * self.page_size + (pos % self.page_size).to(torch.int32)).reshape(-1)
+        # [B, Hk, T, D] -> [B * T, Hk, D] rows in (sequence, token) order, like the slots
+        keys = k_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
+        values = v_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
+        name = self.kv_format.name
+        torch.ops.tq.store(
+            keys,
+            values,
+            self.k_codes,
+            self.v_codes,
+            self.meta,
+            slots.to(torch.int32),
+            self.rotation,
+            self.codebooks,
+            name,
+        )
+        seq_lens = (pos.max() + 1).to(torch.int32).expand(batch).contiguous()
+        planes = (self.k_codes, self.v_codes, self.meta, table, seq_lens, self.rotation,
+                  self.codebooks)  # fmt: skip
+        attrs = (self.max_seq_length, 1, False, self.num_splits, self.model_dtype)
+        return (TurboQuantKVTensor(*planes, name, "key", *attrs),
+                TurboQuantKVTensor(*planes, name, "value", *attrs))  # fmt: skip
+
+    def nbytes(self) -> int:
+        """Bytes of the quantized cache (codes and meta of every slot)."""
+        return sum(p.numel() * p.element_size() for p in (self.k_codes, self.v_codes, self.meta))
+
+    def dense_nbytes(self) -> int:
+        """Bytes a dense cache of the model's dtype with the same capacity takes (K and V)."""
+        num_kv_heads, head_dim = self.k_codes.shape[1], self.rotation.shape[0]
+        elements = self.max_batch_size * num_kv_heads * self.max_seq_length * head_dim
+        return 2 * elements * self.model_dtype.itemsize
+
+    def extra_repr(self) -> str:
+        return (f"fmt={self.kv_format.name}, batch={self.max_batch_size}, "
+                f"max_seq_length={self.max_seq_length}, page_size={self.page_size}, "
+                f"num_splits={self.num_splits}")  # fmt: skip

@@ -1,0 +1,317 @@
+"""``TurboQuantKVTensor``: a compressed KV cache that a model uses through plain SDPA.
+
+A model written for a dense cache gets ``k, v = cache.update(input_pos, k, v)`` back and calls
+``F.scaled_dot_product_attention(q, k, v, ...)``. With :class:`~tq_compile.cache.TurboQuantKVCache`
+those ``k`` and ``v`` are ``TurboQuantKVTensor`` views of the paged, quantized cache: they have
+the dense cache's logical shape ``[B, H, S_max, D]`` and the model's dtype, hold the packed
+planes as inner tensors, and intercept SDPA in ``__torch_function__``:
+
+* one query token (decode): ``torch.ops.tq.decode`` over the compressed bytes, the attention
+  mask passed through;
+* several query tokens (prefill): dequantize the cache (``torch.ops.tq.dequantize``) and run
+  SDPA on it, with positions past each sequence's length masked out.
+
+GQA call sites stay lazy: ``repeat_interleave(n, dim=1)``, and ``[:, :, None]`` /
+``unsqueeze(2)`` + ``expand`` + ``reshape`` (Hugging Face's ``repeat_kv``), only record a head
+group factor, so SDPA still reaches the grouped kernel and no full-precision copy is made.
+Anything else raises (``NotImplementedError`` for other operators, ``TypeError`` /
+``ValueError`` for unsupported views and arguments) with a message that names what is
+supported, instead of silently dequantizing; ``dequantize()`` gives a dense tensor on purpose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torchao.utils import TorchAOBaseTensor
+
+import custom_ops  # noqa: F401  (registers torch.ops.tq)
+
+__all__ = ["TurboQuantKVTensor"]
+
+_SIDES = ("key", "value")
+
+
+class TurboQuantKVTensor(TorchAOBaseTensor):
+    """One side (keys or values) of a paged TurboQuant cache, as a tensor.
+
+    Logical shape ``[B, Hk * group, S_max, D]`` (or ``[B, Hk, group, S_max, D]`` between the
+    ``unsqueeze``/``expand`` and the ``reshape`` of a ``repeat_kv``) in the model's dtype.
+
+    Tensor Attributes:
+        k_codes, v_codes, meta: the cache planes (see ``custom_ops.formats``), shared by the key
+            and the value view of one cache.
+        block_table: ``[B, max_pages] int32`` page ids of each sequence.
+        seq_lens: ``[B] int32`` number of cached tokens of each sequence.
+        rotation: ``[D, D] float32`` +-1 rotation; codebooks: ``[2, 16] float32`` levels.
+
+    Non-Tensor Attributes:
+        fmt: format name (``custom_ops.FORMATS``).
+        side: ``"key"`` or ``"value"``.
+        max_seq_len: S_max, the logical sequence length.
+        group: lazy head repetition: logical head ``h`` reads kv-head ``h // group``.
+        split_heads: whether the view is 5-D ``[B, Hk, group, S_max, D]``.
+        num_splits: the decode kernel's fixed split count for this cache.
+        model_dtype: the logical dtype (bf16 / fp16).
+    """
+
+    tensor_data_names = ["k_codes", "v_codes", "meta", "block_table", "seq_lens", "rotation",
+                         "codebooks"]  # fmt: skip
+    tensor_attribute_names = ["fmt", "side", "max_seq_len", "group", "split_heads",
+                              "num_splits", "model_dtype"]  # fmt: skip
+
+    def __new__(cls, k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt,
+                side, max_seq_len, group, split_heads, num_splits, model_dtype):  # fmt: skip
+        batch, num_kv_heads, head_dim = block_table.shape[0], k_codes.shape[1], rotation.shape[0]
+        if split_heads:
+            shape = (batch, num_kv_heads, group, max_seq_len, head_dim)
+        else:
+            shape = (batch, num_kv_heads * group, max_seq_len, head_dim)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=model_dtype, device=k_codes.device, requires_grad=False
+        )
+
+    def __init__(self, k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt,
+                 side, max_seq_len, group, split_heads, num_splits, model_dtype):  # fmt: skip
+        super().__init__()
+        if side not in _SIDES:
+            raise ValueError(f"side must be one of {_SIDES}, got {side!r}")
+        self.k_codes, self.v_codes, self.meta = k_codes, v_codes, meta
+        self.block_table, self.seq_lens = block_table, seq_lens
+        self.rotation, self.codebooks = rotation, codebooks
+        self.fmt, self.side, self.max_seq_len = fmt, side, max_seq_len
+        self.group, self.split_heads = group, split_heads
+        self.num_splits, self.model_dtype = num_splits, model_dtype
+
+    # ---- construction helpers -------------------------------------------------------------
+
+    def _with(self, **changes) -> TurboQuantKVTensor:
+        """The same cache with some non-tensor attributes changed (no data is copied)."""
+        tensors = [getattr(self, name) for name in self.tensor_data_names]
+        attrs = {name: getattr(self, name) for name in self.tensor_attribute_names}
+        attrs.update(changes)
+        return TurboQuantKVTensor(*tensors, *(attrs[n] for n in self.tensor_attribute_names))
+
+    @property
+    def planes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.k_codes, self.v_codes, self.meta
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dense ``[B, H, S_max, D]`` (this view's logical shape) in ``dtype`` (default: the
+        model's); positions past each sequence's length are zero."""
+        k, v = torch.ops.tq.dequantize(*self.planes, self.block_table, self.seq_lens,
+                                       self.rotation, self.codebooks, self.fmt,
+                                       self.max_seq_len, dtype or self.model_dtype)  # fmt: skip
+        dense = k if self.side == "key" else v
+        if self.split_heads:
+            return dense[:, :, None].expand(self.shape)
+        return dense.repeat_interleave(self.group, dim=1) if self.group > 1 else dense
+
+    def __repr__(self) -> str:
+        return (
+            f"TurboQuantKVTensor(fmt={self.fmt}, side={self.side}, shape={tuple(self.shape)}, "
+            f"dtype={self.dtype}, group={self.group}, pages={self.k_codes.shape[0]}x"
+            f"{self.k_codes.shape[2]}, device={self.device})"
+        )
+
+    def _stable_hash_for_caching(self) -> str:
+        """Deterministic key for AOT autograd caching: the attributes and inner metadata."""
+        inner = [(name, tuple(t.shape), str(t.dtype), tuple(t.stride()), str(t.device))
+                 for name in self.tensor_data_names for t in [getattr(self, name)]]  # fmt: skip
+        attrs = [(name, str(getattr(self, name))) for name in self.tensor_attribute_names]
+        payload = repr((type(self).__qualname__, tuple(self.shape), inner, attrs)).encode()
+        return hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        table = cls._ATEN_OP_TABLE.get(cls, {})
+        if func in table:
+            return table[func](func, types, args, kwargs or {})
+        raise NotImplementedError(
+            f"TurboQuantKVTensor (a compressed KV cache) does not support {func}: it supports "
+            "F.scaled_dot_product_attention, repeat_interleave / unsqueeze / expand / reshape "
+            "of the head dim (GQA), .to(device), detach, clone and .dequantize() (a dense copy)."
+        )
+
+
+implements_torch_function = TurboQuantKVTensor.implements_torch_function
+aten = torch.ops.aten
+
+
+# ---- lazy GQA views -----------------------------------------------------------------------
+
+
+def _unsupported_view(name: str, t: TurboQuantKVTensor, detail: str) -> TypeError:
+    return TypeError(
+        f"TurboQuantKVTensor.{name}: only head repetition for GQA is supported lazily "
+        f"(got {detail} on shape {tuple(t.shape)}); call .dequantize() for a dense tensor"
+    )
+
+
+@implements_torch_function([torch.Tensor.repeat_interleave, torch.repeat_interleave])
+def _repeat_interleave(func, types, args, kwargs):
+    t, repeats = args[0], args[1] if len(args) > 1 else kwargs.get("repeats")
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if t.split_heads or not isinstance(repeats, int) or dim not in (1, -3):
+        raise _unsupported_view("repeat_interleave", t, f"repeats={repeats}, dim={dim}")
+    return t._with(group=t.group * repeats)
+
+
+@implements_torch_function([torch.Tensor.unsqueeze, torch.unsqueeze])
+def _unsqueeze(func, types, args, kwargs):
+    t, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim")
+    if t.split_heads or t.group != 1 or dim not in (2, -3):
+        raise _unsupported_view("unsqueeze", t, f"dim={dim}")
+    return t._with(split_heads=True)
+
+
+@implements_torch_function(torch.Tensor.__getitem__)
+def _getitem(func, types, args, kwargs):
+    t, index = args
+    full = slice(None)
+    if (
+        isinstance(index, tuple)
+        and index[:3] == (full, full, None)
+        and all(i == full or i is Ellipsis for i in index[3:])
+    ):
+        return _unsqueeze(func, types, (t, 2), {})
+    raise _unsupported_view("__getitem__", t, f"index {index!r}")
+
+
+@implements_torch_function(torch.Tensor.expand)
+def _expand(func, types, args, kwargs):
+    t = args[0]
+    sizes = tuple(args[1]) if len(args) == 2 and not isinstance(args[1], int) else args[1:]
+    sizes = tuple(int(s) for s in sizes)
+    want = list(t.shape)
+    if t.split_heads and t.group == 1 and len(sizes) == 5:
+        want[2] = sizes[2]
+        if tuple(s if s != -1 else w for s, w in zip(sizes, want, strict=True)) == tuple(want):
+            return t._with(group=sizes[2])
+    if sizes == tuple(t.shape):
+        return t
+    raise _unsupported_view("expand", t, f"sizes {sizes}")
+
+
+@implements_torch_function([torch.Tensor.reshape, torch.Tensor.view, torch.reshape])
+def _reshape(func, types, args, kwargs):
+    t = args[0]
+    shape = args[1] if len(args) == 2 and not isinstance(args[1], int) else args[1:]
+    shape = tuple(int(s) for s in shape)
+    batch, heads, group, seq, dim = t.shape if t.split_heads else (0, 0, 0, 0, 0)
+    if t.split_heads and shape in ((batch, heads * group, seq, dim), (batch, -1, seq, dim)):
+        return t._with(split_heads=False)
+    if shape == tuple(t.shape):
+        return t
+    raise _unsupported_view(func.__name__, t, f"shape {shape}")
+
+
+# ---- attention ----------------------------------------------------------------------------
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+              "enable_gqa")  # fmt: skip
+_SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+
+
+def _sdpa_arguments(args, kwargs) -> dict:
+    bound = dict(zip(_SDPA_ARGS, _SDPA_DEFAULTS, strict=True))
+    bound.update(zip(_SDPA_ARGS, args, strict=False))
+    bound.update(kwargs)
+    return bound
+
+
+def _check_sdpa(q, k, v, dropout_p, enable_gqa) -> None:
+    if not (isinstance(k, TurboQuantKVTensor) and isinstance(v, TurboQuantKVTensor)):
+        raise TypeError(
+            "scaled_dot_product_attention over a TurboQuantKVTensor needs both key "
+            "and value from one TurboQuantKVCache"
+        )
+    if isinstance(q, TurboQuantKVTensor):
+        raise TypeError("the query must be a dense tensor, not a TurboQuantKVTensor")
+    if (k.side, v.side) != _SIDES or k.fmt != v.fmt or k.shape != v.shape:
+        raise ValueError(
+            f"key and value must be the key and value views of one cache, got {k!r} and {v!r}"
+        )
+    if k.split_heads:
+        raise ValueError(f"the key view {tuple(k.shape)} is 5-D: reshape it to [B, H, S, D]")
+    if q.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"query must be [B, Hq, L, D] matching the cache's [B, H, S, D] = "
+            f"{tuple(k.shape)}, got {tuple(q.shape)}"
+        )
+    if dropout_p:
+        raise ValueError("dropout_p must be 0 with a TurboQuantKVTensor (inference only)")
+    if q.requires_grad:
+        raise ValueError(
+            "TurboQuantKVTensor attention is inference-only: the query requires "
+            "grad (use torch.no_grad())"
+        )
+    heads = k.shape[1]
+    if q.shape[1] != heads and not (enable_gqa and q.shape[1] % heads == 0):
+        raise ValueError(
+            f"query has {q.shape[1]} heads and key {heads}: repeat the key/value "
+            "heads or pass enable_gqa=True (as for dense SDPA)"
+        )
+
+
+def _mask_4d(attn_mask: torch.Tensor) -> torch.Tensor:
+    while attn_mask.dim() < 4:
+        attn_mask = attn_mask[None]
+    return attn_mask
+
+
+@implements_torch_function(F.scaled_dot_product_attention)
+def _scaled_dot_product_attention(func, types, args, kwargs):
+    a = _sdpa_arguments(args, kwargs)
+    q, k, v, attn_mask = a["query"], a["key"], a["value"], a["attn_mask"]
+    _check_sdpa(q, k, v, a["dropout_p"], a["enable_gqa"])
+    head_dim = q.shape[-1]
+    scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(head_dim)
+    if q.shape[2] == 1 and not a["is_causal"]:
+        mask = None
+        if attn_mask is not None:
+            mask = _mask_4d(attn_mask)[:, :, 0, :]  # [B or 1, Hq or 1, S]
+        out = torch.ops.tq.decode(q[:, :, 0, :], *k.planes, k.block_table, k.seq_lens,
+                                  k.rotation, k.codebooks, k.fmt, k.num_splits, scale,
+                                  mask)  # fmt: skip
+        return out[:, :, None, :]
+    # Prefill (or a causal mask on a cache): attention over the dequantized cache, with every
+    # position past a sequence's length masked out.
+    keys, values = k.dequantize(q.dtype), v.dequantize(q.dtype)
+    seq = k.shape[2]
+    visible = torch.arange(seq, device=q.device)[None, :] < k.seq_lens[:, None]
+    visible = visible[:, None, None, :]  # [B, 1, 1, S]
+    if a["is_causal"]:  # top-left aligned, as dense SDPA does
+        causal = torch.ones(q.shape[2], seq, dtype=torch.bool, device=q.device).tril()
+        visible = visible & causal
+    if attn_mask is None:
+        mask = visible
+    elif attn_mask.dtype == torch.bool:
+        mask = visible & _mask_4d(attn_mask)
+    else:
+        mask = torch.where(visible, _mask_4d(attn_mask).to(q.dtype), float("-inf"))
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                          enable_gqa=a["enable_gqa"])  # fmt: skip
+
+
+# ---- .to(): device moves and the logical (model) dtype ---------------------------------------
+
+
+@TurboQuantKVTensor.implements(aten._to_copy.default)
+def _to_copy(func, types, args, kwargs):
+    t = args[0]
+    to = t._get_to_kwargs(*args[1:], **kwargs)
+    if to["dtype"] not in (torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"TurboQuantKVTensor's dtype is the model's (bf16 or fp16), got "
+            f"{to['dtype']}; call .dequantize(dtype) for a dense copy"
+        )
+    tensors = [getattr(t, n).to(to["device"], non_blocking=to["non_blocking"])
+               for n in t.tensor_data_names]  # fmt: skip
+    attrs = [getattr(t, n) if n != "model_dtype" else to["dtype"]
+             for n in t.tensor_attribute_names]  # fmt: skip
+    return TurboQuantKVTensor(*tensors, *attrs)
