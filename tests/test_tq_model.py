@@ -162,13 +162,15 @@ dense sdpa / dequantize calls: 0""",
 def test_reduce_overhead_cuda_graphs_200_steps():
     """On CUDA, torch.compile(mode="reduce-overhead") runs the decode step in CUDA graphs (a
     recorded graph tree, no "skipping cudagraphs") and 200 steps equal eager TQ decoding:
-    identical tokens when both are fed the same token, logits equal to bf16 rounding."""
+    identical tokens when both are fed the same token, logits equal to fp16 rounding."""
     from torch._dynamo.utils import counters
     from torch._inductor.cudagraph_trees import get_manager
 
     prompt_len, steps = 16, 200
-    eager = _model("4bit_nc", device="cuda", max_seq=prompt_len + steps)
-    compiled = _model("4bit_nc", device="cuda", max_seq=prompt_len + steps)
+    # fp16: in bf16, inductor's fused rounding flips a near-tie argmax now and then (seen: 3 of
+    # 200 steps, every logit within 2e-2).
+    eager = _model("4bit_nc", device="cuda", max_seq=prompt_len + steps, dtype=torch.float16)
+    compiled = _model("4bit_nc", device="cuda", max_seq=prompt_len + steps, dtype=torch.float16)
     prompt = _prompt(3, "cuda")[:, :prompt_len]
     tok, _ = prefill(eager, prompt, torch.arange(prompt_len, device="cuda"))
     prefill(compiled, prompt, torch.arange(prompt_len, device="cuda"))

@@ -1,0 +1,141 @@
+"""tq_compile.quantize_ / TurboQuantKVConfig: swapping a model's KV caches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import expecttest
+import pytest
+import torch
+from torchao.quantization import quantize_ as torchao_quantize_
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ is not installed
+from examples.model import (  # noqa: E402
+    KVCache,
+    ModelArgs,
+    Transformer,
+    decode_one_token,
+    init_weights,
+    prefill,
+)
+from tq_compile import TurboQuantKVCache, TurboQuantKVConfig, is_kv_cache, quantize_  # noqa: E402
+
+
+def _model(layers: int = 4) -> Transformer:
+    args = ModelArgs.from_name("tiny")
+    args.n_layer = layers
+    model = init_weights(Transformer(args), seed=0).to(torch.float16)
+    model.setup_caches(2, 64)
+    return model
+
+
+def _cache_types(model: Transformer) -> list[str]:
+    return [type(layer.attention.kv_cache).__name__ for layer in model.layers]
+
+
+def test_swaps_exactly_the_caches_with_same_capacity():
+    """Every KVCache (and nothing else) becomes a TurboQuantKVCache of the same batch, heads,
+    length, head dim, dtype and device."""
+    model = _model()
+    before = {n: type(m) for n, m in model.named_modules() if not is_kv_cache(m)}
+    quantize_(model, TurboQuantKVConfig("k3v4_nc", seed=3))
+    assert _cache_types(model) == ["TurboQuantKVCache"] * 4
+    cache = model.layers[0].attention.kv_cache
+    assert (cache.max_batch_size, cache.k_codes.shape[1], cache.max_seq_length) == (2, 2, 64)
+    assert cache.rotation.shape == (64, 64) and cache.model_dtype == torch.float16
+    assert cache.kv_format.name == "k3v4_nc"
+    after = {n: type(m) for n, m in model.named_modules() if n in before}
+    assert after == before  # linears, norms etc. untouched
+
+
+def test_keep_first_and_last_in_full_precision():
+    model = _model(layers=5)
+    quantize_(model, TurboQuantKVConfig("3bit_nc", keep_first=2, keep_last=1))
+    assert _cache_types(model) == ["KVCache", "KVCache", "TurboQuantKVCache",
+                                   "TurboQuantKVCache", "KVCache"]  # fmt: skip
+
+
+@torch.no_grad()
+def test_quantized_model_compiled_decode_matches_eager():
+    """After quantize_, torch.compile(decode_one_token) (aot_eager) gives eager's tokens and
+    logits over 6 steps."""
+    eager, compiled = _model(), _model()
+    compiled.load_state_dict(eager.state_dict())
+    for m in (eager, compiled):
+        quantize_(m, TurboQuantKVConfig("4bit_nc"))
+    prompt = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    tok_e, _ = prefill(eager, prompt, torch.arange(16))
+    tok_c, _ = prefill(compiled, prompt, torch.arange(16))
+    torch._dynamo.reset()
+    step = torch.compile(decode_one_token, backend="aot_eager", fullgraph=True)
+    for i in range(6):
+        pos = torch.tensor([16 + i])
+        tok_e, logits_e = decode_one_token(eager, tok_e, pos)
+        tok_c, logits_c = step(compiled, tok_c, pos)
+        torch.testing.assert_close(logits_c, logits_e, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+class TestQuantizeErrors(expecttest.TestCase):
+    def test_errors(self):
+        """Matching nothing, unknown presets and torchao's default (Linear) filter are clear."""
+        messages = []
+        no_caches = Transformer(ModelArgs.from_name("tiny"))  # setup_caches not called
+        cases = {
+            "caches not set up": lambda: quantize_(no_caches, TurboQuantKVConfig()),
+            "everything kept": lambda: quantize_(_model(2), TurboQuantKVConfig(keep_first=2)),
+            "unknown preset": lambda: TurboQuantKVConfig("5bit"),
+            "torchao default filter": lambda: torchao_quantize_(_model(2), TurboQuantKVConfig()),
+        }
+        for case, fn in cases.items():
+            with self.assertRaises((ValueError, TypeError)) as ctx:
+                fn()
+            messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
+        self.assertExpectedInline(
+            "\n".join(messages),
+            """\
+caches not set up: ValueError: TurboQuantKVConfig('4bit_nc') matched no KV cache to quantize: 0 module(s) passed the filter and 0 are kept in full precision (keep_first / keep_last). Set the caches up first (gpt-fast: model.setup_caches(...)), or pass a filter_fn that selects them.
+everything kept: ValueError: TurboQuantKVConfig('4bit_nc') matched no KV cache to quantize: 2 module(s) passed the filter and 2 are kept in full precision (keep_first / keep_last). Set the caches up first (gpt-fast: model.setup_caches(...)), or pass a filter_fn that selects them.
+unknown preset: ValueError: unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k3v4_nc', 'k8v4', 'tq4_nc']
+torchao default filter: TypeError: TurboQuantKVConfig applies to KV-cache modules (with k_cache / v_cache buffers [B, Hk, S_max, D]), not Linear: torchao's quantize_ selects nn.Linear layers by default. Call tq_compile.quantize_(model, config), or pass filter_fn=tq_compile.is_kv_cache.""",  # noqa: E501
+        )
+
+
+def test_torchao_quantize_with_the_kv_filter():
+    """torchao's own quantize_ works with filter_fn=is_kv_cache."""
+    model = _model(2)
+    torchao_quantize_(model, TurboQuantKVConfig("k8v4"), filter_fn=is_kv_cache)
+    assert all(isinstance(layer.attention.kv_cache, TurboQuantKVCache) for layer in model.layers)
+    assert not any(isinstance(layer.attention.kv_cache, KVCache) for layer in model.layers)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_cuda_graph_decode_loop_200_steps():
+    """tq_compile.DecodeGraph: 200 replays of one captured step equal the eager step on a twin
+    model, step by step (same token fed to both)."""
+    from examples.model import decode_one_token as step_fn
+    from tq_compile import DecodeGraph
+
+    def build():
+        args = ModelArgs.from_name("tiny")
+        with torch.device("cuda"):
+            model = init_weights(Transformer(args), seed=0).to(torch.float16)
+        model.setup_caches(2, 16 + 200)
+        return quantize_(model, TurboQuantKVConfig("4bit_nc"))
+
+    eager, graphed = build(), build()
+    prompt = torch.randint(0, 256, (2, 16), device="cuda")
+    token, _ = prefill(eager, prompt, torch.arange(16, device="cuda"))
+    prefill(graphed, prompt, torch.arange(16, device="cuda"))
+    pos = torch.tensor([16], device="cuda")
+    graph = DecodeGraph(step_fn, graphed, token, pos)
+    assert graph.graph is not None
+    for _ in range(200):
+        expected_token, expected_logits = step_fn(eager, token, pos)
+        graph_token, graph_logits = graph(token, pos)
+        torch.testing.assert_close(graph_logits, expected_logits, rtol=0, atol=0)
+        assert torch.equal(graph_token, expected_token)
+        token = expected_token.clone()
+        pos += 1
