@@ -1,8 +1,9 @@
 """End-to-end decode speed of the example model: TurboQuant caches vs the bf16 cache.
 
 For each cache format, batch size and context length: the example model (``examples/model.py``,
-random weights, default the ~1B ``1b-shape``: 16 layers, Hq=32, Hk=8, D=128) gets caches
-holding ``context`` random tokens per sequence, its decode step is compiled with
+random weights, default the ~1B ``1b-shape``: 16 layers, Hq=32, Hk=8, D=128) gets caches of
+``context`` slots per sequence holding ``context - steps - 4`` random tokens, so the timed steps
+attend to about ``context`` tokens; its decode step is compiled with
 ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs), and ``--steps`` steps
 are timed with CUDA events after warm-up. Reports ms per step, tokens/s (batch / step time),
 KV-cache bytes, speed-up over bf16 in the same run, and the largest context per sequence whose
@@ -89,11 +90,13 @@ def run(args) -> dict:
             base_ms = None
             for fmt in args.formats:
                 factory = None if fmt == "bf16" else functools.partial(TurboQuantKVCache, fmt=fmt)
-                model.setup_caches(batch, context + args.steps + 8, cache_factory=factory)
-                fill_caches(model, batch, context, torch.Generator("cuda").manual_seed(1))
-                ms = time_decode(model, batch, context, args.steps)
+                # caches of `context` slots, filled so that the timed steps end near the top
+                model.setup_caches(batch, context, cache_factory=factory)
+                filled = context - args.steps - 4
+                fill_caches(model, batch, filled, torch.Generator("cuda").manual_seed(1))
+                ms = time_decode(model, batch, filled, args.steps)
                 nbytes = kv_bytes(model)
-                per_token = nbytes / (batch * (context + args.steps + 8))
+                per_token = nbytes / (batch * context)
                 base_ms = ms if fmt == "bf16" else base_ms
                 rows.append(dict(
                     batch=batch, context=context, format=fmt, ms=ms, tok_s=batch / ms * 1e3,

@@ -161,14 +161,14 @@ dense sdpa / dequantize calls: 0""",
 @torch.no_grad()
 def test_reduce_overhead_cuda_graphs_200_steps():
     """On CUDA, torch.compile(mode="reduce-overhead") runs the decode step in CUDA graphs (a
-    recorded graph tree, no "skipping cudagraphs") and 200 steps equal eager TQ decoding:
-    identical tokens when both are fed the same token, logits equal to fp16 rounding."""
+    recorded graph tree, no "skipping cudagraphs") and 200 steps equal eager TQ decoding, both
+    fed the same token: logits to fp16 rounding (2e-2) at every step, and the same next token
+    wherever eager's top two logits are further apart than that (inductor's fused kernels
+    round differently, so a near-tie may flip; seen: 1 of 200 steps)."""
     from torch._dynamo.utils import counters
     from torch._inductor.cudagraph_trees import get_manager
 
-    prompt_len, steps = 16, 200
-    # fp16: in bf16, inductor's fused rounding flips a near-tie argmax now and then (seen: 3 of
-    # 200 steps, every logit within 2e-2).
+    prompt_len, steps, tol = 16, 200, 2e-2
     eager = _model("4bit_nc", device="cuda", max_seq=prompt_len + steps, dtype=torch.float16)
     compiled = _model("4bit_nc", device="cuda", max_seq=prompt_len + steps, dtype=torch.float16)
     prompt = _prompt(3, "cuda")[:, :prompt_len]
@@ -177,15 +177,15 @@ def test_reduce_overhead_cuda_graphs_200_steps():
     torch._dynamo.reset()
     counters.clear()
     step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-    agree = 0
     for i in range(steps):
         pos = torch.tensor([prompt_len + i], device="cuda")
         next_eager, logits_eager = decode_one_token(eager, tok, pos)
         next_compiled, logits_compiled = step(compiled, tok, pos)
-        torch.testing.assert_close(logits_compiled, logits_eager, rtol=2e-2, atol=2e-2)
-        agree += int(torch.equal(next_compiled, next_eager))
+        torch.testing.assert_close(logits_compiled, logits_eager, rtol=tol, atol=tol)
+        top2 = logits_eager.float().topk(2, dim=-1).values
+        decided = (top2[:, 0] - top2[:, 1]) > 2 * tol
+        assert torch.equal(next_compiled[decided], next_eager[decided]), f"step {i}"
         tok = next_eager.clone()
-    assert agree == steps
     assert counters["inductor"]["cudagraph_skips"] == 0
     manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     assert manager is not None and any(manager.roots.values()), "no CUDA graph was recorded"
