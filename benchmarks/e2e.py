@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -118,6 +119,36 @@ def run(args) -> dict:
     return dict(gpu=gpu_name(), preset=args.preset, kv_budget_gb=args.kv_budget_gb, rows=rows)
 
 
+def plot(payload: dict, path: Path) -> None:
+    """Tokens/s per (batch, context) cell, one bar per cache format."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["rows"]
+    cells = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
+    formats = list(dict.fromkeys(r["format"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(formats)
+    for i, fmt in enumerate(formats):
+        rate = {(r["batch"], r["context"]): r["tok_s"] for r in rows if r["format"] == fmt}
+        xs = [j + i * width for j in range(len(cells))]
+        bars = ax.bar(xs, [rate.get(c, 0) for c in cells], width, label=fmt)
+        if fmt != "bf16":
+            speed = {(r["batch"], r["context"]): r["speedup"] for r in rows if r["format"] == fmt}
+            ax.bar_label(bars, [f"{speed[c]:.1f}x" for c in cells], fontsize=7)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))],
+                  [f"B={b}, {c // 1024}K ctx" for b, c in cells])  # fmt: skip
+    ax.set_ylabel("decode tokens/s")
+    ax.set_yscale("log")
+    ax.set_title(f"{payload['preset']} decode (reduce-overhead) on {payload['gpu']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="1b-shape")
@@ -127,9 +158,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--kv-budget-gb", type=float, default=40.0)
     parser.add_argument("--out", default="e2e.json")
+    parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
     args = parser.parse_args()
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
     require_cuda("benchmarks/e2e.py")
-    print(f"wrote {write_json(args.out, run(args))}")
+    payload = run(args)
+    path = write_json(args.out, payload)
+    print(f"wrote {path}")
+    try:
+        plot(payload, path.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib not installed: no PNG (python benchmarks/e2e.py --plot JSON later)")
 
 
 if __name__ == "__main__":
