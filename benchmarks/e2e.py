@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import gpu_name, print_table, require_cuda, write_json  # noqa: E402
 
 from examples.model import ModelArgs, Transformer, decode_one_token, init_weights  # noqa: E402
-from tq_compile import TurboQuantKVCache  # noqa: E402
+from tq_compile import TurboQuantKVCache, kv_cache_nbytes  # noqa: E402
 
 FILL_CHUNK = 2048
 
@@ -46,17 +46,6 @@ def fill_caches(model: Transformer, batch: int, context: int, gen: torch.Generat
             k = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
             v = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
             cache.update(torch.arange(start, start + n, device="cuda"), k, v)
-
-
-def kv_bytes(model: Transformer) -> int:
-    total = 0
-    for layer in model.layers:
-        cache = layer.attention.kv_cache
-        if isinstance(cache, TurboQuantKVCache):
-            total += cache.nbytes()
-        else:
-            total += sum(b.numel() * b.element_size() for b in (cache.k_cache, cache.v_cache))
-    return total
 
 
 @torch.no_grad()
@@ -96,7 +85,7 @@ def run(args) -> dict:
                 filled = context - args.steps - 4
                 fill_caches(model, batch, filled, torch.Generator("cuda").manual_seed(1))
                 ms = time_decode(model, batch, filled, args.steps)
-                nbytes = kv_bytes(model)
+                nbytes = kv_cache_nbytes(model)
                 per_token = nbytes / (batch * context)
                 base_ms = ms if fmt == "bf16" else base_ms
                 rows.append(dict(

@@ -33,18 +33,7 @@ from examples.model import (  # noqa: E402
     init_weights,
     prefill,
 )
-from tq_compile import TurboQuantKVCache, TurboQuantKVConfig, quantize_  # noqa: E402
-
-
-def kv_bytes(model: Transformer) -> int:
-    total = 0
-    for layer in model.layers:
-        cache = layer.attention.kv_cache
-        if isinstance(cache, TurboQuantKVCache):
-            total += cache.nbytes()
-        else:
-            total += sum(b.numel() * b.element_size() for b in (cache.k_cache, cache.v_cache))
-    return total
+from tq_compile import TurboQuantKVConfig, kv_cache_nbytes, quantize_  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -114,14 +103,14 @@ def main() -> None:
 
     print("bf16 cache (reference):")
     model.setup_caches(args.batch, max_seq)
-    dense_bytes = kv_bytes(model)
+    dense_bytes = kv_cache_nbytes(model)
     steps = args.new_tokens
     fed, reference, bf16_rate = decode(model, compiled(), prompt, steps, device, "bf16 decode")
 
     print(f"TurboQuant {args.format} cache:")
     model.setup_caches(args.batch, max_seq)
     quantize_(model, TurboQuantKVConfig(args.format))
-    tq_bytes = kv_bytes(model)
+    tq_bytes = kv_cache_nbytes(model)
     label = f"{args.format} decode"
     _, predicted, tq_rate = decode(model, compiled(), prompt, steps, device, label, inputs=fed)
     agreement = (predicted == reference).float().mean().item()

@@ -139,3 +139,14 @@ def test_cuda_graph_decode_loop_200_steps():
         assert torch.equal(graph_token, expected_token)
         token = expected_token.clone()
         pos += 1
+
+
+def test_kv_cache_nbytes_before_and_after():
+    """kv_cache_nbytes counts dense k_cache/v_cache buffers, then the quantized planes."""
+    from tq_compile import kv_cache_nbytes
+
+    model = _model(layers=2)  # B=2, Hk=2, S=64, D=64, fp16 caches
+    assert kv_cache_nbytes(model) == 2 * 2 * (2 * 2 * 64 * 64 * 2)
+    quantize_(model, TurboQuantKVConfig("4bit_nc"))
+    expected = sum(layer.attention.kv_cache.nbytes() for layer in model.layers)
+    assert kv_cache_nbytes(model) == expected == 2 * 2 * 2 * 64 * 70

@@ -24,7 +24,7 @@ from custom_ops import api
 from custom_ops.formats import get_format
 from tq_compile.kv_tensor import TurboQuantKVTensor
 
-__all__ = ["TurboQuantKVCache"]
+__all__ = ["TurboQuantKVCache", "kv_cache_nbytes"]
 
 _BITS = {2: torch.int16, 4: torch.int32}
 
@@ -160,3 +160,18 @@ class TurboQuantKVCache(nn.Module):
         return (f"fmt={self.kv_format.name}, batch={self.max_batch_size}, "
                 f"max_seq_length={self.max_seq_length}, page_size={self.page_size}, "
                 f"num_splits={self.num_splits}")  # fmt: skip
+
+
+def kv_cache_nbytes(model: nn.Module) -> int:
+    """Bytes held by every KV cache of ``model``: TurboQuant caches' planes, and the ``k_cache``
+    / ``v_cache`` buffers of dense (gpt-fast style) ones."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, TurboQuantKVCache):
+            total += module.nbytes()
+        else:
+            buffers = dict(module.named_buffers(recurse=False))
+            for name in ("k_cache", "v_cache"):
+                if isinstance(buffers.get(name), torch.Tensor):
+                    total += buffers[name].numel() * buffers[name].element_size()
+    return total
