@@ -299,19 +299,17 @@ def attention(
     valid = torch.arange(seq, device=k.device)[None, :] < seq_lens.to(k.device)[:, None]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     if mask is not None:
-        full = torch.zeros(mask.shape[0], mask.shape[1], seq, dtype=scores.dtype)
+        # [B or 1, Hq or 1, M] -> additive [B, Hq, S]; positions >= M are masked out
+        pad = max(0, seq - mask.shape[-1])
         if mask.dtype == torch.bool:
-            full = full.masked_fill(
-                ~torch.nn.functional.pad(mask.cpu(), (0, max(0, seq - mask.shape[-1])))[..., :seq],
-                float("-inf"),
-            )
+            allowed = torch.nn.functional.pad(mask, (0, pad))[..., :seq]
+            bias = torch.zeros_like(allowed, dtype=scores.dtype)
+            bias = bias.masked_fill(~allowed, float("-inf"))
         else:
-            padded = torch.nn.functional.pad(
-                mask.cpu().to(scores.dtype), (0, max(0, seq - mask.shape[-1])), value=float("-inf")
-            )
-            full = full + padded[..., :seq]
-        full = full.to(k.device).expand(batch, num_q_heads, seq)
-        scores = scores + full.reshape(batch, num_kv_heads, group, seq)
+            bias = torch.nn.functional.pad(mask.to(scores.dtype), (0, pad), value=float("-inf"))
+            bias = bias[..., :seq]
+        bias = bias.to(k.device).expand(batch, num_q_heads, seq)
+        scores = scores + bias.reshape(batch, num_kv_heads, group, seq)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhgs,bhsd->bhgd", probs, v)
     return out.reshape(batch, num_q_heads, head_dim)
