@@ -85,24 +85,6 @@ def _store_fake(key, value, k_codes, v_codes, meta, slot_mapping, rotation, code
     )
 
 
-def _check_dequantize(
-    k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len, dtype
-):
-    op = "dequantize"
-    kv_format = validate.check_format(op, fmt)
-    head_dim = rotation.shape[0] if rotation.dim() == 2 else -1
-    validate.check_head_dim(op, head_dim)
-    cache = PagedKVCache(k_codes, v_codes, meta)
-    validate.check_cache(op, kv_format, cache, head_dim)
-    validate.check_constants(op, rotation, codebooks, head_dim, k_codes.device)
-    validate.check_block_table(op, cache, block_table, seq_lens, max_seq_len)
-    if dtype not in validate.OUTPUT_DTYPES:
-        raise TypeError(
-            f"tq.dequantize: dtype must be one of {validate.OUTPUT_DTYPES}, got {dtype}"
-        )
-    return kv_format, cache, head_dim
-
-
 @torch.library.custom_op("tq::dequantize", mutates_args=())
 def dequantize(
     k_codes: torch.Tensor,
@@ -126,7 +108,7 @@ def dequantize(
         max_seq_len: static length S of the output (at most ``max_pages * page_size``).
         dtype: output dtype (bf16, fp16, fp32 or fp64).
     """
-    kv_format, cache, _ = _check_dequantize(
+    kv_format, cache, _ = validate.check_dequantize(
         k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len, dtype
     )
     impl = triton_dequant.dequantize if _use_triton(k_codes.device) else reference.dequantize
@@ -137,7 +119,7 @@ def dequantize(
 def _dequantize_fake(
     k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len, dtype
 ):
-    _, _, head_dim = _check_dequantize(
+    _, _, head_dim = validate.check_dequantize(
         k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len, dtype
     )
     shape = (block_table.shape[0], k_codes.shape[1], max_seq_len, head_dim)

@@ -211,6 +211,23 @@ def check_block_table(
         )
 
 
+def check_dequantize(
+    k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len, dtype
+) -> tuple[KVFormat, PagedKVCache, int]:
+    """Checks of ``tq.dequantize``; returns the format, the cache and the head dim."""
+    op = "dequantize"
+    kv_format = check_format(op, fmt)
+    head_dim = rotation.shape[0] if rotation.dim() == 2 else -1
+    check_head_dim(op, head_dim)
+    cache = PagedKVCache(k_codes, v_codes, meta)
+    check_cache(op, kv_format, cache, head_dim)
+    check_constants(op, rotation, codebooks, head_dim, k_codes.device)
+    check_block_table(op, cache, block_table, seq_lens, max_seq_len)
+    if dtype not in OUTPUT_DTYPES:
+        _fail(op, f"dtype must be one of {OUTPUT_DTYPES}, got {dtype}", TypeError)
+    return kv_format, cache, head_dim
+
+
 def check_decode(
     fmt_name: str,
     q: torch.Tensor,

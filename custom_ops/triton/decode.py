@@ -390,13 +390,11 @@ def _side_constexprs(prefix: str, fmt: KVFormat, side: str, head_dim: int) -> di
 
 def _split_launch(
     fmt,
-    q_code,
+    q,
     cache,
     block_table,
     seq_lens,
     codebooks,
-    part_out,
-    part_lse,
     num_splits,
     block_n,
     fast,
@@ -404,10 +402,11 @@ def _split_launch(
     num_stages,
     mask=None,
 ):
-    """Grid, positional and keyword arguments of ``_split_kernel``."""
-    batch, num_q_heads, _ = q_code.shape
+    """Buffers ``(q_code, part_out, part_lse)`` and the grid, positional and keyword arguments of
+    ``_split_kernel`` for query ``q [B, Hq, D]``."""
+    q_code, part_out, part_lse = _buffers(fmt, q, num_splits)
+    batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
-    head_dim = part_out.shape[-1]
     group = num_q_heads // num_kv_heads
     grid = (num_splits, num_kv_heads, batch)
     if mask is None:
@@ -442,7 +441,7 @@ def _split_launch(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return grid, args, kwargs
+    return (q_code, part_out, part_lse), grid, args, kwargs
 
 
 def _buffers(fmt, q, num_splits):
@@ -483,7 +482,11 @@ def decode(
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    q_code, part_out, part_lse = _buffers(fmt, q, num_splits)
+    fast = q.device.type == "cuda" if fast is None else fast
+    (q_code, part_out, part_lse), grid, args, kwargs = _split_launch(
+        fmt, q, cache, block_table, seq_lens, codebooks, num_splits, block_n, fast, num_warps,
+        num_stages, mask,
+    )  # fmt: skip
     parts, chunk, chunk_pad = _part_params(fmt.key, head_dim)
     inv_sqrt_d = 1.0 / math.sqrt(head_dim)
     d_pad = triton.next_power_of_2(head_dim)
@@ -492,23 +495,6 @@ def decode(
         ROTATE=fmt.key.rotated, D=head_dim, D_PAD=d_pad, INV_SQRT_D=inv_sqrt_d,
         PARTS=parts, PC=chunk, PC_PAD=chunk_pad,
     )  # fmt: skip
-    fast = q.device.type == "cuda" if fast is None else fast
-    grid, args, kwargs = _split_launch(
-        fmt,
-        q_code,
-        cache,
-        block_table,
-        seq_lens,
-        codebooks,
-        part_out,
-        part_lse,
-        num_splits,
-        block_n,
-        fast,
-        num_warps,
-        num_stages,
-        mask,
-    )
     _split_kernel[grid](*args, **kwargs)
     _merge_kernel[(batch * num_q_heads,)](
         part_out, part_lse, rotation, out, NUM_SPLITS=num_splits, ROTATE_BACK=fmt.value.rotated,
@@ -533,20 +519,8 @@ def compile_split_kernel(
 ):
     """Compile (not launch) the split kernel for these inputs through ``compile_fn(kernel, grid,
     *args, **kwargs)``; used by ``benchmarks/sass_report.py`` to inspect its SASS."""
-    q_code, part_out, part_lse = _buffers(fmt, q, num_splits)
-    grid, args, kwargs = _split_launch(
-        fmt,
-        q_code,
-        cache,
-        block_table,
-        seq_lens,
-        codebooks,
-        part_out,
-        part_lse,
-        num_splits,
-        block_n,
-        fast,
-        num_warps,
+    _, grid, args, kwargs = _split_launch(
+        fmt, q, cache, block_table, seq_lens, codebooks, num_splits, block_n, fast, num_warps,
         num_stages,
-    )
+    )  # fmt: skip
     return compile_fn(_split_kernel, grid, *args, **kwargs)
