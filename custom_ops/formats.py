@@ -13,7 +13,8 @@ decode kernel (one program per (sequence, kv-head, split)) streams.
 
 Codes of ``b`` bits are split into *bit planes* stored one after the other in the row: 8 and 4
 bits are one plane, 3 bits are a 2-bit plane (the low bits) followed by a 1-bit plane (the top
-bit, which is the sign of a sign-magnitude code), 2 and 1 bits one plane. Inside a plane of
+bit, which is the sign of a sign-magnitude code), 2 and 1 bits one plane (a 2-bit Lloyd-Max
+code is the sign in bit 1 and the magnitude in bit 0). Inside a plane of
 ``w`` bits (``n = D * w / 8`` bytes) the elements are **strided**: element ``e`` sits in byte
 ``e % n`` at bit ``w * (e // n)``. So byte ``j`` of a 4-bit plane holds element ``j`` in its low
 nibble and element ``j + D/2`` in its high nibble: one shift (or mask) of a whole row of bytes
@@ -229,6 +230,10 @@ FORMATS: dict[str, KVFormat] = {
         KVFormat("fp8", Codec(Kind.FP8_ABSMAX, 8), Codec(Kind.FP8_ABSMAX, 8), torch.float32),
         # turboquant-vllm's TQ4: Lloyd-Max keys and rotated Lloyd-Max values, 4 bits each.
         KVFormat("tq4_nc", Codec(_LM, 4, True), Codec(_LM, 4, True), _F16),
+        # 2-bit Lloyd-Max keys (sign + one magnitude bit) with 2- or 4-bit uniform values: too
+        # lossy alone, usable with a full-precision recent window (see TurboQuantKVCache).
+        KVFormat("k2v2_nc", Codec(_LM, 2, True), Codec(Kind.UNIFORM, 2), _F16),
+        KVFormat("k2v4_nc", Codec(_LM, 2, True), Codec(Kind.UNIFORM, 4), _F16),
     )
 }
 

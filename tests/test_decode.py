@@ -61,7 +61,7 @@ def test_kernel_matches_float64_attention(fmt_name, group, kernel_device, seeded
 
 
 @pytest.mark.parametrize("head_dim", [80, 96, 128, 256])
-@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k8v4", "tq4_nc"])
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k8v4", "tq4_nc", "k2v2_nc"])
 def test_kernel_head_dims(fmt_name, head_dim, kernel_device, seeded):
     """Head dims 80, 96 (padded tiles), 128 and 256 against float64 attention."""
     fmt, consts, cache, table, lens, q = _case(fmt_name, head_dim, 4, seeded)
@@ -91,6 +91,8 @@ QUANTIZATION_ERROR = {
     "int8": 0.085,
     "fp8": 0.075,
     "tq4_nc": 0.26,
+    "k2v2_nc": 1.17,
+    "k2v4_nc": 0.95,
 }
 
 
@@ -113,7 +115,7 @@ def test_error_against_unquantized_attention(fmt_name, seeded):
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc", "int8", "tq4_nc"])
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc", "int8", "tq4_nc", "k2v4_nc"])
 def test_opcheck_decode(fmt_name, impl, kernel_device, seeded):
     """opcheck (schema, fake tensor, aot dispatch) for tq.decode."""
     device = "cpu" if impl == "reference" else kernel_device

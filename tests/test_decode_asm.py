@@ -7,7 +7,15 @@ import torch
 from ptx_emulator import run
 
 from custom_ops.codebook import signed_levels
-from custom_ops.triton.decode_asm import INT8_ASM, UINT3_ASM, UINT4_ASM, lut3_asm, lut4_asm
+from custom_ops.formats import Codec, Kind
+from custom_ops.triton.decode_asm import (
+    INT8_ASM,
+    UINT3_ASM,
+    UINT4_ASM,
+    decode_asm,
+    lut3_asm,
+    lut4_asm,
+)
 
 
 def _fp16_pair(word: int) -> list[float]:
@@ -76,6 +84,20 @@ def test_uint3_asm(seeded):
         outputs = _outputs(UINT3_ASM, {8: plane_word, 9: sign_word}, 4)
         for quarter, values in enumerate(outputs):
             assert values == [float(c) for c in _codes3(plane_word, sign_word, quarter)]
+
+
+@pytest.mark.parametrize("kind", [Kind.LLOYD_MAX, Kind.UNIFORM])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_lut2_asm(kind, head_dim, seeded):
+    """Every quarter's 2-bit code (bits 2q of each byte) becomes its fp16 value: the signed
+    Lloyd-Max level of a sign-magnitude code, or the integer of a uniform code."""
+    table = signed_levels(2, head_dim) if kind == Kind.LLOYD_MAX else torch.arange(4.0)
+    asm = decode_asm(Codec(kind, 2), head_dim)
+    for word in _random_words(seeded, [0, 0xFFFFFFFF, 0xE4E4E4E4, 0x1B1B1B1B]):
+        outputs = _outputs(asm, {8: word}, 4)
+        for quarter, values in enumerate(outputs):
+            codes = [(b >> (2 * quarter)) & 3 for b in _bytes(word)]
+            assert values == [table[c].item() for c in codes]
 
 
 def test_int8_asm(seeded):

@@ -17,8 +17,8 @@ Three launches with shapes fixed by the inputs (CUDA-graph safe, no host sync):
 
 Parts: the bit planes of :mod:`custom_ops.formats` are strided, so shifting a row of code bytes
 yields a *contiguous part* of the head dim: 4-bit codes give two halves (low / high nibbles),
-3-bit codes four quarters, 8-bit codes one part. Each part is decoded straight into its own
-``tl.dot`` operand and multiplied with the matching part of the query: nothing is shuffled. On
+3- and 2-bit codes four quarters, 8-bit codes one part. Each part is decoded straight into its
+own ``tl.dot`` operand and multiplied with the matching part of the query: nothing is shuffled. On
 the GPU the parts are decoded by inline PTX (:mod:`custom_ops.triton.decode_asm`); under the
 interpreter, which cannot run PTX, the same kernel decodes with plain Triton.
 """
@@ -140,6 +140,22 @@ def _load_parts(
             p1 = _values(((plane >> 2) & 3) | (signs & 4), levels_ptr, KIND)
             p2 = _values(((plane >> 4) & 3) | ((signs >> 2) & 4), levels_ptr, KIND)
             p3 = _values(((plane >> 6) & 3) | ((signs >> 4) & 4), levels_ptr, KIND)
+    elif BITS == 2:
+        # byte j holds element j + q*D/4 at bits 2q
+        if ASM != "":
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                ASM,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r",
+                [plane],
+                dtype=(tl.float16,) * 4,
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            p0 = _values(plane & 3, levels_ptr, KIND)
+            p1 = _values((plane >> 2) & 3, levels_ptr, KIND)
+            p2 = _values((plane >> 4) & 3, levels_ptr, KIND)
+            p3 = _values(plane >> 6, levels_ptr, KIND)
     else:
         if ASM != "":
             p0 = tl.inline_asm_elementwise(

@@ -15,6 +15,9 @@ following the strided bit planes of :mod:`custom_ops.formats`:
   which the kernel re-reads as a *sign tile* whose byte ``j`` holds element ``j + q D/4``'s top
   bit at bit ``2q``. Inputs ``$8`` (2-bit plane bytes), ``$9`` (sign tile bytes); outputs
   ``$2q $2q+1`` for quarter ``q``.
+* 2 bits, one plane: bits ``2q`` of byte ``j`` = element ``j + q D/4``. Input ``$8``; outputs
+  ``$2q $2q+1`` for quarter ``q``. A 4-entry fp16 table covers every code, so Lloyd-Max and
+  uniform codes share one string (``lut2_asm``) with different tables.
 
 Lloyd-Max codes are sign-magnitude: ``prmt`` looks the fp16 magnitudes up in registers (byte
 tables indexed by each code's magnitude bits) and ``lop3`` ors the sign into bit 15. Uniform
@@ -33,6 +36,7 @@ __all__ = [
     "decode_asm",
     "lut4_asm",
     "lut3_asm",
+    "lut2_asm",
     "UINT4_ASM",
     "UINT3_ASM",
     "INT8_ASM",
@@ -114,13 +118,26 @@ def _shift(dst: str, src: str, left: int) -> str:
     return f"mov.b32 {dst}, {src};"
 
 
+def _quarter_lookup(q: int) -> list[str]:
+    """Outputs ``$2q $2q+1`` = entries of the 4 x fp16 table ``tab0:tab1`` selected by bits
+    ``2q, 2q+1`` of each byte of ``$8``: entry ``c`` is bytes ``2c, 2c+1``, so the selector
+    nibble pair is ``c * 0x22 + 0x10``, computed for 4 bytes at once by one ``mad``."""
+    return [
+        _shift("m", "$8", -2 * q),
+        "and.b32 m, m, 0x03030303;",
+        "mad.lo.u32 p, m, 0x22, 0x10101010;",
+        f"prmt.b32 ${2 * q}, tab0, tab1, p;",
+        "shr.b32 p, p, 16;",
+        f"prmt.b32 ${2 * q + 1}, tab0, tab1, p;",
+    ]
+
+
 def lut3_asm(levels: torch.Tensor) -> str:
     """3-bit sign-magnitude Lloyd-Max codes -> fp16 levels (``levels``: ``[8]`` signed).
 
-    The 4 magnitudes fill one 8-byte table, so a magnitude ``m`` selects bytes ``2m, 2m+1``:
-    ``m * 0x22 + 0x10`` is the selector nibble pair, computed for 4 bytes at once by one
-    ``mad``. ``sl`` / ``sh`` move the sign bytes of ``j, j+1`` / ``j+2, j+3`` under bits 15 and
-    31 (up to the quarter's shift).
+    The 4 magnitudes fill one 8-byte table looked up by :func:`_quarter_lookup`; ``sl`` / ``sh``
+    move the sign bytes of ``j, j+1`` / ``j+2, j+3`` under bits 15 and 31 (up to the quarter's
+    shift).
     """
     mags = _fp16_bits(levels[:4])
     lines = [
@@ -133,13 +150,8 @@ def lut3_asm(levels: torch.Tensor) -> str:
     ]
     for q in range(4):
         lo, hi = f"${2 * q}", f"${2 * q + 1}"
+        lines += _quarter_lookup(q)
         lines += [
-            _shift("m", "$8", -2 * q),
-            "and.b32 m, m, 0x03030303;",
-            "mad.lo.u32 p, m, 0x22, 0x10101010;",
-            f"prmt.b32 {lo}, tab0, tab1, p;",
-            "shr.b32 p, p, 16;",
-            f"prmt.b32 {hi}, tab0, tab1, p;",
             f"shl.b32 t, sl, {7 - 2 * q};",
             f"lop3.b32 {lo}, {lo}, t, 0x80008000, {_A_OR_B_AND_C:#x};",
             f"shl.b32 t, sh, {7 - 2 * q};",
@@ -173,6 +185,25 @@ def _uint3_asm() -> str:
 
 UINT3_ASM = _uint3_asm()
 
+
+def lut2_asm(table: torch.Tensor) -> str:
+    """2-bit codes -> fp16 ``table[code]`` (``table``: ``[4]``; the signed levels of
+    sign-magnitude Lloyd-Max codes, or 0, 1, 2, 3 for uniform codes).
+
+    The 4 entries fill one 8-byte table looked up by :func:`_quarter_lookup`.
+    """
+    entries = _fp16_bits(table)
+    lines = [
+        "{",
+        ".reg .b32 tab0, tab1, m, p;",
+        f"mov.b32 tab0, {entries[0] | entries[1] << 16:#010x};",
+        f"mov.b32 tab1, {entries[2] | entries[3] << 16:#010x};",
+    ]
+    for q in range(4):
+        lines += _quarter_lookup(q)
+    return "\n".join([*lines, "}"])
+
+
 # int8 -> exact fp16: each byte, sign bit flipped, goes under an 0x64 high byte (1024 + 128 +
 # value, since flipping the sign bit of two's complement adds 128), then 1152 (0x6480) is
 # subtracted.
@@ -190,16 +221,21 @@ sub.rn.f16x2 $1, $1, magic;
 
 def parts_of(codec: Codec) -> int:
     """How many contiguous parts of the head dim the decode kernel splits a side into: one
-    ``tl.dot`` per part, each fed straight from the bit planes (2 for 4 bits, 4 for 3 bits)."""
-    return {4: 2, 3: 4}.get(codec.bits, 1)
+    ``tl.dot`` per part, each fed straight from the bit planes (2 for 4 bits, 4 for 3 and 2
+    bits)."""
+    return {4: 2, 3: 4, 2: 4}.get(codec.bits, 1)
 
 
 def decode_asm(codec: Codec, head_dim: int) -> str:
     """The inline PTX that decodes one side on the GPU ("" where plain Triton is used)."""
     if codec.kind == Kind.INT8_ABSMAX:
         return INT8_ASM
-    if codec.bits not in (3, 4):
+    if codec.bits not in (2, 3, 4):
         return ""
+    if codec.bits == 2:
+        if codec.kind == Kind.UNIFORM:
+            return lut2_asm(torch.arange(4, dtype=torch.float32))
+        return lut2_asm(signed_levels(2, head_dim))
     if codec.kind == Kind.UNIFORM:
         return UINT4_ASM if codec.bits == 4 else UINT3_ASM
     builder = lut4_asm if codec.bits == 4 else lut3_asm
