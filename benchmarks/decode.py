@@ -5,6 +5,8 @@ Shapes (Hq=32, Hk=8, D=128, page 16): B x S in {1 x 131072, 4 x 32768, 16 x 8192
 microseconds, effective bandwidth on the compressed bytes, its ratio to the device's copy
 bandwidth measured in the same run, and the speed-up over
 ``F.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` on bf16 K/V of the same shape.
+Each format is also timed with a recent window (``--windows``, default 0 and 128: the last W of
+the S tokens read from bf16 rings), and ``vs_window0`` is window 0's time over this one's.
 
 Timing: each op is captured in a CUDA graph that calls it on R different copies of its inputs
 (R chosen so the copies total >= 256 MiB, several times the L2), and one replay's time is divided
@@ -104,12 +106,33 @@ def tq_inputs(fmt, batch: int, seq: int) -> list:
     return inputs
 
 
-def tq_time(fmt, inputs, num_splits: int, **kernel_args) -> float:
+def window_rings(inputs, window: int) -> list:
+    """Per replica: ``(k_window, v_window)`` bf16 ``[B, Hk, W, D]`` rings (``(None, None)``
+    for window 0). The cache's last ``W`` positions are then read from them instead."""
+    rings = []
+    for q, *_ in inputs:
+        shape = (q.shape[0], NUM_KV_HEADS, window, HEAD_DIM)
+        ring = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        rings.append(tuple(ring) if window else (None, None))
+    return rings
+
+
+def tq_time(fmt, inputs, rings, num_splits: int, **kernel_args) -> float:
     calls = [
-        lambda q=q, c=cache, k=consts, t=table, s=lens: triton_decode.decode(
-            fmt, q, c, t, s, *k, num_splits=num_splits, scale=HEAD_DIM**-0.5, **kernel_args
+        lambda q=q, c=cache, k=consts, t=table, s=lens, r=ring: triton_decode.decode(
+            fmt,
+            q,
+            c,
+            t,
+            s,
+            *k,
+            num_splits=num_splits,
+            scale=HEAD_DIM**-0.5,
+            k_window=r[0],
+            v_window=r[1],
+            **kernel_args,
         )
-        for q, cache, consts, table, lens in inputs
+        for (q, cache, consts, table, lens), ring in zip(inputs, rings, strict=True)
     ]
     return time_graph(calls)
 
@@ -128,7 +151,7 @@ SWEEP = [
 ]
 
 
-def run(formats, shapes, sweep: bool) -> dict:
+def run(formats, shapes, sweep: bool, windows=(0,)) -> dict:
     copy_bw = copy_bandwidth()
     print(f"{gpu_name()}: copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
     rows = []
@@ -143,6 +166,8 @@ def run(formats, shapes, sweep: bool) -> dict:
                 tb_s=bf16_bytes / base_us / 1e6,
                 copy_pct=100 * bf16_bytes / base_us / 1e-6 / copy_bw,
                 speedup=1.0,
+                window=0,
+                vs_window0=1.0,
                 splits=0,
                 config="",
             )
@@ -159,12 +184,18 @@ def run(formats, shapes, sweep: bool) -> dict:
                     for bn, w, st in SWEEP
                 ]
                 configs += [({}, default_splits * 2), ({}, max(1, default_splits // 2))]
-            for config, splits in configs:
+            no_window_us = {}
+            for window, (config, splits) in (
+                (w, c) for w in windows for c in configs if not (w and sweep)
+            ):
                 try:
-                    us = tq_time(fmt, inputs, splits, **config)
+                    us = tq_time(fmt, inputs, window_rings(inputs, window), splits, **config)
                 except Exception as err:  # a sweep point that does not compile or fit
                     print(f"  {name} {config}: {type(err).__name__}: {str(err)[:160]}")
                     continue
+                key = (splits, tuple(config.items()))
+                if not window:
+                    no_window_us[key] = us
                 rows.append(
                     dict(
                         shape=f"{batch}x{seq}",
@@ -173,6 +204,8 @@ def run(formats, shapes, sweep: bool) -> dict:
                         tb_s=nbytes / us / 1e6,
                         copy_pct=100 * nbytes / us / 1e-6 / copy_bw,
                         speedup=base_us / us,
+                        window=window,
+                        vs_window0=no_window_us.get(key, float("nan")) / us,
                         splits=splits,
                         config=",".join(f"{k}={v}" for k, v in config.items()),
                     )
@@ -188,6 +221,8 @@ def run(formats, shapes, sweep: bool) -> dict:
             tb_s=".2f",
             copy_pct=".1f",
             speedup=".2f",
+            window="d",
+            vs_window0=".3f",
             splits="d",
             config="",
         ),
@@ -201,7 +236,11 @@ def plot(payload: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in payload["rows"] if r["format"] != "bf16 sdpa" and not r["config"]]
+    rows = [
+        r
+        for r in payload["rows"]
+        if r["format"] != "bf16 sdpa" and not r["config"] and not r.get("window")
+    ]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     formats = list(dict.fromkeys(r["format"] for r in rows))
     fig, ax = plt.subplots(figsize=(10, 4.5))
@@ -226,6 +265,10 @@ def main() -> None:
     parser.add_argument("--formats", nargs="*", default=list(FORMATS))
     parser.add_argument("--shapes", nargs="*", help="BxS, e.g. 1x131072")
     parser.add_argument("--sweep", action="store_true", help="tune block/warps/stages/splits")
+    parser.add_argument(
+        "--windows", nargs="*", type=int, default=[0, 128],
+        help="recent-window sizes to time (tokens in bf16 rings; 0: none)",
+    )  # fmt: skip
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
     parser.add_argument("--out", default="decode.json")
     args = parser.parse_args()
@@ -236,7 +279,7 @@ def main() -> None:
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
-    payload = run(args.formats, shapes, args.sweep)
+    payload = run(args.formats, shapes, args.sweep, args.windows)
     path = write_json(args.out, payload)
     print(f"wrote {path}")
     try:

@@ -10,7 +10,15 @@ from custom_ops.codebook import codebook_table, rotation_matrix
 from custom_ops.formats import Kind, KVFormat, PagedKVCache, get_format
 from custom_ops.triton.decode import choose_num_splits
 
-__all__ = ["KVConstants", "make_constants", "store", "dequantize", "decode", "num_splits_for"]
+__all__ = [
+    "KVConstants",
+    "make_constants",
+    "store",
+    "store_window",
+    "dequantize",
+    "decode",
+    "num_splits_for",
+]
 
 
 class KVConstants(NamedTuple):
@@ -52,6 +60,24 @@ def store(
     torch.ops.tq.store(key, value, *cache, slot_mapping, *constants, get_format(fmt).name)
 
 
+def store_window(
+    fmt: str | KVFormat,
+    cache: PagedKVCache,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    block_table: torch.Tensor,
+    start_pos: torch.Tensor,
+    constants: KVConstants,
+) -> None:
+    """Append ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos [B] int32 ..`` to
+    sequences whose last ``W`` tokens live in the rings ``k_window``/``v_window [B, Hk, W, D]``
+    (see ``torch.ops.tq.store_window``)."""
+    torch.ops.tq.store_window(key, value, *cache, k_window, v_window, block_table, start_pos,
+                              *constants, get_format(fmt).name)  # fmt: skip
+
+
 def dequantize(
     fmt: str | KVFormat,
     cache: PagedKVCache,
@@ -60,11 +86,14 @@ def dequantize(
     constants: KVConstants,
     max_seq_len: int,
     dtype: torch.dtype = torch.bfloat16,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense K and V ``[B, Hk, max_seq_len, D]`` of every sequence (zeros past its length)."""
-    return torch.ops.tq.dequantize(
-        *cache, block_table, seq_lens, *constants, get_format(fmt).name, max_seq_len, dtype
-    )
+    """Dense K and V ``[B, Hk, max_seq_len, D]`` of every sequence (zeros past its length; the
+    last ``W`` positions from the rings when given)."""
+    return torch.ops.tq.dequantize(*cache, block_table, seq_lens, *constants,
+                                   get_format(fmt).name, max_seq_len, dtype, k_window,
+                                   v_window)  # fmt: skip
 
 
 def num_splits_for(
@@ -92,11 +121,13 @@ def decode(
     num_splits: int | None = None,
     scale: float | None = None,
     mask: torch.Tensor | None = None,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` (one token per sequence) over the cache: ``[B, Hq, D]``.
 
     ``num_splits`` defaults to :func:`num_splits_for` the block table's capacity; ``scale`` to
-    ``1 / sqrt(D)``.
+    ``1 / sqrt(D)``; ``k_window``/``v_window`` are the recent-window rings, if any.
     """
     if num_splits is None:
         capacity = block_table.shape[1] * cache.k_codes.shape[2]
@@ -113,4 +144,6 @@ def decode(
         num_splits,
         scale,
         mask,
+        k_window,
+        v_window,
     )

@@ -22,7 +22,7 @@ from custom_ops.triton import decode as triton_decode
 from custom_ops.triton import dequant as triton_dequant
 from custom_ops.triton import store as triton_store
 
-__all__ = ["store", "dequantize", "decode", "triton_on_cpu"]
+__all__ = ["store", "store_window", "dequantize", "decode", "triton_on_cpu"]
 
 _state = threading.local()
 
@@ -85,6 +85,57 @@ def _store_fake(key, value, k_codes, v_codes, meta, slot_mapping, rotation, code
     )
 
 
+@torch.library.custom_op(
+    "tq::store_window", mutates_args=("k_codes", "v_codes", "meta", "k_window", "v_window")
+)
+def store_window(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    meta: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    block_table: torch.Tensor,
+    start_pos: torch.Tensor,
+    rotation: torch.Tensor,
+    codebooks: torch.Tensor,
+    fmt: str,
+) -> None:
+    """Append new tokens to sequences that keep their most recent ``W`` tokens in full precision.
+
+    The ring ``k_window``/``v_window`` holds each sequence's last ``min(len, W)`` tokens (position
+    ``p`` at slot ``p % W``); the paged cache holds the older ones, quantized. New tokens go into
+    the ring; tokens that leave it are quantized into their slots, exactly once (see
+    :func:`custom_ops.reference.store_window`).
+
+    Args:
+        key, value: ``[B, Hk, T, D]`` (bf16/fp16, any strides) new tokens of each sequence.
+        k_codes, v_codes, meta: the cache planes, mutated.
+        k_window, v_window: ``[>= B, Hk, W, D]`` contiguous bf16/fp16 rings, mutated.
+        block_table: ``[>= B, max_pages] int32`` page ids of each sequence.
+        start_pos: ``[B] int32`` current length of each sequence = position of its first new
+            token (tokens are appended; a negative start skips the sequence).
+        rotation, codebooks, fmt: as for :func:`store`.
+    """
+    cache = PagedKVCache(k_codes, v_codes, meta)
+    kv_format = validate.check_store_window(
+        fmt, key, value, cache, k_window, v_window, block_table, start_pos, rotation, codebooks
+    )
+    impl = triton_store.store_window if _use_triton(key.device) else reference.store_window
+    impl(kv_format, key, value, cache, k_window, v_window, block_table, start_pos, rotation,
+         codebooks)  # fmt: skip
+
+
+@store_window.register_fake
+def _store_window_fake(key, value, k_codes, v_codes, meta, k_window, v_window, block_table,
+                       start_pos, rotation, codebooks, fmt):  # fmt: skip
+    validate.check_store_window(
+        fmt, key, value, PagedKVCache(k_codes, v_codes, meta), k_window, v_window, block_table,
+        start_pos, rotation, codebooks,
+    )  # fmt: skip
+
+
 @torch.library.custom_op("tq::dequantize", mutates_args=())
 def dequantize(
     k_codes: torch.Tensor,
@@ -97,6 +148,8 @@ def dequantize(
     fmt: str,
     max_seq_len: int,
     dtype: torch.dtype,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantize a paged cache into dense K and V ``[B, Hk, max_seq_len, D]`` of ``dtype``.
 
@@ -107,21 +160,24 @@ def dequantize(
         rotation, codebooks, fmt: as for :func:`store`.
         max_seq_len: static length S of the output (at most ``max_pages * page_size``).
         dtype: output dtype (bf16, fp16, fp32 or fp64).
+        k_window, v_window: optional ``[>= B, Hk, W, D]`` recent-window rings (see
+            :func:`store_window`): each sequence's last ``min(len, W)`` positions come from them.
     """
-    kv_format, cache, _ = validate.check_dequantize(
-        k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len, dtype
-    )
+    args = (k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len,
+            dtype, k_window, v_window)  # fmt: skip
+    kv_format, cache, _ = validate.check_dequantize(*args)
     impl = triton_dequant.dequantize if _use_triton(k_codes.device) else reference.dequantize
-    return impl(kv_format, cache, block_table, seq_lens, rotation, codebooks, max_seq_len, dtype)
+    return impl(kv_format, cache, block_table, seq_lens, rotation, codebooks, max_seq_len, dtype,
+                k_window, v_window)  # fmt: skip
 
 
 @dequantize.register_fake
-def _dequantize_fake(
-    k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len, dtype
-):
+def _dequantize_fake(k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt,
+                     max_seq_len, dtype, k_window=None, v_window=None):  # fmt: skip
     _, _, head_dim = validate.check_dequantize(
-        k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len, dtype
-    )
+        k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len,
+        dtype, k_window, v_window,
+    )  # fmt: skip
     shape = (block_table.shape[0], k_codes.shape[1], max_seq_len, head_dim)
     return k_codes.new_empty(shape, dtype=dtype), k_codes.new_empty(shape, dtype=dtype)
 
@@ -140,6 +196,8 @@ def decode(
     num_splits: int,
     scale: float,
     mask: torch.Tensor | None = None,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its compressed, paged cache.
 
@@ -154,39 +212,22 @@ def decode(
         mask: optional ``[B or 1, Hq or 1, M]`` attention mask over cache positions: bool
             (False masks out) or additive float (added to the scaled scores); positions
             ``>= M`` are masked out. A query with no visible key gets zeros.
+        k_window, v_window: optional ``[>= B, Hk, W, D]`` recent-window rings (see
+            :func:`store_window`): the last ``min(len, W)`` positions are read from them in
+            full precision, the older ones from the compressed cache.
 
     Returns:
         ``[B, Hq, D]`` in q's dtype.
     """
     cache = PagedKVCache(k_codes, v_codes, meta)
-    kv_format = validate.check_decode(
-        fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, scale, mask
-    )
+    kv_format = validate.check_decode(fmt, q, cache, block_table, seq_lens, rotation, codebooks,
+                                      num_splits, scale, mask, k_window, v_window)  # fmt: skip
     if _use_triton(q.device):
-        return triton_decode.decode(
-            kv_format,
-            q,
-            cache,
-            block_table,
-            seq_lens,
-            rotation,
-            codebooks,
-            num_splits,
-            scale,
-            mask,
-        )
-    return reference.decode(
-        kv_format,
-        q,
-        cache,
-        block_table,
-        seq_lens,
-        rotation,
-        codebooks,
-        scale,
-        torch.float32,
-        mask,
-    )
+        return triton_decode.decode(kv_format, q, cache, block_table, seq_lens, rotation,
+                                    codebooks, num_splits, scale, mask, k_window,
+                                    v_window)  # fmt: skip
+    return reference.decode(kv_format, q, cache, block_table, seq_lens, rotation, codebooks,
+                            scale, torch.float32, mask, k_window, v_window)  # fmt: skip
 
 
 @decode.register_fake
@@ -203,9 +244,10 @@ def _decode_fake(
     num_splits,
     scale,
     mask=None,
+    k_window=None,
+    v_window=None,
 ):
     cache = PagedKVCache(k_codes, v_codes, meta)
-    validate.check_decode(
-        fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, scale, mask
-    )
+    validate.check_decode(fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits,
+                          scale, mask, k_window, v_window)  # fmt: skip
     return torch.empty_like(q)

@@ -22,6 +22,8 @@ __all__ = [
     "pack_codes",
     "unpack_codes",
     "store",
+    "store_window",
+    "overlay_window",
     "gather_rows",
     "dequantize",
     "attention",
@@ -222,6 +224,72 @@ def store(
     cache.meta[pages, heads, offsets] = rows_of(meta)
 
 
+def _slots_of(positions: torch.Tensor, block_table_row: torch.Tensor, page_size: int):
+    """Slots ``[n] int32`` of a sequence's ``positions [n]`` through its block table row."""
+    pages = block_table_row.to(torch.int64)[positions // page_size]
+    return (pages * page_size + positions % page_size).to(torch.int32)
+
+
+def store_window(
+    fmt: KVFormat,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    block_table: torch.Tensor,
+    start_pos: torch.Tensor,
+    rotation: torch.Tensor,
+    codebooks: torch.Tensor,
+) -> None:
+    """Append ``key``/``value`` ``[B, Hk, T, D]`` to sequences that keep their most recent
+    ``W`` tokens in full precision.
+
+    Sequence ``b`` holds ``start_pos[b]`` tokens before the call (a negative start skips it):
+    positions ``[0, start - W)`` quantized in its pages, the last ``min(start, W)`` in the ring
+    ``k_window / v_window [B, Hk, W, D]`` at slot ``position % W``. The new tokens take positions
+    ``start .. start + T - 1``; afterwards the ring holds the last ``W`` positions of the
+    ``start + T``, and every token that left the ring (an old one, or a new one that never
+    entered it when ``T > W``) has been quantized into its slot, exactly once.
+    """
+    n_new = key.shape[2]
+    window = k_window.shape[2]
+    page_size = cache.k_codes.shape[2]
+    for b in range(key.shape[0]):
+        start = int(start_pos[b])
+        if start < 0:
+            continue
+        keep_from = start + n_new - window  # positions >= keep_from end up in the ring
+        first_leaving = max(0, start - window)
+        leaving = torch.arange(first_leaving, max(first_leaving, min(start, keep_from)))
+        new_pos = start + torch.arange(n_new)
+        direct = new_pos < keep_from
+        # [n, Hk, D] rows: old tokens from the ring, then new ones that skip it
+        k_rows = torch.cat([k_window[b][:, leaving % window], key[b][:, direct]], dim=1)
+        v_rows = torch.cat([v_window[b][:, leaving % window], value[b][:, direct]], dim=1)
+        positions = torch.cat([leaving, new_pos[direct]])
+        slots = _slots_of(positions, block_table[b], page_size)
+        store(fmt, k_rows.transpose(0, 1).float(), v_rows.transpose(0, 1).float(), cache, slots,
+              rotation, codebooks)  # fmt: skip
+        stay = ~direct
+        k_window[b][:, new_pos[stay] % window] = key[b][:, stay].to(k_window.dtype)
+        v_window[b][:, new_pos[stay] % window] = value[b][:, stay].to(v_window.dtype)
+
+
+def overlay_window(
+    dense: torch.Tensor, window: torch.Tensor, seq_lens: torch.Tensor
+) -> torch.Tensor:
+    """``dense [B, Hk, S, D]`` with each sequence's last ``min(len, W)`` positions taken from
+    the ring ``window [>= B, Hk, W, D]`` (position ``p`` at slot ``p % W``)."""
+    batch, _, seq, _ = dense.shape
+    ring_size = window.shape[2]
+    positions = torch.arange(seq, device=dense.device)
+    lens = seq_lens.to(device=dense.device, dtype=torch.int64)[:, None]
+    in_window = (positions[None, :] >= lens - ring_size) & (positions[None, :] < lens)
+    ring_rows = window[:batch][:, :, positions % ring_size].to(dense.device, dense.dtype)
+    return torch.where(in_window[:, None, :, None], ring_rows, dense)
+
+
 def gather_rows(cache: PagedKVCache, block_table: torch.Tensor, max_seq_len: int) -> PagedKVCache:
     """Gather each sequence's rows from the pages: planes become ``[B, Hk, max_seq_len, ...]``.
 
@@ -249,11 +317,15 @@ def dequantize(
     codebooks: torch.Tensor,
     max_seq_len: int,
     dtype: torch.dtype,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantize every sequence's cache to ``[B, Hk, max_seq_len, D]`` K and V in ``dtype``.
 
-    Positions at or beyond ``seq_lens[b]`` are zero. float64 ``dtype`` computes in float64
-    (the oracle); anything else computes in float32 and casts at the end.
+    Positions at or beyond ``seq_lens[b]`` are zero. With a recent window (``k_window`` /
+    ``v_window [B, Hk, W, D]``, see :func:`store_window`) the last ``min(len, W)`` positions
+    come from it. float64 ``dtype`` computes in float64 (the oracle); anything else computes in
+    float32 and casts at the end.
     """
     rows = gather_rows(cache, block_table, max_seq_len)
     batch, num_kv_heads, seq, _ = rows.k_codes.shape
@@ -270,10 +342,12 @@ def dequantize(
     v = side(fmt.value, rows.v_codes, v_meta, codebooks[1])
     valid = torch.arange(seq, device=k.device)[None, :] < seq_lens.to(k.device)[:, None]
     valid = valid[:, None, :, None]
-    return (
-        torch.where(valid, k, torch.zeros((), dtype=compute)).to(dtype),
-        torch.where(valid, v, torch.zeros((), dtype=compute)).to(dtype),
-    )
+    k = torch.where(valid, k, torch.zeros((), dtype=compute))
+    v = torch.where(valid, v, torch.zeros((), dtype=compute))
+    if k_window is not None:
+        k = overlay_window(k, k_window, seq_lens)
+        v = overlay_window(v, v_window, seq_lens)
+    return k.to(dtype), v.to(dtype)
 
 
 def attention(
@@ -326,13 +400,16 @@ def decode(
     scale: float,
     dtype: torch.dtype = torch.float32,
     mask: torch.Tensor | None = None,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention of ``q [B, Hq, D]`` over a paged cache: dequantize, then attend
-    (``mask`` as in :func:`attention`).
+    """Decode attention of ``q [B, Hq, D]`` over a paged cache (and its recent window, if
+    any): dequantize, then attend (``mask`` as in :func:`attention`).
 
     Computed in ``dtype`` (float32 for the CPU op, float64 for oracles); returns ``[B, Hq, D]``
     in the query's dtype.
     """
     max_seq_len = block_table.shape[1] * cache.k_codes.shape[2]
-    k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, codebooks, max_seq_len, dtype)
+    k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, codebooks, max_seq_len, dtype,
+                      k_window, v_window)  # fmt: skip
     return attention(q, k, v, seq_lens, scale, mask).to(q.dtype)

@@ -122,26 +122,25 @@ def check_int32_vector(op: str, name: str, t: torch.Tensor, length: int | None =
         _fail(op, f"{name} must have shape {want}, got {_shape(t)}")
 
 
-def check_store(
-    fmt_name: str,
+def check_new_tokens(
+    op: str,
+    fmt: KVFormat,
     key: torch.Tensor,
     value: torch.Tensor,
     cache: PagedKVCache,
-    slot_mapping: torch.Tensor,
-    rotation: torch.Tensor,
-    codebooks: torch.Tensor,
-) -> KVFormat:
-    op = "store"
-    fmt = check_format(op, fmt_name)
-    if key.dim() != 3:
-        _fail(op, f"key must be [N, Hk, D], got shape {_shape(key)}")
+    layout: str,
+) -> None:
+    """New keys and values of shape ``layout`` (kv-heads in dim 1, head dim last),
+    bf16/fp16, matching the cache's kv-heads and head dim."""
+    if key.dim() != layout.count(",") + 1:
+        _fail(op, f"key must be {layout}, got shape {_shape(key)}")
     if key.dtype not in MODEL_DTYPES:
         _fail(op, f"key must be bfloat16 or float16, got {key.dtype}", TypeError)
     if value.dtype != key.dtype:
         _fail(op, f"value must have the key's dtype {key.dtype}, got {value.dtype}", TypeError)
     if _shape(value) != _shape(key):
         _fail(op, f"value must have the key's shape {_shape(key)}, got {_shape(value)}")
-    n_tokens, num_kv_heads, head_dim = key.shape
+    num_kv_heads, head_dim = key.shape[1], key.shape[-1]
     check_head_dim(op, head_dim)
     cache_head_dim = cache.k_codes.shape[-1] * 8 // fmt.key.bits
     if cache.k_codes.dim() == 4 and cache_head_dim != head_dim:
@@ -153,6 +152,21 @@ def check_store(
     check_cache(op, fmt, cache, head_dim)
     if cache.k_codes.shape[1] != num_kv_heads:
         _fail(op, f"key has {num_kv_heads} kv-heads but the cache has {cache.k_codes.shape[1]}")
+
+
+def check_store(
+    fmt_name: str,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    slot_mapping: torch.Tensor,
+    rotation: torch.Tensor,
+    codebooks: torch.Tensor,
+) -> KVFormat:
+    op = "store"
+    fmt = check_format(op, fmt_name)
+    check_new_tokens(op, fmt, key, value, cache, "[N, Hk, D]")
+    n_tokens, _, head_dim = key.shape
     device = cache.k_codes.device
     check_same_device(op, device, key=key, value=value, slot_mapping=slot_mapping)
     check_int32_vector(op, "slot_mapping", slot_mapping, n_tokens)
@@ -168,6 +182,90 @@ def check_store(
                 "padding",
             )
     return fmt
+
+
+def check_store_window(
+    fmt_name: str,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    block_table: torch.Tensor,
+    start_pos: torch.Tensor,
+    rotation: torch.Tensor,
+    codebooks: torch.Tensor,
+) -> KVFormat:
+    op = "store_window"
+    fmt = check_format(op, fmt_name)
+    check_new_tokens(op, fmt, key, value, cache, "[B, Hk, T, D]")
+    batch, num_kv_heads, n_new, head_dim = key.shape
+    device = cache.k_codes.device
+    check_same_device(op, device, key=key, value=value, start_pos=start_pos)
+    check_window(op, k_window, v_window, batch, num_kv_heads, head_dim, device)
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < batch:
+        _fail(
+            op,
+            f"block_table must be int32 [>= {batch}, max_pages], got {block_table.dtype} "
+            f"{_shape(block_table)}",
+        )
+    check_same_device(op, device, block_table=block_table)
+    check_int32_vector(op, "start_pos", start_pos, batch)
+    check_constants(op, rotation, codebooks, head_dim, device)
+    if batch and checks_values(start_pos):
+        capacity = block_table.shape[1] * cache.k_codes.shape[2]
+        end = int(start_pos.max()) + n_new
+        if end > capacity:
+            _fail(
+                op,
+                f"tokens up to position {end - 1} do not fit a sequence's capacity of "
+                f"{capacity} positions (block_table pages * page_size)",
+            )
+        live = start_pos.to(block_table.device) >= 0
+        used = block_table[:batch][live, : -(-end // cache.k_codes.shape[2])]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= cache.k_codes.shape[0]):
+            _fail(op, f"block_table holds page ids outside [0, {cache.k_codes.shape[0]})")
+    return fmt
+
+
+def check_window(
+    op: str,
+    k_window: torch.Tensor | None,
+    v_window: torch.Tensor | None,
+    batch: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+) -> None:
+    """The recent-window ring ``k_window``, ``v_window`` ``[>= B, Hk, W, D]`` bf16/fp16."""
+    if (k_window is None) != (v_window is None):
+        _fail(op, "k_window and v_window must be given together")
+    if k_window is None:
+        return
+    if k_window.dtype not in MODEL_DTYPES or v_window.dtype != k_window.dtype:
+        _fail(
+            op,
+            f"k_window and v_window must be bfloat16 or float16 of one dtype, got "
+            f"{k_window.dtype} and {v_window.dtype}",
+            TypeError,
+        )
+    shape = _shape(k_window)
+    if (
+        len(shape) != 4
+        or shape[0] < batch
+        or shape[1] != num_kv_heads
+        or shape[2] < 1
+        or shape[3] != head_dim
+        or _shape(v_window) != shape
+    ):
+        _fail(
+            op,
+            f"k_window and v_window must be [>= {batch}, {num_kv_heads}, W >= 1, {head_dim}] "
+            f"(batch, kv-heads, window, head dim), got {shape} and {_shape(v_window)}",
+        )
+    if not (k_window.is_contiguous() and v_window.is_contiguous()):
+        _fail(op, "k_window and v_window must be contiguous")
+    check_same_device(op, device, k_window=k_window, v_window=v_window)
 
 
 def check_block_table(
@@ -212,7 +310,18 @@ def check_block_table(
 
 
 def check_dequantize(
-    k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len, dtype
+    k_codes,
+    v_codes,
+    meta,
+    block_table,
+    seq_lens,
+    rotation,
+    codebooks,
+    fmt,
+    max_seq_len,
+    dtype,
+    k_window=None,
+    v_window=None,
 ) -> tuple[KVFormat, PagedKVCache, int]:
     """Checks of ``tq.dequantize``; returns the format, the cache and the head dim."""
     op = "dequantize"
@@ -225,6 +334,8 @@ def check_dequantize(
     check_block_table(op, cache, block_table, seq_lens, max_seq_len)
     if dtype not in OUTPUT_DTYPES:
         _fail(op, f"dtype must be one of {OUTPUT_DTYPES}, got {dtype}", TypeError)
+    check_window(op, k_window, v_window, block_table.shape[0], k_codes.shape[1], head_dim,
+                 k_codes.device)  # fmt: skip
     return kv_format, cache, head_dim
 
 
@@ -239,6 +350,8 @@ def check_decode(
     num_splits: int,
     scale: float,
     mask: torch.Tensor | None = None,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
 ) -> KVFormat:
     op = "decode"
     fmt = check_format(op, fmt_name)
@@ -281,4 +394,5 @@ def check_decode(
                 f"mask must be [B or 1, Hq or 1, positions] = [{batch} or 1, "
                 f"{num_q_heads} or 1, M], got shape {_shape(mask)}",
             )
+    check_window(op, k_window, v_window, batch, num_kv_heads, head_dim, cache.k_codes.device)
     return fmt

@@ -5,6 +5,7 @@
 #   bench  - benchmarks/store.py and benchmarks/decode.py
 #   sweep  - the decode kernel's tuning sweep
 #   e2e    - benchmarks/e2e.py with $E2E_ARGS
+#   quality - benchmarks/quality.py with $QUALITY_ARGS (trains the byte model once per machine)
 # Logs and JSON/PNG results go to $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -23,7 +24,7 @@ for stage in "${@:-tests bench}"; do
       # TQ_TESTS narrows the selection (default: every suite with CUDA tests)
       python3 -m pytest -q -n 8 -p no:cacheprovider ${TQ_TESTS:-tests/test_store.py \
         tests/test_dequantize.py tests/test_decode.py tests/test_ops.py tests/test_kv_tensor.py \
-        tests/test_tq_model.py tests/test_quantize.py} 2>&1 | tee "$OUT/pytest.log" | tail -25
+        tests/test_tq_model.py tests/test_quantize.py tests/test_window.py} 2>&1 | tee "$OUT/pytest.log" | tail -25
       ;;
     bench)
       python3 benchmarks/store.py 2>&1 | tee "$OUT/store.log"
@@ -31,6 +32,9 @@ for stage in "${@:-tests bench}"; do
       ;;
     e2e)
       python3 benchmarks/e2e.py ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -30
+      ;;
+    quality)
+      python3 benchmarks/quality.py ${QUALITY_ARGS:-} 2>&1 | tee "$OUT/quality.log" | tail -40
       ;;
     sweep)
       python3 benchmarks/decode.py --formats 4bit_nc k8v4 3bit_nc int8 --shapes 1x131072 \

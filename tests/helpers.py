@@ -60,6 +60,14 @@ def assert_codes_match(codec: Codec, expected: torch.Tensor, actual: torch.Tenso
     assert float((diff > 0).float().mean()) <= 1e-3, "too many codes one level off"
 
 
+def assert_same_cache(fmt: KVFormat, expected: PagedKVCache, actual: PagedKVCache) -> None:
+    """Two caches hold the same codes (up to :func:`assert_codes_match`) and meta records."""
+    assert_codes_match(fmt.key, expected.k_codes, actual.k_codes)
+    assert_codes_match(fmt.value, expected.v_codes, actual.v_codes)
+    # fp16 meta: one rounding step (a norm's float32 summation order may differ).
+    torch.testing.assert_close(actual.meta.cpu(), expected.meta.cpu(), rtol=2e-3, atol=0)
+
+
 def filled_cache(
     fmt: KVFormat, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, consts, gen
 ) -> PagedKVCache:

@@ -218,10 +218,11 @@ def test_cuda_graph_store_and_decode(fmt_name, seeded):
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_fast_and_portable_paths_agree(seeded):
-    """On the GPU, the inline-PTX decoding of 4-bit codes equals the plain-Triton decoding."""
+    """On the GPU, the inline-PTX decoding of the codes (4, 3, 2 bits, int8) equals the
+    plain-Triton decoding."""
     from custom_ops.triton import decode as triton_decode
 
-    for fmt_name in ("4bit_nc", "tq4_nc", "k8v4"):
+    for fmt_name in ("4bit_nc", "tq4_nc", "k8v4", "3bit_nc", "k2v2_nc", "k2v4_nc", "int8"):
         fmt, consts, cache, table, lens, q = _case(fmt_name, 128, 4, seeded)
         cuda_cache = clone_cache(cache, "cuda")
         args = (fmt, q.cuda(), cuda_cache, table.cuda(), lens.cuda(), *(c.cuda() for c in consts))

@@ -10,13 +10,14 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tq_compile import TurboQuantKVCache, TurboQuantKVTensor
 
-B, HK, GROUP, S_MAX, D = 2, 2, 4, 48, 64
+B, HK, GROUP, S_MAX, D, WINDOW = 2, 2, 4, 48, 64, 16
 
 
-def _filled(fmt="4bit_nc", length=37, seed=0, dtype=torch.bfloat16):
-    """A cache holding ``length`` random tokens, and its key / value views."""
+def _filled(fmt="4bit_nc", length=37, seed=0, dtype=torch.bfloat16, window=WINDOW):
+    """A cache holding ``length`` random tokens (the last ``window`` in full precision), and
+    its key / value views."""
     gen = torch.Generator().manual_seed(seed)
-    cache = TurboQuantKVCache(B, HK, S_MAX, D, dtype, fmt=fmt, page_size=16)
+    cache = TurboQuantKVCache(B, HK, S_MAX, D, dtype, fmt=fmt, page_size=16, window=window)
     k = (torch.randn(B, HK, length, D, generator=gen) * 2).to(dtype)
     v = torch.randn(B, HK, length, D, generator=gen).to(dtype)
     keys, values = cache.update(torch.arange(length), k, v)
@@ -55,11 +56,12 @@ def test_update_returns_views_of_the_whole_cache():
     assert keys.k_codes.data_ptr() == cache.k_codes.data_ptr()  # a view, no copy
 
 
+@pytest.mark.parametrize("window", [0, WINDOW])
 @pytest.mark.parametrize("fmt", ["4bit_nc", "k8v4", "3bit_nc"])
-def test_decode_sdpa_matches_dense_attention(fmt):
+def test_decode_sdpa_matches_dense_attention(fmt, window):
     """One query token: SDPA over the views (after gpt-fast's repeat_interleave) equals float64
-    attention over the dequantized cache."""
-    _, keys, values = _filled(fmt)
+    attention over the dequantized cache, without and with a recent window."""
+    _, keys, values = _filled(fmt, window=window)
     keys_rep = keys.repeat_interleave(GROUP, dim=1)
     values_rep = values.repeat_interleave(GROUP, dim=1)
     assert isinstance(keys_rep, TurboQuantKVTensor) and keys_rep.group == GROUP
@@ -180,13 +182,17 @@ def test_to_detach_clone():
 
 
 def test_model_dtype_cast_keeps_the_cache_intact():
-    """model.to(fp16) / .half() after setup does not convert the cache's float buffers."""
+    """model.to(fp16) / .half() after setup does not convert the cache's float buffers (meta,
+    rotation, the window's bf16 rings)."""
     cache, keys, _ = _filled()
     before = keys.dequantize(torch.float32)
     cache.half()
     assert cache.meta.dtype == torch.float16 and cache.rotation.dtype == torch.float32
-    keys_after, _ = cache.update(torch.tensor([40]), *[torch.randn(B, HK, 1, D).bfloat16()] * 2)
-    torch.testing.assert_close(keys_after.dequantize(torch.float32)[:, :, :37], before[:, :, :37])
+    assert cache.k_window.dtype == torch.bfloat16
+    keys_after, _ = cache.update(torch.tensor([37]), *[torch.randn(B, HK, 1, D).bfloat16()] * 2)
+    after = keys_after.dequantize(torch.float32)
+    kept = torch.arange(37) != 37 - WINDOW  # position 21 left the window: quantized now
+    torch.testing.assert_close(after[:, :, :37][:, :, kept], before[:, :, :37][:, :, kept])
 
 
 class TestKVTensorMessages(expecttest.TestCase):

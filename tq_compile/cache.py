@@ -46,6 +46,10 @@ class TurboQuantKVCache(nn.Module):
         seed: seed of the rotation.
         num_splits: the decode kernel's split count (default: chosen from the capacity and the
             GPU's SM count, again whenever the module moves to another device).
+        window: W, the most recent tokens of each sequence kept in ``dtype`` in a ring buffer
+            (``k_window``, ``v_window [B, Hk, W, D]``) and quantized only when they leave it
+            (default 128, at most ``max_seq_length``; 0 quantizes every token when written).
+            Tokens must then be appended in order: ``input_pos`` continues each sequence.
         device: where to allocate (default: the current default device, so that gpt-fast's
             ``with torch.device(...)`` in ``setup_caches`` places it).
     """
@@ -62,11 +66,14 @@ class TurboQuantKVCache(nn.Module):
         page_size: int = 16,
         seed: int = 0,
         num_splits: int | None = None,
+        window: int = 128,
         device: torch.device | str | None = None,
     ):
         super().__init__()
         if dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"dtype must be the model's bfloat16 or float16, got {dtype}")
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
         self.kv_format = get_format(fmt)
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.page_size, self.model_dtype = page_size, dtype
@@ -77,10 +84,14 @@ class TurboQuantKVCache(nn.Module):
                                         head_dim, device)  # fmt: skip
         consts = api.make_constants(self.kv_format, head_dim, seed, device)
         table = torch.arange(max_batch_size * pages_per_seq, dtype=torch.int32, device=device)
+        self.window = min(window, max_seq_length)
+        ring_shape = (max_batch_size, n_heads, self.window, head_dim)
+        rings = [(name, torch.zeros(ring_shape, dtype=dtype, device=device))
+                 for name in ("k_window", "v_window") if self.window]  # fmt: skip
         self._float_dtypes = {}
         for name, tensor in (*zip(cache._fields, cache, strict=True),
                              ("block_table", table.reshape(max_batch_size, pages_per_seq)),
-                             *zip(consts._fields, consts, strict=True)):  # fmt: skip
+                             *zip(consts._fields, consts, strict=True), *rings):  # fmt: skip
             if tensor.is_floating_point():
                 self._float_dtypes[name] = tensor.dtype
                 tensor = tensor.view(_BITS[tensor.dtype.itemsize])
@@ -112,7 +123,9 @@ class TurboQuantKVCache(nn.Module):
 
         Args:
             input_pos: ``[T] int64`` positions of the new tokens (the same for every sequence,
-                as in gpt-fast); the cached length becomes ``input_pos.max() + 1``.
+                as in gpt-fast); the cached length becomes ``input_pos.max() + 1``. With a
+                window the new tokens are appended: ``input_pos`` is ``start .. start + T - 1``
+                with ``start`` the current length (as in prefill then decode).
             k_val, v_val: ``[B, Hk, T, D]`` new keys (after RoPE) and values, ``B <=
                 max_batch_size``.
 
@@ -122,33 +135,32 @@ class TurboQuantKVCache(nn.Module):
         batch, num_kv_heads, _, head_dim = k_val.shape
         pos = input_pos.to(torch.int64)
         table = self.block_table[:batch]
-        pages = table[:, pos // self.page_size]  # [B, T]
-        slots = (pages * self.page_size + (pos % self.page_size).to(torch.int32)).reshape(-1)
-        # [B, Hk, T, D] -> [B * T, Hk, D] rows in (sequence, token) order, like the slots
-        keys = k_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
-        values = v_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
         name = self.kv_format.name
-        torch.ops.tq.store(
-            keys,
-            values,
-            self.k_codes,
-            self.v_codes,
-            self.meta,
-            slots.to(torch.int32),
-            self.rotation,
-            self.codebooks,
-            name,
-        )
+        planes = (self.k_codes, self.v_codes, self.meta)
+        rings = (self.k_window, self.v_window) if self.window else (None, None)
+        if self.window:
+            start = pos[:1].to(torch.int32).expand(batch).contiguous()
+            torch.ops.tq.store_window(k_val, v_val, *planes, *rings, table, start, self.rotation,
+                                      self.codebooks, name)  # fmt: skip
+        else:
+            pages = table[:, pos // self.page_size]  # [B, T]
+            slots = pages * self.page_size + (pos % self.page_size).to(torch.int32)
+            # [B, Hk, T, D] -> [B * T, Hk, D] rows in (sequence, token) order, like the slots
+            keys = k_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
+            values = v_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
+            torch.ops.tq.store(keys, values, *planes, slots.reshape(-1).to(torch.int32),
+                               self.rotation, self.codebooks, name)  # fmt: skip
         seq_lens = (pos.max() + 1).to(torch.int32).expand(batch).contiguous()
-        planes = (self.k_codes, self.v_codes, self.meta, table, seq_lens, self.rotation,
-                  self.codebooks)  # fmt: skip
+        tensors = (*planes, table, seq_lens, self.rotation, self.codebooks)
         attrs = (self.max_seq_length, 1, False, self.num_splits, self.model_dtype)
-        return (TurboQuantKVTensor(*planes, name, "key", *attrs),
-                TurboQuantKVTensor(*planes, name, "value", *attrs))  # fmt: skip
+        return (TurboQuantKVTensor(*tensors, name, "key", *attrs, *rings),
+                TurboQuantKVTensor(*tensors, name, "value", *attrs, *rings))  # fmt: skip
 
     def nbytes(self) -> int:
-        """Bytes of the quantized cache (codes and meta of every slot)."""
-        return sum(p.numel() * p.element_size() for p in (self.k_codes, self.v_codes, self.meta))
+        """Bytes of the cache: codes and meta of every slot, and the recent-window rings."""
+        held = [self.k_codes, self.v_codes, self.meta]
+        held += [self.k_window, self.v_window] if self.window else []
+        return sum(t.numel() * t.element_size() for t in held)
 
     def dense_nbytes(self) -> int:
         """Bytes a dense cache of the model's dtype with the same capacity takes (K and V)."""
@@ -159,7 +171,7 @@ class TurboQuantKVCache(nn.Module):
     def extra_repr(self) -> str:
         return (f"fmt={self.kv_format.name}, batch={self.max_batch_size}, "
                 f"max_seq_length={self.max_seq_length}, page_size={self.page_size}, "
-                f"num_splits={self.num_splits}")  # fmt: skip
+                f"window={self.window}, num_splits={self.num_splits}")  # fmt: skip
 
 
 def kv_cache_nbytes(model: nn.Module) -> int:

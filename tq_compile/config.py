@@ -42,6 +42,9 @@ class TurboQuantKVConfig(AOBaseConfig):
         num_splits: override of the decode kernel's split count (default: per cache, from its
             capacity and the GPU).
         page_size: tokens per page of the paged cache.
+        window: the most recent ``window`` tokens of each sequence stay in the model's dtype
+            in a ring buffer and are quantized when they leave it (0: every token is
+            quantized when written).
     """
 
     preset: str = "4bit_nc"
@@ -50,11 +53,14 @@ class TurboQuantKVConfig(AOBaseConfig):
     keep_last: int = 0
     num_splits: int | None = None
     page_size: int = 16
+    window: int = 128
 
     def __post_init__(self) -> None:
         get_format(self.preset)  # a clear error for an unknown preset, at construction
         if self.keep_first < 0 or self.keep_last < 0:
             raise ValueError("keep_first and keep_last must be >= 0")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
 
 
 def is_kv_cache(module: nn.Module, fqn: str = "") -> bool:
@@ -90,6 +96,7 @@ def _turboquant_kv_transform(module: nn.Module, config: TurboQuantKVConfig) -> n
         page_size=config.page_size,
         seed=config.seed,
         num_splits=config.num_splits,
+        window=config.window,
         device=module.k_cache.device,
     )
 

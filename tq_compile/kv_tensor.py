@@ -11,6 +11,9 @@ planes as inner tensors, and intercept SDPA in ``__torch_function__``:
 * several query tokens (prefill): dequantize the cache (``torch.ops.tq.dequantize``) and run
   SDPA on it, with positions past each sequence's length masked out.
 
+With a recent window both read the last ``W`` tokens from the full-precision ring and the older
+ones from the compressed pages, in the same pass.
+
 GQA call sites stay lazy: ``repeat_interleave(n, dim=1)``, and ``[:, :, None]`` /
 ``unsqueeze(2)`` + ``expand`` + ``reshape`` (Hugging Face's ``repeat_kv``), only record a head
 group factor, so SDPA still reaches the grouped kernel and no full-precision copy is made.
@@ -47,6 +50,8 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         block_table: ``[B, max_pages] int32`` page ids of each sequence.
         seq_lens: ``[B] int32`` number of cached tokens of each sequence.
         rotation: ``[D, D] float32`` +-1 rotation; codebooks: ``[2, 16] float32`` levels.
+        k_window, v_window: optional ``[B, Hk, W, D]`` bf16/fp16 rings holding each sequence's
+            last ``min(len, W)`` tokens in full precision (``None``: no window).
 
     Non-Tensor Attributes:
         fmt: format name (``custom_ops.FORMATS``).
@@ -62,9 +67,11 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
                          "codebooks"]  # fmt: skip
     tensor_attribute_names = ["fmt", "side", "max_seq_len", "group", "split_heads",
                               "num_splits", "model_dtype"]  # fmt: skip
+    optional_tensor_data_names = ["k_window", "v_window"]
 
     def __new__(cls, k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt,
-                side, max_seq_len, group, split_heads, num_splits, model_dtype):  # fmt: skip
+                side, max_seq_len, group, split_heads, num_splits, model_dtype, k_window=None,
+                v_window=None):  # fmt: skip
         batch, num_kv_heads, head_dim = block_table.shape[0], k_codes.shape[1], rotation.shape[0]
         if split_heads:
             shape = (batch, num_kv_heads, group, max_seq_len, head_dim)
@@ -75,7 +82,8 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         )
 
     def __init__(self, k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt,
-                 side, max_seq_len, group, split_heads, num_splits, model_dtype):  # fmt: skip
+                 side, max_seq_len, group, split_heads, num_splits, model_dtype, k_window=None,
+                 v_window=None):  # fmt: skip
         super().__init__()
         if side not in _SIDES:
             raise ValueError(f"side must be one of {_SIDES}, got {side!r}")
@@ -85,6 +93,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         self.fmt, self.side, self.max_seq_len = fmt, side, max_seq_len
         self.group, self.split_heads = group, split_heads
         self.num_splits, self.model_dtype = num_splits, model_dtype
+        self.k_window, self.v_window = k_window, v_window
 
     # ---- construction helpers -------------------------------------------------------------
 
@@ -93,18 +102,25 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         tensors = [getattr(self, name) for name in self.tensor_data_names]
         attrs = {name: getattr(self, name) for name in self.tensor_attribute_names}
         attrs.update(changes)
-        return TurboQuantKVTensor(*tensors, *(attrs[n] for n in self.tensor_attribute_names))
+        return TurboQuantKVTensor(*tensors, *(attrs[n] for n in self.tensor_attribute_names),
+                                  *self.rings)  # fmt: skip
 
     @property
     def planes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.k_codes, self.v_codes, self.meta
+
+    @property
+    def rings(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The recent-window rings ``(k_window, v_window)``, or ``(None, None)``."""
+        return self.k_window, self.v_window
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense ``[B, H, S_max, D]`` (this view's logical shape) in ``dtype`` (default: the
         model's); positions past each sequence's length are zero."""
         k, v = torch.ops.tq.dequantize(*self.planes, self.block_table, self.seq_lens,
                                        self.rotation, self.codebooks, self.fmt,
-                                       self.max_seq_len, dtype or self.model_dtype)  # fmt: skip
+                                       self.max_seq_len, dtype or self.model_dtype,
+                                       *self.rings)  # fmt: skip
         dense = k if self.side == "key" else v
         if self.split_heads:
             return dense[:, :, None].expand(self.shape)
@@ -119,8 +135,9 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
 
     def _stable_hash_for_caching(self) -> str:
         """Deterministic key for AOT autograd caching: the attributes and inner metadata."""
+        names = self.tensor_data_names + self.optional_tensor_data_names
         inner = [(name, tuple(t.shape), str(t.dtype), tuple(t.stride()), str(t.device))
-                 for name in self.tensor_data_names for t in [getattr(self, name)]]  # fmt: skip
+                 for name in names for t in [getattr(self, name)] if t is not None]  # fmt: skip
         attrs = [(name, str(getattr(self, name))) for name in self.tensor_attribute_names]
         payload = repr((type(self).__qualname__, tuple(self.shape), inner, attrs)).encode()
         return hashlib.blake2b(payload, digest_size=16).hexdigest()
@@ -277,7 +294,7 @@ def _scaled_dot_product_attention(func, types, args, kwargs):
             mask = _mask_4d(attn_mask)[:, :, 0, :]  # [B or 1, Hq or 1, S]
         out = torch.ops.tq.decode(q[:, :, 0, :], *k.planes, k.block_table, k.seq_lens,
                                   k.rotation, k.codebooks, k.fmt, k.num_splits, scale,
-                                  mask)  # fmt: skip
+                                  mask, *k.rings)  # fmt: skip
         return out[:, :, None, :]
     # Prefill (or a causal mask on a cache): attention over the dequantized cache, with every
     # position past a sequence's length masked out.
@@ -314,4 +331,6 @@ def _to_copy(func, types, args, kwargs):
                for n in t.tensor_data_names]  # fmt: skip
     attrs = [getattr(t, n) if n != "model_dtype" else to["dtype"]
              for n in t.tensor_attribute_names]  # fmt: skip
-    return TurboQuantKVTensor(*tensors, *attrs)
+    rings = [r if r is None else r.to(to["device"], non_blocking=to["non_blocking"])
+             for r in t.rings]  # fmt: skip
+    return TurboQuantKVTensor(*tensors, *attrs, *rings)

@@ -15,6 +15,11 @@ Three launches with shapes fixed by the inputs (CUDA-graph safe, no host sync):
 3. ``_merge_kernel`` (grid ``B * Hq``): log-sum-exp merge of the splits; rotates Lloyd-Max values
    back to the original space and casts to the query's dtype.
 
+Recent window: with a full-precision ring of the last ``W`` tokens (``k_window``/``v_window``),
+the splits cover the compressed positions ``[0, len - W)`` and one more program per (sequence,
+kv-head), split index ``num_splits``, attends over the ring in full precision; its partial is one
+more segment of the same merge, so the window costs no extra launch.
+
 Parts: the bit planes of :mod:`custom_ops.formats` are strided, so shifting a row of code bytes
 yields a *contiguous part* of the head dim: 4-bit codes give two halves (low / high nibbles),
 3- and 2-bit codes four quarters, 8-bit codes one part. Each part is decoded straight into its
@@ -42,6 +47,7 @@ _INT8_ABSMAX = tl.constexpr(int(Kind.INT8_ABSMAX))
 LOG2E = 1.4426950408889634
 LOG2E_ = tl.constexpr(LOG2E)
 _MIN_ROWS = 16  # tl.dot needs at least 16 rows: the GQA group is padded to this
+_BLOCK_W = 32  # ring slots per tile of the window's partial
 
 
 @triton.jit
@@ -172,8 +178,127 @@ def _load_parts(
 
 
 @triton.jit
+def _mask_scores(
+    scores,
+    positions,
+    mask_ptr,
+    b,
+    q_head,
+    row_ok,
+    stride_mask_b,
+    stride_mask_h,
+    mask_len,
+    MASK: tl.constexpr,
+):
+    """Apply the attention mask at key ``positions [N]`` to ``scores [G_PAD, N]`` (log2 units):
+    ``MASK`` 0 none, 1 boolean (False masks out), 2 additive (natural-log units)."""
+    if MASK != 0:
+        mask_ptrs = mask_ptr + b * stride_mask_b + q_head[:, None] * stride_mask_h
+        mask_ptrs += positions[None, :]
+        in_mask = row_ok[:, None] & (positions < mask_len)[None, :]
+        if MASK == 1:
+            allowed = tl.load(mask_ptrs, mask=in_mask, other=0) != 0
+            scores = tl.where(allowed, scores, float("-inf"))
+        else:
+            bias = tl.load(mask_ptrs, mask=in_mask, other=float("-inf")).to(tl.float32)
+            scores = scores + bias * LOG2E_
+    return scores
+
+
+@triton.jit
+def _online_softmax(scores, m_i, l_i):
+    """One tile of the online softmax in the log2 domain: ``(p, alpha, m_new, l_new)``. A row
+    masked out so far keeps ``m = -inf``, so 0 is subtracted instead."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.math.exp2(m_i - m_sub)
+    p = tl.math.exp2(scores - m_sub[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _partial_normalizer(m_i, l_i):
+    """``(lse, 1 / l)`` of a finished partial; ``lse = -inf`` (and ``1 / l = 1``) if it saw no
+    key."""
+    has_keys = l_i > 0
+    safe_l = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, m_i + tl.math.log2(safe_l), float("-inf"))
+    return lse, 1.0 / safe_l
+
+
+@triton.jit
+def _window_partial(
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    q_scale,
+    k_window_ptr,
+    v_window_ptr,
+    stride_w_b,
+    stride_w_h,
+    stride_w_slot,
+    window,
+    seq_len,
+    b,
+    head,
+    mask_ptr,
+    stride_mask_b,
+    stride_mask_h,
+    mask_len,
+    part_out_ptr,
+    part_lse_ptr,
+    part_rows,
+    MASK: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """The recent window's partial for one (sequence, kv-head): attention of the GQA group's
+    original queries over the full-precision ring, whose slot ``r`` holds the position ``p`` of
+    ``[len - min(len, W), len)`` with ``p % W == r``. bf16/fp16 K and V are exact in tf32, so
+    both products run on the tensor cores in tf32 with float32 accumulation."""
+    g = tl.arange(0, G_PAD)
+    row_ok = g < GROUP
+    q_head = head * GROUP + g
+    d = tl.arange(0, D_PAD)[None, :]
+    d_ok = d < D
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
+    q = tl.load(q_rows + d, mask=row_ok[:, None] & d_ok, other=0.0).to(tl.float32)
+    count = tl.minimum(seq_len, window)
+    first = seq_len - count  # position of the oldest token in the window
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
+    for r0 in range(0, count, BLOCK_W):
+        r = r0 + tl.arange(0, BLOCK_W)
+        valid = r < count
+        positions = first + (r + window - first % window) % window
+        rows = ring + r.to(tl.int64)[:, None] * stride_w_slot + d
+        kv_mask = valid[:, None] & d_ok
+        k = tl.load(k_window_ptr + rows, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="tf32") * q_scale
+        scores = _mask_scores(scores, positions, mask_ptr, b, q_head, row_ok, stride_mask_b,
+                              stride_mask_h, mask_len, MASK)  # fmt: skip
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
+        v = tl.load(v_window_ptr + rows, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="tf32")
+    lse, inv_l = _partial_normalizer(m_i, l_i)
+    out_ptrs = part_out_ptr + part_rows[:, None] * D + d
+    tl.store(out_ptrs, acc * inv_l[:, None], mask=row_ok[:, None] & d_ok)
+    tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
+
+
+@triton.jit
 def _split_kernel(
     q_ptr,
+    q_orig_ptr,
+    stride_qb,
+    stride_qh,
+    q_scale,
     k_codes_ptr,
     v_codes_ptr,
     meta_ptr,
@@ -195,6 +320,12 @@ def _split_kernel(
     stride_mask_b,
     stride_mask_h,
     mask_len,
+    k_window_ptr,
+    v_window_ptr,
+    stride_w_b,
+    stride_w_h,
+    stride_w_slot,
+    window,
     part_out_ptr,
     part_lse_ptr,
     num_kv_heads,
@@ -202,10 +333,13 @@ def _split_kernel(
     MASK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     D: tl.constexpr,
+    D_PAD: tl.constexpr,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
     K_META: tl.constexpr,
@@ -228,11 +362,13 @@ def _split_kernel(
     head = tl.program_id(1)
     b = tl.program_id(2)
 
-    # This split's token range, from the device-side length: [start, end).
+    # This split's token range of the compressed positions [0, len - window), from the
+    # device-side length: [start, end). The window's program (split == NUM_SPLITS) gets none.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    compressed_len = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(compressed_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    end = tl.minimum(start + per_split, compressed_len)
 
     # The GQA group's prepared queries: fp16 [G_PAD, K_PC_PAD] per part (rows >= GROUP: 0).
     g = tl.arange(0, G_PAD)
@@ -277,24 +413,10 @@ def _split_kernel(
         if K_KIND != _FP8:
             k_mul = tl.load(m_row + K_META, mask=valid, other=0.0).to(tl.float32)
             scores = scores * k_mul[None, :]
-        if MASK != 0:
-            mask_ptrs = mask_ptr + b * stride_mask_b + q_head[:, None] * stride_mask_h + n[None, :]
-            in_mask = row_ok[:, None] & (n < mask_len)[None, :]
-            if MASK == 1:  # boolean: False masks out
-                allowed = tl.load(mask_ptrs, mask=in_mask, other=0) != 0
-                scores = tl.where(allowed, scores, float("-inf"))
-            else:  # additive, natural-log units
-                bias = tl.load(mask_ptrs, mask=in_mask, other=float("-inf")).to(tl.float32)
-                scores = scores + bias * LOG2E_
+        scores = _mask_scores(scores, n, mask_ptr, b, q_head, row_ok, stride_mask_b,
+                              stride_mask_h, mask_len, MASK)  # fmt: skip
         scores = tl.where(valid[None, :], scores, float("-inf"))
-
-        # Online softmax; a row masked out so far keeps m = -inf, so subtract 0 instead.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.math.exp2(m_i - m_sub)
-        p = tl.math.exp2(scores - m_sub[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
 
         v0, v1, v2, v3 = _load_parts(
             v_row,
@@ -322,21 +444,29 @@ def _split_kernel(
             acc3 = tl.dot(pv, v3, acc3 * alpha[:, None])
 
     # This split's partial, normalized, in natural element order; lse in the log2 domain.
-    has_keys = l_i > 0
-    safe_l = tl.where(has_keys, l_i, 1.0)
-    lse = tl.where(has_keys, m_i + tl.math.log2(safe_l), float("-inf"))
-    part_rows = q_rows * NUM_SPLITS + split
+    # Partials are [B, Hq, NUM_SPLITS (+ 1 for the window), D].
+    NUM_PARTS: tl.constexpr = NUM_SPLITS + HAS_WINDOW
+    lse, inv_l = _partial_normalizer(m_i, l_i)
+    part_rows = q_rows * NUM_PARTS + split
+    is_split = row_ok & (split < NUM_SPLITS)
     j = tl.arange(0, V_PC_PAD)[None, :]
     out_ptrs = part_out_ptr + part_rows[:, None] * D + j
-    ok = row_ok[:, None] & (j < V_PC)
-    scale = 1.0 / safe_l[:, None]
+    ok = is_split[:, None] & (j < V_PC)
+    scale = inv_l[:, None]
     tl.store(out_ptrs, (acc0 + zero_acc[:, None]) * scale, mask=ok)
     if V_PARTS > 1:
         tl.store(out_ptrs + V_PC, (acc1 + zero_acc[:, None]) * scale, mask=ok)
     if V_PARTS > 2:
         tl.store(out_ptrs + 2 * V_PC, (acc2 + zero_acc[:, None]) * scale, mask=ok)
         tl.store(out_ptrs + 3 * V_PC, (acc3 + zero_acc[:, None]) * scale, mask=ok)
-    tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
+    tl.store(part_lse_ptr + part_rows, lse, mask=is_split)
+    if HAS_WINDOW:
+        if split == NUM_SPLITS:
+            _window_partial(q_orig_ptr, stride_qb, stride_qh, q_scale, k_window_ptr,
+                            v_window_ptr, stride_w_b, stride_w_h, stride_w_slot, window, seq_len,
+                            b, head, mask_ptr, stride_mask_b, stride_mask_h, mask_len,
+                            part_out_ptr, part_lse_ptr, part_rows, MASK, D, D_PAD, GROUP, G_PAD,
+                            BLOCK_W)  # fmt: skip
 
 
 @triton.jit
@@ -346,31 +476,44 @@ def _merge_kernel(
     rot_ptr,
     out_ptr,
     NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     ROTATE_BACK: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
 ):
-    """``out[row] = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max lse)``."""
+    """``out[row] = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max lse)`` over the
+    splits and the window (the last partial). Split partials of rotated values are rotated back
+    (linear, so after the sum); the window's is in the original space already."""
+    NUM_PARTS: tl.constexpr = NUM_SPLITS + HAS_WINDOW
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, D_PAD)
-    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + s)
+    lse = tl.load(part_lse_ptr + row * NUM_PARTS + s)
     m = tl.max(lse, axis=0)
+    if HAS_WINDOW:
+        window_lse = tl.load(part_lse_ptr + row * NUM_PARTS + NUM_SPLITS)
+        m = tl.maximum(m, window_lse)
     m = tl.where(m > float("-inf"), m, 0.0)
     w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m), 0.0)
     total = tl.sum(w, axis=0)
     parts = tl.load(
-        part_out_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :],
+        part_out_ptr + (row * NUM_PARTS + s)[:, None] * D + d[None, :],
         mask=(d < D)[None, :],
         other=0.0,
     )
-    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    out = tl.sum(parts * w[:, None], axis=0)
     if ROTATE_BACK:
         # x = y @ R.T / sqrt(D): out[j] = sum_i y[i] * R[j, i].
         rot_mask = (d[:, None] < D) & (d < D)[None, :]
         rot = tl.load(rot_ptr + d[None, :] * D + d[:, None], mask=rot_mask, other=0.0)
         out = tl.sum(out[:, None] * rot, axis=0) * INV_SQRT_D
+    if HAS_WINDOW:
+        window_w = tl.where(window_lse > float("-inf"), tl.math.exp2(window_lse - m), 0.0)
+        window_out = tl.load(part_out_ptr + (row * NUM_PARTS + NUM_SPLITS) * D + d, mask=d < D)
+        out += window_w * window_out
+        total += window_w
+    out = out / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
@@ -417,14 +560,18 @@ def _split_launch(
     num_warps,
     num_stages,
     mask=None,
+    scale=1.0,
+    k_window=None,
+    v_window=None,
 ):
     """Buffers ``(q_code, part_out, part_lse)`` and the grid, positional and keyword arguments of
     ``_split_kernel`` for query ``q [B, Hq, D]``."""
-    q_code, part_out, part_lse = _buffers(fmt, q, num_splits)
+    has_window = k_window is not None
+    q_code, part_out, part_lse = _buffers(fmt, q, num_splits + has_window)
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
     group = num_q_heads // num_kv_heads
-    grid = (num_splits, num_kv_heads, batch)
+    grid = (num_splits + has_window, num_kv_heads, batch)
     if mask is None:
         mask_kind, mask_args = 0, (seq_lens, 0, 0, 0)
     else:
@@ -435,20 +582,27 @@ def _split_launch(
         mask_kind = 1 if mask.dtype == torch.bool else 2
         data = mask.view(torch.uint8) if mask_kind == 1 else mask
         mask_args = (data, mask.stride(0), mask.stride(1), mask.shape[-1])
+    if has_window:
+        window_args = (k_window, v_window, *k_window.stride()[:3], k_window.shape[2])
+    else:
+        window_args = (q, q, 0, 0, 0, 0)  # never read; window 0: every position is compressed
     args = (
-        q_code, cache.k_codes, cache.v_codes, cache.meta,
-        *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:3], *cache.meta.stride()[:3],
-        block_table, *block_table.stride(), seq_lens, codebooks, *mask_args, part_out,
-        part_lse, num_kv_heads, block_table.shape[1],
+        q_code, q, q.stride(0), q.stride(1), scale * LOG2E, cache.k_codes, cache.v_codes,
+        cache.meta, *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:3],
+        *cache.meta.stride()[:3], block_table, *block_table.stride(), seq_lens, codebooks,
+        *mask_args, *window_args, part_out, part_lse, num_kv_heads, block_table.shape[1],
     )  # fmt: skip
     kwargs = dict(
         MASK=mask_kind,
         PAGE_SIZE=page_size,
         D=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
         GROUP=group,
         G_PAD=max(_MIN_ROWS, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
+        BLOCK_W=_BLOCK_W,
         NUM_SPLITS=num_splits,
+        HAS_WINDOW=has_window,
         **_side_constexprs("K", fmt, "k", head_dim),
         **_side_constexprs("V", fmt, "v", head_dim),
         CODEBOOK_STRIDE=codebooks.stride(0),
@@ -460,16 +614,16 @@ def _split_launch(
     return (q_code, part_out, part_lse), grid, args, kwargs
 
 
-def _buffers(fmt, q, num_splits):
+def _buffers(fmt, q, num_partials):
     batch, num_q_heads, head_dim = q.shape
     parts, _, chunk_pad = _part_params(fmt.key, head_dim)
     q_code = torch.empty(
         batch, num_q_heads, parts * chunk_pad, dtype=torch.float16, device=q.device
     )
     part_out = torch.empty(
-        batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        batch, num_q_heads, num_partials, head_dim, dtype=torch.float32, device=q.device
     )
-    part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_q_heads, num_partials, dtype=torch.float32, device=q.device)
     return q_code, part_out, part_lse
 
 
@@ -484,6 +638,8 @@ def decode(
     num_splits: int,
     scale: float,
     mask: torch.Tensor | None = None,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
     block_n: int = 128,
     fast: bool | None = None,
     num_warps: int = 4,
@@ -501,7 +657,7 @@ def decode(
     fast = q.device.type == "cuda" if fast is None else fast
     (q_code, part_out, part_lse), grid, args, kwargs = _split_launch(
         fmt, q, cache, block_table, seq_lens, codebooks, num_splits, block_n, fast, num_warps,
-        num_stages, mask,
+        num_stages, mask, scale, k_window, v_window,
     )  # fmt: skip
     parts, chunk, chunk_pad = _part_params(fmt.key, head_dim)
     inv_sqrt_d = 1.0 / math.sqrt(head_dim)
@@ -513,8 +669,9 @@ def decode(
     )  # fmt: skip
     _split_kernel[grid](*args, **kwargs)
     _merge_kernel[(batch * num_q_heads,)](
-        part_out, part_lse, rotation, out, NUM_SPLITS=num_splits, ROTATE_BACK=fmt.value.rotated,
-        D=head_dim, D_PAD=d_pad, INV_SQRT_D=inv_sqrt_d,
+        part_out, part_lse, rotation, out, NUM_SPLITS=num_splits,
+        HAS_WINDOW=k_window is not None, ROTATE_BACK=fmt.value.rotated, D=head_dim, D_PAD=d_pad,
+        INV_SQRT_D=inv_sqrt_d,
     )  # fmt: skip
     return out
 
@@ -532,11 +689,13 @@ def compile_split_kernel(
     fast=True,
     num_warps=4,
     num_stages=2,
+    k_window=None,
+    v_window=None,
 ):
     """Compile (not launch) the split kernel for these inputs through ``compile_fn(kernel, grid,
     *args, **kwargs)``; used by ``benchmarks/sass_report.py`` to inspect its SASS."""
     _, grid, args, kwargs = _split_launch(
         fmt, q, cache, block_table, seq_lens, codebooks, num_splits, block_n, fast, num_warps,
-        num_stages,
+        num_stages, k_window=k_window, v_window=v_window,
     )  # fmt: skip
     return compile_fn(_split_kernel, grid, *args, **kwargs)

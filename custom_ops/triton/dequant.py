@@ -4,7 +4,8 @@ One program writes ``BLOCK_S`` positions of one (sequence, kv-head): it resolves
 page through the block table, unpacks the code planes, applies the codec's scalars and, for
 Lloyd-Max codes, rotates back with one matmul against the +-1 rotation
 (``x = (levels[codes] @ R.T) * (norm / sqrt(D))``, exact in tf32 because levels are fp16 values).
-Positions at or beyond the sequence length are written as zeros.
+Positions at or beyond the sequence length are written as zeros. With a recent window, the last
+``min(len, W)`` positions are copied from the full-precision ring instead.
 """
 
 from __future__ import annotations
@@ -109,11 +110,19 @@ def _dequant_kernel(
     codebooks_ptr,
     k_out_ptr,
     v_out_ptr,
+    k_window_ptr,
+    v_window_ptr,
+    stride_w_b,
+    stride_w_h,
+    stride_w_slot,
+    window,
     num_kv_heads,
     page_size,
     max_pages,
     max_seq_len,
+    HAS_WINDOW: tl.constexpr,
     D: tl.constexpr,
+    D_PAD: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     K_KIND: tl.constexpr,
@@ -156,6 +165,21 @@ def _dequant_kernel(
     out_row = (batch_head.to(tl.int64) * max_seq_len + pos) * D
     in_bounds = pos < max_seq_len
     valid = valid & in_bounds
+    if HAS_WINDOW:
+        # The last min(len, W) positions are copied from the ring (position p at slot p % W);
+        # the codes are decoded everywhere else.
+        in_window = valid & (pos >= seq_len - window)
+        ring_rows = b.to(tl.int64) * stride_w_b + head * stride_w_h
+        ring_rows += (pos % window).to(tl.int64) * stride_w_slot
+        d = tl.arange(0, D_PAD)[None, :]
+        copy = in_window[:, None] & (d < D)
+        out_ty = k_out_ptr.dtype.element_ty
+        k_ring = tl.load(k_window_ptr + ring_rows[:, None] + d, mask=copy)
+        v_ring = tl.load(v_window_ptr + ring_rows[:, None] + d, mask=copy)
+        tl.store(k_out_ptr + out_row[:, None] + d, k_ring.to(out_ty), mask=copy)
+        tl.store(v_out_ptr + out_row[:, None] + d, v_ring.to(out_ty), mask=copy)
+        valid = valid & ~in_window
+        in_bounds = in_bounds & ~in_window
     _decode_side(
         k_row,
         m_row,
@@ -211,6 +235,8 @@ def dequantize(
     codebooks: torch.Tensor,
     max_seq_len: int,
     dtype: torch.dtype,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
     block_s: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dequantize kernel (inputs already validated; see ``torch.ops.tq.dequantize``)."""
@@ -223,6 +249,11 @@ def dequantize(
     if k_out.numel() == 0:
         return k_out, v_out
     grid = (batch * num_kv_heads, triton.cdiv(max_seq_len, block_s))
+    has_window = k_window is not None
+    if has_window:
+        window_args = (k_window, v_window, *k_window.stride()[:3], k_window.shape[2])
+    else:
+        window_args = (k_out, v_out, 0, 0, 0, 1)  # never read
     _dequant_kernel[grid](
         cache.k_codes,
         cache.v_codes,
@@ -237,11 +268,14 @@ def dequantize(
         codebooks,
         k_out,
         v_out,
+        *window_args,
         num_kv_heads,
         page_size,
         block_table.shape[1],
         max_seq_len,
+        HAS_WINDOW=has_window,
         D=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
         INV_SQRT_D=1.0 / math.sqrt(head_dim),
         BLOCK_S=block_s,
         **codec_constexprs("K", fmt.key, first_meta_column(fmt, "k"), head_dim),

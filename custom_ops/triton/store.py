@@ -57,11 +57,8 @@ def _reciprocal_or_zero(x):
 @triton.jit
 def _encode_side(
     x_ptr,
-    stride_xn,
-    stride_xh,
+    x_rows,
     stride_xd,
-    tok,
-    head,
     ok,
     code_ptr,
     meta_ptr,
@@ -84,11 +81,12 @@ def _encode_side(
 ):
     """Encode one side (keys or values) of ``BLOCK_R`` rows and store codes and meta.
 
-    ``code_ptr [BLOCK_R]`` / ``meta_ptr [BLOCK_R]`` point at each row's code row and meta record.
+    ``x_rows [BLOCK_R]`` are the rows' element offsets from ``x_ptr``; ``code_ptr [BLOCK_R]`` /
+    ``meta_ptr [BLOCK_R]`` point at each row's code row and meta record.
     """
     e, e_mask = tile_offsets(G, C, C_PAD)  # [1, G, C_PAD]
     mask = ok[:, None, None] & e_mask
-    x_offs = tok[:, None, None] * stride_xn + head[:, None, None] * stride_xh + e * stride_xd
+    x_offs = x_rows[:, None, None] + e * stride_xd
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_R, G, C_PAD]
     meta_ty = meta_ptr.dtype.element_ty
 
@@ -104,7 +102,7 @@ def _encode_side(
             for k0 in tl.static_range(0, G * C_PAD, KC):
                 i = k0 + tl.arange(0, KC)
                 i_elem = (i // C_PAD) * C + i % C_PAD
-                x_offs = tok[:, None] * stride_xn + head[:, None] * stride_xh + i_elem * stride_xd
+                x_offs = x_rows[:, None] + i_elem * stride_xd
                 x_mask = ok[:, None] & ((i % C_PAD) < C)[None, :]
                 x_k = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
                 rot = rotation_slice(rot_ptr, D, G, C, C_PAD, k0, KC, col0, RC, False)
@@ -228,13 +226,11 @@ def _store_kernel(
     k_row = k_codes_ptr + page * stride_kc_page + head64 * stride_kc_head + pos * stride_kc_slot
     v_row = v_codes_ptr + page * stride_vc_page + head64 * stride_vc_head + pos * stride_vc_slot
     m_row = meta_ptr + page * stride_m_page + head64 * stride_m_head + pos * stride_m_slot
+    tok64 = tok.to(tl.int64)
     _encode_side(
         key_ptr,
-        stride_kn,
-        stride_kh,
+        tok64 * stride_kn + head64 * stride_kh,
         stride_kd,
-        tok,
-        head,
         ok,
         k_row,
         m_row,
@@ -257,11 +253,8 @@ def _store_kernel(
     )
     _encode_side(
         value_ptr,
-        stride_vn,
-        stride_vh,
+        tok64 * stride_vn + head64 * stride_vh,
         stride_vd,
-        tok,
-        head,
         ok,
         v_row,
         m_row,
@@ -282,6 +275,124 @@ def _store_kernel(
         INV_SQRT_D,
         BLOCK_R,
     )
+
+
+@triton.jit
+def _window_kernel(
+    key_ptr,
+    value_ptr,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_vd,
+    k_window_ptr,
+    v_window_ptr,
+    stride_w_b,
+    stride_w_h,
+    stride_w_slot,
+    k_codes_ptr,
+    v_codes_ptr,
+    meta_ptr,
+    stride_kc_page,
+    stride_kc_head,
+    stride_kc_slot,
+    stride_vc_page,
+    stride_vc_head,
+    stride_vc_slot,
+    stride_m_page,
+    stride_m_head,
+    stride_m_slot,
+    block_table_ptr,
+    stride_bt_b,
+    stride_bt_p,
+    start_pos_ptr,
+    rot_ptr,
+    codebooks_ptr,
+    num_rows,
+    num_kv_heads,
+    num_new,
+    num_chains,
+    window,
+    page_size,
+    max_pages,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_NC: tl.constexpr,
+    K_META: tl.constexpr,
+    K_W0: tl.constexpr,
+    K_W1: tl.constexpr,
+    K_OFF1: tl.constexpr,
+    K_G: tl.constexpr,
+    K_C: tl.constexpr,
+    K_C_PAD: tl.constexpr,
+    K_RC: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_NC: tl.constexpr,
+    V_META: tl.constexpr,
+    V_W0: tl.constexpr,
+    V_W1: tl.constexpr,
+    V_OFF1: tl.constexpr,
+    V_G: tl.constexpr,
+    V_C: tl.constexpr,
+    V_C_PAD: tl.constexpr,
+    V_RC: tl.constexpr,
+    CODEBOOK_STRIDE: tl.constexpr,
+):
+    """Row ``(b, chain, head)``: ring slot ``(start + chain) % W`` of sequence ``b``. Its old
+    token (position ``start + chain - W``) leaves the window and is quantized; then the last new
+    token of the chain ``chain, chain + W, ...`` takes the slot."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = rows < num_rows
+    head = rows % num_kv_heads
+    chain = (rows // num_kv_heads) % num_chains
+    b = rows // (num_kv_heads * num_chains)
+    start = tl.load(start_pos_ptr + b, mask=in_range, other=-1)
+    live = in_range & (start >= 0)
+    b64 = b.to(tl.int64)
+    head64 = head.to(tl.int64)
+    ring_slot = (tl.maximum(start, 0) + chain) % window
+    ring_rows = b64 * stride_w_b + head64 * stride_w_h + ring_slot.to(tl.int64) * stride_w_slot
+
+    # 1. quantize the token leaving the ring into its page slot
+    leaving = start + chain - window
+    page_index = tl.maximum(leaving, 0) // page_size
+    evict = live & (leaving >= 0) & (page_index < max_pages)
+    page_ptr = block_table_ptr + b64 * stride_bt_b + page_index * stride_bt_p
+    page = tl.load(page_ptr, mask=evict, other=0).to(tl.int64)
+    slot = (tl.maximum(leaving, 0) % page_size).to(tl.int64)
+    k_row = k_codes_ptr + page * stride_kc_page + head64 * stride_kc_head + slot * stride_kc_slot
+    v_row = v_codes_ptr + page * stride_vc_page + head64 * stride_vc_head + slot * stride_vc_slot
+    m_row = meta_ptr + page * stride_m_page + head64 * stride_m_head + slot * stride_m_slot
+    _encode_side(k_window_ptr, ring_rows, 1, evict, k_row, m_row, rot_ptr, codebooks_ptr,
+                 K_KIND, K_BITS, K_NC, K_META, K_W0, K_W1, K_OFF1, K_G, K_C, K_C_PAD, K_RC, D,
+                 INV_SQRT_D, BLOCK_R)  # fmt: skip
+    _encode_side(v_window_ptr, ring_rows, 1, evict, v_row, m_row, rot_ptr,
+                 codebooks_ptr + CODEBOOK_STRIDE, V_KIND, V_BITS, V_NC, V_META, V_W0, V_W1,
+                 V_OFF1, V_G, V_C, V_C_PAD, V_RC, D, INV_SQRT_D, BLOCK_R)  # fmt: skip
+    # Every thread's reads of the old ring rows happen before any thread overwrites them.
+    tl.debug_barrier()
+
+    # 2. the chain's last new token (the only one of it that stays in the window) takes the slot
+    newest = chain + window * ((num_new - 1 - chain) // window)
+    d = tl.arange(0, D_PAD)[None, :]
+    copy_mask = live[:, None] & (d < D)
+    newest64 = newest.to(tl.int64)
+    k_src = key_ptr + b64 * stride_kb + head64 * stride_kh + newest64 * stride_kt
+    v_src = value_ptr + b64 * stride_vb + head64 * stride_vh + newest64 * stride_vt
+    k_new = tl.load(k_src[:, None] + d * stride_kd, mask=copy_mask)
+    v_new = tl.load(v_src[:, None] + d * stride_vd, mask=copy_mask)
+    w_dst = ring_rows[:, None] + d
+    tl.store(k_window_ptr + w_dst, k_new.to(k_window_ptr.dtype.element_ty), mask=copy_mask)
+    tl.store(v_window_ptr + w_dst, v_new.to(v_window_ptr.dtype.element_ty), mask=copy_mask)
 
 
 def codec_constexprs(prefix: str, codec: Codec, meta_col: int, head_dim: int) -> dict:
@@ -347,6 +458,86 @@ def store(
         page_size,
         num_pages * page_size,
         D=head_dim,
+        INV_SQRT_D=1.0 / math.sqrt(head_dim),
+        BLOCK_R=block_rows,
+        **codec_constexprs("K", fmt.key, first_meta_column(fmt, "k"), head_dim),
+        **codec_constexprs("V", fmt.value, first_meta_column(fmt, "v"), head_dim),
+        CODEBOOK_STRIDE=codebooks.stride(0),
+        num_warps=num_warps,
+    )
+
+
+def store_window(
+    fmt: KVFormat,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    block_table: torch.Tensor,
+    start_pos: torch.Tensor,
+    rotation: torch.Tensor,
+    codebooks: torch.Tensor,
+    block_rows: int = 32,
+    num_warps: int = 4,
+) -> None:
+    """Launch the window store (inputs validated; see ``torch.ops.tq.store_window``).
+
+    One launch of ``_window_kernel`` over ``B * min(T, W) * Hk`` rows moves every token that
+    leaves the ring into the paged cache and writes the ring. When ``T > W`` the first ``T - W``
+    new tokens never enter the ring: one more launch of the plain store kernel quantizes them
+    straight into their slots (computed on the device from ``start_pos``). The two launches
+    touch disjoint memory.
+    """
+    batch, num_kv_heads, n_new, head_dim = key.shape
+    window = k_window.shape[2]
+    if batch == 0 or n_new == 0:
+        return
+    page_size = cache.k_codes.shape[2]
+    if n_new > window:
+        positions = start_pos[:, None].to(torch.int64) + torch.arange(
+            n_new - window, device=key.device
+        )  # [B, T - W]
+        page_index = positions // page_size
+        in_table = (start_pos[:, None] >= 0) & (page_index < block_table.shape[1])
+        pages = block_table[:batch].gather(1, page_index.clamp(0, block_table.shape[1] - 1))
+        slots = torch.where(in_table, pages * page_size + positions % page_size, -1)
+
+        def rows_of(x):  # [B, Hk, T, D] -> [B * (T - W), Hk, D], in the slots' order
+            return x[:, :, : n_new - window].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
+
+        store(fmt, rows_of(key), rows_of(value), cache, slots.reshape(-1).to(torch.int32),
+              rotation, codebooks, block_rows, num_warps)  # fmt: skip
+    num_chains = min(n_new, window)
+    num_rows = batch * num_chains * num_kv_heads
+    _window_kernel[(triton.cdiv(num_rows, block_rows),)](
+        key,
+        value,
+        *key.stride(),
+        *value.stride(),
+        k_window,
+        v_window,
+        *k_window.stride()[:3],
+        cache.k_codes,
+        cache.v_codes,
+        cache.meta,
+        *cache.k_codes.stride()[:3],
+        *cache.v_codes.stride()[:3],
+        *cache.meta.stride()[:3],
+        block_table,
+        *block_table.stride(),
+        start_pos,
+        rotation,
+        codebooks,
+        num_rows,
+        num_kv_heads,
+        n_new,
+        num_chains,
+        window,
+        page_size,
+        block_table.shape[1],
+        D=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
         INV_SQRT_D=1.0 / math.sqrt(head_dim),
         BLOCK_R=block_rows,
         **codec_constexprs("K", fmt.key, first_meta_column(fmt, "k"), head_dim),
