@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, default=128)
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--window", type=int, default=0, help="recent-window ring size")
     parser.add_argument("--dump", help="write the SASS here")
     args = parser.parse_args()
 
@@ -140,18 +141,21 @@ def main() -> None:
     q = torch.zeros(batch, hk * args.group, args.head_dim, dtype=torch.bfloat16)
     table = torch.zeros(batch, 64, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
+    ring = torch.zeros(batch, hk, args.window, args.head_dim, dtype=torch.bfloat16)
+    rings = dict(k_window=ring, v_window=ring) if args.window else {}
     compiled = decode.compile_split_kernel(
         fmt,
         q,
         cache,
         table,
         lens,
-        consts.codebooks,
+        *consts,
         num_splits=16,
         block_n=args.block_n,
         compile_fn=compile_offline,
         num_warps=args.warps,
         num_stages=args.stages,
+        **rings,
     )
     if args.dump:
         with open(args.dump, "w") as f:
@@ -159,7 +163,8 @@ def main() -> None:
     report(
         compiled,
         args.block_n,
-        f"{args.format} D={args.head_dim} group={args.group} BLOCK_N={args.block_n}",
+        f"{args.format} D={args.head_dim} group={args.group} BLOCK_N={args.block_n} "
+        f"window={args.window}",
     )
 
 

@@ -16,9 +16,10 @@ Three launches with shapes fixed by the inputs (CUDA-graph safe, no host sync):
    back to the original space and casts to the query's dtype.
 
 Recent window: with a full-precision ring of the last ``W`` tokens (``k_window``/``v_window``),
-the splits cover the compressed positions ``[0, len - W)`` and one more program per (sequence,
-kv-head), split index ``num_splits``, attends over the ring in full precision; its partial is one
-more segment of the same merge, so the window costs no extra launch.
+the splits cover the compressed positions ``[0, len - W)``, and the split in whose range they
+end goes on over the ring's tiles in full precision, in the same online softmax and value
+accumulators (rotated into the values' code space for rotated values). Splits are sized over
+all ``len`` tokens, so that split does not run long, and there is no extra program or launch.
 
 Parts: the bit planes of :mod:`custom_ops.formats` are strided, so shifting a row of code bytes
 yields a *contiguous part* of the head dim: 4-bit codes give two halves (low / high nibbles),
@@ -47,7 +48,7 @@ _INT8_ABSMAX = tl.constexpr(int(Kind.INT8_ABSMAX))
 LOG2E = 1.4426950408889634
 LOG2E_ = tl.constexpr(LOG2E)
 _MIN_ROWS = 16  # tl.dot needs at least 16 rows: the GQA group is padded to this
-_BLOCK_W = 32  # ring slots per tile of the window's partial
+_BLOCK_W = 16  # ring slots per tile of the recent window (few registers: tf32 operands)
 
 
 @triton.jit
@@ -227,69 +228,32 @@ def _partial_normalizer(m_i, l_i):
 
 
 @triton.jit
-def _window_partial(
-    q_ptr,
-    stride_qb,
-    stride_qh,
-    q_scale,
-    k_window_ptr,
+def _window_value_part(
     v_window_ptr,
-    stride_w_b,
-    stride_w_h,
-    stride_w_slot,
-    window,
-    seq_len,
-    b,
-    head,
-    mask_ptr,
-    stride_mask_b,
-    stride_mask_h,
-    mask_len,
-    part_out_ptr,
-    part_lse_ptr,
-    part_rows,
-    MASK: tl.constexpr,
+    rows,
+    valid,
+    rot_ptr,
+    PART: tl.constexpr,
+    ROTATED: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
-    GROUP: tl.constexpr,
-    G_PAD: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    PC: tl.constexpr,
+    PC_PAD: tl.constexpr,
 ):
-    """The recent window's partial for one (sequence, kv-head): attention of the GQA group's
-    original queries over the full-precision ring, whose slot ``r`` holds the position ``p`` of
-    ``[len - min(len, W), len)`` with ``p % W == r``. bf16/fp16 K and V are exact in tf32, so
-    both products run on the tensor cores in tf32 with float32 accumulation."""
-    g = tl.arange(0, G_PAD)
-    row_ok = g < GROUP
-    q_head = head * GROUP + g
-    d = tl.arange(0, D_PAD)[None, :]
-    d_ok = d < D
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
-    q = tl.load(q_rows + d, mask=row_ok[:, None] & d_ok, other=0.0).to(tl.float32)
-    count = tl.minimum(seq_len, window)
-    first = seq_len - count  # position of the oldest token in the window
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
-    for r0 in range(0, count, BLOCK_W):
-        r = r0 + tl.arange(0, BLOCK_W)
-        valid = r < count
-        positions = first + (r + window - first % window) % window
-        rows = ring + r.to(tl.int64)[:, None] * stride_w_slot + d
-        kv_mask = valid[:, None] & d_ok
-        k = tl.load(k_window_ptr + rows, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="tf32") * q_scale
-        scores = _mask_scores(scores, positions, mask_ptr, b, q_head, row_ok, stride_mask_b,
-                              stride_mask_h, mask_len, MASK)  # fmt: skip
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
-        v = tl.load(v_window_ptr + rows, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="tf32")
-    lse, inv_l = _partial_normalizer(m_i, l_i)
-    out_ptrs = part_out_ptr + part_rows[:, None] * D + d
-    tl.store(out_ptrs, acc * inv_l[:, None], mask=row_ok[:, None] & d_ok)
-    tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
+    """Part ``PART`` (elements ``PART * PC + j``) of ring values ``[BLOCK_W, PC_PAD]`` float32
+    in the space of the value accumulators: rotated (``v @ R / sqrt(D)``) for rotated values."""
+    j = tl.arange(0, PC_PAD)[None, :]
+    if ROTATED:
+        d = tl.arange(0, D_PAD)[None, :]
+        v = tl.load(v_window_ptr + rows[:, None] + d, mask=valid[:, None] & (d < D), other=0.0)
+        i = tl.arange(0, D_PAD)[:, None]
+        rot = tl.load(rot_ptr + i * D + PART * PC + j, mask=(i < D) & (j < PC), other=0.0)
+        part = tl.dot(v.to(tl.float32), rot, input_precision="tf32") * INV_SQRT_D
+    else:
+        part = tl.load(v_window_ptr + rows[:, None] + PART * PC + j,
+                       mask=valid[:, None] & (j < PC), other=0.0).to(tl.float32)  # fmt: skip
+    return part
 
 
 @triton.jit
@@ -316,6 +280,7 @@ def _split_kernel(
     stride_bt_p,
     seq_lens_ptr,
     codebooks_ptr,
+    rot_ptr,
     mask_ptr,
     stride_mask_b,
     stride_mask_h,
@@ -340,6 +305,8 @@ def _split_kernel(
     BLOCK_W: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    V_ROTATED: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
     K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
     K_META: tl.constexpr,
@@ -362,11 +329,13 @@ def _split_kernel(
     head = tl.program_id(1)
     b = tl.program_id(2)
 
-    # This split's token range of the compressed positions [0, len - window), from the
-    # device-side length: [start, end). The window's program (split == NUM_SPLITS) gets none.
+    # This split's token range of the compressed positions [0, len - W), from the device-side
+    # length: [start, end). The window's min(len, W) ring tokens count as work too, and go to
+    # the split whose range the compressed positions end in (after its compressed tiles).
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE)
-    compressed_len = tl.maximum(seq_len - window, 0)
-    per_split = tl.cdiv(tl.cdiv(compressed_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    window_len = tl.minimum(seq_len, window)
+    compressed_len = seq_len - window_len
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, compressed_len)
 
@@ -443,15 +412,53 @@ def _split_kernel(
             acc2 = tl.dot(pv, v2, acc2 * alpha[:, None])
             acc3 = tl.dot(pv, v3, acc3 * alpha[:, None])
 
+    if HAS_WINDOW:
+        if (window_len > 0) & (split == compressed_len // per_split):
+            # The ring: slot r holds the position of [len - window_len, len) that is r mod W.
+            # bf16/fp16 K and V are exact in tf32, so both products run in tf32 against the
+            # original (unrotated, unrounded) query, with float32 accumulation.
+            d = tl.arange(0, D_PAD)[None, :]
+            q_ptrs = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh + d
+            q_orig = tl.load(q_ptrs, mask=row_ok[:, None] & (d < D), other=0.0).to(tl.float32)
+            first = compressed_len  # position of the oldest window token
+            ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
+            for r0 in range(0, window_len, BLOCK_W):
+                r = r0 + tl.arange(0, BLOCK_W)
+                in_window = r < window_len
+                positions = first + (r + window - first % window) % window
+                rows = ring + r.to(tl.int64) * stride_w_slot
+                k_ptrs = k_window_ptr + rows[:, None] + d
+                k = tl.load(k_ptrs, mask=in_window[:, None] & (d < D), other=0.0)
+                scores = tl.dot(q_orig, tl.trans(k.to(tl.float32)), input_precision="tf32")
+                scores = _mask_scores(scores * q_scale, positions, mask_ptr, b, q_head, row_ok,
+                                      stride_mask_b, stride_mask_h, mask_len, MASK)  # fmt: skip
+                scores = tl.where(in_window[None, :], scores, float("-inf"))
+                p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
+                zero_acc = zero_acc * alpha
+                v0 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 0, V_ROTATED,
+                                        D, D_PAD, INV_SQRT_D, V_PC, V_PC_PAD)  # fmt: skip
+                acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision="tf32")
+                if V_PARTS > 1:
+                    v1 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 1,
+                                            V_ROTATED, D, D_PAD, INV_SQRT_D, V_PC,
+                                            V_PC_PAD)  # fmt: skip
+                    acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision="tf32")
+                if V_PARTS > 2:
+                    v2 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 2,
+                                            V_ROTATED, D, D_PAD, INV_SQRT_D, V_PC,
+                                            V_PC_PAD)  # fmt: skip
+                    acc2 = tl.dot(p, v2, acc2 * alpha[:, None], input_precision="tf32")
+                    v3 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 3,
+                                            V_ROTATED, D, D_PAD, INV_SQRT_D, V_PC,
+                                            V_PC_PAD)  # fmt: skip
+                    acc3 = tl.dot(p, v3, acc3 * alpha[:, None], input_precision="tf32")
+
     # This split's partial, normalized, in natural element order; lse in the log2 domain.
-    # Partials are [B, Hq, NUM_SPLITS (+ 1 for the window), D].
-    NUM_PARTS: tl.constexpr = NUM_SPLITS + HAS_WINDOW
     lse, inv_l = _partial_normalizer(m_i, l_i)
-    part_rows = q_rows * NUM_PARTS + split
-    is_split = row_ok & (split < NUM_SPLITS)
+    part_rows = q_rows * NUM_SPLITS + split
     j = tl.arange(0, V_PC_PAD)[None, :]
     out_ptrs = part_out_ptr + part_rows[:, None] * D + j
-    ok = is_split[:, None] & (j < V_PC)
+    ok = row_ok[:, None] & (j < V_PC)
     scale = inv_l[:, None]
     tl.store(out_ptrs, (acc0 + zero_acc[:, None]) * scale, mask=ok)
     if V_PARTS > 1:
@@ -459,14 +466,7 @@ def _split_kernel(
     if V_PARTS > 2:
         tl.store(out_ptrs + 2 * V_PC, (acc2 + zero_acc[:, None]) * scale, mask=ok)
         tl.store(out_ptrs + 3 * V_PC, (acc3 + zero_acc[:, None]) * scale, mask=ok)
-    tl.store(part_lse_ptr + part_rows, lse, mask=is_split)
-    if HAS_WINDOW:
-        if split == NUM_SPLITS:
-            _window_partial(q_orig_ptr, stride_qb, stride_qh, q_scale, k_window_ptr,
-                            v_window_ptr, stride_w_b, stride_w_h, stride_w_slot, window, seq_len,
-                            b, head, mask_ptr, stride_mask_b, stride_mask_h, mask_len,
-                            part_out_ptr, part_lse_ptr, part_rows, MASK, D, D_PAD, GROUP, G_PAD,
-                            BLOCK_W)  # fmt: skip
+    tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
 
 
 @triton.jit
@@ -476,44 +476,31 @@ def _merge_kernel(
     rot_ptr,
     out_ptr,
     NUM_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
     ROTATE_BACK: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
 ):
-    """``out[row] = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max lse)`` over the
-    splits and the window (the last partial). Split partials of rotated values are rotated back
-    (linear, so after the sum); the window's is in the original space already."""
-    NUM_PARTS: tl.constexpr = NUM_SPLITS + HAS_WINDOW
+    """``out[row] = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max lse)``."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, D_PAD)
-    lse = tl.load(part_lse_ptr + row * NUM_PARTS + s)
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + s)
     m = tl.max(lse, axis=0)
-    if HAS_WINDOW:
-        window_lse = tl.load(part_lse_ptr + row * NUM_PARTS + NUM_SPLITS)
-        m = tl.maximum(m, window_lse)
     m = tl.where(m > float("-inf"), m, 0.0)
     w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m), 0.0)
     total = tl.sum(w, axis=0)
     parts = tl.load(
-        part_out_ptr + (row * NUM_PARTS + s)[:, None] * D + d[None, :],
+        part_out_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :],
         mask=(d < D)[None, :],
         other=0.0,
     )
-    out = tl.sum(parts * w[:, None], axis=0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     if ROTATE_BACK:
         # x = y @ R.T / sqrt(D): out[j] = sum_i y[i] * R[j, i].
         rot_mask = (d[:, None] < D) & (d < D)[None, :]
         rot = tl.load(rot_ptr + d[None, :] * D + d[:, None], mask=rot_mask, other=0.0)
         out = tl.sum(out[:, None] * rot, axis=0) * INV_SQRT_D
-    if HAS_WINDOW:
-        window_w = tl.where(window_lse > float("-inf"), tl.math.exp2(window_lse - m), 0.0)
-        window_out = tl.load(part_out_ptr + (row * NUM_PARTS + NUM_SPLITS) * D + d, mask=d < D)
-        out += window_w * window_out
-        total += window_w
-    out = out / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
@@ -553,6 +540,7 @@ def _split_launch(
     cache,
     block_table,
     seq_lens,
+    rotation,
     codebooks,
     num_splits,
     block_n,
@@ -567,11 +555,11 @@ def _split_launch(
     """Buffers ``(q_code, part_out, part_lse)`` and the grid, positional and keyword arguments of
     ``_split_kernel`` for query ``q [B, Hq, D]``."""
     has_window = k_window is not None
-    q_code, part_out, part_lse = _buffers(fmt, q, num_splits + has_window)
+    q_code, part_out, part_lse = _buffers(fmt, q, num_splits)
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
     group = num_q_heads // num_kv_heads
-    grid = (num_splits + has_window, num_kv_heads, batch)
+    grid = (num_splits, num_kv_heads, batch)
     if mask is None:
         mask_kind, mask_args = 0, (seq_lens, 0, 0, 0)
     else:
@@ -590,7 +578,7 @@ def _split_launch(
         q_code, q, q.stride(0), q.stride(1), scale * LOG2E, cache.k_codes, cache.v_codes,
         cache.meta, *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:3],
         *cache.meta.stride()[:3], block_table, *block_table.stride(), seq_lens, codebooks,
-        *mask_args, *window_args, part_out, part_lse, num_kv_heads, block_table.shape[1],
+        rotation, *mask_args, *window_args, part_out, part_lse, num_kv_heads, block_table.shape[1],
     )  # fmt: skip
     kwargs = dict(
         MASK=mask_kind,
@@ -603,6 +591,8 @@ def _split_launch(
         BLOCK_W=_BLOCK_W,
         NUM_SPLITS=num_splits,
         HAS_WINDOW=has_window,
+        V_ROTATED=fmt.value.rotated,
+        INV_SQRT_D=1.0 / math.sqrt(head_dim),
         **_side_constexprs("K", fmt, "k", head_dim),
         **_side_constexprs("V", fmt, "v", head_dim),
         CODEBOOK_STRIDE=codebooks.stride(0),
@@ -614,16 +604,39 @@ def _split_launch(
     return (q_code, part_out, part_lse), grid, args, kwargs
 
 
-def _buffers(fmt, q, num_partials):
+# Register budgets at which 4 or 3 programs of 4 warps fit an SM (65536 registers): the window's
+# tiles must not cost the streaming loop an occupancy class.
+_OCCUPANCY_REGISTERS = (128, 168)
+_register_caps: dict = {}
+
+
+def _window_register_cap(grid, args, kwargs) -> int | None:
+    """``maxnreg`` for the split kernel with a window: the occupancy class of the same kernel
+    without one (compiled once per configuration to read its register count), or ``None``.
+
+    Without a cap, the window's tf32 tiles raise the kernel's registers (int8: 128 -> 194,
+    measured offline), and one program per SM fewer streams the compressed tiles; with it,
+    ptxas fits the window in the streaming loop's budget without spilling.
+    """
+    key = (args[0].device, tuple(sorted(kwargs.items())))
+    if key not in _register_caps:
+        plain = _split_kernel.warmup(*args, grid=grid, **{**kwargs, "HAS_WINDOW": False})
+        plain._init_handles()
+        fitting = [cap for cap in _OCCUPANCY_REGISTERS if plain.n_regs <= cap]
+        _register_caps[key] = fitting[0] if fitting else None
+    return _register_caps[key]
+
+
+def _buffers(fmt, q, num_splits):
     batch, num_q_heads, head_dim = q.shape
     parts, _, chunk_pad = _part_params(fmt.key, head_dim)
     q_code = torch.empty(
         batch, num_q_heads, parts * chunk_pad, dtype=torch.float16, device=q.device
     )
     part_out = torch.empty(
-        batch, num_q_heads, num_partials, head_dim, dtype=torch.float32, device=q.device
+        batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
     )
-    part_lse = torch.empty(batch, num_q_heads, num_partials, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     return q_code, part_out, part_lse
 
 
@@ -656,8 +669,8 @@ def decode(
         return out
     fast = q.device.type == "cuda" if fast is None else fast
     (q_code, part_out, part_lse), grid, args, kwargs = _split_launch(
-        fmt, q, cache, block_table, seq_lens, codebooks, num_splits, block_n, fast, num_warps,
-        num_stages, mask, scale, k_window, v_window,
+        fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, block_n, fast,
+        num_warps, num_stages, mask, scale, k_window, v_window,
     )  # fmt: skip
     parts, chunk, chunk_pad = _part_params(fmt.key, head_dim)
     inv_sqrt_d = 1.0 / math.sqrt(head_dim)
@@ -667,11 +680,12 @@ def decode(
         ROTATE=fmt.key.rotated, D=head_dim, D_PAD=d_pad, INV_SQRT_D=inv_sqrt_d,
         PARTS=parts, PC=chunk, PC_PAD=chunk_pad,
     )  # fmt: skip
+    if k_window is not None and fast:
+        kwargs["maxnreg"] = _window_register_cap(grid, args, kwargs)
     _split_kernel[grid](*args, **kwargs)
     _merge_kernel[(batch * num_q_heads,)](
         part_out, part_lse, rotation, out, NUM_SPLITS=num_splits,
-        HAS_WINDOW=k_window is not None, ROTATE_BACK=fmt.value.rotated, D=head_dim, D_PAD=d_pad,
-        INV_SQRT_D=inv_sqrt_d,
+        ROTATE_BACK=fmt.value.rotated, D=head_dim, D_PAD=d_pad, INV_SQRT_D=inv_sqrt_d,
     )  # fmt: skip
     return out
 
@@ -682,6 +696,7 @@ def compile_split_kernel(
     cache,
     block_table,
     seq_lens,
+    rotation,
     codebooks,
     num_splits,
     block_n,
@@ -695,7 +710,7 @@ def compile_split_kernel(
     """Compile (not launch) the split kernel for these inputs through ``compile_fn(kernel, grid,
     *args, **kwargs)``; used by ``benchmarks/sass_report.py`` to inspect its SASS."""
     _, grid, args, kwargs = _split_launch(
-        fmt, q, cache, block_table, seq_lens, codebooks, num_splits, block_n, fast, num_warps,
-        num_stages, k_window=k_window, v_window=v_window,
+        fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, block_n, fast,
+        num_warps, num_stages, k_window=k_window, v_window=v_window,
     )  # fmt: skip
     return compile_fn(_split_kernel, grid, *args, **kwargs)
