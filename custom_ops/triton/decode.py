@@ -48,7 +48,7 @@ _INT8_ABSMAX = tl.constexpr(int(Kind.INT8_ABSMAX))
 LOG2E = 1.4426950408889634
 LOG2E_ = tl.constexpr(LOG2E)
 _MIN_ROWS = 16  # tl.dot needs at least 16 rows: the GQA group is padded to this
-_BLOCK_W = 16  # ring slots per tile of the recent window (few registers: tf32 operands)
+_BLOCK_W = 64  # ring slots per tile of the recent window
 
 
 @triton.jit
@@ -241,8 +241,9 @@ def _window_value_part(
     PC: tl.constexpr,
     PC_PAD: tl.constexpr,
 ):
-    """Part ``PART`` (elements ``PART * PC + j``) of ring values ``[BLOCK_W, PC_PAD]`` float32
-    in the space of the value accumulators: rotated (``v @ R / sqrt(D)``) for rotated values."""
+    """Part ``PART`` (elements ``PART * PC + j``) of ring values ``[BLOCK_W, PC_PAD]`` in the
+    space of the value accumulators: rotated (``v @ R / sqrt(D)``, float32) for rotated values,
+    else as stored."""
     j = tl.arange(0, PC_PAD)[None, :]
     if ROTATED:
         d = tl.arange(0, D_PAD)[None, :]
@@ -252,7 +253,7 @@ def _window_value_part(
         part = tl.dot(v.to(tl.float32), rot, input_precision="tf32") * INV_SQRT_D
     else:
         part = tl.load(v_window_ptr + rows[:, None] + PART * PC + j,
-                       mask=valid[:, None] & (j < PC), other=0.0).to(tl.float32)  # fmt: skip
+                       mask=valid[:, None] & (j < PC), other=0.0)  # fmt: skip
     return part
 
 
@@ -305,6 +306,8 @@ def _split_kernel(
     BLOCK_W: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    WINDOW_QK_F32: tl.constexpr,
+    WINDOW_F32: tl.constexpr,
     V_ROTATED: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     K_KIND: tl.constexpr,
@@ -415,11 +418,15 @@ def _split_kernel(
     if HAS_WINDOW:
         if (window_len > 0) & (split == compressed_len // per_split):
             # The ring: slot r holds the position of [len - window_len, len) that is r mod W.
-            # bf16/fp16 K and V are exact in tf32, so both products run in tf32 against the
-            # original (unrotated, unrounded) query, with float32 accumulation.
+            # Q @ K^T against the original (unrotated) query in the ring's dtype (tf32, exact
+            # for 16-bit inputs, when the query's dtype differs), P @ V in fp16 like the
+            # compressed tiles, float32 accumulation; all float32 under the interpreter, which
+            # cannot run 16-bit dots.
             d = tl.arange(0, D_PAD)[None, :]
             q_ptrs = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh + d
-            q_orig = tl.load(q_ptrs, mask=row_ok[:, None] & (d < D), other=0.0).to(tl.float32)
+            q_orig = tl.load(q_ptrs, mask=row_ok[:, None] & (d < D), other=0.0)
+            if WINDOW_QK_F32:
+                q_orig = q_orig.to(tl.float32)
             first = compressed_len  # position of the oldest window token
             ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
             for r0 in range(0, window_len, BLOCK_W):
@@ -427,31 +434,35 @@ def _split_kernel(
                 in_window = r < window_len
                 positions = first + (r + window - first % window) % window
                 rows = ring + r.to(tl.int64) * stride_w_slot
-                k_ptrs = k_window_ptr + rows[:, None] + d
-                k = tl.load(k_ptrs, mask=in_window[:, None] & (d < D), other=0.0)
-                scores = tl.dot(q_orig, tl.trans(k.to(tl.float32)), input_precision="tf32")
+                k = tl.load(k_window_ptr + rows[:, None] + d, mask=in_window[:, None] & (d < D),
+                            other=0.0)  # fmt: skip
+                scores = tl.dot(q_orig, tl.trans(k.to(q_orig.dtype)))
                 scores = _mask_scores(scores * q_scale, positions, mask_ptr, b, q_head, row_ok,
                                       stride_mask_b, stride_mask_h, mask_len, MASK)  # fmt: skip
                 scores = tl.where(in_window[None, :], scores, float("-inf"))
                 p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
                 zero_acc = zero_acc * alpha
+                if WINDOW_F32:
+                    pv = p
+                else:
+                    pv = p.to(tl.float16)
                 v0 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 0, V_ROTATED,
                                         D, D_PAD, INV_SQRT_D, V_PC, V_PC_PAD)  # fmt: skip
-                acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision="tf32")
+                acc0 = tl.dot(pv, v0.to(pv.dtype), acc0 * alpha[:, None])
                 if V_PARTS > 1:
                     v1 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 1,
                                             V_ROTATED, D, D_PAD, INV_SQRT_D, V_PC,
                                             V_PC_PAD)  # fmt: skip
-                    acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision="tf32")
+                    acc1 = tl.dot(pv, v1.to(pv.dtype), acc1 * alpha[:, None])
                 if V_PARTS > 2:
                     v2 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 2,
                                             V_ROTATED, D, D_PAD, INV_SQRT_D, V_PC,
                                             V_PC_PAD)  # fmt: skip
-                    acc2 = tl.dot(p, v2, acc2 * alpha[:, None], input_precision="tf32")
+                    acc2 = tl.dot(pv, v2.to(pv.dtype), acc2 * alpha[:, None])
                     v3 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 3,
                                             V_ROTATED, D, D_PAD, INV_SQRT_D, V_PC,
                                             V_PC_PAD)  # fmt: skip
-                    acc3 = tl.dot(p, v3, acc3 * alpha[:, None], input_precision="tf32")
+                    acc3 = tl.dot(pv, v3.to(pv.dtype), acc3 * alpha[:, None])
 
     # This split's partial, normalized, in natural element order; lse in the log2 domain.
     lse, inv_l = _partial_normalizer(m_i, l_i)
@@ -591,6 +602,8 @@ def _split_launch(
         BLOCK_W=_BLOCK_W,
         NUM_SPLITS=num_splits,
         HAS_WINDOW=has_window,
+        WINDOW_QK_F32=not fast or (has_window and k_window.dtype != q.dtype),
+        WINDOW_F32=not fast,
         V_ROTATED=fmt.value.rotated,
         INV_SQRT_D=1.0 / math.sqrt(head_dim),
         **_side_constexprs("K", fmt, "k", head_dim),
