@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_quality_tiny_cpu_reports_bf16_and_4bit(tmp_path):
     """``benchmarks/quality.py --tiny`` trains a tiny byte-level model (cached under
-    ``--cache-dir``), decodes through the bf16 and ``4bit_nc`` caches and reports both with a
+    ``--cache-dir``), decodes through the bf16 cache and ``4bit_nc`` caches with windows 0 and
+    8 (crossed by the 24 positions) and reports each with a
     finite perplexity, in its table and in the JSON at ``--out`` (the PNG beside it when
     matplotlib is installed); nothing is written to ``benchmarks/results``."""
     env = dict(
@@ -26,7 +27,7 @@ def test_quality_tiny_cpu_reports_bf16_and_4bit(tmp_path):
     out = tmp_path / "quality.json"
     result = subprocess.run(
         [sys.executable, "benchmarks/quality.py", "--tiny", "--device", "cpu",
-         "--formats", "4bit_nc", "--windows", "0", "--eval-seqs", "2", "--eval-len", "24",
+         "--formats", "4bit_nc", "--windows", "0", "8", "--eval-seqs", "2", "--eval-len", "24",
          "--steps", "3", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -35,10 +36,11 @@ def test_quality_tiny_cpu_reports_bf16_and_4bit(tmp_path):
     for cache in ("bf16", "4bit_nc"):
         assert cache in table, f"no row for {cache} in:\n{result.stdout}"
         assert math.isfinite(float(table[cache][3])), table[cache]  # the ppl column
-    rows = {row["cache"]: row for row in json.loads(out.read_text())["rows"]}
-    assert sorted(rows) == ["4bit_nc", "bf16"]
+    rows = {(row["cache"], row["window"]): row for row in json.loads(out.read_text())["rows"]}
+    assert sorted(rows, key=str) == [("4bit_nc", 0), ("4bit_nc", 8), ("bf16", None)]
     assert all(math.isfinite(row["ppl"]) and row["ppl"] > 1 for row in rows.values())
-    assert rows["bf16"]["ppl_delta_pct"] == 0 and rows["bf16"]["top1_pct"] == 100
+    bf16 = rows["bf16", None]
+    assert bf16["ppl_delta_pct"] == 0 and bf16["top1_pct"] == 100
     assert list((tmp_path / "cache").glob("tiny-*.pt")), "the trained model was not cached"
     if importlib.util.find_spec("matplotlib") is not None:
         assert out.with_suffix(".png").exists()
