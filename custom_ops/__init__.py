@@ -4,7 +4,7 @@ Importing this package registers the ``torch.ops.tq`` operators.
 """
 
 from custom_ops import ops
-from custom_ops.api import KVConstants, dequantize, make_constants, store
+from custom_ops.api import KVConstants, decode, dequantize, make_constants, store, store_window
 from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, KVFormat, PagedKVCache, get_format
 
 __all__ = [
@@ -13,9 +13,11 @@ __all__ = [
     "KVConstants",
     "KVFormat",
     "PagedKVCache",
+    "decode",
     "dequantize",
     "get_format",
     "make_constants",
     "ops",
     "store",
+    "store_window",
 ]
