@@ -221,10 +221,9 @@ def check_store_window(
                 f"tokens up to position {end - 1} do not fit a sequence's capacity of "
                 f"{capacity} positions (block_table pages * page_size)",
             )
-        live = start_pos.to(block_table.device) >= 0
-        used = block_table[:batch][live, : -(-end // cache.k_codes.shape[2])]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= cache.k_codes.shape[0]):
-            _fail(op, f"block_table holds page ids outside [0, {cache.k_codes.shape[0]})")
+        # every live sequence's pages up to the last position written
+        written = torch.where(start_pos >= 0, end, 0)
+        check_page_ids(op, cache, block_table[:batch], written, f"positions below {end}")
     return fmt
 
 
@@ -283,8 +282,7 @@ def check_block_table(
     batch, max_pages = block_table.shape
     check_int32_vector(op, "seq_lens", seq_lens, batch)
     check_same_device(op, cache.k_codes.device, block_table=block_table, seq_lens=seq_lens)
-    num_pages, _, page_size = cache.k_codes.shape[:3]
-    table_capacity = max_pages * page_size
+    table_capacity = max_pages * cache.k_codes.shape[2]
     if max_seq_len is not None and not 0 <= max_seq_len <= table_capacity:
         _fail(
             op,
@@ -301,12 +299,19 @@ def check_block_table(
             f"seq_lens must be in [0, {bound}], got a length of "
             f"{longest if longest > bound else int(seq_lens.min())}",
         )
-    used = torch.arange(max_pages, device=seq_lens.device)[None, :] * page_size < seq_lens[:, None]
-    pages = block_table[used]
+    check_page_ids(op, cache, block_table, seq_lens, "positions below seq_lens")
+
+
+def check_page_ids(
+    op: str, cache: PagedKVCache, block_table: torch.Tensor, lengths: torch.Tensor, what: str
+) -> None:
+    """The page ids of ``block_table [B, P]`` that hold positions below ``lengths [B]`` must
+    name pages of the cache (``what`` describes those positions in the error)."""
+    num_pages, _, page_size = cache.k_codes.shape[:3]
+    first_position = torch.arange(block_table.shape[1], device=lengths.device) * page_size
+    pages = block_table[first_position[None, :] < lengths[:, None]]
     if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
-        _fail(
-            op, f"block_table holds page ids outside [0, {num_pages}) for positions below seq_lens"
-        )
+        _fail(op, f"block_table holds page ids outside [0, {num_pages}) for {what}")
 
 
 def check_dequantize(

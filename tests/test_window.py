@@ -301,6 +301,9 @@ class TestStoreWindowBadInput(expecttest.TestCase):
             "int64 start": dict(start=start.long()),
             "past capacity": dict(start=torch.tensor([CAPACITY - 1, 0], dtype=torch.int32)),
             "block table too short": dict(table=seqs.block_table[:1]),
+            "page id out of range": dict(
+                table=seqs.block_table.index_fill(1, torch.tensor([1]), 99)
+            ),
         }
         messages = []
         for label, kwargs in cases.items():
@@ -319,7 +322,8 @@ float32 ring: TypeError: tq.store_window: k_window and v_window must be bfloat16
 ring dtypes differ: TypeError: tq.store_window: k_window and v_window must be bfloat16 or float16 of one dtype, got torch.bfloat16 and torch.float16
 int64 start: TypeError: tq.store_window: start_pos must be int32, got torch.int64
 past capacity: ValueError: tq.store_window: tokens up to position 28 do not fit a sequence's capacity of 28 positions (block_table pages * page_size)
-block table too short: ValueError: tq.store_window: block_table must be int32 [>= 2, max_pages], got torch.int32 (1, 7)""",  # noqa: E501
+block table too short: ValueError: tq.store_window: block_table must be int32 [>= 2, max_pages], got torch.int32 (1, 7)
+page id out of range: ValueError: tq.store_window: block_table holds page ids outside [0, 16) for positions below 7""",  # noqa: E501
         )
 
 
