@@ -113,7 +113,8 @@ def store_window(
         key, value: ``[B, Hk, T, D]`` (bf16/fp16, any strides) new tokens of each sequence.
         k_codes, v_codes, meta: the cache planes, mutated.
         k_window, v_window: ``[>= B, Hk, W, D]`` contiguous bf16/fp16 rings, mutated.
-        block_table: ``[>= B, max_pages] int32`` page ids of each sequence.
+        block_table: ``[>= B, max_pages] int32`` page ids of each sequence; pages are needed
+            only below ``len - W``, so a sequence holds ``max_pages * page_size + W`` positions.
         start_pos: ``[B] int32`` current length of each sequence = position of its first new
             token (tokens are appended; a negative start skips the sequence).
         rotation, codebooks, fmt: as for :func:`store`.

@@ -410,6 +410,8 @@ def decode(
     in the query's dtype.
     """
     max_seq_len = block_table.shape[1] * cache.k_codes.shape[2]
+    if k_window is not None:
+        max_seq_len += k_window.shape[2]  # the ring holds the last W positions
     k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, codebooks, max_seq_len, dtype,
                       k_window, v_window)  # fmt: skip
     return attention(q, k, v, seq_lens, scale, mask).to(q.dtype)

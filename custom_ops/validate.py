@@ -213,17 +213,19 @@ def check_store_window(
     check_int32_vector(op, "start_pos", start_pos, batch)
     check_constants(op, rotation, codebooks, head_dim, device)
     if batch and checks_values(start_pos):
-        capacity = block_table.shape[1] * cache.k_codes.shape[2]
+        window = k_window.shape[2]
+        capacity = block_table.shape[1] * cache.k_codes.shape[2] + window
         end = int(start_pos.max()) + n_new
         if end > capacity:
             _fail(
                 op,
                 f"tokens up to position {end - 1} do not fit a sequence's capacity of "
-                f"{capacity} positions (block_table pages * page_size)",
+                f"{capacity} positions (block_table pages * page_size + window)",
             )
-        # every live sequence's pages up to the last position written
-        written = torch.where(start_pos >= 0, end, 0)
-        check_page_ids(op, cache, block_table[:batch], written, f"positions below {end}")
+        # every live sequence's pages up to the last position that can leave the ring
+        quantized = max(end - window, 0)
+        written = torch.where(start_pos >= 0, quantized, 0)
+        check_page_ids(op, cache, block_table[:batch], written, f"positions below {quantized}")
     return fmt
 
 
@@ -273,8 +275,13 @@ def check_block_table(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int | None = None,
+    window: int = 0,
 ) -> None:
-    """``block_table [B, P] int32`` and ``seq_lens [B] int32`` against the cache's pages."""
+    """``block_table [B, P] int32`` and ``seq_lens [B] int32`` against the cache's pages.
+
+    With a recent window of ``W`` tokens a sequence holds ``P * page_size + W`` positions: only
+    those below ``len - W`` live in pages.
+    """
     if block_table.dtype != torch.int32:
         _fail(op, f"block_table must be int32, got {block_table.dtype}", TypeError)
     if block_table.dim() != 2:
@@ -282,12 +289,12 @@ def check_block_table(
     batch, max_pages = block_table.shape
     check_int32_vector(op, "seq_lens", seq_lens, batch)
     check_same_device(op, cache.k_codes.device, block_table=block_table, seq_lens=seq_lens)
-    table_capacity = max_pages * cache.k_codes.shape[2]
+    table_capacity = max_pages * cache.k_codes.shape[2] + window
     if max_seq_len is not None and not 0 <= max_seq_len <= table_capacity:
         _fail(
             op,
             f"max_seq_len {max_seq_len} must be in [0, {table_capacity}] "
-            "(block_table pages * page_size)",
+            f"(block_table pages * page_size{' + window' if window else ''})",
         )
     if batch == 0 or not checks_values(seq_lens):
         return
@@ -299,7 +306,9 @@ def check_block_table(
             f"seq_lens must be in [0, {bound}], got a length of "
             f"{longest if longest > bound else int(seq_lens.min())}",
         )
-    check_page_ids(op, cache, block_table, seq_lens, "positions below seq_lens")
+    paged = (seq_lens - window).clamp_min(0) if window else seq_lens
+    what = "positions below seq_lens - window" if window else "positions below seq_lens"
+    check_page_ids(op, cache, block_table, paged, what)
 
 
 def check_page_ids(
@@ -336,11 +345,12 @@ def check_dequantize(
     cache = PagedKVCache(k_codes, v_codes, meta)
     check_cache(op, kv_format, cache, head_dim)
     check_constants(op, rotation, codebooks, head_dim, k_codes.device)
-    check_block_table(op, cache, block_table, seq_lens, max_seq_len)
+    batch = block_table.shape[0] if block_table.dim() == 2 else 0
+    check_window(op, k_window, v_window, batch, k_codes.shape[1], head_dim, k_codes.device)
+    window = 0 if k_window is None else k_window.shape[2]
+    check_block_table(op, cache, block_table, seq_lens, max_seq_len, window)
     if dtype not in OUTPUT_DTYPES:
         _fail(op, f"dtype must be one of {OUTPUT_DTYPES}, got {dtype}", TypeError)
-    check_window(op, k_window, v_window, block_table.shape[0], k_codes.shape[1], head_dim,
-                 k_codes.device)  # fmt: skip
     return kv_format, cache, head_dim
 
 
@@ -374,7 +384,9 @@ def check_decode(
         )
     check_same_device(op, cache.k_codes.device, q=q)
     check_constants(op, rotation, codebooks, head_dim, cache.k_codes.device)
-    check_block_table(op, cache, block_table, seq_lens)
+    check_window(op, k_window, v_window, batch, num_kv_heads, head_dim, cache.k_codes.device)
+    window = 0 if k_window is None else k_window.shape[2]
+    check_block_table(op, cache, block_table, seq_lens, window=window)
     if block_table.shape[0] != batch:
         _fail(op, f"block_table has {block_table.shape[0]} rows for a batch of {batch} queries")
     if not (1 <= num_splits <= 512 and num_splits & (num_splits - 1) == 0):
@@ -399,5 +411,4 @@ def check_decode(
                 f"mask must be [B or 1, Hq or 1, positions] = [{batch} or 1, "
                 f"{num_q_heads} or 1, M], got shape {_shape(mask)}",
             )
-    check_window(op, k_window, v_window, batch, num_kv_heads, head_dim, cache.k_codes.device)
     return fmt

@@ -200,7 +200,7 @@ class TestKVTensorMessages(expecttest.TestCase):
         _, keys, _ = _filled()
         self.assertExpectedInline(
             repr(keys.repeat_interleave(GROUP, dim=1)),
-            """TurboQuantKVTensor(fmt=4bit_nc, side=key, shape=(2, 8, 48, 64), dtype=torch.bfloat16, group=4, pages=6x16, device=cpu)""",  # noqa: E501
+            """TurboQuantKVTensor(fmt=4bit_nc, side=key, shape=(2, 8, 48, 64), dtype=torch.bfloat16, group=4, pages=4x16, device=cpu)""",  # noqa: E501
         )
 
     def test_unsupported_operations_raise(self):
@@ -234,5 +234,5 @@ slice positions: TypeError: TurboQuantKVTensor.__getitem__: only head repetition
 float cast: TypeError: TurboQuantKVTensor's dtype is the model's (bf16 or fp16), got torch.float32; call .dequantize(dtype) for a dense copy
 dropout: ValueError: dropout_p must be 0 with a TurboQuantKVTensor (inference only)
 heads mismatch: ValueError: query has 8 heads and key 2: repeat the key/value heads or pass enable_gqa=True (as for dense SDPA)
-value as key: ValueError: key and value must be the key and value views of one cache, got TurboQuantKVTensor(fmt=4bit_nc, side=value, shape=(2, 2, 48, 64), dtype=torch.bfloat16, group=1, pages=6x16, device=cpu) and TurboQuantKVTensor(fmt=4bit_nc, side=key, shape=(2, 2, 48, 64), dtype=torch.bfloat16, group=1, pages=6x16, device=cpu)""",  # noqa: E501
+value as key: ValueError: key and value must be the key and value views of one cache, got TurboQuantKVTensor(fmt=4bit_nc, side=value, shape=(2, 2, 48, 64), dtype=torch.bfloat16, group=1, pages=4x16, device=cpu) and TurboQuantKVTensor(fmt=4bit_nc, side=key, shape=(2, 2, 48, 64), dtype=torch.bfloat16, group=1, pages=4x16, device=cpu)""",  # noqa: E501
         )

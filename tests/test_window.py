@@ -20,11 +20,14 @@ from custom_ops.formats import FORMATS, get_format
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
 
 BATCH, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, WINDOW, PAGES_PER_SEQ = 2, 2, 64, 4, 8, 7
-CAPACITY = PAGE_SIZE * PAGES_PER_SEQ
+# A sequence holds its table's positions plus the window: only the oldest len - W need pages.
+CAPACITY = PAGE_SIZE * PAGES_PER_SEQ + WINDOW
 
 # (T, start of each sequence): a prefill longer than the window, a skipped sequence (-1), short
-# chunks, single tokens, and a chunk that crosses the window boundary of sequence 1.
-STEPS = [(11, (0, -1)), (3, (11, 0)), (1, (14, 3)), (6, (15, 4)), (1, (21, 10)), (2, (22, 11))]
+# chunks, single tokens, a chunk that crosses the window boundary of sequence 1, and one that
+# takes sequence 0 past its block table's 28 positions (into the ring).
+STEPS = [(11, (0, -1)), (3, (11, 0)), (1, (14, 3)), (6, (15, 4)), (1, (21, 10)), (2, (22, 11)),
+         (9, (24, 13))]  # fmt: skip
 
 
 class Sequences:
@@ -225,7 +228,7 @@ def test_dequantize_window_kernel_matches_reference(fmt_name, kernel_device, see
     """Dequantize with the window: compressed positions decoded, the last W copied from the
     ring, zeros past each length; the kernel equals the reference."""
     seqs = Sequences(fmt_name, seeded, kernel_device)
-    for n_new, starts in STEPS[:4]:
+    for n_new, starts in STEPS:
         seqs.append(n_new, starts, seeded, use_triton=False)
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
     args = (seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(), seqs.lens, consts,
@@ -282,7 +285,7 @@ class TestStoreWindowBadInput(expecttest.TestCase):
         """Bad input raises a clear error before any kernel runs; cache and rings unchanged."""
         gen = torch.Generator().manual_seed(3)
         seqs = Sequences("4bit_nc", gen)
-        seqs.append(5, (0, 0), gen, use_triton=False)
+        seqs.append(11, (0, 0), gen, use_triton=False)  # 3 tokens left the window
         key = torch.randn(BATCH, NUM_KV_HEADS, 2, HEAD_DIM).to(torch.bfloat16)
         start = seqs.lens.clone()
         rings = (seqs.k_window, seqs.v_window)
@@ -321,9 +324,9 @@ ring of another head dim: ValueError: tq.store_window: k_window and v_window mus
 float32 ring: TypeError: tq.store_window: k_window and v_window must be bfloat16 or float16 of one dtype, got torch.float32 and torch.float32
 ring dtypes differ: TypeError: tq.store_window: k_window and v_window must be bfloat16 or float16 of one dtype, got torch.bfloat16 and torch.float16
 int64 start: TypeError: tq.store_window: start_pos must be int32, got torch.int64
-past capacity: ValueError: tq.store_window: tokens up to position 28 do not fit a sequence's capacity of 28 positions (block_table pages * page_size)
+past capacity: ValueError: tq.store_window: tokens up to position 36 do not fit a sequence's capacity of 36 positions (block_table pages * page_size + window)
 block table too short: ValueError: tq.store_window: block_table must be int32 [>= 2, max_pages], got torch.int32 (1, 7)
-page id out of range: ValueError: tq.store_window: block_table holds page ids outside [0, 16) for positions below 7""",  # noqa: E501
+page id out of range: ValueError: tq.store_window: block_table holds page ids outside [0, 16) for positions below 5""",  # noqa: E501
         )
 
 

@@ -7,7 +7,8 @@ keeps compiled graphs correct: a custom op that mutates a subclass's inner tenso
 on that same wrapper in one graph reads stale data (see ENVIRONMENT.md); rebuilding the wrapper
 from the mutated buffers does not.
 
-The cache of sequence ``b`` is pages ``b * pages_per_seq ... (b + 1) * pages_per_seq - 1``: a
+The cache of sequence ``b`` is pages ``b * pages_per_seq ... (b + 1) * pages_per_seq - 1``
+(enough for the ``S_max - W`` positions that can leave a recent window of ``W``): a
 static cache is the identity block table of the paged kernels.
 
 Float buffers (the meta record, the rotation, the codebooks) are held as integer tensors of the
@@ -78,13 +79,14 @@ class TurboQuantKVCache(nn.Module):
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.page_size, self.model_dtype = page_size, dtype
         self._requested_splits = num_splits
-        pages_per_seq = -(-max_seq_length // page_size)
+        self.window = min(window, max_seq_length)
+        # Positions in the ring never need a page: the oldest S_max - W go to pages.
+        pages_per_seq = max(1, -(-(max_seq_length - self.window) // page_size))
         device = torch.get_default_device() if device is None else device  # honours `with device`
         cache = self.kv_format.allocate(max_batch_size * pages_per_seq, n_heads, page_size,
                                         head_dim, device)  # fmt: skip
         consts = api.make_constants(self.kv_format, head_dim, seed, device)
         table = torch.arange(max_batch_size * pages_per_seq, dtype=torch.int32, device=device)
-        self.window = min(window, max_seq_length)
         ring_shape = (max_batch_size, n_heads, self.window, head_dim)
         rings = [(name, torch.zeros(ring_shape, dtype=dtype, device=device))
                  for name in ("k_window", "v_window") if self.window]  # fmt: skip

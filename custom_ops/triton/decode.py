@@ -335,7 +335,7 @@ def _split_kernel(
     # This split's token range of the compressed positions [0, len - W), from the device-side
     # length: [start, end). The window's min(len, W) ring tokens count as work too, and go to
     # the split whose range the compressed positions end in (after its compressed tiles).
-    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE)
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
     window_len = tl.minimum(seq_len, window)
     compressed_len = seq_len - window_len
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N

@@ -153,18 +153,11 @@ def _dequant_kernel(
     b = batch_head // num_kv_heads
     head = (batch_head % num_kv_heads).to(tl.int64)
     pos = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * page_size)
-    valid = pos < seq_len
-    page_ptr = block_table_ptr + b * stride_bt_b + (pos // page_size) * stride_bt_p
-    page = tl.load(page_ptr, mask=valid, other=0)
-    page = page.to(tl.int64)
-    slot = (pos % page_size).to(tl.int64)
-    k_row = k_codes_ptr + page * stride_kc_page + head * stride_kc_head + slot * stride_kc_slot
-    v_row = v_codes_ptr + page * stride_vc_page + head * stride_vc_head + slot * stride_vc_slot
-    m_row = meta_ptr + page * stride_m_page + head * stride_m_head + slot * stride_m_slot
+    # window is 0 without rings; with them the last window positions need no page
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * page_size + window)
     out_row = (batch_head.to(tl.int64) * max_seq_len + pos) * D
     in_bounds = pos < max_seq_len
-    valid = valid & in_bounds
+    valid = (pos < seq_len) & in_bounds
     if HAS_WINDOW:
         # The last min(len, W) positions are copied from the ring (position p at slot p % W);
         # the codes are decoded everywhere else.
@@ -180,6 +173,12 @@ def _dequant_kernel(
         tl.store(v_out_ptr + out_row[:, None] + d, v_ring.to(out_ty), mask=copy)
         valid = valid & ~in_window
         in_bounds = in_bounds & ~in_window
+    page_ptr = block_table_ptr + b * stride_bt_b + (pos // page_size) * stride_bt_p
+    page = tl.load(page_ptr, mask=valid, other=0).to(tl.int64)
+    slot = (pos % page_size).to(tl.int64)
+    k_row = k_codes_ptr + page * stride_kc_page + head * stride_kc_head + slot * stride_kc_slot
+    v_row = v_codes_ptr + page * stride_vc_page + head * stride_vc_head + slot * stride_vc_slot
+    m_row = meta_ptr + page * stride_m_page + head * stride_m_head + slot * stride_m_slot
     _decode_side(
         k_row,
         m_row,
@@ -253,7 +252,7 @@ def dequantize(
     if has_window:
         window_args = (k_window, v_window, *k_window.stride()[:3], k_window.shape[2])
     else:
-        window_args = (k_out, v_out, 0, 0, 0, 1)  # never read
+        window_args = (k_out, v_out, 0, 0, 0, 0)  # never read; no positions in a ring
     _dequant_kernel[grid](
         cache.k_codes,
         cache.v_codes,
