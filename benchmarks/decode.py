@@ -137,18 +137,20 @@ def tq_time(fmt, inputs, rings, num_splits: int, **kernel_args) -> float:
     return time_graph(calls)
 
 
-# Tuning sweep: (BLOCK_N, num_warps, num_stages) of the split kernel.
+# Tuning sweep: (BLOCK_N, num_warps, num_stages) of the split kernel, then split counts x 1/2,
+# x 2 and x 4 around the default at the default configuration.
 SWEEP = [
-    (64, 2, 3),
-    (32, 2, 3),
+    (32, 1, 2),
+    (32, 1, 3),
+    (64, 1, 2),
+    (32, 2, 2),
     (64, 2, 2),
-    (64, 4, 3),
+    (64, 2, 3),
+    (128, 2, 2),
     (64, 4, 2),
-    (128, 4, 3),
     (128, 4, 2),
-    (32, 4, 3),
-    (128, 8, 3),
 ]
+SPLIT_FACTORS = (0.5, 2, 4)
 
 
 def run(formats, shapes, sweep: bool, windows=(0,)) -> dict:
@@ -183,7 +185,7 @@ def run(formats, shapes, sweep: bool, windows=(0,)) -> dict:
                     (dict(block_n=bn, num_warps=w, num_stages=st), default_splits)
                     for bn, w, st in SWEEP
                 ]
-                configs += [({}, default_splits * 2), ({}, max(1, default_splits // 2))]
+                configs += [({}, max(1, int(default_splits * f))) for f in SPLIT_FACTORS]
             no_window_us = {}
             for window, (config, splits) in (
                 (w, c) for w in windows for c in configs if not (w and sweep)

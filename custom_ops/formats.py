@@ -1,15 +1,21 @@
 """Every KV-cache format and its byte layout: the one module that knows where each byte lives.
 
-A paged cache is three tensors (planes), all indexed ``[page, kv_head, slot_in_page, ...]``:
+A paged cache is three tensors (planes), all indexed ``[page, kv_head, ...]``:
 
 * ``k_codes [num_pages, Hk, page_size, key_code_bytes] uint8``: the key codes of one token-head
   in one row.
-* ``v_codes [num_pages, Hk, page_size, value_code_bytes] uint8``: the value codes.
+* ``v_codes [num_pages, Hk, value_code_bytes, page_size] uint8``: the value codes, token-minor:
+  byte ``j`` of the value-code row of the token in slot ``s`` is ``v_codes[page, head, j, s]``
+  (:attr:`PagedKVCache.value_rows` is the token-major ``[..., page_size, value_code_bytes]``
+  view of those rows).
 * ``meta [num_pages, Hk, page_size, num_meta] float16 | float32``: the per-token-head scalars
   (key norm or scale, value scale / zero / norm) in one record, keys' fields first.
 
 Head-major inside a page keeps one kv-head's ``page_size`` rows contiguous, which is what the
-decode kernel (one program per (sequence, kv-head, split)) streams.
+decode kernel (one program per (sequence, kv-head, split)) streams. Value codes are token-minor
+because the decode kernel feeds them to the tensor cores as the A operand of ``V^T @ P^T``,
+which wants the same byte of 4 consecutive tokens in one 32-bit register: with the token as the
+fastest dimension, that is one aligned 32-bit load.
 
 Codes of ``b`` bits are split into *bit planes* stored one after the other in the row: 8 and 4
 bits are one plane, 3 bits are a 2-bit plane (the low bits) followed by a 1-bit plane (the top
@@ -174,11 +180,12 @@ class KVFormat:
     def plane_shapes(
         self, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of each plane of a paged cache."""
+        """Shape and dtype of each plane of a paged cache (``v_codes`` token-minor)."""
         lead = (num_pages, num_kv_heads, page_size)
+        value_bytes = self.value.code_bytes(head_dim)
         return {
             "k_codes": ((*lead, self.key.code_bytes(head_dim)), torch.uint8),
-            "v_codes": ((*lead, self.value.code_bytes(head_dim)), torch.uint8),
+            "v_codes": ((num_pages, num_kv_heads, value_bytes, page_size), torch.uint8),
             "meta": ((*lead, len(self.meta_columns)), self.meta_dtype),
         }
 
@@ -207,6 +214,17 @@ class PagedKVCache(NamedTuple):
     k_codes: torch.Tensor
     v_codes: torch.Tensor
     meta: torch.Tensor
+
+    @property
+    def value_rows(self) -> torch.Tensor:
+        """The value-code rows, token-major like the other planes: a view of ``v_codes``.
+
+        Returns:
+            ``[num_pages, Hk, page_size, value_code_bytes] uint8``, row ``[page, head, slot]``
+            the value codes of that token-head; writes go through to ``v_codes``. Its byte
+            stride (``stride(3)``) is ``page_size``.
+        """
+        return self.v_codes.transpose(2, 3)
 
 
 def check_head_dim(head_dim: int) -> None:

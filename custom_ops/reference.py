@@ -220,7 +220,7 @@ def store(
         return t.reshape(n_tokens, num_kv_heads, *t.shape[1:])[tokens]
 
     cache.k_codes[pages, heads, offsets] = rows_of(k_packed)
-    cache.v_codes[pages, heads, offsets] = rows_of(v_packed)
+    cache.value_rows[pages, heads, offsets] = rows_of(v_packed)
     cache.meta[pages, heads, offsets] = rows_of(meta)
 
 
@@ -291,9 +291,12 @@ def overlay_window(
 
 
 def gather_rows(cache: PagedKVCache, block_table: torch.Tensor, max_seq_len: int) -> PagedKVCache:
-    """Gather each sequence's rows from the pages: planes become ``[B, Hk, max_seq_len, ...]``.
+    """Gather each sequence's rows from the pages into a cache of one page per sequence.
 
-    Positions whose page index is out of the table read page 0 (callers mask them by length).
+    Page ``b`` of the result holds positions ``0 .. max_seq_len - 1`` of sequence ``b``, in the
+    layout of every cache: ``k_codes`` and ``meta`` ``[B, Hk, max_seq_len, ...]``, ``v_codes
+    [B, Hk, value_code_bytes, max_seq_len]`` (rows through ``value_rows``). Positions whose page
+    index is out of the table read page 0 (callers mask them by length).
     """
     page_size = cache.k_codes.shape[2]
     positions = torch.arange(max_seq_len, device=block_table.device)
@@ -301,11 +304,11 @@ def gather_rows(cache: PagedKVCache, block_table: torch.Tensor, max_seq_len: int
     pages = block_table.to(torch.int64)[:, page_index].clamp_min(0)  # [B, S]
     offsets = (positions % page_size)[None, :]
 
-    def gather(plane: torch.Tensor) -> torch.Tensor:
-        rows = plane.permute(0, 2, 1, 3)[pages, offsets]  # [B, S, Hk, W]
-        return rows.permute(0, 2, 1, 3)
+    def gather(rows: torch.Tensor) -> torch.Tensor:  # [num_pages, Hk, page_size, W]
+        return rows.permute(0, 2, 1, 3)[pages, offsets].permute(0, 2, 1, 3)  # [B, Hk, S, W]
 
-    return PagedKVCache(*(gather(p) for p in cache))
+    value_rows = gather(cache.value_rows)
+    return PagedKVCache(gather(cache.k_codes), value_rows.transpose(2, 3), gather(cache.meta))
 
 
 def dequantize(
@@ -339,7 +342,7 @@ def dequantize(
         return flat.reshape(batch, num_kv_heads, seq, -1)
 
     k = side(fmt.key, rows.k_codes, k_meta, codebooks[0])
-    v = side(fmt.value, rows.v_codes, v_meta, codebooks[1])
+    v = side(fmt.value, rows.value_rows, v_meta, codebooks[1])
     valid = torch.arange(seq, device=k.device)[None, :] < seq_lens.to(k.device)[:, None]
     valid = valid[:, None, :, None]
     k = torch.where(valid, k, torch.zeros((), dtype=compute))

@@ -34,6 +34,16 @@ def clone_cache(cache: PagedKVCache, device="cpu") -> PagedKVCache:
     return PagedKVCache(*(p.clone().to(device) for p in cache))
 
 
+def slot_rows(cache: PagedKVCache) -> list[torch.Tensor]:
+    """Each plane's raw bytes on the CPU as ``[num_pages * page_size, Hk * bytes] uint8``, one
+    row per slot (value codes through :attr:`PagedKVCache.value_rows`)."""
+    rows = []
+    for plane in (cache.k_codes, cache.value_rows, cache.meta):
+        raw = plane.cpu().view(torch.uint8)
+        rows.append(raw.permute(0, 2, 1, 3).reshape(raw.shape[0] * raw.shape[2], -1))
+    return rows
+
+
 def _rank(codec: Codec, codes: torch.Tensor) -> torch.Tensor:
     """Position of each code's level in ascending value order (sign-magnitude -> rank)."""
     if codec.kind != Kind.LLOYD_MAX:
@@ -63,7 +73,7 @@ def assert_codes_match(codec: Codec, expected: torch.Tensor, actual: torch.Tenso
 def assert_same_cache(fmt: KVFormat, expected: PagedKVCache, actual: PagedKVCache) -> None:
     """Two caches hold the same codes (up to :func:`assert_codes_match`) and meta records."""
     assert_codes_match(fmt.key, expected.k_codes, actual.k_codes)
-    assert_codes_match(fmt.value, expected.v_codes, actual.v_codes)
+    assert_codes_match(fmt.value, expected.value_rows, actual.value_rows)
     # fp16 meta: one rounding step (a norm's float32 summation order may differ).
     torch.testing.assert_close(actual.meta.cpu(), expected.meta.cpu(), rtol=2e-3, atol=0)
 

@@ -60,6 +60,17 @@ k2v2_nc: ['k_norm', 'v_scale', 'v_zero'] torch.float16 k:0+32@2b; v:0+32@2b
 k2v4_nc: ['k_norm', 'v_scale', 'v_zero'] torch.float16 k:0+32@2b; v:0+64@4b""",
         )
 
+    def test_plane_shapes(self):
+        """Planes of a 3-page, 2-kv-head, 16-slot cache at D=128: value codes token-minor."""
+        shapes = get_format("k3v4_nc").plane_shapes(3, 2, 16, 128)
+        self.assertExpectedInline(
+            "\n".join(f"{name}: {shape} {dtype}" for name, (shape, dtype) in shapes.items()),
+            """\
+k_codes: (3, 2, 16, 48) torch.uint8
+v_codes: (3, 2, 64, 16) torch.uint8
+meta: (3, 2, 16, 3) torch.float16""",
+        )
+
     def test_unknown_format_error(self):
         with self.assertRaises(ValueError) as ctx:
             get_format("5bit")
@@ -89,3 +100,15 @@ def test_strided_planes(bits, head_dim, seeded):
 def test_codec_rejects_unsupported_bits():
     with pytest.raises(ValueError, match="UNIFORM codes take bits in"):
         Codec(Kind.UNIFORM, 5)
+
+
+def test_value_rows_are_a_token_major_view():
+    """``value_rows`` views the token-minor ``v_codes`` as rows ``[page, head, slot]``: byte
+    ``j`` of slot ``s``'s row is ``v_codes[page, head, j, s]`` and writes go through."""
+    cache = get_format("k8v4").allocate(3, 2, 16, 128)
+    rows = cache.value_rows
+    assert cache.v_codes.is_contiguous() and rows.shape == (3, 2, 16, 64)
+    row = torch.arange(1, 65, dtype=torch.uint8)
+    rows[1, 0, 5] = row
+    assert torch.equal(cache.v_codes[1, 0, :, 5], row)
+    assert int(cache.v_codes.sum()) == int(row.sum())  # nothing else was written

@@ -107,6 +107,28 @@ int64 slots: TypeError: tq.store: slot_mapping must be int32, got torch.int64
 kv-heads mismatch: ValueError: tq.store: key has 1 kv-heads but the cache has 2""",  # noqa: E501
         )
 
+    def test_store_rejects_token_major_value_codes(self):
+        """A ``v_codes`` plane in token-major order is rejected with the shape it must have."""
+        gen = torch.Generator().manual_seed(0)
+        fmt = get_format("4bit_nc")
+        cache = fmt.allocate(6, 2, 4, 128)
+        key, value = random_kv(3, 2, 128, torch.bfloat16, gen)
+        slots = torch.tensor([1, 5, 9], dtype=torch.int32)
+        token_major = cache.value_rows.contiguous()
+        cases = {"token-major": token_major, "token-major, transposed": token_major.mT}
+        messages = []
+        for case, v_codes in cases.items():
+            with self.assertRaises(ValueError) as ctx:
+                api.store(fmt, cache._replace(v_codes=v_codes), key, value, slots,
+                          api.make_constants(fmt, 128))  # fmt: skip
+            messages.append(f"{case}: {ctx.exception}")
+        self.assertExpectedInline(
+            "\n".join(messages),
+            """\
+token-major: tq.store: v_codes of a 4bit_nc cache with head dim 128 must have shape (6, 2, 64, 4), got (6, 2, 4, 64)
+token-major, transposed: tq.store: v_codes must be contiguous""",  # noqa: E501
+        )
+
     def test_dequantize_rejects_bad_input(self):
         gen = torch.Generator().manual_seed(0)
         fmt = get_format("k8v4")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import triton_kernels
-from helpers import assert_same_cache, clone_cache, poisoned_cache, random_kv
+from helpers import assert_same_cache, clone_cache, poisoned_cache, random_kv, slot_rows
 
 from custom_ops import api, reference
 from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, PagedKVCache, get_format
@@ -81,9 +81,7 @@ def test_store_writes_only_target_slots(fmt_name, kernel_device, seeded):
         )
     written = torch.zeros(NUM_PAGES * PAGE_SIZE, dtype=torch.bool)
     written[slots[slots >= 0].long()] = True
-    for b, a in zip(before, cache, strict=True):
-        raw_b = b.view(torch.uint8).permute(0, 2, 1, 3).reshape(NUM_PAGES * PAGE_SIZE, -1)
-        raw_a = a.cpu().view(torch.uint8).permute(0, 2, 1, 3).reshape(NUM_PAGES * PAGE_SIZE, -1)
+    for raw_b, raw_a in zip(slot_rows(before), slot_rows(cache), strict=True):
         assert torch.equal(raw_a[~written], raw_b[~written])
         assert not torch.equal(raw_a[written], raw_b[written])
 

@@ -12,6 +12,7 @@ from helpers import (
     clone_cache,
     poisoned_cache,
     random_kv,
+    slot_rows,
 )
 
 from custom_ops import api, reference
@@ -80,15 +81,6 @@ class Sequences:
         return pages * PAGE_SIZE + positions % PAGE_SIZE
 
 
-def _slot_rows(cache):
-    """Each plane as ``[num_pages * page_size, Hk * bytes]`` raw bytes (rows = slots)."""
-    rows = []
-    for plane in cache:
-        raw = plane.cpu().view(torch.uint8)
-        rows.append(raw.permute(0, 2, 1, 3).reshape(raw.shape[0] * raw.shape[2], -1))
-    return torch.cat(rows, dim=1)
-
-
 @pytest.mark.parametrize("fmt_name", sorted(FORMATS))
 def test_store_window_kernel_matches_reference(fmt_name, kernel_device, seeded):
     """After every append (prefill longer than the window, skipped sequences, chunks crossing
@@ -111,7 +103,7 @@ def test_tokens_leaving_the_window_are_quantized_exactly_once(fmt_name, kernel_d
     of that token writes, the window's slots are untouched, and the ring holds the last W
     tokens."""
     seqs = Sequences(fmt_name, seeded, kernel_device)
-    before = _slot_rows(seqs.cache)
+    before = torch.cat(slot_rows(seqs.cache), dim=1)
     quantized = torch.zeros(before.shape[0], dtype=torch.bool)
     for n_new, starts in STEPS:
         old_lens = seqs.lens.clone()
@@ -120,7 +112,7 @@ def test_tokens_leaving_the_window_are_quantized_exactly_once(fmt_name, kernel_d
         for b in range(BATCH):
             first, last = max(0, int(old_lens[b]) - WINDOW), max(0, int(seqs.lens[b]) - WINDOW)
             leaving[seqs.slots_of(b, torch.arange(first, last))] = True
-        after = _slot_rows(seqs.cache)
+        after = torch.cat(slot_rows(seqs.cache), dim=1)
         changed = (after != before).any(dim=1)
         assert torch.equal(changed, leaving), "slots written other than the leaving tokens'"
         assert not (leaving & quantized).any(), "a token was quantized twice"
@@ -142,7 +134,7 @@ def test_tokens_leaving_the_window_are_quantized_exactly_once(fmt_name, kernel_d
     def slot_major(plane):
         return plane.cpu().permute(0, 2, 1, 3).reshape(-1, plane.shape[1], plane.shape[3])
 
-    planes = ((seqs.fmt.key, "k_codes"), (seqs.fmt.value, "v_codes"))
+    planes = ((seqs.fmt.key, "k_codes"), (seqs.fmt.value, "value_rows"))
     for codec, name in planes:
         expected = slot_major(getattr(direct, name))[quantized]
         assert_codes_match(codec, expected, slot_major(getattr(seqs.cache, name))[quantized])

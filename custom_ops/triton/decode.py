@@ -44,11 +44,16 @@ from custom_ops.triton.store import codec_constexprs, first_meta_column
 _LLOYD_MAX = tl.constexpr(int(Kind.LLOYD_MAX))
 _UNIFORM = tl.constexpr(int(Kind.UNIFORM))
 _FP8 = tl.constexpr(int(Kind.FP8))
+_FP8_ABSMAX = tl.constexpr(int(Kind.FP8_ABSMAX))
 _INT8_ABSMAX = tl.constexpr(int(Kind.INT8_ABSMAX))
 LOG2E = 1.4426950408889634
 LOG2E_ = tl.constexpr(LOG2E)
-_MIN_ROWS = 16  # tl.dot needs at least 16 rows: the GQA group is padded to this
-_BLOCK_W = 64  # ring slots per tile of the recent window
+_BLOCK_W = 32  # ring slots per tile of the recent window
+# Split-kernel defaults (benchmarks/NOTES.md has the sweep): one or two warps per program keep
+# the softmax reductions and the P^T operand inside a warp.
+DEFAULT_BLOCK_N = 32
+DEFAULT_WARPS = 1
+DEFAULT_STAGES = 2
 
 
 @triton.jit
@@ -97,24 +102,34 @@ def _values(codes, levels_ptr, KIND: tl.constexpr):
 
 
 @triton.jit
-def _load_parts(
-    code_row,
-    valid,
+def _decode_tile(
+    codes_ptr,
+    row_offsets,
+    j,
+    mask,
     levels_ptr,
     KIND: tl.constexpr,
     BITS: tl.constexpr,
     D: tl.constexpr,
     OFF1: tl.constexpr,
-    PC: tl.constexpr,
-    PC_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BYTE_STRIDE: tl.constexpr,
+    TOKEN_RUN: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """Decode the codes of ``BLOCK_N`` token rows (``code_row``) into up to four parts
-    ``[BLOCK_N, PC_PAD]`` fp16, *before* the per-token scalars. Unused parts repeat part 0."""
-    j = tl.arange(0, PC_PAD)[None, :]
-    mask = valid[:, None] & (j < PC)
-    plane = tl.load(code_row[:, None] + j, mask=mask, other=0)
+    """Decode a tile of code rows into up to four parts (fp16, the tile's shape, *before* the
+    per-token scalars; unused parts repeat part 0).
+
+    ``row_offsets`` (offsets of byte 0 of each token's row) and ``j`` (byte of a plane part)
+    broadcast to the tile: ``[N, 1]`` and ``[1, PC]`` for keys (token-major, ``BYTE_STRIDE`` 1),
+    ``[1, N]`` and ``[PC, 1]`` for values (token-minor, ``BYTE_STRIDE = page_size``), whose
+    tokens come in runs of ``TOKEN_RUN`` adjacent bytes (page-aligned; 1: no hint). The inline
+    asm packs 4 consecutive bytes of the tile's last axis: 4 elements of a key, or one byte
+    column of 4 tokens of values.
+    """
+    offsets = row_offsets + j * BYTE_STRIDE
+    if TOKEN_RUN > 1:
+        offsets = tl.max_contiguous(tl.multiple_of(offsets, [1, TOKEN_RUN]), [1, TOKEN_RUN])
+    plane = tl.load(codes_ptr + offsets, mask=mask, other=0)
     if BITS == 4:
         # byte j: element j in the low nibble, element j + D/2 in the high nibble
         if ASM != "":
@@ -131,7 +146,12 @@ def _load_parts(
         # element j' + r*D/8 at bit r, re-read here so that byte j holds the top bit of element
         # j + q*D/4 at bit 2q, like the 2-bit plane.
         D8: tl.constexpr = D // 8
-        signs = tl.load(code_row[:, None] + OFF1 + j % D8, mask=mask, other=0)
+        sign_offsets = row_offsets + (OFF1 + j % D8) * BYTE_STRIDE
+        if TOKEN_RUN > 1:
+            sign_offsets = tl.max_contiguous(
+                tl.multiple_of(sign_offsets, [1, TOKEN_RUN]), [1, TOKEN_RUN]
+            )
+        signs = tl.load(codes_ptr + sign_offsets, mask=mask, other=0)
         signs = (signs >> (j // D8)).to(tl.uint8)
         if ASM != "":
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
@@ -191,12 +211,12 @@ def _mask_scores(
     mask_len,
     MASK: tl.constexpr,
 ):
-    """Apply the attention mask at key ``positions [N]`` to ``scores [G_PAD, N]`` (log2 units):
+    """Apply the attention mask at key ``positions [N]`` to ``scores [N, G_PAD]`` (log2 units):
     ``MASK`` 0 none, 1 boolean (False masks out), 2 additive (natural-log units)."""
     if MASK != 0:
-        mask_ptrs = mask_ptr + b * stride_mask_b + q_head[:, None] * stride_mask_h
-        mask_ptrs += positions[None, :]
-        in_mask = row_ok[:, None] & (positions < mask_len)[None, :]
+        mask_ptrs = mask_ptr + b * stride_mask_b + q_head[None, :] * stride_mask_h
+        mask_ptrs += positions[:, None]
+        in_mask = row_ok[None, :] & (positions < mask_len)[:, None]
         if MASK == 1:
             allowed = tl.load(mask_ptrs, mask=in_mask, other=0) != 0
             scores = tl.where(allowed, scores, float("-inf"))
@@ -208,13 +228,14 @@ def _mask_scores(
 
 @triton.jit
 def _online_softmax(scores, m_i, l_i):
-    """One tile of the online softmax in the log2 domain: ``(p, alpha, m_new, l_new)``. A row
-    masked out so far keeps ``m = -inf``, so 0 is subtracted instead."""
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    """One tile ``scores [N, G_PAD]`` of the online softmax in the log2 domain:
+    ``(p, alpha, m_new, l_new)``. A query masked out so far keeps ``m = -inf``, so 0 is
+    subtracted instead."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=0))
     m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)
     alpha = tl.math.exp2(m_i - m_sub)
-    p = tl.math.exp2(scores - m_sub[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+    p = tl.math.exp2(scores - m_sub[None, :])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=0)
 
 
 @triton.jit
@@ -241,19 +262,19 @@ def _window_value_part(
     PC: tl.constexpr,
     PC_PAD: tl.constexpr,
 ):
-    """Part ``PART`` (elements ``PART * PC + j``) of ring values ``[BLOCK_W, PC_PAD]`` in the
-    space of the value accumulators: rotated (``v @ R / sqrt(D)``, float32) for rotated values,
-    else as stored."""
-    j = tl.arange(0, PC_PAD)[None, :]
+    """Part ``PART`` (elements ``PART * PC + j``) of ring values, transposed ``[PC_PAD,
+    BLOCK_W]``, in the space of the value accumulators: rotated (``(v @ R)^T / sqrt(D)``,
+    float32) for rotated values, else as stored."""
+    j = tl.arange(0, PC_PAD)[:, None]
     if ROTATED:
-        d = tl.arange(0, D_PAD)[None, :]
-        v = tl.load(v_window_ptr + rows[:, None] + d, mask=valid[:, None] & (d < D), other=0.0)
-        i = tl.arange(0, D_PAD)[:, None]
-        rot = tl.load(rot_ptr + i * D + PART * PC + j, mask=(i < D) & (j < PC), other=0.0)
-        part = tl.dot(v.to(tl.float32), rot, input_precision="tf32") * INV_SQRT_D
+        d = tl.arange(0, D_PAD)[:, None]
+        v_t = tl.load(v_window_ptr + rows[None, :] + d, mask=valid[None, :] & (d < D), other=0.0)
+        i = tl.arange(0, D_PAD)[None, :]
+        rot_t = tl.load(rot_ptr + i * D + PART * PC + j, mask=(i < D) & (j < PC), other=0.0)
+        part = tl.dot(rot_t, v_t.to(tl.float32), input_precision="tf32") * INV_SQRT_D
     else:
-        part = tl.load(v_window_ptr + rows[:, None] + PART * PC + j,
-                       mask=valid[:, None] & (j < PC), other=0.0)  # fmt: skip
+        part = tl.load(v_window_ptr + rows[None, :] + PART * PC + j,
+                       mask=valid[None, :] & (j < PC), other=0.0)  # fmt: skip
     return part
 
 
@@ -272,7 +293,6 @@ def _split_kernel(
     stride_kc_slot,
     stride_vc_page,
     stride_vc_head,
-    stride_vc_slot,
     stride_m_page,
     stride_m_head,
     stride_m_slot,
@@ -298,6 +318,7 @@ def _split_kernel(
     max_pages,
     MASK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    TOKEN_RUN: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -342,89 +363,91 @@ def _split_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, compressed_len)
 
-    # The GQA group's prepared queries: fp16 [G_PAD, K_PC_PAD] per part (rows >= GROUP: 0).
+    # The GQA group's prepared queries, transposed: fp16 [K_PC_PAD, G_PAD] per part, the B
+    # operands of S^T = K @ Q^T (columns >= GROUP: 0). Tokens are the M dimension of both
+    # products, so the group is padded to the tensor cores' N = 8, not to M = 16.
     g = tl.arange(0, G_PAD)
     row_ok = g < GROUP
     q_head = head * GROUP + g
     q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
     q_part = q_ptr + q_rows[:, None] * (K_PARTS * K_PC_PAD) + tl.arange(0, K_PC_PAD)[None, :]
-    q0 = tl.load(q_part, mask=row_ok[:, None], other=0.0)
-    q1 = tl.load(q_part + K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 1), other=0.0)
-    q2 = tl.load(q_part + 2 * K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 2), other=0.0)
-    q3 = tl.load(q_part + 3 * K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 2), other=0.0)
+    q0 = tl.trans(tl.load(q_part, mask=row_ok[:, None], other=0.0))
+    q1 = tl.trans(tl.load(q_part + K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 1), other=0.0))
+    q2 = tl.trans(tl.load(q_part + 2 * K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 2), other=0.0))
+    q3 = tl.trans(tl.load(q_part + 3 * K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 2), other=0.0))
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    acc0 = tl.zeros([G_PAD, V_PC_PAD], tl.float32)
-    acc1 = tl.zeros([G_PAD, V_PC_PAD], tl.float32)
-    acc2 = tl.zeros([G_PAD, V_PC_PAD], tl.float32)
-    acc3 = tl.zeros([G_PAD, V_PC_PAD], tl.float32)
+    # O^T = V^T @ P^T per value part: [V_PC_PAD, G_PAD] float32
+    acc0 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
+    acc1 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
+    acc2 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
+    acc3 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
     zero_acc = tl.zeros([G_PAD], tl.float32)
     k_head = head.to(tl.int64) * stride_kc_head
     v_head = head.to(tl.int64) * stride_vc_head
     m_head = head.to(tl.int64) * stride_m_head
+    k_byte = tl.arange(0, K_PC_PAD)[None, :]
+    v_byte = tl.arange(0, V_PC_PAD)[:, None]
     for tile_start in range(start, end, BLOCK_N):
         n = tile_start + tl.arange(0, BLOCK_N)
         valid = n < end
         page_ptr = block_table_ptr + b * stride_bt_b + (n // PAGE_SIZE) * stride_bt_p
         page = tl.load(page_ptr, mask=valid, other=0).to(tl.int64)
         slot = (n % PAGE_SIZE).to(tl.int64)
-        k_row = k_codes_ptr + page * stride_kc_page + k_head + slot * stride_kc_slot
-        v_row = v_codes_ptr + page * stride_vc_page + v_head + slot * stride_vc_slot
-        m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
-
-        k0, k1, k2, k3 = _load_parts(
-            k_row, valid, codebooks_ptr, K_KIND, K_BITS, D, K_OFF1, K_PC, K_PC_PAD, BLOCK_N, K_ASM
-        )
-        scores = tl.dot(q0, tl.trans(k0))  # [G_PAD, BLOCK_N] fp32, log2 domain
+        # Code rows are read unmasked (tokens past the end read their page, or page 0, and get
+        # zero probability), so that the loads stay vectorized along the tokens.
+        k0, k1, k2, k3 = _decode_tile(
+            k_codes_ptr, (page * stride_kc_page + k_head + slot * stride_kc_slot)[:, None],
+            k_byte, k_byte < K_PC, codebooks_ptr, K_KIND, K_BITS, D, K_OFF1, 1, 1, K_ASM,
+        )  # fmt: skip
+        scores = tl.dot(k0, q0)  # [BLOCK_N, G_PAD] fp32, log2 domain
         if K_PARTS > 1:
-            scores = tl.dot(q1, tl.trans(k1), scores)
+            scores = tl.dot(k1, q1, scores)
         if K_PARTS > 2:
-            scores = tl.dot(q2, tl.trans(k2), scores)
-            scores = tl.dot(q3, tl.trans(k3), scores)
+            scores = tl.dot(k2, q2, scores)
+            scores = tl.dot(k3, q3, scores)
+        m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
         if K_KIND != _FP8:
             k_mul = tl.load(m_row + K_META, mask=valid, other=0.0).to(tl.float32)
-            scores = scores * k_mul[None, :]
+            scores = scores * k_mul[:, None]
         scores = _mask_scores(scores, n, mask_ptr, b, q_head, row_ok, stride_mask_b,
                               stride_mask_h, mask_len, MASK)  # fmt: skip
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+        scores = tl.where(valid[:, None], scores, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
 
-        v0, v1, v2, v3 = _load_parts(
-            v_row,
-            valid,
-            codebooks_ptr + CODEBOOK_STRIDE,
-            V_KIND,
-            V_BITS,
-            D,
-            V_OFF1,
-            V_PC,
-            V_PC_PAD,
-            BLOCK_N,
+        # fp8 bytes past the end could be NaN, which a zero probability does not cancel
+        v_mask = v_byte < V_PC
+        if (V_KIND == _FP8) | (V_KIND == _FP8_ABSMAX):
+            v_mask = v_mask & valid[None, :]
+        v0, v1, v2, v3 = _decode_tile(
+            v_codes_ptr, (page * stride_vc_page + v_head + slot)[None, :], v_byte, v_mask,
+            codebooks_ptr + CODEBOOK_STRIDE, V_KIND, V_BITS, D, V_OFF1, PAGE_SIZE, TOKEN_RUN,
             V_ASM,
-        )
+        )  # fmt: skip
         v_mul = tl.load(m_row + V_META, mask=valid, other=0.0).to(tl.float32)
         if V_KIND == _UNIFORM:
             v_zero = tl.load(m_row + V_META + 1, mask=valid, other=0.0).to(tl.float32)
-            zero_acc = zero_acc * alpha + tl.sum(p * v_zero[None, :], axis=1)
-        pv = (p * v_mul[None, :]).to(tl.float16)
-        acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
+            zero_acc = zero_acc * alpha + tl.sum(p * v_zero[:, None], axis=0)
+        pv = (p * v_mul[:, None]).to(tl.float16)
+        acc0 = tl.dot(v0, pv, acc0 * alpha[None, :])
         if V_PARTS > 1:
-            acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
+            acc1 = tl.dot(v1, pv, acc1 * alpha[None, :])
         if V_PARTS > 2:
-            acc2 = tl.dot(pv, v2, acc2 * alpha[:, None])
-            acc3 = tl.dot(pv, v3, acc3 * alpha[:, None])
+            acc2 = tl.dot(v2, pv, acc2 * alpha[None, :])
+            acc3 = tl.dot(v3, pv, acc3 * alpha[None, :])
 
     if HAS_WINDOW:
         if (window_len > 0) & (split == compressed_len // per_split):
             # The ring: slot r holds the position of [len - window_len, len) that is r mod W.
-            # Q @ K^T against the original (unrotated) query in the ring's dtype (tf32, exact
-            # for 16-bit inputs, when the query's dtype differs), P @ V in fp16 like the
+            # S^T = K @ Q^T against the original (unrotated) query in the ring's dtype (tf32,
+            # exact for 16-bit inputs, when the query's dtype differs), P @ V in fp16 like the
             # compressed tiles, float32 accumulation; all float32 under the interpreter, which
             # cannot run 16-bit dots.
-            d = tl.arange(0, D_PAD)[None, :]
-            q_ptrs = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh + d
-            q_orig = tl.load(q_ptrs, mask=row_ok[:, None] & (d < D), other=0.0)
+            d = tl.arange(0, D_PAD)
+            q_ptrs = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh
+            q_orig = tl.load(q_ptrs + d[:, None], mask=row_ok[None, :] & (d < D)[:, None],
+                             other=0.0)  # fmt: skip
             if WINDOW_QK_F32:
                 q_orig = q_orig.to(tl.float32)
             first = compressed_len  # position of the oldest window token
@@ -434,12 +457,12 @@ def _split_kernel(
                 in_window = r < window_len
                 positions = first + (r + window - first % window) % window
                 rows = ring + r.to(tl.int64) * stride_w_slot
-                k = tl.load(k_window_ptr + rows[:, None] + d, mask=in_window[:, None] & (d < D),
-                            other=0.0)  # fmt: skip
-                scores = tl.dot(q_orig, tl.trans(k.to(q_orig.dtype)))
+                k = tl.load(k_window_ptr + rows[:, None] + d[None, :],
+                            mask=in_window[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+                scores = tl.dot(k.to(q_orig.dtype), q_orig)
                 scores = _mask_scores(scores * q_scale, positions, mask_ptr, b, q_head, row_ok,
                                       stride_mask_b, stride_mask_h, mask_len, MASK)  # fmt: skip
-                scores = tl.where(in_window[None, :], scores, float("-inf"))
+                scores = tl.where(in_window[:, None], scores, float("-inf"))
                 p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
                 zero_acc = zero_acc * alpha
                 if WINDOW_F32:
@@ -448,35 +471,35 @@ def _split_kernel(
                     pv = p.to(tl.float16)
                 v0 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 0, V_ROTATED,
                                         D, D_PAD, INV_SQRT_D, V_PC, V_PC_PAD)  # fmt: skip
-                acc0 = tl.dot(pv, v0.to(pv.dtype), acc0 * alpha[:, None])
+                acc0 = tl.dot(v0.to(pv.dtype), pv, acc0 * alpha[None, :])
                 if V_PARTS > 1:
                     v1 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 1,
                                             V_ROTATED, D, D_PAD, INV_SQRT_D, V_PC,
                                             V_PC_PAD)  # fmt: skip
-                    acc1 = tl.dot(pv, v1.to(pv.dtype), acc1 * alpha[:, None])
+                    acc1 = tl.dot(v1.to(pv.dtype), pv, acc1 * alpha[None, :])
                 if V_PARTS > 2:
                     v2 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 2,
                                             V_ROTATED, D, D_PAD, INV_SQRT_D, V_PC,
                                             V_PC_PAD)  # fmt: skip
-                    acc2 = tl.dot(pv, v2.to(pv.dtype), acc2 * alpha[:, None])
+                    acc2 = tl.dot(v2.to(pv.dtype), pv, acc2 * alpha[None, :])
                     v3 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 3,
                                             V_ROTATED, D, D_PAD, INV_SQRT_D, V_PC,
                                             V_PC_PAD)  # fmt: skip
-                    acc3 = tl.dot(pv, v3.to(pv.dtype), acc3 * alpha[:, None])
+                    acc3 = tl.dot(v3.to(pv.dtype), pv, acc3 * alpha[None, :])
 
     # This split's partial, normalized, in natural element order; lse in the log2 domain.
     lse, inv_l = _partial_normalizer(m_i, l_i)
     part_rows = q_rows * NUM_SPLITS + split
-    j = tl.arange(0, V_PC_PAD)[None, :]
-    out_ptrs = part_out_ptr + part_rows[:, None] * D + j
-    ok = row_ok[:, None] & (j < V_PC)
-    scale = inv_l[:, None]
-    tl.store(out_ptrs, (acc0 + zero_acc[:, None]) * scale, mask=ok)
+    j = tl.arange(0, V_PC_PAD)[:, None]
+    out_ptrs = part_out_ptr + part_rows[None, :] * D + j
+    ok = row_ok[None, :] & (j < V_PC)
+    scale = inv_l[None, :]
+    tl.store(out_ptrs, (acc0 + zero_acc[None, :]) * scale, mask=ok)
     if V_PARTS > 1:
-        tl.store(out_ptrs + V_PC, (acc1 + zero_acc[:, None]) * scale, mask=ok)
+        tl.store(out_ptrs + V_PC, (acc1 + zero_acc[None, :]) * scale, mask=ok)
     if V_PARTS > 2:
-        tl.store(out_ptrs + 2 * V_PC, (acc2 + zero_acc[:, None]) * scale, mask=ok)
-        tl.store(out_ptrs + 3 * V_PC, (acc3 + zero_acc[:, None]) * scale, mask=ok)
+        tl.store(out_ptrs + 2 * V_PC, (acc2 + zero_acc[None, :]) * scale, mask=ok)
+        tl.store(out_ptrs + 3 * V_PC, (acc3 + zero_acc[None, :]) * scale, mask=ok)
     tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
 
 
@@ -515,15 +538,31 @@ def _merge_kernel(
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+# Programs of the split kernel per SM that the default split count aims at (each holds
+# DEFAULT_WARPS warps), and the fewest tokens worth a split of its own.
+_PROGRAMS_PER_SM = 8
+_MIN_SPLIT_TOKENS = 128
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
-    """A fixed split count for a cache: about 4 programs per SM, at least 128 tokens per split.
+    """A fixed split count for a cache: about ``_PROGRAMS_PER_SM`` programs per SM, at least
+    ``_MIN_SPLIT_TOKENS`` tokens per split.
 
     Chosen once from the cache's capacity (``batch`` x ``max_seq_len``) and the GPU's SM count,
     never from the current lengths, so a captured graph stays valid as sequences grow.
     """
-    wanted = triton.cdiv(4 * sm_count, max(1, batch * num_kv_heads))
-    by_length = max(1, max_seq_len // 128)
-    return min(512, triton.next_power_of_2(max(1, min(wanted, by_length))))
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count, max(1, batch * num_kv_heads))
+    by_length = max(1, max_seq_len // _MIN_SPLIT_TOKENS)
+    return min(1024, triton.next_power_of_2(max(1, min(wanted, by_length))))
+
+
+def _token_run(page_size: int, block_n: int) -> int:
+    """How many adjacent bytes of a value-code column belong to consecutive tokens of a tile,
+    aligned: tiles start at multiples of ``block_n``, so a power-of-two page gives runs of
+    ``min(page_size, block_n)``; other page sizes get no vectorization hint."""
+    if page_size & (page_size - 1):
+        return 1
+    return min(page_size, block_n)
 
 
 def _part_params(codec, head_dim: int) -> tuple[int, int, int]:
@@ -587,17 +626,18 @@ def _split_launch(
         window_args = (q, q, 0, 0, 0, 0)  # never read; window 0: every position is compressed
     args = (
         q_code, q, q.stride(0), q.stride(1), scale * LOG2E, cache.k_codes, cache.v_codes,
-        cache.meta, *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:3],
+        cache.meta, *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:2],
         *cache.meta.stride()[:3], block_table, *block_table.stride(), seq_lens, codebooks,
         rotation, *mask_args, *window_args, part_out, part_lse, num_kv_heads, block_table.shape[1],
     )  # fmt: skip
     kwargs = dict(
         MASK=mask_kind,
         PAGE_SIZE=page_size,
+        TOKEN_RUN=_token_run(page_size, block_n),
         D=head_dim,
         D_PAD=triton.next_power_of_2(head_dim),
         GROUP=group,
-        G_PAD=max(_MIN_ROWS, triton.next_power_of_2(group)),
+        G_PAD=triton.next_power_of_2(group),
         BLOCK_N=block_n,
         BLOCK_W=_BLOCK_W,
         NUM_SPLITS=num_splits,
@@ -617,26 +657,26 @@ def _split_launch(
     return (q_code, part_out, part_lse), grid, args, kwargs
 
 
-# Register budgets at which 4 or 3 programs of 4 warps fit an SM (65536 registers): the window's
-# tiles must not cost the streaming loop an occupancy class.
-_OCCUPANCY_REGISTERS = (128, 168)
+_REGISTERS_PER_SM = 65536
 _register_caps: dict = {}
 
 
-def _window_register_cap(grid, args, kwargs) -> int | None:
-    """``maxnreg`` for the split kernel with a window: the occupancy class of the same kernel
-    without one (compiled once per configuration to read its register count), or ``None``.
+def _window_register_cap(grid, args, kwargs) -> int:
+    """``maxnreg`` for the split kernel with a window: the most registers that keep the
+    occupancy (programs per SM) of the same kernel without one, which is compiled once per
+    configuration to read its register count.
 
-    Without a cap, the window's tf32 tiles raise the kernel's registers (int8: 128 -> 194,
-    measured offline), and one program per SM fewer streams the compressed tiles; with it,
-    ptxas fits the window in the streaming loop's budget without spilling.
+    Without a cap, the window's tiles raise the kernel's registers, and fewer programs per SM
+    stream the compressed tiles; with it, ptxas fits the window in the streaming loop's budget.
     """
     key = (args[0].device, tuple(sorted(kwargs.items())))
     if key not in _register_caps:
         plain = _split_kernel.warmup(*args, grid=grid, **{**kwargs, "HAS_WINDOW": False})
         plain._init_handles()
-        fitting = [cap for cap in _OCCUPANCY_REGISTERS if plain.n_regs <= cap]
-        _register_caps[key] = fitting[0] if fitting else None
+        threads = 32 * kwargs["num_warps"]
+        programs = max(1, _REGISTERS_PER_SM // (threads * plain.n_regs))
+        # registers are allocated per thread in multiples of 8, at most 255
+        _register_caps[key] = min(255, _REGISTERS_PER_SM // (threads * programs) // 8 * 8)
     return _register_caps[key]
 
 
@@ -666,10 +706,10 @@ def decode(
     mask: torch.Tensor | None = None,
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
-    block_n: int = 128,
+    block_n: int = DEFAULT_BLOCK_N,
     fast: bool | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int = DEFAULT_WARPS,
+    num_stages: int = DEFAULT_STAGES,
 ) -> torch.Tensor:
     """Launch the decode kernels (inputs validated; see ``torch.ops.tq.decode``).
 
@@ -715,8 +755,8 @@ def compile_split_kernel(
     block_n,
     compile_fn,
     fast=True,
-    num_warps=4,
-    num_stages=2,
+    num_warps=DEFAULT_WARPS,
+    num_stages=DEFAULT_STAGES,
     k_window=None,
     v_window=None,
 ):

@@ -35,6 +35,7 @@ def _decode_side(
     out_ptr,
     rot_ptr,
     levels_ptr,
+    BYTE_STRIDE: tl.constexpr,
     KIND: tl.constexpr,
     BITS: tl.constexpr,
     META_COL: tl.constexpr,
@@ -49,14 +50,15 @@ def _decode_side(
     INV_SQRT_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Decode ``BLOCK_S`` rows of one side into ``out_ptr [BLOCK_S]`` (row starts): zeros where
-    not ``valid``, nothing where not ``in_bounds``."""
+    """Decode ``BLOCK_S`` code rows (``code_row [BLOCK_S]``, bytes ``BYTE_STRIDE`` apart) of one
+    side into ``out_ptr [BLOCK_S]`` (row starts): zeros where not ``valid``, nothing where not
+    ``in_bounds``."""
     e, e_mask = tile_offsets(G, C, C_PAD)
     out_mask = in_bounds[:, None, None] & e_mask
     out_ty = out_ptr.dtype.element_ty
     if KIND == _LLOYD_MAX:
         # x = levels[codes] @ R.T * (norm / sqrt(D)), one slice of RC columns per group at a time.
-        codes = load_codes(code_row, valid, W0, W1, OFF1, BLOCK_S, G, C, C_PAD)
+        codes = load_codes(code_row, valid, BYTE_STRIDE, W0, W1, OFF1, BLOCK_S, G, C, C_PAD)
         norm = tl.load(meta_row + META_COL, mask=valid, other=0.0).to(tl.float32)
         row_scale = tl.where(valid, norm * INV_SQRT_D, 0.0)[:, None, None]
         rotated = tl.where(e_mask, tl.load(levels_ptr + codes), 0.0)
@@ -71,12 +73,13 @@ def _decode_side(
             tl.store(out_ptr[:, None, None] + g * C + c, x.to(out_ty), mask=mask)
         return
     if KIND == _UNIFORM:
-        codes = load_codes(code_row, valid, W0, W1, OFF1, BLOCK_S, G, C, C_PAD)
+        codes = load_codes(code_row, valid, BYTE_STRIDE, W0, W1, OFF1, BLOCK_S, G, C, C_PAD)
         scale = tl.load(meta_row + META_COL, mask=valid, other=0.0).to(tl.float32)
         zero = tl.load(meta_row + META_COL + 1, mask=valid, other=0.0).to(tl.float32)
         x = codes.to(tl.float32) * scale[:, None, None] + zero[:, None, None]
     else:
-        byte = tl.load(code_row[:, None, None] + e, mask=valid[:, None, None] & e_mask, other=0)
+        byte_ptr = code_row[:, None, None] + e * BYTE_STRIDE
+        byte = tl.load(byte_ptr, mask=valid[:, None, None] & e_mask, other=0)
         if KIND == _INT8_ABSMAX:
             x = byte.to(tl.int8, bitcast=True).to(tl.float32)
         else:
@@ -125,6 +128,8 @@ def _dequant_kernel(
     D_PAD: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    K_BYTE_STRIDE: tl.constexpr,
+    V_BYTE_STRIDE: tl.constexpr,
     K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
     K_NC: tl.constexpr,
@@ -187,6 +192,7 @@ def _dequant_kernel(
         k_out_ptr + out_row,
         rot_ptr,
         codebooks_ptr,
+        K_BYTE_STRIDE,
         K_KIND,
         K_BITS,
         K_META,
@@ -209,6 +215,7 @@ def _dequant_kernel(
         v_out_ptr + out_row,
         rot_ptr,
         codebooks_ptr + CODEBOOK_STRIDE,
+        V_BYTE_STRIDE,
         V_KIND,
         V_BITS,
         V_META,
@@ -258,7 +265,7 @@ def dequantize(
         cache.v_codes,
         cache.meta,
         *cache.k_codes.stride()[:3],
-        *cache.v_codes.stride()[:3],
+        *cache.value_rows.stride()[:3],
         *cache.meta.stride()[:3],
         block_table,
         *block_table.stride(),
@@ -277,6 +284,8 @@ def dequantize(
         D_PAD=triton.next_power_of_2(head_dim),
         INV_SQRT_D=1.0 / math.sqrt(head_dim),
         BLOCK_S=block_s,
+        K_BYTE_STRIDE=cache.k_codes.stride(3),
+        V_BYTE_STRIDE=cache.value_rows.stride(3),
         **codec_constexprs("K", fmt.key, first_meta_column(fmt, "k"), head_dim),
         **codec_constexprs("V", fmt.value, first_meta_column(fmt, "v"), head_dim),
         CODEBOOK_STRIDE=codebooks.stride(0),

@@ -7,6 +7,8 @@ head dims 80 and 96 work). ``G = 8 / (narrowest plane width)`` is the number of 
 the narrowest plane needs, so every plane maps onto the tile without moving elements: a plane of
 width ``w`` has ``GP = 8 / w`` groups per byte and ``RR = G / GP`` byte runs of C bytes each;
 tile group ``g = a * RR + k`` lives in bits ``[a * w, (a + 1) * w)`` of byte ``k * C + c``.
+Byte ``i`` of a row sits at ``row_ptr + i * BYTE_STRIDE``: 1 for key rows, ``page_size`` for the
+token-minor value rows (see :mod:`custom_ops.formats`).
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def _store_plane(
     codes,
     row_ptr,
     row_mask,
+    BYTE_STRIDE: tl.constexpr,
     WIDTH: tl.constexpr,
     SHIFT: tl.constexpr,
     OFFSET: tl.constexpr,
@@ -120,7 +123,8 @@ def _store_plane(
     k = tl.arange(0, RR)[None, :, None]
     c = COL0 + tl.arange(0, CW)[None, None, :]
     mask = row_mask[:, None, None] & (c < C)
-    tl.store(row_ptr[:, None, None] + OFFSET + k * C + c, packed.to(tl.uint8), mask=mask)
+    byte = OFFSET + k * C + c
+    tl.store(row_ptr[:, None, None] + byte * BYTE_STRIDE, packed.to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -128,6 +132,7 @@ def store_codes(
     codes,
     row_ptr,
     row_mask,
+    BYTE_STRIDE: tl.constexpr,
     W0: tl.constexpr,
     W1: tl.constexpr,
     OFF1: tl.constexpr,
@@ -138,16 +143,17 @@ def store_codes(
     CW: tl.constexpr,
 ):
     """Pack the tile slice ``codes [ROWS, G, CW] int32`` (columns ``COL0 + c``) into the planes
-    of the rows starting at ``row_ptr``."""
-    _store_plane(codes, row_ptr, row_mask, W0, 0, 0, ROWS, G, C, COL0, CW)
+    of the rows starting at ``row_ptr`` (bytes ``BYTE_STRIDE`` apart)."""
+    _store_plane(codes, row_ptr, row_mask, BYTE_STRIDE, W0, 0, 0, ROWS, G, C, COL0, CW)
     if W1 > 0:
-        _store_plane(codes, row_ptr, row_mask, W1, W0, OFF1, ROWS, G, C, COL0, CW)
+        _store_plane(codes, row_ptr, row_mask, BYTE_STRIDE, W1, W0, OFF1, ROWS, G, C, COL0, CW)
 
 
 @triton.jit
 def _load_plane(
     row_ptr,
     row_mask,
+    BYTE_STRIDE: tl.constexpr,
     WIDTH: tl.constexpr,
     OFFSET: tl.constexpr,
     ROWS: tl.constexpr,
@@ -160,7 +166,8 @@ def _load_plane(
     k = tl.arange(0, RR)[None, :, None]
     c = tl.arange(0, C_PAD)[None, None, :]
     mask = row_mask[:, None, None] & (c < C)
-    packed = tl.load(row_ptr[:, None, None] + OFFSET + k * C + c, mask=mask, other=0)
+    byte = OFFSET + k * C + c
+    packed = tl.load(row_ptr[:, None, None] + byte * BYTE_STRIDE, mask=mask, other=0)
     shifts = (tl.arange(0, GP) * WIDTH)[None, :, None, None]
     bits = (packed.to(tl.int32)[:, None, :, :] >> shifts) & ((1 << WIDTH) - 1)
     return tl.reshape(bits, (ROWS, G, C_PAD))
@@ -170,6 +177,7 @@ def _load_plane(
 def load_codes(
     row_ptr,
     row_mask,
+    BYTE_STRIDE: tl.constexpr,
     W0: tl.constexpr,
     W1: tl.constexpr,
     OFF1: tl.constexpr,
@@ -178,8 +186,9 @@ def load_codes(
     C: tl.constexpr,
     C_PAD: tl.constexpr,
 ):
-    """Unpack the code rows at ``row_ptr`` into ``[ROWS, G, C_PAD] int32`` (0 where masked)."""
-    codes = _load_plane(row_ptr, row_mask, W0, 0, ROWS, G, C, C_PAD)
+    """Unpack the code rows at ``row_ptr`` (bytes ``BYTE_STRIDE`` apart) into
+    ``[ROWS, G, C_PAD] int32`` (0 where masked)."""
+    codes = _load_plane(row_ptr, row_mask, BYTE_STRIDE, W0, 0, ROWS, G, C, C_PAD)
     if W1 > 0:
-        codes |= _load_plane(row_ptr, row_mask, W1, OFF1, ROWS, G, C, C_PAD) << W0
+        codes |= _load_plane(row_ptr, row_mask, BYTE_STRIDE, W1, OFF1, ROWS, G, C, C_PAD) << W0
     return codes

@@ -64,6 +64,7 @@ def _encode_side(
     meta_ptr,
     rot_ptr,
     levels_ptr,
+    BYTE_STRIDE: tl.constexpr,
     KIND: tl.constexpr,
     BITS: tl.constexpr,
     NC: tl.constexpr,
@@ -82,7 +83,8 @@ def _encode_side(
     """Encode one side (keys or values) of ``BLOCK_R`` rows and store codes and meta.
 
     ``x_rows [BLOCK_R]`` are the rows' element offsets from ``x_ptr``; ``code_ptr [BLOCK_R]`` /
-    ``meta_ptr [BLOCK_R]`` point at each row's code row and meta record.
+    ``meta_ptr [BLOCK_R]`` point at each row's code row (bytes ``BYTE_STRIDE`` apart) and meta
+    record.
     """
     e, e_mask = tile_offsets(G, C, C_PAD)  # [1, G, C_PAD]
     mask = ok[:, None, None] & e_mask
@@ -120,7 +122,7 @@ def _encode_side(
             if NC:
                 col_ok = (col0 + tl.arange(0, RC))[None, None, :] < C
                 recon_sq += _row_sum(tl.where(col_ok, level * level, 0.0))
-            store_codes(codes, code_ptr, ok, W0, W1, OFF1, BLOCK_R, G, C, col0, RC)
+            store_codes(codes, code_ptr, ok, BYTE_STRIDE, W0, W1, OFF1, BLOCK_R, G, C, col0, RC)
         stored = norm
         if NC:
             stored = tl.math.div_rn(norm, tl.sqrt_rn(recon_sq))
@@ -138,7 +140,8 @@ def _encode_side(
         q = tl.minimum(tl.maximum(q, 0.0), QMAX)
         tl.store(meta_ptr + META_COL, scale16.to(meta_ty), mask=ok)
         tl.store(meta_ptr + META_COL + 1, zero16.to(meta_ty), mask=ok)
-        store_codes(q.to(tl.int32), code_ptr, ok, W0, W1, OFF1, BLOCK_R, G, C, 0, C_PAD)
+        store_codes(q.to(tl.int32), code_ptr, ok, BYTE_STRIDE, W0, W1, OFF1, BLOCK_R, G, C, 0,
+                    C_PAD)  # fmt: skip
     else:
         if KIND == _FP8:
             scaled = x
@@ -154,7 +157,7 @@ def _encode_side(
         else:
             byte = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         # 8-bit codes: one plane, G == 1, element e at byte e.
-        tl.store(code_ptr[:, None, None] + e, byte, mask=mask)
+        tl.store(code_ptr[:, None, None] + e * BYTE_STRIDE, byte, mask=mask)
 
 
 @triton.jit
@@ -189,6 +192,8 @@ def _store_kernel(
     D: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    K_BYTE_STRIDE: tl.constexpr,
+    V_BYTE_STRIDE: tl.constexpr,
     K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
     K_NC: tl.constexpr,
@@ -236,6 +241,7 @@ def _store_kernel(
         m_row,
         rot_ptr,
         codebooks_ptr,
+        K_BYTE_STRIDE,
         K_KIND,
         K_BITS,
         K_NC,
@@ -260,6 +266,7 @@ def _store_kernel(
         m_row,
         rot_ptr,
         codebooks_ptr + CODEBOOK_STRIDE,
+        V_BYTE_STRIDE,
         V_KIND,
         V_BITS,
         V_NC,
@@ -323,6 +330,8 @@ def _window_kernel(
     D_PAD: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    K_BYTE_STRIDE: tl.constexpr,
+    V_BYTE_STRIDE: tl.constexpr,
     K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
     K_NC: tl.constexpr,
@@ -373,11 +382,12 @@ def _window_kernel(
     v_row = v_codes_ptr + page * stride_vc_page + head64 * stride_vc_head + slot * stride_vc_slot
     m_row = meta_ptr + page * stride_m_page + head64 * stride_m_head + slot * stride_m_slot
     _encode_side(k_window_ptr, ring_rows, 1, evict, k_row, m_row, rot_ptr, codebooks_ptr,
-                 K_KIND, K_BITS, K_NC, K_META, K_W0, K_W1, K_OFF1, K_G, K_C, K_C_PAD, K_RC, D,
-                 INV_SQRT_D, BLOCK_R)  # fmt: skip
+                 K_BYTE_STRIDE, K_KIND, K_BITS, K_NC, K_META, K_W0, K_W1, K_OFF1, K_G, K_C,
+                 K_C_PAD, K_RC, D, INV_SQRT_D, BLOCK_R)  # fmt: skip
     _encode_side(v_window_ptr, ring_rows, 1, evict, v_row, m_row, rot_ptr,
-                 codebooks_ptr + CODEBOOK_STRIDE, V_KIND, V_BITS, V_NC, V_META, V_W0, V_W1,
-                 V_OFF1, V_G, V_C, V_C_PAD, V_RC, D, INV_SQRT_D, BLOCK_R)  # fmt: skip
+                 codebooks_ptr + CODEBOOK_STRIDE, V_BYTE_STRIDE, V_KIND, V_BITS, V_NC, V_META,
+                 V_W0, V_W1, V_OFF1, V_G, V_C, V_C_PAD, V_RC, D, INV_SQRT_D,
+                 BLOCK_R)  # fmt: skip
     # Every thread's reads of the old ring rows happen before any thread overwrites them.
     tl.debug_barrier()
 
@@ -448,7 +458,7 @@ def store(
         cache.v_codes,
         cache.meta,
         *cache.k_codes.stride()[:3],
-        *cache.v_codes.stride()[:3],
+        *cache.value_rows.stride()[:3],
         *cache.meta.stride()[:3],
         slot_mapping,
         rotation,
@@ -460,6 +470,8 @@ def store(
         D=head_dim,
         INV_SQRT_D=1.0 / math.sqrt(head_dim),
         BLOCK_R=block_rows,
+        K_BYTE_STRIDE=cache.k_codes.stride(3),
+        V_BYTE_STRIDE=cache.value_rows.stride(3),
         **codec_constexprs("K", fmt.key, first_meta_column(fmt, "k"), head_dim),
         **codec_constexprs("V", fmt.value, first_meta_column(fmt, "v"), head_dim),
         CODEBOOK_STRIDE=codebooks.stride(0),
@@ -522,7 +534,7 @@ def store_window(
         cache.v_codes,
         cache.meta,
         *cache.k_codes.stride()[:3],
-        *cache.v_codes.stride()[:3],
+        *cache.value_rows.stride()[:3],
         *cache.meta.stride()[:3],
         block_table,
         *block_table.stride(),
@@ -540,6 +552,8 @@ def store_window(
         D_PAD=triton.next_power_of_2(head_dim),
         INV_SQRT_D=1.0 / math.sqrt(head_dim),
         BLOCK_R=block_rows,
+        K_BYTE_STRIDE=cache.k_codes.stride(3),
+        V_BYTE_STRIDE=cache.value_rows.stride(3),
         **codec_constexprs("K", fmt.key, first_meta_column(fmt, "k"), head_dim),
         **codec_constexprs("V", fmt.value, first_meta_column(fmt, "v"), head_dim),
         CODEBOOK_STRIDE=codebooks.stride(0),
