@@ -137,18 +137,16 @@ def tq_time(fmt, inputs, rings, num_splits: int, **kernel_args) -> float:
     return time_graph(calls)
 
 
-# Tuning sweep: (BLOCK_N, num_warps, num_stages) of the split kernel, then split counts x 1/2,
-# x 2 and x 4 around the default at the default configuration.
+# Tuning sweep: (BLOCK_N, num_warps, num_stages, subtiles) of the split kernel, then split
+# counts x 1/2, x 2 and x 4 around the default at the default configuration.
 SWEEP = [
-    (32, 1, 2),
-    (32, 1, 3),
-    (64, 1, 2),
-    (32, 2, 2),
-    (64, 2, 2),
-    (64, 2, 3),
-    (128, 2, 2),
-    (64, 4, 2),
-    (128, 4, 2),
+    (32, 1, 2, 1),
+    (32, 1, 2, 2),
+    (32, 1, 3, 2),
+    (64, 1, 2, 1),
+    (16, 1, 2, 2),
+    (32, 2, 2, 2),
+    (64, 2, 2, 1),
 ]
 SPLIT_FACTORS = (0.5, 2, 4)
 
@@ -182,8 +180,8 @@ def run(formats, shapes, sweep: bool, windows=(0,)) -> dict:
             configs = [({}, default_splits)]
             if sweep:
                 configs = [
-                    (dict(block_n=bn, num_warps=w, num_stages=st), default_splits)
-                    for bn, w, st in SWEEP
+                    (dict(block_n=bn, num_warps=w, num_stages=st, subtiles=sub), default_splits)
+                    for bn, w, st, sub in SWEEP
                 ]
                 configs += [({}, max(1, int(default_splits * f))) for f in SPLIT_FACTORS]
             no_window_us = {}

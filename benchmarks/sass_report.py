@@ -130,6 +130,8 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, default=decode.DEFAULT_BLOCK_N)
     parser.add_argument("--warps", type=int, default=decode.DEFAULT_WARPS)
     parser.add_argument("--stages", type=int, default=decode.DEFAULT_STAGES)
+    parser.add_argument("--subtiles", type=int, default=decode.DEFAULT_SUBTILES)
+    parser.add_argument("--maxnreg", type=int, help="register cap passed to ptxas")
     parser.add_argument("--window", type=int, default=0, help="recent-window ring size")
     parser.add_argument("--dump", help="write the SASS here")
     args = parser.parse_args()
@@ -155,14 +157,16 @@ def main() -> None:
         compile_fn=compile_offline,
         num_warps=args.warps,
         num_stages=args.stages,
+        subtiles=args.subtiles,
         **rings,
+        **({"maxnreg": args.maxnreg} if args.maxnreg else {}),
     )
     if args.dump:
         with open(args.dump, "w") as f:
             f.write("\n".join(disassemble(compiled.asm["cubin"])))
     report(
         compiled,
-        args.block_n,
+        args.block_n * args.subtiles,
         f"{args.format} D={args.head_dim} group={args.group} BLOCK_N={args.block_n} "
         f"window={args.window}",
     )

@@ -1,9 +1,14 @@
-"""Test-only fix for float conversions in Triton's CPU interpreter (triton issue #8322).
+"""Test-only fixes for Triton's CPU interpreter where it computes otherwise than the GPU.
 
-The interpreter converts between float formats bit by bit and gets float8 wrong (no saturation,
-lost carries, wrong ties) and truncates float32 -> bfloat16. The GPU rounds to nearest even and
-saturates float8 (``cvt.rn.satfinite``), which is what torch's own conversions do, so the fix
-routes every interpreter float conversion through torch.
+* Float conversions (triton issue #8322): the interpreter converts between float formats bit by
+  bit and gets float8 wrong (no saturation, lost carries, wrong ties) and truncates float32 ->
+  bfloat16. The GPU rounds to nearest even and saturates float8 (``cvt.rn.satfinite``), which
+  is what torch's own conversions do, so the fix routes every interpreter float conversion
+  through torch.
+* ``tl.maximum`` / ``tl.minimum`` (default ``propagate_nan=NONE``) lower to LLVM's
+  ``maxnum`` / ``minnum``, which return the other operand when one is NaN (PTX ``max``/``min``);
+  the interpreter uses ``np.maximum`` / ``np.minimum``, which return NaN. The fix uses
+  ``np.fmax`` / ``np.fmin``, which behave like the GPU.
 """
 
 from __future__ import annotations
@@ -40,3 +45,6 @@ def _convert_float(data, input_dtype, output_dtype, rounding_mode):
 def install() -> None:
     """Patch the interpreter (idempotent)."""
     interpreter._convert_float = _convert_float
+    builder = interpreter.InterpreterBuilder
+    builder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
+    builder.create_minnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmin)

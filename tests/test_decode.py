@@ -162,7 +162,9 @@ prefill-shaped query: ValueError: tq.decode: q must be [B, Hq, D] (one query tok
 def test_cuda_graph_store_and_decode(fmt_name, seeded):
     """Capture store-one-token + decode in a CUDA graph; replay 100 steps with new tokens and
     growing lengths written in place; every step equals the eager ops on a twin cache, and no
-    host sync happens (sync debug mode "error")."""
+    host sync happens (sync debug mode "error"). Rotated keys take three launches (query
+    preparation, split, merge), fp8 keys two; on Hopper the launches after the first use
+    programmatic dependent launch."""
     fmt = get_format(fmt_name)
     batch, num_kv_heads, group, head_dim, page_size = 3, 4, 4, 128, 16
     max_pages = 16

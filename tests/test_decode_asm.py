@@ -56,34 +56,43 @@ def test_uint4_asm(seeded):
         assert high == [float(b >> 4) for b in _bytes(word)]
 
 
-def _codes3(plane_word: int, sign_word: int, quarter: int) -> list[int]:
-    """3-bit codes of quarter ``q``: bits 2q of the 2-bit plane bytes, bit 2q of the sign tile."""
+def _codes3(plane_word: int, sign_word: int, shift: int, quarter: int) -> list[int]:
+    """3-bit codes of quarter ``q``: bits 2q of the 2-bit plane bytes, bit 2q + shift of the
+    sign tile's bytes."""
     return [
-        ((b >> (2 * quarter)) & 3) | (((s >> (2 * quarter)) & 1) << 2)
+        ((b >> (2 * quarter)) & 3) | (((s >> (2 * quarter + shift)) & 1) << 2)
         for b, s in zip(_bytes(plane_word), _bytes(sign_word), strict=True)
     ]
 
 
+def _sign_cases(gen):
+    """(plane word, sign word, sign shift replicated in 4 bytes, shift) triples."""
+    planes = _random_words(gen, [0, 0xFFFFFFFF])
+    signs = _random_words(gen, [0xFFFFFFFF, 0])
+    for i, (plane_word, sign_word) in enumerate(zip(planes, signs, strict=True)):
+        shift = i % 2
+        yield plane_word, sign_word, shift * 0x01010101, shift
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_lut3_asm(head_dim, seeded):
-    """Every quarter's 3-bit sign-magnitude code becomes its fp16 Lloyd-Max level."""
+    """Every quarter's 3-bit sign-magnitude code becomes its fp16 Lloyd-Max level, with the
+    sign tile shifted by the sign shift (0 or 1)."""
     levels = signed_levels(3, head_dim)
     asm = lut3_asm(levels)
-    signs = _random_words(seeded, [0xFFFFFFFF, 0])
-    for plane_word, sign_word in zip(_random_words(seeded, [0, 0xFFFFFFFF]), signs, strict=True):
-        outputs = _outputs(asm, {8: plane_word, 9: sign_word}, 4)
+    for plane_word, sign_word, shift_word, shift in _sign_cases(seeded):
+        outputs = _outputs(asm, {8: plane_word, 9: sign_word, 10: shift_word}, 4)
         for quarter, values in enumerate(outputs):
-            codes = _codes3(plane_word, sign_word, quarter)
+            codes = _codes3(plane_word, sign_word, shift, quarter)
             assert values == [levels[c].item() for c in codes]
 
 
 def test_uint3_asm(seeded):
     """Every quarter's 3-bit uniform code becomes the fp16 of its integer value."""
-    signs = _random_words(seeded, [0xFFFFFFFF, 0])
-    for plane_word, sign_word in zip(_random_words(seeded, [0, 0xFFFFFFFF]), signs, strict=True):
-        outputs = _outputs(UINT3_ASM, {8: plane_word, 9: sign_word}, 4)
+    for plane_word, sign_word, shift_word, shift in _sign_cases(seeded):
+        outputs = _outputs(UINT3_ASM, {8: plane_word, 9: sign_word, 10: shift_word}, 4)
         for quarter, values in enumerate(outputs):
-            assert values == [float(c) for c in _codes3(plane_word, sign_word, quarter)]
+            assert values == [float(c) for c in _codes3(plane_word, sign_word, shift, quarter)]
 
 
 @pytest.mark.parametrize("kind", [Kind.LLOYD_MAX, Kind.UNIFORM])

@@ -2,18 +2,25 @@
 
 Three launches with shapes fixed by the inputs (CUDA-graph safe, no host sync):
 
-1. ``_prep_query_kernel`` (grid ``B * Hq``): rotates the query into the keys' code space
-   (``q @ R / sqrt(D)`` for Lloyd-Max keys), multiplies by ``scale * log2(e)`` so the softmax can
-   use ``exp2``, and writes it as fp16 in the keys' *parts* (below).
-2. ``_split_kernel`` (grid ``(num_splits, Hk, B)``): one program per (sequence, kv-head, split)
-   serves every q-head of the GQA group, so each cache byte is read once. Each split finds its
-   token range from ``seq_lens`` on the device (an empty split writes a neutral partial), then
-   streams ``BLOCK_N``-token tiles: ``S = Q @ K^T`` and ``P @ V`` on the tensor cores with the
-   group padded to 16 rows, an online softmax in the log2 domain, and the codecs' scalars folded
-   in: the key norm/scale multiplies the scores, the value scale multiplies the probabilities
-   before ``P @ V`` and the value zero enters through a running ``sum(p * zero)``.
-3. ``_merge_kernel`` (grid ``B * Hq``): log-sum-exp merge of the splits; rotates Lloyd-Max values
-   back to the original space and casts to the query's dtype.
+1. ``_prep_query_kernel`` (grid ``B * Hq / 16``): rotates the query into the keys' code space
+   (``q @ R / sqrt(D)`` for Lloyd-Max keys, 16 rows per tensor-core product), multiplies by
+   ``scale * log2(e)`` so the softmax can use ``exp2``, and writes it as fp16 in the keys'
+   *parts* (below).
+2. ``_split_kernel`` (grid ``(num_splits, Hk, B)``): one program (one warp by default) per
+   (sequence, kv-head, split) serves every q-head of the GQA group, so each cache byte is read
+   once. Each split finds its token range from ``seq_lens`` on the device (an empty split writes
+   a neutral partial), then streams ``BLOCK_N``-token tiles with the *tokens* as the tensor
+   cores' M dimension: ``S^T = K @ Q^T`` and ``O^T += V^T @ P^T``, so the GQA group is only the
+   N = 8 side (padding 4 heads to 8, not to 16 rows), the softmax reduces over tokens inside
+   one warp, and ``P^T`` feeds the next product without leaving the warp. The codecs' scalars
+   are folded in: the key norm/scale multiplies the scores, the value scale multiplies the
+   probabilities before ``V^T @ P^T`` and the value zero enters through a running
+   ``sum(p * zero)``. Value codes are stored token-minor (:mod:`custom_ops.formats`), so the
+   A operand ``V^T`` (4 consecutive tokens of one byte column per register) is one aligned
+   32-bit load.
+3. ``_merge_kernel`` (grid ``B * Hq / BLOCK_M``): log-sum-exp merge of the splits; rotates
+   Lloyd-Max values back to the original space (one product per block of rows) and casts to the
+   query's dtype.
 
 Recent window: with a full-precision ring of the last ``W`` tokens (``k_window``/``v_window``),
 the splits cover the compressed positions ``[0, len - W)``, and the split in whose range they
@@ -36,6 +43,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from custom_ops.formats import Kind, KVFormat, PagedKVCache
 from custom_ops.triton.decode_asm import decode_asm, parts_of
@@ -44,16 +52,19 @@ from custom_ops.triton.store import codec_constexprs, first_meta_column
 _LLOYD_MAX = tl.constexpr(int(Kind.LLOYD_MAX))
 _UNIFORM = tl.constexpr(int(Kind.UNIFORM))
 _FP8 = tl.constexpr(int(Kind.FP8))
-_FP8_ABSMAX = tl.constexpr(int(Kind.FP8_ABSMAX))
 _INT8_ABSMAX = tl.constexpr(int(Kind.INT8_ABSMAX))
 LOG2E = 1.4426950408889634
 LOG2E_ = tl.constexpr(LOG2E)
-_BLOCK_W = 32  # ring slots per tile of the recent window
+_BLOCK_W = 16  # ring slots per tile of the recent window
+# query rows and prepared columns per program of the query preparation
+_PREP_ROWS = 16
+_PREP_COLUMNS = 16
 # Split-kernel defaults (benchmarks/NOTES.md has the sweep): one or two warps per program keep
 # the softmax reductions and the P^T operand inside a warp.
 DEFAULT_BLOCK_N = 32
 DEFAULT_WARPS = 1
 DEFAULT_STAGES = 2
+DEFAULT_SUBTILES = 1
 
 
 @triton.jit
@@ -63,34 +74,41 @@ def _prep_query_kernel(
     stride_qh,
     rot_ptr,
     out_ptr,
+    num_rows,
     num_q_heads,
     q_scale,
-    ROTATE: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     PARTS: tl.constexpr,
     PC: tl.constexpr,
     PC_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """``out[b, h, p * PC_PAD + j] = (q[b, h] @ R / sqrt(D))[p * PC + j] * q_scale`` as fp16."""
-    row = tl.program_id(0)
-    b = row // num_q_heads
-    h = row % num_q_heads
-    q_row = q_ptr + b * stride_qb + h * stride_qh
-    i = tl.arange(0, PARTS * PC_PAD)
-    elem = (i // PC_PAD) * PC + i % PC_PAD
-    ok = (i % PC_PAD) < PC
-    if ROTATE:
-        d = tl.arange(0, D_PAD)
-        q = tl.load(q_row + d, mask=d < D, other=0.0).to(tl.float32)
-        rot_mask = (d[:, None] < D) & ok[None, :]
-        rot = tl.load(rot_ptr + d[:, None] * D + elem[None, :], mask=rot_mask, other=0.0)
-        q_code = tl.sum(q[:, None] * rot, axis=0) * INV_SQRT_D
-    else:
-        q_code = tl.load(q_row + elem, mask=ok, other=0.0).to(tl.float32)
-    q_code = tl.where(ok, q_code * q_scale, 0.0)
-    tl.store(out_ptr + row * (PARTS * PC_PAD) + i, q_code.to(tl.float16))
+    """``out[r, c] = (q[r] @ R / sqrt(D))[p * PC + j] * q_scale`` as fp16, ``c = p * PC_PAD + j``,
+    for the ``BLOCK_Q`` query rows ``r = b * Hq + h`` and ``BLOCK_C`` columns of this program: a
+    ``[BLOCK_Q, D] @ [D, BLOCK_C]`` product on the tensor cores (tf32 is exact here: 16-bit
+    queries times +-1), so R is read once per 16 rows, by several programs at once."""
+    if PDL:
+        gdc_launch_dependents()  # the split kernel may launch now; it waits for q_code
+    rows = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    row_ok = rows < num_rows
+    q_rows = q_ptr + (rows // num_q_heads).to(tl.int64) * stride_qb
+    q_rows += (rows % num_q_heads) * stride_qh
+    d = tl.arange(0, D_PAD)
+    q_mask = row_ok[:, None] & (d < D)[None, :]
+    q = tl.load(q_rows[:, None] + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    elem = (c // PC_PAD) * PC + c % PC_PAD
+    ok = (c % PC_PAD) < PC
+    rot = tl.load(rot_ptr + d[:, None] * D + elem[None, :], mask=(d[:, None] < D) & ok[None, :],
+                  other=0.0)  # fmt: skip
+    q_code = tl.dot(q, rot, input_precision="tf32") * INV_SQRT_D
+    q_code = tl.where(ok[None, :], q_code * q_scale, 0.0)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * (PARTS * PC_PAD) + c[None, :]
+    tl.store(out_ptrs, q_code.to(tl.float16), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -115,6 +133,7 @@ def _decode_tile(
     BYTE_STRIDE: tl.constexpr,
     TOKEN_RUN: tl.constexpr,
     ASM: tl.constexpr,
+    FINITE: tl.constexpr = False,
 ):
     """Decode a tile of code rows into up to four parts (fp16, the tile's shape, *before* the
     per-token scalars; unused parts repeat part 0).
@@ -124,7 +143,7 @@ def _decode_tile(
     ``[1, N]`` and ``[PC, 1]`` for values (token-minor, ``BYTE_STRIDE = page_size``), whose
     tokens come in runs of ``TOKEN_RUN`` adjacent bytes (page-aligned; 1: no hint). The inline
     asm packs 4 consecutive bytes of the tile's last axis: 4 elements of a key, or one byte
-    column of 4 tokens of values.
+    column of 4 tokens of values. ``FINITE`` maps the fp8 NaN codes to finite numbers.
     """
     offsets = row_offsets + j * BYTE_STRIDE
     if TOKEN_RUN > 1:
@@ -143,8 +162,8 @@ def _decode_tile(
         p3 = p0
     elif BITS == 3:
         # 2-bit plane byte j holds element j + q*D/4 at bits 2q; the 1-bit plane's byte j' holds
-        # element j' + r*D/8 at bit r, re-read here so that byte j holds the top bit of element
-        # j + q*D/4 at bit 2q, like the 2-bit plane.
+        # element j' + r*D/8 at bit r, re-read here as a sign tile whose byte j is the 1-bit
+        # plane's byte j mod D/8: element j + q*D/4's top bit is its bit 2q + j // (D/8).
         D8: tl.constexpr = D // 8
         sign_offsets = row_offsets + (OFF1 + j % D8) * BYTE_STRIDE
         if TOKEN_RUN > 1:
@@ -152,12 +171,17 @@ def _decode_tile(
                 tl.multiple_of(sign_offsets, [1, TOKEN_RUN]), [1, TOKEN_RUN]
             )
         signs = tl.load(codes_ptr + sign_offsets, mask=mask, other=0)
-        signs = (signs >> (j // D8)).to(tl.uint8)
+        sign_shift = tl.broadcast_to((j // D8).to(tl.uint8), plane.shape)
+        # The asm shifts 4 packed bytes at once: along the tokens (values) they share j, along
+        # j (keys) they do when D/8 is a multiple of 4 (not at D = 80: shift here instead).
+        if (ASM == "") | ((BYTE_STRIDE == 1) & (D8 % 4 != 0)):
+            signs = (signs >> sign_shift).to(tl.uint8)
+            sign_shift = tl.zeros_like(sign_shift)
         if ASM != "":
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 ASM,
-                "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-                [plane, signs],
+                "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+                [plane, signs, sign_shift],
                 dtype=(tl.float16,) * 4,
                 is_pure=True,
                 pack=4,
@@ -192,6 +216,9 @@ def _decode_tile(
             p0 = plane.to(tl.int8, bitcast=True).to(tl.float16)
         else:
             p0 = plane.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            if FINITE:
+                # max with NaN gives the other operand; every e4m3 value is >= -448
+                p0 = tl.maximum(p0, tl.full(p0.shape, -448.0, tl.float16))
         p1 = p0
         p2 = p0
         p3 = p0
@@ -227,15 +254,139 @@ def _mask_scores(
 
 
 @triton.jit
-def _online_softmax(scores, m_i, l_i):
-    """One tile ``scores [N, G_PAD]`` of the online softmax in the log2 domain:
-    ``(p, alpha, m_new, l_new)``. A query masked out so far keeps ``m = -inf``, so 0 is
-    subtracted instead."""
-    m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+def _softmax_rescale(tile_max, m_i):
+    """Online-softmax step in the log2 domain for a tile whose per-query max is ``tile_max
+    [G_PAD]``: ``(m_new, m_sub, alpha)``, with ``p = exp2(scores - m_sub)`` and the running sums
+    rescaled by ``alpha``. A query masked out so far keeps ``m = -inf``, so 0 is subtracted
+    instead."""
+    m_new = tl.maximum(m_i, tile_max)
     m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)
-    alpha = tl.math.exp2(m_i - m_sub)
-    p = tl.math.exp2(scores - m_sub[None, :])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=0)
+    return m_new, m_sub, tl.math.exp2(m_i - m_sub)
+
+
+@triton.jit
+def _key_scores(
+    n,
+    end,
+    b,
+    block_table_ptr,
+    stride_bt_b,
+    stride_bt_p,
+    k_codes_ptr,
+    k_head,
+    stride_kc_page,
+    stride_kc_slot,
+    meta_ptr,
+    m_head,
+    stride_m_page,
+    stride_m_slot,
+    levels_ptr,
+    q0,
+    q1,
+    q2,
+    q3,
+    mask_ptr,
+    q_head,
+    row_ok,
+    stride_mask_b,
+    stride_mask_h,
+    mask_len,
+    MASK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_META: tl.constexpr,
+    K_OFF1: tl.constexpr,
+    K_PARTS: tl.constexpr,
+    K_PC: tl.constexpr,
+    K_PC_PAD: tl.constexpr,
+    K_ASM: tl.constexpr,
+):
+    """Scores ``S^T = K @ Q^T`` of the tokens at positions ``n [BLOCK_N]`` (``-inf`` at and past
+    ``end``): ``(scores [BLOCK_N, G_PAD] float32 in log2 units, page, slot, valid)``."""
+    valid = n < end
+    page_ptr = block_table_ptr + b * stride_bt_b + (n // PAGE_SIZE) * stride_bt_p
+    page = tl.load(page_ptr, mask=valid, other=0).to(tl.int64)
+    slot = (n % PAGE_SIZE).to(tl.int64)
+    # Code rows are read unmasked, so that the loads stay vectorized along the tokens: tokens
+    # past the end read their page (or page 0) and get zero probability (see _value_update).
+    k_byte = tl.arange(0, K_PC_PAD)[None, :]
+    k0, k1, k2, k3 = _decode_tile(
+        k_codes_ptr, (page * stride_kc_page + k_head + slot * stride_kc_slot)[:, None], k_byte,
+        k_byte < K_PC, levels_ptr, K_KIND, K_BITS, D, K_OFF1, 1, 1, K_ASM,
+    )  # fmt: skip
+    scores = tl.dot(k0, q0)
+    if K_PARTS > 1:
+        scores = tl.dot(k1, q1, scores)
+    if K_PARTS > 2:
+        scores = tl.dot(k2, q2, scores)
+        scores = tl.dot(k3, q3, scores)
+    if K_KIND != _FP8:
+        m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
+        k_mul = tl.load(m_row + K_META, mask=valid, other=0.0).to(tl.float32)
+        scores = scores * k_mul[:, None]
+    scores = _mask_scores(scores, n, mask_ptr, b, q_head, row_ok, stride_mask_b, stride_mask_h,
+                          mask_len, MASK)  # fmt: skip
+    return tl.where(valid[:, None], scores, float("-inf")), page, slot, valid
+
+
+@triton.jit
+def _value_update(
+    p,
+    page,
+    slot,
+    valid,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    zero_acc,
+    v_codes_ptr,
+    v_head,
+    stride_vc_page,
+    meta_ptr,
+    m_head,
+    stride_m_page,
+    stride_m_slot,
+    levels_ptr,
+    PAGE_SIZE: tl.constexpr,
+    TOKEN_RUN: tl.constexpr,
+    D: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_META: tl.constexpr,
+    V_OFF1: tl.constexpr,
+    V_PARTS: tl.constexpr,
+    V_PC: tl.constexpr,
+    V_PC_PAD: tl.constexpr,
+    V_ASM: tl.constexpr,
+):
+    """Add one tile's ``O^T += V^T @ (p * v_scale)^T`` per value part (``p [BLOCK_N, G_PAD]``),
+    and ``sum(p * v_zero)`` to ``zero_acc`` for uniform values.
+
+    Value codes of tokens past the end enter the product with zero probability, which is only
+    safe for codes that decode to finite numbers: fp8 bytes there (stale or never written) can
+    be NaN, so fp8 values are decoded ``FINITE``.
+    """
+    v_byte = tl.arange(0, V_PC_PAD)[:, None]
+    v0, v1, v2, v3 = _decode_tile(
+        v_codes_ptr, (page * stride_vc_page + v_head + slot)[None, :], v_byte, v_byte < V_PC,
+        levels_ptr, V_KIND, V_BITS, D, V_OFF1, PAGE_SIZE, TOKEN_RUN, V_ASM, FINITE=True,
+    )  # fmt: skip
+    m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
+    v_mul = tl.load(m_row + V_META, mask=valid, other=0.0).to(tl.float32)
+    if V_KIND == _UNIFORM:
+        v_zero = tl.load(m_row + V_META + 1, mask=valid, other=0.0).to(tl.float32)
+        zero_acc += tl.sum(p * v_zero[:, None], axis=0)
+    pv = (p * v_mul[:, None]).to(tl.float16)
+    acc0 = tl.dot(v0, pv, acc0)
+    if V_PARTS > 1:
+        acc1 = tl.dot(v1, pv, acc1)
+    if V_PARTS > 2:
+        acc2 = tl.dot(v2, pv, acc2)
+        acc3 = tl.dot(v3, pv, acc3)
+    return acc0, acc1, acc2, acc3, zero_acc
 
 
 @triton.jit
@@ -249,33 +400,104 @@ def _partial_normalizer(m_i, l_i):
 
 
 @triton.jit
-def _window_value_part(
+def _window_partial(
+    q_orig_ptr,
+    stride_qb,
+    stride_qh,
+    q_scale,
+    k_window_ptr,
     v_window_ptr,
-    rows,
-    valid,
-    rot_ptr,
-    PART: tl.constexpr,
-    ROTATED: tl.constexpr,
+    stride_w_b,
+    stride_w_h,
+    stride_w_slot,
+    window,
+    window_len,
+    first,
+    b,
+    head,
+    q_head,
+    q_rows,
+    row_ok,
+    mask_ptr,
+    stride_mask_b,
+    stride_mask_h,
+    mask_len,
+    part_out_ptr,
+    part_lse_ptr,
+    MASK: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
-    INV_SQRT_D: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    WINDOW_QK_F32: tl.constexpr,
+    WINDOW_F32: tl.constexpr,
+):
+    """Attention of the group's queries over the ``window_len`` ring tokens (positions
+    ``first ..``; slot ``r`` holds the one that is ``r`` mod ``window``), stored as the rows'
+    partial ``NUM_SPLITS`` (normalized, original space) and its lse (log2 domain).
+
+    ``S^T = K @ Q^T`` against the original query in the ring's dtype (tf32, exact for 16-bit
+    inputs, when the query's dtype differs), ``O^T += V^T @ P^T`` in fp16 like the compressed
+    tiles, float32 accumulation; all float32 under the interpreter, which cannot run 16-bit
+    dots.
+    """
+    d = tl.arange(0, D_PAD)
+    q_ptrs = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh + d[:, None]
+    q_orig = tl.load(q_ptrs, mask=row_ok[None, :] & (d < D)[:, None], other=0.0)
+    if WINDOW_QK_F32:
+        q_orig = q_orig.to(tl.float32)
+    ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
+    m_w = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_w = tl.zeros([G_PAD], tl.float32)
+    acc_w = tl.zeros([D_PAD, G_PAD], tl.float32)  # O^T
+    for r0 in range(0, window_len, BLOCK_W):
+        r = r0 + tl.arange(0, BLOCK_W)
+        in_window = r < window_len
+        positions = first + (r + window - first % window) % window
+        rows = ring + r.to(tl.int64) * stride_w_slot
+        k = tl.load(k_window_ptr + rows[:, None] + d[None, :],
+                    mask=in_window[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+        scores = tl.dot(k.to(q_orig.dtype), q_orig)
+        scores = _mask_scores(scores * q_scale, positions, mask_ptr, b, q_head, row_ok,
+                              stride_mask_b, stride_mask_h, mask_len, MASK)  # fmt: skip
+        scores = tl.where(in_window[:, None], scores, float("-inf"))
+        m_w, m_sub, alpha = _softmax_rescale(tl.max(scores, axis=0), m_w)
+        p = tl.math.exp2(scores - m_sub[None, :])
+        l_w = l_w * alpha + tl.sum(p, axis=0)
+        if WINDOW_F32:
+            pv = p
+        else:
+            pv = p.to(tl.float16)
+        v_t = tl.load(v_window_ptr + rows[None, :] + d[:, None],
+                      mask=in_window[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+        acc_w = tl.dot(v_t.to(pv.dtype), pv, acc_w * alpha[None, :])
+    lse, inv_l = _partial_normalizer(m_w, l_w)
+    part_rows = q_rows * (NUM_SPLITS + 1) + NUM_SPLITS
+    out_ptrs = part_out_ptr + part_rows[None, :] * D + d[:, None]
+    tl.store(out_ptrs, acc_w * inv_l[None, :], mask=row_ok[None, :] & (d < D)[:, None])
+    tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _query_part(
+    q_orig_ptr,
+    stride_qb,
+    stride_qh,
+    b,
+    q_head,
+    row_ok,
+    q_scale,
+    PART: tl.constexpr,
     PC: tl.constexpr,
     PC_PAD: tl.constexpr,
 ):
-    """Part ``PART`` (elements ``PART * PC + j``) of ring values, transposed ``[PC_PAD,
-    BLOCK_W]``, in the space of the value accumulators: rotated (``(v @ R)^T / sqrt(D)``,
-    float32) for rotated values, else as stored."""
+    """Part ``PART`` of the group's unrotated queries times ``q_scale``, transposed: ``[PC_PAD,
+    G_PAD]`` fp16 (keys that are not rotated need no preparation launch)."""
     j = tl.arange(0, PC_PAD)[:, None]
-    if ROTATED:
-        d = tl.arange(0, D_PAD)[:, None]
-        v_t = tl.load(v_window_ptr + rows[None, :] + d, mask=valid[None, :] & (d < D), other=0.0)
-        i = tl.arange(0, D_PAD)[None, :]
-        rot_t = tl.load(rot_ptr + i * D + PART * PC + j, mask=(i < D) & (j < PC), other=0.0)
-        part = tl.dot(rot_t, v_t.to(tl.float32), input_precision="tf32") * INV_SQRT_D
-    else:
-        part = tl.load(v_window_ptr + rows[None, :] + PART * PC + j,
-                       mask=valid[None, :] & (j < PC), other=0.0)  # fmt: skip
-    return part
+    q_rows = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh
+    q_part = tl.load(q_rows + PART * PC + j, mask=row_ok[None, :] & (j < PC), other=0.0)
+    return (q_part.to(tl.float32) * q_scale).to(tl.float16)
 
 
 @triton.jit
@@ -301,7 +523,6 @@ def _split_kernel(
     stride_bt_p,
     seq_lens_ptr,
     codebooks_ptr,
-    rot_ptr,
     mask_ptr,
     stride_mask_b,
     stride_mask_h,
@@ -324,13 +545,12 @@ def _split_kernel(
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SUBTILES: tl.constexpr,
     BLOCK_W: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     WINDOW_QK_F32: tl.constexpr,
     WINDOW_F32: tl.constexpr,
-    V_ROTATED: tl.constexpr,
-    INV_SQRT_D: tl.constexpr,
     K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
     K_META: tl.constexpr,
@@ -348,10 +568,17 @@ def _split_kernel(
     CODEBOOK_STRIDE: tl.constexpr,
     K_ASM: tl.constexpr,
     V_ASM: tl.constexpr,
+    K_ROTATED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     split = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2)
+    if PDL:
+        # Programmatic dependent launch: the merge may launch (and wait) while this runs; when
+        # this kernel was launched that way itself, everything but q_code, which the query
+        # preparation writes, was ready before it.
+        gdc_launch_dependents()
 
     # This split's token range of the compressed positions [0, len - W), from the device-side
     # length: [start, end). The window's min(len, W) ring tokens count as work too, and go to
@@ -359,22 +586,37 @@ def _split_kernel(
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
     window_len = tl.minimum(seq_len, window)
     compressed_len = seq_len - window_len
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SUBTILES * BLOCK_N) * SUBTILES * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, compressed_len)
 
     # The GQA group's prepared queries, transposed: fp16 [K_PC_PAD, G_PAD] per part, the B
     # operands of S^T = K @ Q^T (columns >= GROUP: 0). Tokens are the M dimension of both
-    # products, so the group is padded to the tensor cores' N = 8, not to M = 16.
+    # products, so the group is padded to the tensor cores' N = 8, not to M = 16. Rotated keys
+    # read them from q_code (_prep_query_kernel), others scale the query here (one part: 8 bits).
     g = tl.arange(0, G_PAD)
     row_ok = g < GROUP
     q_head = head * GROUP + g
     q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
-    q_part = q_ptr + q_rows[:, None] * (K_PARTS * K_PC_PAD) + tl.arange(0, K_PC_PAD)[None, :]
-    q0 = tl.trans(tl.load(q_part, mask=row_ok[:, None], other=0.0))
-    q1 = tl.trans(tl.load(q_part + K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 1), other=0.0))
-    q2 = tl.trans(tl.load(q_part + 2 * K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 2), other=0.0))
-    q3 = tl.trans(tl.load(q_part + 3 * K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 2), other=0.0))
+    if not K_ROTATED:
+        q0 = _query_part(q_orig_ptr, stride_qb, stride_qh, b, q_head, row_ok, q_scale, 0, K_PC,
+                         K_PC_PAD)  # fmt: skip
+        q1 = q0
+        q2 = q0
+        q3 = q0
+    else:
+        q_part = q_ptr + q_rows[:, None] * (K_PARTS * K_PC_PAD)
+        q_part += tl.arange(0, K_PC_PAD)[None, :]
+        if PDL:
+            gdc_wait()  # for _prep_query_kernel's q_code
+        q0 = tl.trans(tl.load(q_part, mask=row_ok[:, None], other=0.0))
+        q1 = tl.trans(tl.load(q_part + K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 1), other=0.0))
+        q2 = tl.trans(
+            tl.load(q_part + 2 * K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 2), other=0.0)
+        )
+        q3 = tl.trans(
+            tl.load(q_part + 3 * K_PC_PAD, mask=row_ok[:, None] & (K_PARTS > 2), other=0.0)
+        )
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -387,109 +629,72 @@ def _split_kernel(
     k_head = head.to(tl.int64) * stride_kc_head
     v_head = head.to(tl.int64) * stride_vc_head
     m_head = head.to(tl.int64) * stride_m_head
-    k_byte = tl.arange(0, K_PC_PAD)[None, :]
-    v_byte = tl.arange(0, V_PC_PAD)[:, None]
-    for tile_start in range(start, end, BLOCK_N):
-        n = tile_start + tl.arange(0, BLOCK_N)
-        valid = n < end
-        page_ptr = block_table_ptr + b * stride_bt_b + (n // PAGE_SIZE) * stride_bt_p
-        page = tl.load(page_ptr, mask=valid, other=0).to(tl.int64)
-        slot = (n % PAGE_SIZE).to(tl.int64)
-        # Code rows are read unmasked (tokens past the end read their page, or page 0, and get
-        # zero probability), so that the loads stay vectorized along the tokens.
-        k0, k1, k2, k3 = _decode_tile(
-            k_codes_ptr, (page * stride_kc_page + k_head + slot * stride_kc_slot)[:, None],
-            k_byte, k_byte < K_PC, codebooks_ptr, K_KIND, K_BITS, D, K_OFF1, 1, 1, K_ASM,
-        )  # fmt: skip
-        scores = tl.dot(k0, q0)  # [BLOCK_N, G_PAD] fp32, log2 domain
-        if K_PARTS > 1:
-            scores = tl.dot(k1, q1, scores)
-        if K_PARTS > 2:
-            scores = tl.dot(k2, q2, scores)
-            scores = tl.dot(k3, q3, scores)
-        m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
-        if K_KIND != _FP8:
-            k_mul = tl.load(m_row + K_META, mask=valid, other=0.0).to(tl.float32)
-            scores = scores * k_mul[:, None]
-        scores = _mask_scores(scores, n, mask_ptr, b, q_head, row_ok, stride_mask_b,
-                              stride_mask_h, mask_len, MASK)  # fmt: skip
-        scores = tl.where(valid[:, None], scores, float("-inf"))
-        p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
-
-        # fp8 bytes past the end could be NaN, which a zero probability does not cancel
-        v_mask = v_byte < V_PC
-        if (V_KIND == _FP8) | (V_KIND == _FP8_ABSMAX):
-            v_mask = v_mask & valid[None, :]
-        v0, v1, v2, v3 = _decode_tile(
-            v_codes_ptr, (page * stride_vc_page + v_head + slot)[None, :], v_byte, v_mask,
-            codebooks_ptr + CODEBOOK_STRIDE, V_KIND, V_BITS, D, V_OFF1, PAGE_SIZE, TOKEN_RUN,
-            V_ASM,
-        )  # fmt: skip
-        v_mul = tl.load(m_row + V_META, mask=valid, other=0.0).to(tl.float32)
-        if V_KIND == _UNIFORM:
-            v_zero = tl.load(m_row + V_META + 1, mask=valid, other=0.0).to(tl.float32)
-            zero_acc = zero_acc * alpha + tl.sum(p * v_zero[:, None], axis=0)
-        pv = (p * v_mul[:, None]).to(tl.float16)
-        acc0 = tl.dot(v0, pv, acc0 * alpha[None, :])
-        if V_PARTS > 1:
-            acc1 = tl.dot(v1, pv, acc1 * alpha[None, :])
-        if V_PARTS > 2:
-            acc2 = tl.dot(v2, pv, acc2 * alpha[None, :])
-            acc3 = tl.dot(v3, pv, acc3 * alpha[None, :])
-
     if HAS_WINDOW:
-        if (window_len > 0) & (split == compressed_len // per_split):
-            # The ring: slot r holds the position of [len - window_len, len) that is r mod W.
-            # S^T = K @ Q^T against the original (unrotated) query in the ring's dtype (tf32,
-            # exact for 16-bit inputs, when the query's dtype differs), P @ V in fp16 like the
-            # compressed tiles, float32 accumulation; all float32 under the interpreter, which
-            # cannot run 16-bit dots.
-            d = tl.arange(0, D_PAD)
-            q_ptrs = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh
-            q_orig = tl.load(q_ptrs + d[:, None], mask=row_ok[None, :] & (d < D)[:, None],
-                             other=0.0)  # fmt: skip
-            if WINDOW_QK_F32:
-                q_orig = q_orig.to(tl.float32)
-            first = compressed_len  # position of the oldest window token
-            ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
-            for r0 in range(0, window_len, BLOCK_W):
-                r = r0 + tl.arange(0, BLOCK_W)
-                in_window = r < window_len
-                positions = first + (r + window - first % window) % window
-                rows = ring + r.to(tl.int64) * stride_w_slot
-                k = tl.load(k_window_ptr + rows[:, None] + d[None, :],
-                            mask=in_window[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
-                scores = tl.dot(k.to(q_orig.dtype), q_orig)
-                scores = _mask_scores(scores * q_scale, positions, mask_ptr, b, q_head, row_ok,
-                                      stride_mask_b, stride_mask_h, mask_len, MASK)  # fmt: skip
-                scores = tl.where(in_window[:, None], scores, float("-inf"))
-                p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
-                zero_acc = zero_acc * alpha
-                if WINDOW_F32:
-                    pv = p
-                else:
-                    pv = p.to(tl.float16)
-                v0 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 0, V_ROTATED,
-                                        D, D_PAD, INV_SQRT_D, V_PC, V_PC_PAD)  # fmt: skip
-                acc0 = tl.dot(v0.to(pv.dtype), pv, acc0 * alpha[None, :])
-                if V_PARTS > 1:
-                    v1 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 1,
-                                            V_ROTATED, D, D_PAD, INV_SQRT_D, V_PC,
-                                            V_PC_PAD)  # fmt: skip
-                    acc1 = tl.dot(v1.to(pv.dtype), pv, acc1 * alpha[None, :])
-                if V_PARTS > 2:
-                    v2 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 2,
-                                            V_ROTATED, D, D_PAD, INV_SQRT_D, V_PC,
-                                            V_PC_PAD)  # fmt: skip
-                    acc2 = tl.dot(v2.to(pv.dtype), pv, acc2 * alpha[None, :])
-                    v3 = _window_value_part(v_window_ptr, rows, in_window, rot_ptr, 3,
-                                            V_ROTATED, D, D_PAD, INV_SQRT_D, V_PC,
-                                            V_PC_PAD)  # fmt: skip
-                    acc3 = tl.dot(v3.to(pv.dtype), pv, acc3 * alpha[None, :])
+        # The split in whose range the compressed positions end (split 0 for an empty sequence)
+        # first attends to the ring and writes it as one more partial, in the original space
+        # (the merge adds it after rotating the compressed partials back): extra partial
+        # NUM_SPLITS of its rows. Going first keeps its latency-bound tiles off the tail.
+        if split == compressed_len // tl.maximum(per_split, 1):
+            _window_partial(
+                q_orig_ptr, stride_qb, stride_qh, q_scale, k_window_ptr, v_window_ptr,
+                stride_w_b, stride_w_h, stride_w_slot, window, window_len, compressed_len, b,
+                head, q_head, q_rows, row_ok, mask_ptr, stride_mask_b, stride_mask_h, mask_len,
+                part_out_ptr, part_lse_ptr, MASK, D, D_PAD, G_PAD, BLOCK_W, NUM_SPLITS,
+                WINDOW_QK_F32, WINDOW_F32,
+            )  # fmt: skip
+
+    # Each iteration streams SUBTILES tiles of BLOCK_N tokens that share one softmax update
+    # (running max, rescale of the accumulators), which amortizes its cross-lane reductions
+    # while the codes are still decoded BLOCK_N tokens at a time.
+    for tile_start in range(start, end, SUBTILES * BLOCK_N):
+        n_a = tile_start + tl.arange(0, BLOCK_N)
+        scores_a, page_a, slot_a, valid_a = _key_scores(
+            n_a, end, b, block_table_ptr, stride_bt_b, stride_bt_p, k_codes_ptr, k_head,
+            stride_kc_page, stride_kc_slot, meta_ptr, m_head, stride_m_page, stride_m_slot,
+            codebooks_ptr, q0, q1, q2, q3, mask_ptr, q_head, row_ok, stride_mask_b,
+            stride_mask_h, mask_len, MASK, PAGE_SIZE, D, K_KIND, K_BITS, K_META, K_OFF1,
+            K_PARTS, K_PC, K_PC_PAD, K_ASM,
+        )  # fmt: skip
+        tile_max = scores_a
+        if SUBTILES == 2:
+            n_b = n_a + BLOCK_N
+            scores_b, page_b, slot_b, valid_b = _key_scores(
+                n_b, end, b, block_table_ptr, stride_bt_b, stride_bt_p, k_codes_ptr, k_head,
+                stride_kc_page, stride_kc_slot, meta_ptr, m_head, stride_m_page, stride_m_slot,
+                codebooks_ptr, q0, q1, q2, q3, mask_ptr, q_head, row_ok, stride_mask_b,
+                stride_mask_h, mask_len, MASK, PAGE_SIZE, D, K_KIND, K_BITS, K_META, K_OFF1,
+                K_PARTS, K_PC, K_PC_PAD, K_ASM,
+            )  # fmt: skip
+            tile_max = tl.maximum(scores_a, scores_b)
+        m_i, m_sub, alpha = _softmax_rescale(tl.max(tile_max, axis=0), m_i)
+        p_a = tl.math.exp2(scores_a - m_sub[None, :])
+        p_sum = p_a
+        if SUBTILES == 2:
+            p_b = tl.math.exp2(scores_b - m_sub[None, :])
+            p_sum = p_a + p_b
+        l_i = l_i * alpha + tl.sum(p_sum, axis=0)
+        zero_acc *= alpha
+        acc0 *= alpha[None, :]
+        acc1 *= alpha[None, :]
+        acc2 *= alpha[None, :]
+        acc3 *= alpha[None, :]
+        acc0, acc1, acc2, acc3, zero_acc = _value_update(
+            p_a, page_a, slot_a, valid_a, acc0, acc1, acc2, acc3, zero_acc, v_codes_ptr, v_head,
+            stride_vc_page, meta_ptr, m_head, stride_m_page, stride_m_slot,
+            codebooks_ptr + CODEBOOK_STRIDE, PAGE_SIZE, TOKEN_RUN, D, V_KIND, V_BITS, V_META,
+            V_OFF1, V_PARTS, V_PC, V_PC_PAD, V_ASM,
+        )  # fmt: skip
+        if SUBTILES == 2:
+            acc0, acc1, acc2, acc3, zero_acc = _value_update(
+                p_b, page_b, slot_b, valid_b, acc0, acc1, acc2, acc3, zero_acc, v_codes_ptr,
+                v_head, stride_vc_page, meta_ptr, m_head, stride_m_page, stride_m_slot,
+                codebooks_ptr + CODEBOOK_STRIDE, PAGE_SIZE, TOKEN_RUN, D, V_KIND, V_BITS,
+                V_META, V_OFF1, V_PARTS, V_PC, V_PC_PAD, V_ASM,
+            )  # fmt: skip
 
     # This split's partial, normalized, in natural element order; lse in the log2 domain.
     lse, inv_l = _partial_normalizer(m_i, l_i)
-    part_rows = q_rows * NUM_SPLITS + split
+    part_rows = q_rows * (NUM_SPLITS + HAS_WINDOW) + split
     j = tl.arange(0, V_PC_PAD)[:, None]
     out_ptrs = part_out_ptr + part_rows[None, :] * D + j
     ok = row_ok[None, :] & (j < V_PC)
@@ -509,39 +714,112 @@ def _merge_kernel(
     part_lse_ptr,
     rot_ptr,
     out_ptr,
+    num_rows,
     NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     ROTATE_BACK: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """``out[row] = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max lse)``."""
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, D_PAD)
-    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + s)
-    m = tl.max(lse, axis=0)
+    """``out[row] = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max lse)`` for the
+    ``BLOCK_M`` rows ``b * Hq + h`` of this program, ``SPLIT_CHUNK`` splits at a time. Rotated
+    values go back with ``[BLOCK_M, D] @ R^T`` products per program (so R is read once per
+    ``BLOCK_M`` rows); the window's partial (``NUM_SPLITS``, with ``HAS_WINDOW``) is in the
+    original space already."""
+    NUM_PARTIALS: tl.constexpr = NUM_SPLITS + HAS_WINDOW
+    if PDL:
+        gdc_wait()  # for every split's partial
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows[:, None] < num_rows
+    split_lse = tl.load(part_lse_ptr + rows[:, None] * NUM_PARTIALS + tl.arange(0, NUM_SPLITS),
+                        mask=row_ok, other=float("-inf"))  # fmt: skip
+    m = tl.max(split_lse, axis=1)
+    window_lse = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if HAS_WINDOW:
+        window_lse = tl.load(part_lse_ptr + rows * NUM_PARTIALS + NUM_SPLITS,
+                             mask=rows < num_rows, other=float("-inf"))  # fmt: skip
+        m = tl.maximum(m, window_lse)
     m = tl.where(m > float("-inf"), m, 0.0)
-    w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m), 0.0)
-    total = tl.sum(w, axis=0)
-    parts = tl.load(
-        part_out_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :],
-        mask=(d < D)[None, :],
-        other=0.0,
+    total = tl.sum(
+        tl.where(split_lse > float("-inf"), tl.math.exp2(split_lse - m[:, None]), 0.0), axis=1
     )
-    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    d = tl.arange(0, D_PAD)[None, None, :]
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for s0 in range(0, NUM_SPLITS, SPLIT_CHUNK):
+        part_rows = rows[:, None] * NUM_PARTIALS + s0 + tl.arange(0, SPLIT_CHUNK)[None, :]
+        lse = tl.load(part_lse_ptr + part_rows, mask=row_ok, other=float("-inf"))
+        w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m[:, None]), 0.0)
+        parts = tl.load(part_out_ptr + part_rows[:, :, None] * D + d,
+                        mask=row_ok[:, :, None] & (d < D), other=0.0)  # fmt: skip
+        acc += tl.sum(parts * w[:, :, None], axis=1)
+    window_w = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_WINDOW:
+        window_w = tl.where(window_lse > float("-inf"), tl.math.exp2(window_lse - m), 0.0)
+        total += window_w
+    inv_total = 1.0 / tl.where(total > 0, total, 1.0)
     if ROTATE_BACK:
-        # x = y @ R.T / sqrt(D): out[j] = sum_i y[i] * R[j, i].
-        rot_mask = (d[:, None] < D) & (d < D)[None, :]
-        rot = tl.load(rot_ptr + d[None, :] * D + d[:, None], mask=rot_mask, other=0.0)
-        out = tl.sum(out[:, None] * rot, axis=0) * INV_SQRT_D
-    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+        # x = y @ R.T / sqrt(D), 64 output columns at a time: rot_t[i, j] = R[j, i]
+        CHUNK: tl.constexpr = min(64, D_PAD)
+        i = tl.arange(0, D_PAD)[:, None]
+        for j0 in tl.static_range(0, D_PAD, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            rot_t = tl.load(rot_ptr + j[None, :] * D + i, mask=(i < D) & (j < D)[None, :],
+                            other=0.0)  # fmt: skip
+            out = tl.dot(acc, rot_t, input_precision="ieee") * INV_SQRT_D
+            _merge_store(out, j, rows, row_ok, window_w, inv_total, part_out_ptr, out_ptr,
+                         NUM_PARTIALS, NUM_SPLITS, HAS_WINDOW, D)  # fmt: skip
+    else:
+        _merge_store(acc, tl.arange(0, D_PAD), rows, row_ok, window_w, inv_total, part_out_ptr,
+                     out_ptr, NUM_PARTIALS, NUM_SPLITS, HAS_WINDOW, D)  # fmt: skip
+
+
+@triton.jit
+def _merge_store(
+    out,
+    j,
+    rows,
+    row_ok,
+    window_w,
+    inv_total,
+    part_out_ptr,
+    out_ptr,
+    NUM_PARTIALS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Columns ``j`` of the merged rows: ``(out + w * window_partial) / total``, stored in the
+    output's dtype."""
+    col_ok = row_ok & (j < D)[None, :]
+    if HAS_WINDOW:
+        window_rows = rows * NUM_PARTIALS + NUM_SPLITS
+        window_out = tl.load(part_out_ptr + window_rows[:, None] * D + j[None, :], mask=col_ok,
+                             other=0.0)  # fmt: skip
+        out += window_out * window_w[:, None]
+    out_ptrs = out_ptr + rows[:, None] * D + j[None, :]
+    tl.store(out_ptrs, (out * inv_total[:, None]).to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _merge_block(num_rows: int, num_splits: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_M, SPLIT_CHUNK)`` of the merge: as many rows per program as keep two programs
+    per SM busy (up to 16, so a rotation is read once per 16 rows), and at most 256 partials
+    in registers at a time."""
+    block_m = 16
+    if device.type == "cuda":
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        while block_m > 1 and num_rows < 2 * sm_count * block_m:
+            block_m //= 2
+    return block_m, min(num_splits, max(1, 256 // block_m))
 
 
 # Programs of the split kernel per SM that the default split count aims at (each holds
 # DEFAULT_WARPS warps), and the fewest tokens worth a split of its own.
 _PROGRAMS_PER_SM = 8
-_MIN_SPLIT_TOKENS = 128
+_MIN_SPLIT_TOKENS = 32
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
@@ -553,7 +831,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count:
     """
     wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count, max(1, batch * num_kv_heads))
     by_length = max(1, max_seq_len // _MIN_SPLIT_TOKENS)
-    return min(1024, triton.next_power_of_2(max(1, min(wanted, by_length))))
+    return min(512, triton.next_power_of_2(max(1, min(wanted, by_length))))
 
 
 def _token_run(page_size: int, block_n: int) -> int:
@@ -597,6 +875,7 @@ def _split_launch(
     fast,
     num_warps,
     num_stages,
+    subtiles,
     mask=None,
     scale=1.0,
     k_window=None,
@@ -605,11 +884,12 @@ def _split_launch(
     """Buffers ``(q_code, part_out, part_lse)`` and the grid, positional and keyword arguments of
     ``_split_kernel`` for query ``q [B, Hq, D]``."""
     has_window = k_window is not None
-    q_code, part_out, part_lse = _buffers(fmt, q, num_splits)
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
     group = num_q_heads // num_kv_heads
     grid = (num_splits, num_kv_heads, batch)
+    pdl = _use_pdl(fast, q.device)
+    q_code, part_out, part_lse = _buffers(fmt, q, num_splits + has_window)
     if mask is None:
         mask_kind, mask_args = 0, (seq_lens, 0, 0, 0)
     else:
@@ -628,7 +908,7 @@ def _split_launch(
         q_code, q, q.stride(0), q.stride(1), scale * LOG2E, cache.k_codes, cache.v_codes,
         cache.meta, *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:2],
         *cache.meta.stride()[:3], block_table, *block_table.stride(), seq_lens, codebooks,
-        rotation, *mask_args, *window_args, part_out, part_lse, num_kv_heads, block_table.shape[1],
+        *mask_args, *window_args, part_out, part_lse, num_kv_heads, block_table.shape[1],
     )  # fmt: skip
     kwargs = dict(
         MASK=mask_kind,
@@ -639,18 +919,22 @@ def _split_launch(
         GROUP=group,
         G_PAD=triton.next_power_of_2(group),
         BLOCK_N=block_n,
+        SUBTILES=subtiles,
         BLOCK_W=_BLOCK_W,
         NUM_SPLITS=num_splits,
         HAS_WINDOW=has_window,
         WINDOW_QK_F32=not fast or (has_window and k_window.dtype != q.dtype),
         WINDOW_F32=not fast,
-        V_ROTATED=fmt.value.rotated,
-        INV_SQRT_D=1.0 / math.sqrt(head_dim),
         **_side_constexprs("K", fmt, "k", head_dim),
         **_side_constexprs("V", fmt, "v", head_dim),
         CODEBOOK_STRIDE=codebooks.stride(0),
         K_ASM=decode_asm(fmt.key, head_dim) if fast else "",
         V_ASM=decode_asm(fmt.value, head_dim) if fast else "",
+        K_ROTATED=fmt.key.rotated,
+        # without the query preparation, what runs before this kernel is not ours: launch it
+        # normally
+        PDL=pdl,
+        **({"launch_pdl": True} if pdl and fmt.key.rotated else {}),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -680,16 +964,26 @@ def _window_register_cap(grid, args, kwargs) -> int:
     return _register_caps[key]
 
 
-def _buffers(fmt, q, num_splits):
+def _use_pdl(fast: bool, device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and newer, GPU code only): a kernel may launch while
+    the one before it finishes, hiding the launch gaps that dominate short contexts."""
+    return fast and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _buffers(fmt, q, num_partials):
+    """``(q_code, part_out, part_lse)``; ``q_code`` is ``q`` itself (not read) for keys that are
+    not rotated."""
     batch, num_q_heads, head_dim = q.shape
     parts, _, chunk_pad = _part_params(fmt.key, head_dim)
-    q_code = torch.empty(
-        batch, num_q_heads, parts * chunk_pad, dtype=torch.float16, device=q.device
-    )
+    q_code = q
+    if fmt.key.rotated:
+        q_code = torch.empty(
+            batch, num_q_heads, parts * chunk_pad, dtype=torch.float16, device=q.device
+        )
     part_out = torch.empty(
-        batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        batch, num_q_heads, num_partials, head_dim, dtype=torch.float32, device=q.device
     )
-    part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_q_heads, num_partials, dtype=torch.float32, device=q.device)
     return q_code, part_out, part_lse
 
 
@@ -710,11 +1004,13 @@ def decode(
     fast: bool | None = None,
     num_warps: int = DEFAULT_WARPS,
     num_stages: int = DEFAULT_STAGES,
+    subtiles: int = DEFAULT_SUBTILES,
 ) -> torch.Tensor:
     """Launch the decode kernels (inputs validated; see ``torch.ops.tq.decode``).
 
     ``fast`` selects the inline-PTX decoding (default: on CUDA; the interpreter cannot run it).
-    ``block_n``, ``num_warps`` and ``num_stages`` tune the split kernel (see NOTES.md).
+    ``block_n``, ``subtiles`` (tiles per softmax update, 1 or 2), ``num_warps`` and
+    ``num_stages`` tune the split kernel (see NOTES.md).
     """
     batch, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q)
@@ -723,22 +1019,30 @@ def decode(
     fast = q.device.type == "cuda" if fast is None else fast
     (q_code, part_out, part_lse), grid, args, kwargs = _split_launch(
         fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, block_n, fast,
-        num_warps, num_stages, mask, scale, k_window, v_window,
+        num_warps, num_stages, subtiles, mask, scale, k_window, v_window,
     )  # fmt: skip
     parts, chunk, chunk_pad = _part_params(fmt.key, head_dim)
     inv_sqrt_d = 1.0 / math.sqrt(head_dim)
     d_pad = triton.next_power_of_2(head_dim)
-    _prep_query_kernel[(batch * num_q_heads,)](
-        q, q.stride(0), q.stride(1), rotation, q_code, num_q_heads, scale * LOG2E,
-        ROTATE=fmt.key.rotated, D=head_dim, D_PAD=d_pad, INV_SQRT_D=inv_sqrt_d,
-        PARTS=parts, PC=chunk, PC_PAD=chunk_pad,
-    )  # fmt: skip
+    num_rows = batch * num_q_heads
+    # The first kernel is launched normally, after everything before it; the ones after it
+    # with programmatic dependent launch where available (_use_pdl).
+    if fmt.key.rotated:
+        prep_grid = (triton.cdiv(num_rows, _PREP_ROWS), parts * chunk_pad // _PREP_COLUMNS)
+        _prep_query_kernel[prep_grid](
+            q, q.stride(0), q.stride(1), rotation, q_code, num_rows, num_q_heads, scale * LOG2E,
+            D=head_dim, D_PAD=d_pad, INV_SQRT_D=inv_sqrt_d, PARTS=parts, PC=chunk,
+            PC_PAD=chunk_pad, BLOCK_Q=_PREP_ROWS, BLOCK_C=_PREP_COLUMNS, PDL=kwargs["PDL"],
+        )  # fmt: skip
     if k_window is not None and fast:
         kwargs["maxnreg"] = _window_register_cap(grid, args, kwargs)
     _split_kernel[grid](*args, **kwargs)
-    _merge_kernel[(batch * num_q_heads,)](
-        part_out, part_lse, rotation, out, NUM_SPLITS=num_splits,
+    block_m, split_chunk = _merge_block(num_rows, num_splits, q.device)
+    _merge_kernel[(triton.cdiv(num_rows, block_m),)](
+        part_out, part_lse, rotation, out, num_rows, NUM_SPLITS=num_splits,
+        HAS_WINDOW=k_window is not None, SPLIT_CHUNK=split_chunk, BLOCK_M=block_m,
         ROTATE_BACK=fmt.value.rotated, D=head_dim, D_PAD=d_pad, INV_SQRT_D=inv_sqrt_d,
+        PDL=kwargs["PDL"], **({"launch_pdl": True} if kwargs["PDL"] else {}),
     )  # fmt: skip
     return out
 
@@ -757,13 +1061,16 @@ def compile_split_kernel(
     fast=True,
     num_warps=DEFAULT_WARPS,
     num_stages=DEFAULT_STAGES,
+    subtiles=DEFAULT_SUBTILES,
     k_window=None,
     v_window=None,
+    **launch_options,
 ):
     """Compile (not launch) the split kernel for these inputs through ``compile_fn(kernel, grid,
-    *args, **kwargs)``; used by ``benchmarks/sass_report.py`` to inspect its SASS."""
+    *args, **kwargs)``; used by ``benchmarks/sass_report.py`` to inspect its SASS.
+    ``launch_options`` (e.g. ``maxnreg``) go to the compiler."""
     _, grid, args, kwargs = _split_launch(
         fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, block_n, fast,
-        num_warps, num_stages, k_window=k_window, v_window=v_window,
+        num_warps, num_stages, subtiles, k_window=k_window, v_window=v_window,
     )  # fmt: skip
-    return compile_fn(_split_kernel, grid, *args, **kwargs)
+    return compile_fn(_split_kernel, grid, *args, **kwargs, **launch_options)

@@ -12,9 +12,12 @@ following the strided bit planes of :mod:`custom_ops.formats`:
   Inputs ``$4`` (plane bytes); outputs ``$0 $1`` (low half), ``$2 $3`` (high half).
 * 8 bits (int8): byte ``j`` = element ``j``. Input ``$2``; outputs ``$0 $1``.
 * 3 bits, a 2-bit plane (bits ``2q`` of byte ``j``: element ``j + q D/4``) and a 1-bit plane,
-  which the kernel re-reads as a *sign tile* whose byte ``j`` holds element ``j + q D/4``'s top
-  bit at bit ``2q``. Inputs ``$8`` (2-bit plane bytes), ``$9`` (sign tile bytes); outputs
-  ``$2q $2q+1`` for quarter ``q``.
+  which the kernel re-reads as a *sign tile*: byte ``j`` of the 1-bit plane's byte
+  ``j mod D/8``, whose bit ``2q + s`` is element ``j + q D/4``'s top bit, with ``s = j // (D/8)``
+  (0 or 1) the *sign shift*. Inputs ``$8`` (2-bit plane bytes), ``$9`` (sign tile bytes),
+  ``$10`` (the sign shift of the 4 bytes, equal, in each byte); outputs ``$2q $2q+1`` for
+  quarter ``q``. One 32-bit shift lines up the 4 bytes' top bits (bit 7, which gets the next
+  byte's bit 0, is never read).
 * 2 bits, one plane: bits ``2q`` of byte ``j`` = element ``j + q D/4``. Input ``$8``; outputs
   ``$2q $2q+1`` for quarter ``q``. A 4-entry fp16 table covers every code, so Lloyd-Max and
   uniform codes share one string (``lut2_asm``) with different tables.
@@ -132,6 +135,10 @@ def _quarter_lookup(q: int) -> list[str]:
     ]
 
 
+# t = the sign tile $9 shifted right by the sign shift (the low byte of $10)
+_SIGN_SHIFT = ("and.b32 t, $10, 0xff;", "shr.b32 t, $9, t;")
+
+
 def lut3_asm(levels: torch.Tensor) -> str:
     """3-bit sign-magnitude Lloyd-Max codes -> fp16 levels (``levels``: ``[8]`` signed).
 
@@ -145,8 +152,9 @@ def lut3_asm(levels: torch.Tensor) -> str:
         ".reg .b32 tab0, tab1, m, p, sl, sh, t;",
         f"mov.b32 tab0, {mags[0] | mags[1] << 16:#010x};",
         f"mov.b32 tab1, {mags[2] | mags[3] << 16:#010x};",
-        "prmt.b32 sl, $9, 0, 0x1404;",
-        "prmt.b32 sh, $9, 0, 0x3424;",
+        *_SIGN_SHIFT,
+        "prmt.b32 sl, t, 0, 0x1404;",
+        "prmt.b32 sh, t, 0, 0x3424;",
     ]
     for q in range(4):
         lo, hi = f"${2 * q}", f"${2 * q + 1}"
@@ -164,12 +172,13 @@ def _uint3_asm() -> str:
     """3-bit uniform codes -> exact fp16 integers (same contract as :func:`lut3_asm`)."""
     lines = [
         "{",
-        ".reg .b32 magic, tl, th, sl, sh, a, b;",
+        ".reg .b32 magic, tl, th, sl, sh, a, b, t;",
         "mov.b32 magic, 0x64006400;",
         "prmt.b32 tl, $8, 0, 0x4140;",  # bytes j, j+1 into the two 16-bit lanes
         "prmt.b32 th, $8, 0, 0x4342;",  # bytes j+2, j+3
-        "prmt.b32 sl, $9, 0, 0x4140;",
-        "prmt.b32 sh, $9, 0, 0x4342;",
+        *_SIGN_SHIFT,
+        "prmt.b32 sl, t, 0, 0x4140;",
+        "prmt.b32 sh, t, 0, 0x4342;",
     ]
     for q in range(4):
         for low_bits, top_bit, out in (("tl", "sl", f"${2 * q}"), ("th", "sh", f"${2 * q + 1}")):
