@@ -127,16 +127,19 @@ def main() -> None:
     parser.add_argument("--format", default="4bit_nc")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--block-n", type=int, default=decode.DEFAULT_BLOCK_N)
+    parser.add_argument("--block-n", type=int, help="default: decode.tile_config(format)")
     parser.add_argument("--warps", type=int, default=decode.DEFAULT_WARPS)
     parser.add_argument("--stages", type=int, default=decode.DEFAULT_STAGES)
-    parser.add_argument("--subtiles", type=int, default=decode.DEFAULT_SUBTILES)
+    parser.add_argument("--subtiles", type=int, help="default: decode.tile_config(format)")
     parser.add_argument("--maxnreg", type=int, help="register cap passed to ptxas")
     parser.add_argument("--window", type=int, default=0, help="recent-window ring size")
     parser.add_argument("--dump", help="write the SASS here")
     args = parser.parse_args()
 
     fmt = get_format(args.format)
+    block_n, subtiles = decode.tile_config(fmt)
+    args.block_n = args.block_n or block_n
+    args.subtiles = args.subtiles or subtiles
     batch, hk, page = 1, 8, 16
     cache = fmt.allocate(64, hk, page, args.head_dim)
     consts = api.make_constants(fmt, args.head_dim)

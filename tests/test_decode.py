@@ -70,6 +70,16 @@ def test_kernel_head_dims(fmt_name, head_dim, kernel_device, seeded):
     assert _rel(actual, expected) < 1e-3
 
 
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq4_nc"])
+def test_many_splits(fmt_name, kernel_device, seeded):
+    """64 splits, most of them empty: the merge reads them in chunks and rotates rotated values
+    back, against float64 attention."""
+    fmt, consts, cache, table, lens, q = _case(fmt_name, 64, 4, seeded)
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
+    actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device, num_splits=64)
+    assert _rel(actual, expected) < 1e-3
+
+
 def test_bf16_query(kernel_device, seeded):
     """bf16 queries: the output's own rounding (2^-9) dominates."""
     fmt, consts, cache, table, lens, q = _case("4bit_nc", 128, 4, seeded)

@@ -59,12 +59,21 @@ _BLOCK_W = 16  # ring slots per tile of the recent window
 # query rows and prepared columns per program of the query preparation
 _PREP_ROWS = 16
 _PREP_COLUMNS = 16
-# Split-kernel defaults (benchmarks/NOTES.md has the sweep): one or two warps per program keep
-# the softmax reductions and the P^T operand inside a warp.
+# Split-kernel defaults (benchmarks/NOTES.md has the sweep): one warp per program keeps the
+# softmax reductions and the P^T operand inside a warp.
 DEFAULT_BLOCK_N = 32
 DEFAULT_WARPS = 1
 DEFAULT_STAGES = 2
 DEFAULT_SUBTILES = 1
+
+
+def tile_config(fmt: KVFormat) -> tuple[int, int]:
+    """``(block_n, subtiles)`` for a format: 8-bit keys and values decode to one full-width
+    part each, so they take 16-token tiles, two per softmax step (same work per step, half the
+    registers live); the others 32-token tiles, one per step (H100 sweep in NOTES.md)."""
+    if fmt.key.bits == 8 and fmt.value.bits == 8:
+        return 16, 2
+    return DEFAULT_BLOCK_N, DEFAULT_SUBTILES
 
 
 @triton.jit
@@ -1000,18 +1009,21 @@ def decode(
     mask: torch.Tensor | None = None,
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
-    block_n: int = DEFAULT_BLOCK_N,
+    block_n: int | None = None,
     fast: bool | None = None,
     num_warps: int = DEFAULT_WARPS,
     num_stages: int = DEFAULT_STAGES,
-    subtiles: int = DEFAULT_SUBTILES,
+    subtiles: int | None = None,
 ) -> torch.Tensor:
     """Launch the decode kernels (inputs validated; see ``torch.ops.tq.decode``).
 
     ``fast`` selects the inline-PTX decoding (default: on CUDA; the interpreter cannot run it).
-    ``block_n``, ``subtiles`` (tiles per softmax update, 1 or 2), ``num_warps`` and
-    ``num_stages`` tune the split kernel (see NOTES.md).
+    ``block_n``, ``subtiles`` (tiles per softmax update, 1 or 2; both default to
+    :func:`tile_config`), ``num_warps`` and ``num_stages`` tune the split kernel (see NOTES.md).
     """
+    default_block_n, default_subtiles = tile_config(fmt)
+    block_n = default_block_n if block_n is None else block_n
+    subtiles = default_subtiles if subtiles is None else subtiles
     batch, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q)
     if batch == 0:
