@@ -24,9 +24,10 @@ Three launches with shapes fixed by the inputs (CUDA-graph safe, no host sync):
 
 Recent window: with a full-precision ring of the last ``W`` tokens (``k_window``/``v_window``),
 the splits cover the compressed positions ``[0, len - W)``, and the split in whose range they
-end goes on over the ring's tiles in full precision, in the same online softmax and value
-accumulators (rotated into the values' code space for rotated values). Splits are sized over
-all ``len`` tokens, so that split does not run long, and there is no extra program or launch.
+end first attends over the ring's tiles in full precision and in the original space, and writes
+that as one more partial (``NUM_SPLITS``) of its rows, which the merge adds after rotating the
+compressed partials back. Splits are sized over all ``len`` tokens, so that split does not run
+long, and there is no extra program or launch.
 
 Parts: the bit planes of :mod:`custom_ops.formats` are strided, so shifting a row of code bytes
 yields a *contiguous part* of the head dim: 4-bit codes give two halves (low / high nibbles),
@@ -591,7 +592,7 @@ def _split_kernel(
 
     # This split's token range of the compressed positions [0, len - W), from the device-side
     # length: [start, end). The window's min(len, W) ring tokens count as work too, and go to
-    # the split whose range the compressed positions end in (after its compressed tiles).
+    # the split whose range the compressed positions end in (before its compressed tiles).
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
     window_len = tl.minimum(seq_len, window)
     compressed_len = seq_len - window_len
