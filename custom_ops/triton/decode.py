@@ -314,7 +314,8 @@ def _key_scores(
     K_ASM: tl.constexpr,
 ):
     """Scores ``S^T = K @ Q^T`` of the tokens at positions ``n [BLOCK_N]`` (``-inf`` at and past
-    ``end``): ``(scores [BLOCK_N, G_PAD] float32 in log2 units, page, slot, valid)``."""
+    ``end``): ``(scores [BLOCK_N, G_PAD] float32 in log2 units, page, slot, meta row pointers,
+    valid)``."""
     valid = n < end
     page_ptr = block_table_ptr + b * stride_bt_b + (n // PAGE_SIZE) * stride_bt_p
     page = tl.load(page_ptr, mask=valid, other=0).to(tl.int64)
@@ -332,13 +333,13 @@ def _key_scores(
     if K_PARTS > 2:
         scores = tl.dot(k2, q2, scores)
         scores = tl.dot(k3, q3, scores)
+    m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
     if K_KIND != _FP8:
-        m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
         k_mul = tl.load(m_row + K_META, mask=valid, other=0.0).to(tl.float32)
         scores = scores * k_mul[:, None]
     scores = _mask_scores(scores, n, mask_ptr, b, q_head, row_ok, stride_mask_b, stride_mask_h,
                           mask_len, MASK)  # fmt: skip
-    return tl.where(valid[:, None], scores, float("-inf")), page, slot, valid
+    return tl.where(valid[:, None], scores, float("-inf")), page, slot, m_row, valid
 
 
 @triton.jit
@@ -346,6 +347,7 @@ def _value_update(
     p,
     page,
     slot,
+    m_row,
     valid,
     acc0,
     acc1,
@@ -355,10 +357,6 @@ def _value_update(
     v_codes_ptr,
     v_head,
     stride_vc_page,
-    meta_ptr,
-    m_head,
-    stride_m_page,
-    stride_m_slot,
     levels_ptr,
     PAGE_SIZE: tl.constexpr,
     TOKEN_RUN: tl.constexpr,
@@ -384,7 +382,6 @@ def _value_update(
         v_codes_ptr, (page * stride_vc_page + v_head + slot)[None, :], v_byte, v_byte < V_PC,
         levels_ptr, V_KIND, V_BITS, D, V_OFF1, PAGE_SIZE, TOKEN_RUN, V_ASM, FINITE=True,
     )  # fmt: skip
-    m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
     v_mul = tl.load(m_row + V_META, mask=valid, other=0.0).to(tl.float32)
     if V_KIND == _UNIFORM:
         v_zero = tl.load(m_row + V_META + 1, mask=valid, other=0.0).to(tl.float32)
@@ -658,7 +655,7 @@ def _split_kernel(
     # while the codes are still decoded BLOCK_N tokens at a time.
     for tile_start in range(start, end, SUBTILES * BLOCK_N):
         n_a = tile_start + tl.arange(0, BLOCK_N)
-        scores_a, page_a, slot_a, valid_a = _key_scores(
+        scores_a, page_a, slot_a, m_row_a, valid_a = _key_scores(
             n_a, end, b, block_table_ptr, stride_bt_b, stride_bt_p, k_codes_ptr, k_head,
             stride_kc_page, stride_kc_slot, meta_ptr, m_head, stride_m_page, stride_m_slot,
             codebooks_ptr, q0, q1, q2, q3, mask_ptr, q_head, row_ok, stride_mask_b,
@@ -668,7 +665,7 @@ def _split_kernel(
         tile_max = scores_a
         if SUBTILES == 2:
             n_b = n_a + BLOCK_N
-            scores_b, page_b, slot_b, valid_b = _key_scores(
+            scores_b, page_b, slot_b, m_row_b, valid_b = _key_scores(
                 n_b, end, b, block_table_ptr, stride_bt_b, stride_bt_p, k_codes_ptr, k_head,
                 stride_kc_page, stride_kc_slot, meta_ptr, m_head, stride_m_page, stride_m_slot,
                 codebooks_ptr, q0, q1, q2, q3, mask_ptr, q_head, row_ok, stride_mask_b,
@@ -689,17 +686,15 @@ def _split_kernel(
         acc2 *= alpha[None, :]
         acc3 *= alpha[None, :]
         acc0, acc1, acc2, acc3, zero_acc = _value_update(
-            p_a, page_a, slot_a, valid_a, acc0, acc1, acc2, acc3, zero_acc, v_codes_ptr, v_head,
-            stride_vc_page, meta_ptr, m_head, stride_m_page, stride_m_slot,
-            codebooks_ptr + CODEBOOK_STRIDE, PAGE_SIZE, TOKEN_RUN, D, V_KIND, V_BITS, V_META,
-            V_OFF1, V_PARTS, V_PC, V_PC_PAD, V_ASM,
+            p_a, page_a, slot_a, m_row_a, valid_a, acc0, acc1, acc2, acc3, zero_acc, v_codes_ptr,
+            v_head, stride_vc_page, codebooks_ptr + CODEBOOK_STRIDE, PAGE_SIZE, TOKEN_RUN, D,
+            V_KIND, V_BITS, V_META, V_OFF1, V_PARTS, V_PC, V_PC_PAD, V_ASM,
         )  # fmt: skip
         if SUBTILES == 2:
             acc0, acc1, acc2, acc3, zero_acc = _value_update(
-                p_b, page_b, slot_b, valid_b, acc0, acc1, acc2, acc3, zero_acc, v_codes_ptr,
-                v_head, stride_vc_page, meta_ptr, m_head, stride_m_page, stride_m_slot,
-                codebooks_ptr + CODEBOOK_STRIDE, PAGE_SIZE, TOKEN_RUN, D, V_KIND, V_BITS,
-                V_META, V_OFF1, V_PARTS, V_PC, V_PC_PAD, V_ASM,
+                p_b, page_b, slot_b, m_row_b, valid_b, acc0, acc1, acc2, acc3, zero_acc,
+                v_codes_ptr, v_head, stride_vc_page, codebooks_ptr + CODEBOOK_STRIDE, PAGE_SIZE,
+                TOKEN_RUN, D, V_KIND, V_BITS, V_META, V_OFF1, V_PARTS, V_PC, V_PC_PAD, V_ASM,
             )  # fmt: skip
 
     # This split's partial, normalized, in natural element order; lse in the log2 domain.
