@@ -132,7 +132,6 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=decode.DEFAULT_STAGES)
     parser.add_argument("--subtiles", type=int, help="default: decode.tile_config(format)")
     parser.add_argument("--maxnreg", type=int, help="register cap passed to ptxas")
-    parser.add_argument("--window", type=int, default=0, help="recent-window ring size")
     parser.add_argument("--dump", help="write the SASS here")
     args = parser.parse_args()
 
@@ -146,8 +145,6 @@ def main() -> None:
     q = torch.zeros(batch, hk * args.group, args.head_dim, dtype=torch.bfloat16)
     table = torch.zeros(batch, 64, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
-    ring = torch.zeros(batch, hk, args.window, args.head_dim, dtype=torch.bfloat16)
-    rings = dict(k_window=ring, v_window=ring) if args.window else {}
     compiled = decode.compile_split_kernel(
         fmt,
         q,
@@ -161,7 +158,6 @@ def main() -> None:
         num_warps=args.warps,
         num_stages=args.stages,
         subtiles=args.subtiles,
-        **rings,
         **({"maxnreg": args.maxnreg} if args.maxnreg else {}),
     )
     if args.dump:
@@ -170,8 +166,7 @@ def main() -> None:
     report(
         compiled,
         args.block_n * args.subtiles,
-        f"{args.format} D={args.head_dim} group={args.group} BLOCK_N={args.block_n} "
-        f"window={args.window}",
+        f"{args.format} D={args.head_dim} group={args.group} BLOCK_N={args.block_n}",
     )
 
 

@@ -23,11 +23,11 @@ Three launches with shapes fixed by the inputs (CUDA-graph safe, no host sync):
    query's dtype.
 
 Recent window: with a full-precision ring of the last ``W`` tokens (``k_window``/``v_window``),
-the splits cover the compressed positions ``[0, len - W)``, and the split in whose range they
-end first attends over the ring's tiles in full precision and in the original space, and writes
-that as one more partial (``NUM_SPLITS``) of its rows, which the merge adds after rotating the
-compressed partials back. Splits are sized over all ``len`` tokens, so that split does not run
-long, and there is no extra program or launch.
+the splits cover the compressed positions ``[0, len - W)`` and a fourth kernel,
+``_window_kernel`` (grid ``(window parts, Hk, B)``), attends over the ring in full precision and
+in the original space, writing ``window parts`` more partials per row, which the merge adds
+after rotating the compressed partials back. With programmatic dependent launch it runs beside
+the split kernel's tail instead of after it, so its bytes do not lengthen the critical path.
 
 Parts: the bit planes of :mod:`custom_ops.formats` are strided, so shifting a row of code bytes
 yields a *contiguous part* of the head dim: 4-bit codes give two halves (low / high nibbles),
@@ -56,7 +56,11 @@ _FP8 = tl.constexpr(int(Kind.FP8))
 _INT8_ABSMAX = tl.constexpr(int(Kind.INT8_ABSMAX))
 LOG2E = 1.4426950408889634
 LOG2E_ = tl.constexpr(LOG2E)
-_BLOCK_W = 16  # ring slots per tile of the recent window
+# Recent window: ring slots per tile, and warps per program, of the window kernel, which splits
+# a ring over at most _MAX_WINDOW_PARTS programs per (sequence, kv-head).
+_BLOCK_W = 64
+_WINDOW_WARPS = 4
+_MAX_WINDOW_PARTS = 8
 # query rows and prepared columns per program of the query preparation
 _PREP_ROWS = 16
 _PREP_COLUMNS = 16
@@ -407,8 +411,8 @@ def _partial_normalizer(m_i, l_i):
 
 
 @triton.jit
-def _window_partial(
-    q_orig_ptr,
+def _window_kernel(
+    q_ptr,
     stride_qb,
     stride_qh,
     q_scale,
@@ -418,39 +422,56 @@ def _window_partial(
     stride_w_h,
     stride_w_slot,
     window,
-    window_len,
-    first,
-    b,
-    head,
-    q_head,
-    q_rows,
-    row_ok,
+    seq_lens_ptr,
+    max_len,
     mask_ptr,
     stride_mask_b,
     stride_mask_h,
     mask_len,
     part_out_ptr,
     part_lse_ptr,
+    num_kv_heads,
     MASK: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    SLOTS_PER_PART: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    NUM_PARTIALS: tl.constexpr,
     WINDOW_QK_F32: tl.constexpr,
     WINDOW_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Attention of the group's queries over the ``window_len`` ring tokens (positions
-    ``first ..``; slot ``r`` holds the one that is ``r`` mod ``window``), stored as the rows'
-    partial ``NUM_SPLITS`` (normalized, original space) and its lse (log2 domain).
+    """Attention of a GQA group's queries over ring slots ``[part * SLOTS_PER_PART, ..)`` of
+    the recent window (grid ``(window parts, Hk, B)``), stored as the rows' partial
+    ``NUM_SPLITS + part`` (normalized, original space) with its lse (log2 domain).
 
-    ``S^T = K @ Q^T`` against the original query in the ring's dtype (tf32, exact for 16-bit
-    inputs, when the query's dtype differs), ``O^T += V^T @ P^T`` in fp16 like the compressed
-    tiles, float32 accumulation; all float32 under the interpreter, which cannot run 16-bit
-    dots.
+    The ring holds a sequence's last ``window_len = min(len, W)`` positions, from ``first =
+    len - window_len``; slot ``r`` holds the one that is ``r`` mod ``W``. ``S^T = K @ Q^T``
+    against the original query in the ring's dtype (tf32, exact for 16-bit inputs, when the
+    query's dtype differs), ``O^T += V^T @ P^T`` in fp16 like the compressed tiles, float32
+    accumulation; all float32 under the interpreter, which cannot run 16-bit dots.
+
+    With programmatic dependent launch this kernel starts once every program of the split
+    kernel before it has started, and runs beside that kernel's tail; it waits for the split
+    kernel at its end, so the merge, which waits for this kernel, sees both.
     """
+    part = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    if PDL:
+        gdc_launch_dependents()
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_len)
+    window_len = tl.minimum(seq_len, window)
+    first = seq_len - window_len
+    g = tl.arange(0, G_PAD)
+    row_ok = g < GROUP
+    q_head = head * GROUP + g
+    q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    q_ptrs = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh + d[:, None]
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh + d[:, None]
     q_orig = tl.load(q_ptrs, mask=row_ok[None, :] & (d < D)[:, None], other=0.0)
     if WINDOW_QK_F32:
         q_orig = q_orig.to(tl.float32)
@@ -458,9 +479,10 @@ def _window_partial(
     m_w = tl.full([G_PAD], float("-inf"), tl.float32)
     l_w = tl.zeros([G_PAD], tl.float32)
     acc_w = tl.zeros([D_PAD, G_PAD], tl.float32)  # O^T
-    for r0 in range(0, window_len, BLOCK_W):
+    slot_end = tl.minimum((part + 1) * SLOTS_PER_PART, window_len)
+    for r0 in range(part * SLOTS_PER_PART, slot_end, BLOCK_W):
         r = r0 + tl.arange(0, BLOCK_W)
-        in_window = r < window_len
+        in_window = r < slot_end
         positions = first + (r + window - first % window) % window
         rows = ring + r.to(tl.int64) * stride_w_slot
         k = tl.load(k_window_ptr + rows[:, None] + d[None, :],
@@ -480,10 +502,12 @@ def _window_partial(
                       mask=in_window[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
         acc_w = tl.dot(v_t.to(pv.dtype), pv, acc_w * alpha[None, :])
     lse, inv_l = _partial_normalizer(m_w, l_w)
-    part_rows = q_rows * (NUM_SPLITS + 1) + NUM_SPLITS
+    part_rows = q_rows * NUM_PARTIALS + NUM_SPLITS + part
     out_ptrs = part_out_ptr + part_rows[None, :] * D + d[:, None]
     tl.store(out_ptrs, acc_w * inv_l[None, :], mask=row_ok[None, :] & (d < D)[:, None])
     tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
+    if PDL:
+        gdc_wait()  # for the split kernel: the merge waits only for this one
 
 
 @triton.jit
@@ -534,11 +558,6 @@ def _split_kernel(
     stride_mask_b,
     stride_mask_h,
     mask_len,
-    k_window_ptr,
-    v_window_ptr,
-    stride_w_b,
-    stride_w_h,
-    stride_w_slot,
     window,
     part_out_ptr,
     part_lse_ptr,
@@ -553,11 +572,8 @@ def _split_kernel(
     G_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SUBTILES: tl.constexpr,
-    BLOCK_W: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    WINDOW_QK_F32: tl.constexpr,
-    WINDOW_F32: tl.constexpr,
+    NUM_PARTIALS: tl.constexpr,
     K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
     K_META: tl.constexpr,
@@ -582,18 +598,17 @@ def _split_kernel(
     head = tl.program_id(1)
     b = tl.program_id(2)
     if PDL:
-        # Programmatic dependent launch: the merge may launch (and wait) while this runs; when
-        # this kernel was launched that way itself, everything but q_code, which the query
-        # preparation writes, was ready before it.
+        # Programmatic dependent launch: the kernel after this one (window or merge) may launch
+        # once every program of this one has started; when this kernel was launched that way
+        # itself, everything but q_code, which the query preparation writes, was ready before.
         gdc_launch_dependents()
 
     # This split's token range of the compressed positions [0, len - W), from the device-side
-    # length: [start, end). The window's min(len, W) ring tokens count as work too, and go to
-    # the split whose range the compressed positions end in (before its compressed tiles).
+    # length: [start, end). The window's min(len, W) ring tokens are the window kernel's.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
-    window_len = tl.minimum(seq_len, window)
-    compressed_len = seq_len - window_len
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SUBTILES * BLOCK_N) * SUBTILES * BLOCK_N
+    compressed_len = seq_len - tl.minimum(seq_len, window)
+    tile_tokens: tl.constexpr = SUBTILES * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(compressed_len, NUM_SPLITS), tile_tokens) * tile_tokens
     start = split * per_split
     end = tl.minimum(start + per_split, compressed_len)
 
@@ -636,20 +651,6 @@ def _split_kernel(
     k_head = head.to(tl.int64) * stride_kc_head
     v_head = head.to(tl.int64) * stride_vc_head
     m_head = head.to(tl.int64) * stride_m_head
-    if HAS_WINDOW:
-        # The split in whose range the compressed positions end (split 0 for an empty sequence)
-        # first attends to the ring and writes it as one more partial, in the original space
-        # (the merge adds it after rotating the compressed partials back): extra partial
-        # NUM_SPLITS of its rows. Going first keeps its latency-bound tiles off the tail.
-        if split == compressed_len // tl.maximum(per_split, 1):
-            _window_partial(
-                q_orig_ptr, stride_qb, stride_qh, q_scale, k_window_ptr, v_window_ptr,
-                stride_w_b, stride_w_h, stride_w_slot, window, window_len, compressed_len, b,
-                head, q_head, q_rows, row_ok, mask_ptr, stride_mask_b, stride_mask_h, mask_len,
-                part_out_ptr, part_lse_ptr, MASK, D, D_PAD, G_PAD, BLOCK_W, NUM_SPLITS,
-                WINDOW_QK_F32, WINDOW_F32,
-            )  # fmt: skip
-
     # Each iteration streams SUBTILES tiles of BLOCK_N tokens that share one softmax update
     # (running max, rescale of the accumulators), which amortizes its cross-lane reductions
     # while the codes are still decoded BLOCK_N tokens at a time.
@@ -699,7 +700,7 @@ def _split_kernel(
 
     # This split's partial, normalized, in natural element order; lse in the log2 domain.
     lse, inv_l = _partial_normalizer(m_i, l_i)
-    part_rows = q_rows * (NUM_SPLITS + HAS_WINDOW) + split
+    part_rows = q_rows * NUM_PARTIALS + split
     j = tl.arange(0, V_PC_PAD)[:, None]
     out_ptrs = part_out_ptr + part_rows[None, :] * D + j
     ok = row_ok[None, :] & (j < V_PC)
@@ -721,7 +722,8 @@ def _merge_kernel(
     out_ptr,
     num_rows,
     NUM_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    WINDOW_PARTS: tl.constexpr,
+    WINDOW_PARTS_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     ROTATE_BACK: tl.constexpr,
@@ -733,21 +735,22 @@ def _merge_kernel(
     """``out[row] = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max lse)`` for the
     ``BLOCK_M`` rows ``b * Hq + h`` of this program, ``SPLIT_CHUNK`` splits at a time. Rotated
     values go back with ``[BLOCK_M, D] @ R^T`` products per program (so R is read once per
-    ``BLOCK_M`` rows); the window's partial (``NUM_SPLITS``, with ``HAS_WINDOW``) is in the
+    ``BLOCK_M`` rows); the window's ``WINDOW_PARTS`` partials (after the splits') are in the
     original space already."""
-    NUM_PARTIALS: tl.constexpr = NUM_SPLITS + HAS_WINDOW
+    NUM_PARTIALS: tl.constexpr = NUM_SPLITS + WINDOW_PARTS
     if PDL:
-        gdc_wait()  # for every split's partial
+        gdc_wait()  # for every partial
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows[:, None] < num_rows
     split_lse = tl.load(part_lse_ptr + rows[:, None] * NUM_PARTIALS + tl.arange(0, NUM_SPLITS),
                         mask=row_ok, other=float("-inf"))  # fmt: skip
     m = tl.max(split_lse, axis=1)
-    window_lse = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    if HAS_WINDOW:
-        window_lse = tl.load(part_lse_ptr + rows * NUM_PARTIALS + NUM_SPLITS,
-                             mask=rows < num_rows, other=float("-inf"))  # fmt: skip
-        m = tl.maximum(m, window_lse)
+    # [BLOCK_M, WINDOW_PARTS_PAD] partial rows and lse of the window
+    window_part = tl.arange(0, WINDOW_PARTS_PAD)[None, :]
+    window_rows = rows[:, None] * NUM_PARTIALS + NUM_SPLITS + window_part
+    window_ok = row_ok & (window_part < WINDOW_PARTS)
+    window_lse = tl.load(part_lse_ptr + window_rows, mask=window_ok, other=float("-inf"))
+    m = tl.maximum(m, tl.max(window_lse, axis=1))
     m = tl.where(m > float("-inf"), m, 0.0)
     total = tl.sum(
         tl.where(split_lse > float("-inf"), tl.math.exp2(split_lse - m[:, None]), 0.0), axis=1
@@ -761,10 +764,8 @@ def _merge_kernel(
         parts = tl.load(part_out_ptr + part_rows[:, :, None] * D + d,
                         mask=row_ok[:, :, None] & (d < D), other=0.0)  # fmt: skip
         acc += tl.sum(parts * w[:, :, None], axis=1)
-    window_w = tl.zeros([BLOCK_M], tl.float32)
-    if HAS_WINDOW:
-        window_w = tl.where(window_lse > float("-inf"), tl.math.exp2(window_lse - m), 0.0)
-        total += window_w
+    window_w = tl.where(window_lse > float("-inf"), tl.math.exp2(window_lse - m[:, None]), 0.0)
+    total += tl.sum(window_w, axis=1)
     inv_total = 1.0 / tl.where(total > 0, total, 1.0)
     if ROTATE_BACK:
         # x = y @ R.T / sqrt(D), 64 output columns at a time: rot_t[i, j] = R[j, i]
@@ -775,11 +776,11 @@ def _merge_kernel(
             rot_t = tl.load(rot_ptr + j[None, :] * D + i, mask=(i < D) & (j < D)[None, :],
                             other=0.0)  # fmt: skip
             out = tl.dot(acc, rot_t, input_precision="ieee") * INV_SQRT_D
-            _merge_store(out, j, rows, row_ok, window_w, inv_total, part_out_ptr, out_ptr,
-                         NUM_PARTIALS, NUM_SPLITS, HAS_WINDOW, D)  # fmt: skip
+            _merge_store(out, j, rows, row_ok, window_rows, window_ok, window_w, inv_total,
+                         part_out_ptr, out_ptr, WINDOW_PARTS, D)  # fmt: skip
     else:
-        _merge_store(acc, tl.arange(0, D_PAD), rows, row_ok, window_w, inv_total, part_out_ptr,
-                     out_ptr, NUM_PARTIALS, NUM_SPLITS, HAS_WINDOW, D)  # fmt: skip
+        _merge_store(acc, tl.arange(0, D_PAD), rows, row_ok, window_rows, window_ok, window_w,
+                     inv_total, part_out_ptr, out_ptr, WINDOW_PARTS, D)  # fmt: skip
 
 
 @triton.jit
@@ -788,23 +789,23 @@ def _merge_store(
     j,
     rows,
     row_ok,
+    window_rows,
+    window_ok,
     window_w,
     inv_total,
     part_out_ptr,
     out_ptr,
-    NUM_PARTIALS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    WINDOW_PARTS: tl.constexpr,
     D: tl.constexpr,
 ):
-    """Columns ``j`` of the merged rows: ``(out + w * window_partial) / total``, stored in the
-    output's dtype."""
+    """Columns ``j`` of the merged rows: ``(out + sum_w window_w * window_partial) / total``,
+    stored in the output's dtype."""
     col_ok = row_ok & (j < D)[None, :]
-    if HAS_WINDOW:
-        window_rows = rows * NUM_PARTIALS + NUM_SPLITS
-        window_out = tl.load(part_out_ptr + window_rows[:, None] * D + j[None, :], mask=col_ok,
-                             other=0.0)  # fmt: skip
-        out += window_out * window_w[:, None]
+    if WINDOW_PARTS > 0:
+        jj = j[None, None, :]
+        window_out = tl.load(part_out_ptr + window_rows[:, :, None] * D + jj,
+                             mask=window_ok[:, :, None] & (jj < D), other=0.0)  # fmt: skip
+        out += tl.sum(window_out * window_w[:, :, None], axis=1)
     out_ptrs = out_ptr + rows[:, None] * D + j[None, :]
     tl.store(out_ptrs, (out * inv_total[:, None]).to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -883,18 +884,17 @@ def _split_launch(
     subtiles,
     mask=None,
     scale=1.0,
-    k_window=None,
-    v_window=None,
+    window=0,
 ):
-    """Buffers ``(q_code, part_out, part_lse)`` and the grid, positional and keyword arguments of
-    ``_split_kernel`` for query ``q [B, Hq, D]``."""
-    has_window = k_window is not None
+    """Buffers ``(q_code, part_out, part_lse)``, the grid, positional and keyword arguments of
+    ``_split_kernel`` for query ``q [B, Hq, D]``, and the mask's ``(kind, args)``, for a
+    recent window of ``window`` tokens (0: none)."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
     group = num_q_heads // num_kv_heads
     grid = (num_splits, num_kv_heads, batch)
     pdl = _use_pdl(fast, q.device)
-    q_code, part_out, part_lse = _buffers(fmt, q, num_splits + has_window)
+    q_code, part_out, part_lse = _buffers(fmt, q, num_splits + window_parts(window)[0])
     if mask is None:
         mask_kind, mask_args = 0, (seq_lens, 0, 0, 0)
     else:
@@ -905,15 +905,11 @@ def _split_launch(
         mask_kind = 1 if mask.dtype == torch.bool else 2
         data = mask.view(torch.uint8) if mask_kind == 1 else mask
         mask_args = (data, mask.stride(0), mask.stride(1), mask.shape[-1])
-    if has_window:
-        window_args = (k_window, v_window, *k_window.stride()[:3], k_window.shape[2])
-    else:
-        window_args = (q, q, 0, 0, 0, 0)  # never read; window 0: every position is compressed
     args = (
         q_code, q, q.stride(0), q.stride(1), scale * LOG2E, cache.k_codes, cache.v_codes,
         cache.meta, *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:2],
         *cache.meta.stride()[:3], block_table, *block_table.stride(), seq_lens, codebooks,
-        *mask_args, *window_args, part_out, part_lse, num_kv_heads, block_table.shape[1],
+        *mask_args, window, part_out, part_lse, num_kv_heads, block_table.shape[1],
     )  # fmt: skip
     kwargs = dict(
         MASK=mask_kind,
@@ -925,11 +921,8 @@ def _split_launch(
         G_PAD=triton.next_power_of_2(group),
         BLOCK_N=block_n,
         SUBTILES=subtiles,
-        BLOCK_W=_BLOCK_W,
         NUM_SPLITS=num_splits,
-        HAS_WINDOW=has_window,
-        WINDOW_QK_F32=not fast or (has_window and k_window.dtype != q.dtype),
-        WINDOW_F32=not fast,
+        NUM_PARTIALS=num_splits + window_parts(window)[0],
         **_side_constexprs("K", fmt, "k", head_dim),
         **_side_constexprs("V", fmt, "v", head_dim),
         CODEBOOK_STRIDE=codebooks.stride(0),
@@ -943,30 +936,17 @@ def _split_launch(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return (q_code, part_out, part_lse), grid, args, kwargs
+    return (q_code, part_out, part_lse), grid, args, kwargs, (mask_kind, mask_args)
 
 
-_REGISTERS_PER_SM = 65536
-_register_caps: dict = {}
-
-
-def _window_register_cap(grid, args, kwargs) -> int:
-    """``maxnreg`` for the split kernel with a window: the most registers that keep the
-    occupancy (programs per SM) of the same kernel without one, which is compiled once per
-    configuration to read its register count.
-
-    Without a cap, the window's tiles raise the kernel's registers, and fewer programs per SM
-    stream the compressed tiles; with it, ptxas fits the window in the streaming loop's budget.
-    """
-    key = (args[0].device, tuple(sorted(kwargs.items())))
-    if key not in _register_caps:
-        plain = _split_kernel.warmup(*args, grid=grid, **{**kwargs, "HAS_WINDOW": False})
-        plain._init_handles()
-        threads = 32 * kwargs["num_warps"]
-        programs = max(1, _REGISTERS_PER_SM // (threads * plain.n_regs))
-        # registers are allocated per thread in multiples of 8, at most 255
-        _register_caps[key] = min(255, _REGISTERS_PER_SM // (threads * programs) // 8 * 8)
-    return _register_caps[key]
+def window_parts(window: int) -> tuple[int, int]:
+    """``(parts, slots_per_part)`` of a ring of ``window`` slots: the window kernel's programs
+    per (sequence, kv-head), each over whole ``_BLOCK_W`` tiles; ``(0, 0)`` without a window."""
+    if window == 0:
+        return 0, 0
+    parts = min(_MAX_WINDOW_PARTS, triton.cdiv(window, _BLOCK_W))
+    slots = triton.cdiv(triton.cdiv(window, parts), _BLOCK_W) * _BLOCK_W
+    return triton.cdiv(window, slots), slots
 
 
 def _use_pdl(fast: bool, device: torch.device) -> bool:
@@ -1025,14 +1005,16 @@ def decode(
     if batch == 0:
         return out
     fast = q.device.type == "cuda" if fast is None else fast
-    (q_code, part_out, part_lse), grid, args, kwargs = _split_launch(
+    window = 0 if k_window is None else k_window.shape[2]
+    (q_code, part_out, part_lse), grid, args, kwargs, (mask_kind, mask_args) = _split_launch(
         fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, block_n, fast,
-        num_warps, num_stages, subtiles, mask, scale, k_window, v_window,
+        num_warps, num_stages, subtiles, mask, scale, window,
     )  # fmt: skip
     parts, chunk, chunk_pad = _part_params(fmt.key, head_dim)
     inv_sqrt_d = 1.0 / math.sqrt(head_dim)
     d_pad = triton.next_power_of_2(head_dim)
     num_rows = batch * num_q_heads
+    pdl = kwargs["PDL"]
     # The first kernel is launched normally, after everything before it; the ones after it
     # with programmatic dependent launch where available (_use_pdl).
     if fmt.key.rotated:
@@ -1040,17 +1022,31 @@ def decode(
         _prep_query_kernel[prep_grid](
             q, q.stride(0), q.stride(1), rotation, q_code, num_rows, num_q_heads, scale * LOG2E,
             D=head_dim, D_PAD=d_pad, INV_SQRT_D=inv_sqrt_d, PARTS=parts, PC=chunk,
-            PC_PAD=chunk_pad, BLOCK_Q=_PREP_ROWS, BLOCK_C=_PREP_COLUMNS, PDL=kwargs["PDL"],
+            PC_PAD=chunk_pad, BLOCK_Q=_PREP_ROWS, BLOCK_C=_PREP_COLUMNS, PDL=pdl,
         )  # fmt: skip
-    if k_window is not None and fast:
-        kwargs["maxnreg"] = _window_register_cap(grid, args, kwargs)
     _split_kernel[grid](*args, **kwargs)
+    num_window_parts, slots_per_part = window_parts(window)
+    if window:
+        num_kv_heads = cache.k_codes.shape[1]
+        _window_kernel[(num_window_parts, num_kv_heads, batch)](
+            q, q.stride(0), q.stride(1), scale * LOG2E, k_window, v_window,
+            *k_window.stride()[:3], window, seq_lens,
+            block_table.shape[1] * cache.k_codes.shape[2] + window, *mask_args, part_out,
+            part_lse, num_kv_heads, MASK=mask_kind, D=head_dim, D_PAD=d_pad,
+            GROUP=num_q_heads // num_kv_heads,
+            G_PAD=triton.next_power_of_2(num_q_heads // num_kv_heads), BLOCK_W=_BLOCK_W,
+            SLOTS_PER_PART=slots_per_part, NUM_SPLITS=num_splits,
+            NUM_PARTIALS=num_splits + num_window_parts,
+            WINDOW_QK_F32=not fast or k_window.dtype != q.dtype, WINDOW_F32=not fast, PDL=pdl,
+            num_warps=_WINDOW_WARPS, **({"launch_pdl": True} if pdl else {}),
+        )  # fmt: skip
     block_m, split_chunk = _merge_block(num_rows, num_splits, q.device)
     _merge_kernel[(triton.cdiv(num_rows, block_m),)](
         part_out, part_lse, rotation, out, num_rows, NUM_SPLITS=num_splits,
-        HAS_WINDOW=k_window is not None, SPLIT_CHUNK=split_chunk, BLOCK_M=block_m,
-        ROTATE_BACK=fmt.value.rotated, D=head_dim, D_PAD=d_pad, INV_SQRT_D=inv_sqrt_d,
-        PDL=kwargs["PDL"], **({"launch_pdl": True} if kwargs["PDL"] else {}),
+        WINDOW_PARTS=num_window_parts,
+        WINDOW_PARTS_PAD=triton.next_power_of_2(max(1, num_window_parts)),
+        SPLIT_CHUNK=split_chunk, BLOCK_M=block_m, ROTATE_BACK=fmt.value.rotated, D=head_dim,
+        D_PAD=d_pad, INV_SQRT_D=inv_sqrt_d, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 
@@ -1070,15 +1066,13 @@ def compile_split_kernel(
     num_warps=DEFAULT_WARPS,
     num_stages=DEFAULT_STAGES,
     subtiles=DEFAULT_SUBTILES,
-    k_window=None,
-    v_window=None,
     **launch_options,
 ):
     """Compile (not launch) the split kernel for these inputs through ``compile_fn(kernel, grid,
     *args, **kwargs)``; used by ``benchmarks/sass_report.py`` to inspect its SASS.
     ``launch_options`` (e.g. ``maxnreg``) go to the compiler."""
-    _, grid, args, kwargs = _split_launch(
+    _, grid, args, kwargs, _ = _split_launch(
         fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, block_n, fast,
-        num_warps, num_stages, subtiles, k_window=k_window, v_window=v_window,
+        num_warps, num_stages, subtiles,
     )  # fmt: skip
     return compile_fn(_split_kernel, grid, *args, **kwargs, **launch_options)
