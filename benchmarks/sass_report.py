@@ -152,7 +152,7 @@ def main() -> None:
         table,
         lens,
         *consts,
-        num_splits=16,
+        num_splits=2,  # 512 tokens per split: the long-context configuration
         block_n=args.block_n,
         compile_fn=compile_offline,
         num_warps=args.warps,

@@ -74,3 +74,14 @@ def test_rotation_is_seeded_and_orthogonal():
     assert torch.equal(r, rotation_matrix(96, seed=3))
     assert not torch.equal(r, rotation_matrix(96, seed=4))
     assert r.is_contiguous()
+
+
+@pytest.mark.parametrize("head_dim", [d for d in SUPPORTED_HEAD_DIMS if d & (d - 1) == 0])
+def test_power_of_two_rotation_is_walsh_hadamard(head_dim):
+    """What the decode kernels rely on for power-of-two head dims (they generate H instead of
+    reading R): ``R[i, j] = s_i (-1)^popcount(i & j)`` with ``s = R[:, 0]``."""
+    r = rotation_matrix(head_dim, seed=5)
+    i = torch.arange(head_dim)
+    parity = torch.tensor([bin(x).count("1") % 2 for x in range(head_dim)])
+    walsh = 1.0 - 2.0 * parity[i[:, None] & i[None, :]].float()
+    torch.testing.assert_close(r, r[:, :1] * walsh, rtol=0, atol=0)

@@ -80,6 +80,23 @@ def test_many_splits(fmt_name, kernel_device, seeded):
     assert _rel(actual, expected) < 1e-3
 
 
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k2v4_nc", "tq4_nc"])
+def test_query_rotated_in_split_or_prepared(fmt_name, kernel_device, seeded):
+    """Rotated keys get their queries rotated inside the split kernel (short splits: the
+    Walsh-Hadamard structure of R) or by the preparation kernel (long splits: a block table with
+    more capacity per split); both agree with float64 attention."""
+    from custom_ops.triton import decode as triton_decode
+
+    fmt, consts, cache, table, lens, q = _case(fmt_name, 64, 4, seeded)
+    long_table = torch.cat([table, table[:, :1].expand(-1, 80)], dim=1)
+    modes = [triton_decode._query_mode(fmt, 64, t.shape[1] * 4, 2) for t in (table, long_table)]
+    assert modes == [triton_decode._QUERY_ROTATED_HERE.value, triton_decode._QUERY_PREPARED.value]
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
+    for block_table in (table, long_table):
+        actual = _kernel_decode(fmt, q, cache, block_table, lens, consts, kernel_device)
+        assert _rel(actual, expected) < 1e-3
+
+
 def test_bf16_query(kernel_device, seeded):
     """bf16 queries: the output's own rounding (2^-9) dominates."""
     fmt, consts, cache, table, lens, q = _case("4bit_nc", 128, 4, seeded)

@@ -1,11 +1,13 @@
 """Split-KV decode attention over a compressed paged cache: ``torch.ops.tq.decode`` on CUDA.
 
-Three launches with shapes fixed by the inputs (CUDA-graph safe, no host sync):
+Three launches (four with a recent window, below) with shapes fixed by the inputs (CUDA-graph safe, no host sync):
 
-1. ``_prep_query_kernel`` (grid ``B * Hq / 16``): rotates the query into the keys' code space
-   (``q @ R / sqrt(D)`` for Lloyd-Max keys, 16 rows per tensor-core product), multiplies by
-   ``scale * log2(e)`` so the softmax can use ``exp2``, and writes it as fp16 in the keys'
-   *parts* (below).
+1. ``_prep_query_kernel`` (grid ``B * Hq / 16``; rotated keys at long contexts only): rotates
+   the query into the keys' code space (``q @ R / sqrt(D)`` for Lloyd-Max keys, 16 rows per
+   tensor-core product), multiplies by ``scale * log2(e)`` so the softmax can use ``exp2``,
+   and writes it as fp16 in the keys' *parts* (below). Where a split holds few tokens, the
+   split kernel rotates its group's queries itself (Walsh-Hadamard structure of R), since this
+   launch would then sit on the critical path.
 2. ``_split_kernel`` (grid ``(num_splits, Hk, B)``): one program (one warp by default) per
    (sequence, kv-head, split) serves every q-head of the GQA group, so each cache byte is read
    once. Each split finds its token range from ``seq_lens`` on the device (an empty split writes
@@ -19,15 +21,15 @@ Three launches with shapes fixed by the inputs (CUDA-graph safe, no host sync):
    A operand ``V^T`` (4 consecutive tokens of one byte column per register) is one aligned
    32-bit load.
 3. ``_merge_kernel`` (grid ``B * Hq / BLOCK_M``): log-sum-exp merge of the splits; rotates
-   Lloyd-Max values back to the original space (one product per block of rows) and casts to the
-   query's dtype.
+   Lloyd-Max values back to the original space (a Walsh-Hadamard butterfly for power-of-two
+   head dims, a product with R otherwise) and casts to the query's dtype.
 
 Recent window: with a full-precision ring of the last ``W`` tokens (``k_window``/``v_window``),
 the splits cover the compressed positions ``[0, len - W)`` and a fourth kernel,
 ``_window_kernel`` (grid ``(window parts, Hk, B)``), attends over the ring in full precision and
 in the original space, writing ``window parts`` more partials per row, which the merge adds
-after rotating the compressed partials back. With programmatic dependent launch it runs beside
-the split kernel's tail instead of after it, so its bytes do not lengthen the critical path.
+after rotating the compressed partials back. With programmatic dependent launch it starts once
+every split program has, and runs beside the split kernel's tail instead of after it.
 
 Parts: the bit planes of :mod:`custom_ops.formats` are strided, so shifting a row of code bytes
 yields a *contiguous part* of the head dim: 4-bit codes give two halves (low / high nibbles),
@@ -54,6 +56,11 @@ _LLOYD_MAX = tl.constexpr(int(Kind.LLOYD_MAX))
 _UNIFORM = tl.constexpr(int(Kind.UNIFORM))
 _FP8 = tl.constexpr(int(Kind.FP8))
 _INT8_ABSMAX = tl.constexpr(int(Kind.INT8_ABSMAX))
+# Where the split kernel gets its queries: scaled there (unrotated keys), rotated by the
+# preparation kernel, or rotated there (rotated keys at short contexts; see _query_mode).
+_QUERY_SCALED = tl.constexpr(0)
+_QUERY_PREPARED = tl.constexpr(1)
+_QUERY_ROTATED_HERE = tl.constexpr(2)
 LOG2E = 1.4426950408889634
 LOG2E_ = tl.constexpr(LOG2E)
 # Recent window: ring slots per tile, and warps per program, of the window kernel, which splits
@@ -532,12 +539,84 @@ def _query_part(
 
 
 @triton.jit
+def _hadamard_signs(rows, cols):
+    """Entries ``(-1)^popcount(rows & cols)`` of the Walsh-Hadamard matrix (Sylvester order, the
+    ``H`` of :func:`custom_ops.codebook.rotation_matrix` for a power-of-two head dim), float32,
+    for broadcastable integer indices below 256."""
+    x = rows & cols
+    x ^= x >> 4
+    x ^= x >> 2
+    x ^= x >> 1
+    return 1.0 - 2.0 * (x & 1).to(tl.float32)
+
+
+@triton.jit
+def _rotate_query(
+    q_orig_ptr,
+    stride_qb,
+    stride_qh,
+    rot_ptr,
+    b,
+    q_head,
+    row_ok,
+    q_scale,
+    D: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    PARTS: tl.constexpr,
+    PC: tl.constexpr,
+):
+    """The group's queries rotated into the keys' code space, ``(q @ R / sqrt(D)) * q_scale``,
+    as ``PARTS`` transposed parts ``[PC, G_PAD]`` fp16 (unused ones repeat part 0), computed
+    here instead of by the preparation kernel (short contexts, where that launch would be on
+    the critical path).
+
+    For a power-of-two D, ``R = diag(s) @ H`` with ``H`` Walsh-Hadamard and ``s = R[:, 0]``, so
+    output ``j`` is ``sum_i q_i s_i (-1)^popcount(i & j)``. The inputs go 16 at a time, ``i =
+    c0 + c``: the sign factors into ``(-1)^popcount(c0 & j)`` (a sign per output) times
+    ``(-1)^popcount(c & j)``, which depends on ``j mod 16`` only, so one ``[PC, 16]`` block of
+    ``H``, generated in registers, serves every chunk and part (a tf32 product, exact for
+    16-bit queries times +-1), and only R's first column is read.
+    """
+    e = tl.arange(0, PC)
+    c = tl.arange(0, 16)
+    h_block = _hadamard_signs(e[:, None] & 15, c[None, :])
+    q_rows = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh
+    y0 = tl.zeros([PC, q_head.shape[0]], tl.float32)
+    y1 = y0
+    y2 = y0
+    y3 = y0
+    for c0 in tl.static_range(0, D, 16):
+        i = c0 + c
+        s = tl.load(rot_ptr + i * D)
+        z = tl.load(q_rows + i[:, None], mask=row_ok[None, :], other=0.0).to(tl.float32)
+        m = tl.dot(h_block, z * s[:, None], input_precision="tf32")
+        y0 += _hadamard_signs(c0, e)[:, None] * m
+        if PARTS > 1:
+            y1 += _hadamard_signs(c0, PC + e)[:, None] * m
+        if PARTS > 2:
+            y2 += _hadamard_signs(c0, 2 * PC + e)[:, None] * m
+            y3 += _hadamard_signs(c0, 3 * PC + e)[:, None] * m
+    scale = INV_SQRT_D * q_scale
+    q0 = (y0 * scale).to(tl.float16)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if PARTS > 1:
+        q1 = (y1 * scale).to(tl.float16)
+    if PARTS > 2:
+        q2 = (y2 * scale).to(tl.float16)
+        q3 = (y3 * scale).to(tl.float16)
+    return q0, q1, q2, q3
+
+
+@triton.jit
 def _split_kernel(
     q_ptr,
     q_orig_ptr,
     stride_qb,
     stride_qh,
     q_scale,
+    rot_ptr,
     k_codes_ptr,
     v_codes_ptr,
     meta_ptr,
@@ -591,7 +670,8 @@ def _split_kernel(
     CODEBOOK_STRIDE: tl.constexpr,
     K_ASM: tl.constexpr,
     V_ASM: tl.constexpr,
-    K_ROTATED: tl.constexpr,
+    QUERY: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -614,18 +694,22 @@ def _split_kernel(
 
     # The GQA group's prepared queries, transposed: fp16 [K_PC_PAD, G_PAD] per part, the B
     # operands of S^T = K @ Q^T (columns >= GROUP: 0). Tokens are the M dimension of both
-    # products, so the group is padded to the tensor cores' N = 8, not to M = 16. Rotated keys
-    # read them from q_code (_prep_query_kernel), others scale the query here (one part: 8 bits).
+    # products, so the group is padded to the tensor cores' N = 8, not to M = 16. Unrotated keys
+    # scale the query here (one part: 8 bits); rotated keys read q_code (_prep_query_kernel) or,
+    # at short contexts, rotate it here.
     g = tl.arange(0, G_PAD)
     row_ok = g < GROUP
     q_head = head * GROUP + g
     q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
-    if not K_ROTATED:
+    if QUERY == _QUERY_SCALED:
         q0 = _query_part(q_orig_ptr, stride_qb, stride_qh, b, q_head, row_ok, q_scale, 0, K_PC,
                          K_PC_PAD)  # fmt: skip
         q1 = q0
         q2 = q0
         q3 = q0
+    elif QUERY == _QUERY_ROTATED_HERE:
+        q0, q1, q2, q3 = _rotate_query(q_orig_ptr, stride_qb, stride_qh, rot_ptr, b, q_head,
+                                       row_ok, q_scale, D, INV_SQRT_D, K_PARTS, K_PC)  # fmt: skip
     else:
         q_part = q_ptr + q_rows[:, None] * (K_PARTS * K_PC_PAD)
         q_part += tl.arange(0, K_PC_PAD)[None, :]
@@ -715,6 +799,19 @@ def _split_kernel(
 
 
 @triton.jit
+def _walsh_hadamard_rows(x, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """``x @ H`` for ``x [M, D]`` float32 and the Walsh-Hadamard matrix ``H`` of a power-of-two
+    ``D`` (:func:`_hadamard_signs`): ``log2(D)`` butterfly stages, stage ``k`` mapping the pair
+    of elements ``i``, ``i + 2^k`` (bit ``k`` of ``i`` clear) to their sum and difference."""
+    M: tl.constexpr = x.shape[0]
+    for k in tl.static_range(LOG2_D):
+        pairs = tl.permute(tl.reshape(x, [M, D >> (k + 1), 2, 1 << k]), [0, 1, 3, 2])
+        low, high = tl.split(pairs)
+        x = tl.reshape(tl.permute(tl.join(low + high, low - high), [0, 1, 3, 2]), [M, D])
+    return x
+
+
+@triton.jit
 def _merge_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -729,6 +826,7 @@ def _merge_kernel(
     ROTATE_BACK: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
+    LOG2_D: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -767,8 +865,17 @@ def _merge_kernel(
     window_w = tl.where(window_lse > float("-inf"), tl.math.exp2(window_lse - m[:, None]), 0.0)
     total += tl.sum(window_w, axis=1)
     inv_total = 1.0 / tl.where(total > 0, total, 1.0)
-    if ROTATE_BACK:
-        # x = y @ R.T / sqrt(D), 64 output columns at a time: rot_t[i, j] = R[j, i]
+    if ROTATE_BACK and D == D_PAD:
+        # x = y @ R.T / sqrt(D) = (y @ H) * s / sqrt(D) for a power-of-two D (R = diag(s) @ H,
+        # Walsh-Hadamard H, s = R[:, 0]): a butterfly in registers, exact in float32
+        j = tl.arange(0, D)
+        signs = tl.load(rot_ptr + j * D) * INV_SQRT_D
+        out = _walsh_hadamard_rows(acc, D, LOG2_D) * signs[None, :]
+        _merge_store(out, j, rows, row_ok, window_rows, window_ok, window_w, inv_total,
+                     part_out_ptr, out_ptr, WINDOW_PARTS, D)  # fmt: skip
+    elif ROTATE_BACK:
+        # padded head dims: x = y @ R.T / sqrt(D), 64 output columns at a time: rot_t[i, j] =
+        # R[j, i]
         CHUNK: tl.constexpr = min(64, D_PAD)
         i = tl.arange(0, D_PAD)[:, None]
         for j0 in tl.static_range(0, D_PAD, CHUNK):
@@ -894,7 +1001,8 @@ def _split_launch(
     group = num_q_heads // num_kv_heads
     grid = (num_splits, num_kv_heads, batch)
     pdl = _use_pdl(fast, q.device)
-    q_code, part_out, part_lse = _buffers(fmt, q, num_splits + window_parts(window)[0])
+    query = _query_mode(fmt, head_dim, block_table.shape[1] * page_size, num_splits)
+    q_code, part_out, part_lse = _buffers(fmt, q, query, num_splits + window_parts(window)[0])
     if mask is None:
         mask_kind, mask_args = 0, (seq_lens, 0, 0, 0)
     else:
@@ -906,7 +1014,7 @@ def _split_launch(
         data = mask.view(torch.uint8) if mask_kind == 1 else mask
         mask_args = (data, mask.stride(0), mask.stride(1), mask.shape[-1])
     args = (
-        q_code, q, q.stride(0), q.stride(1), scale * LOG2E, cache.k_codes, cache.v_codes,
+        q_code, q, q.stride(0), q.stride(1), scale * LOG2E, rotation, cache.k_codes, cache.v_codes,
         cache.meta, *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:2],
         *cache.meta.stride()[:3], block_table, *block_table.stride(), seq_lens, codebooks,
         *mask_args, window, part_out, part_lse, num_kv_heads, block_table.shape[1],
@@ -928,15 +1036,35 @@ def _split_launch(
         CODEBOOK_STRIDE=codebooks.stride(0),
         K_ASM=decode_asm(fmt.key, head_dim) if fast else "",
         V_ASM=decode_asm(fmt.value, head_dim) if fast else "",
-        K_ROTATED=fmt.key.rotated,
+        QUERY=query,
+        INV_SQRT_D=1.0 / math.sqrt(head_dim),
         # without the query preparation, what runs before this kernel is not ours: launch it
         # normally
         PDL=pdl,
-        **({"launch_pdl": True} if pdl and fmt.key.rotated else {}),
+        **({"launch_pdl": True} if pdl and query == _QUERY_PREPARED.value else {}),
         num_warps=num_warps,
         num_stages=num_stages,
     )
     return (q_code, part_out, part_lse), grid, args, kwargs, (mask_kind, mask_args)
+
+
+# Rotated keys get their queries rotated inside the split kernel (one launch fewer) when a split
+# holds at most this many tokens of the cache's capacity: there the launch is on the critical
+# path, and at longer splits the preparation kernel is cheaper than one rotation per program.
+_ROTATE_HERE_MAX_TOKENS = 128
+
+
+def _query_mode(fmt: KVFormat, head_dim: int, capacity: int, num_splits: int) -> int:
+    """How the split kernel gets its queries (``_QUERY_*``) for a cache of ``capacity``
+    positions: rotating in the split kernel needs the Walsh-Hadamard structure of R (a
+    power-of-two head dim) and parts of at least 16 elements."""
+    if not fmt.key.rotated:
+        return _QUERY_SCALED.value
+    _, chunk, _ = _part_params(fmt.key, head_dim)
+    power_of_two = head_dim & (head_dim - 1) == 0
+    if power_of_two and chunk >= 16 and capacity <= _ROTATE_HERE_MAX_TOKENS * num_splits:
+        return _QUERY_ROTATED_HERE.value
+    return _QUERY_PREPARED.value
 
 
 def window_parts(window: int) -> tuple[int, int]:
@@ -955,13 +1083,13 @@ def _use_pdl(fast: bool, device: torch.device) -> bool:
     return fast and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _buffers(fmt, q, num_partials):
-    """``(q_code, part_out, part_lse)``; ``q_code`` is ``q`` itself (not read) for keys that are
-    not rotated."""
+def _buffers(fmt, q, query, num_partials):
+    """``(q_code, part_out, part_lse)``; ``q_code`` is ``q`` itself (not read) unless the
+    preparation kernel writes it."""
     batch, num_q_heads, head_dim = q.shape
     parts, _, chunk_pad = _part_params(fmt.key, head_dim)
     q_code = q
-    if fmt.key.rotated:
+    if query == _QUERY_PREPARED.value:
         q_code = torch.empty(
             batch, num_q_heads, parts * chunk_pad, dtype=torch.float16, device=q.device
         )
@@ -1017,7 +1145,7 @@ def decode(
     pdl = kwargs["PDL"]
     # The first kernel is launched normally, after everything before it; the ones after it
     # with programmatic dependent launch where available (_use_pdl).
-    if fmt.key.rotated:
+    if kwargs["QUERY"] == _QUERY_PREPARED.value:
         prep_grid = (triton.cdiv(num_rows, _PREP_ROWS), parts * chunk_pad // _PREP_COLUMNS)
         _prep_query_kernel[prep_grid](
             q, q.stride(0), q.stride(1), rotation, q_code, num_rows, num_q_heads, scale * LOG2E,
@@ -1046,7 +1174,8 @@ def decode(
         WINDOW_PARTS=num_window_parts,
         WINDOW_PARTS_PAD=triton.next_power_of_2(max(1, num_window_parts)),
         SPLIT_CHUNK=split_chunk, BLOCK_M=block_m, ROTATE_BACK=fmt.value.rotated, D=head_dim,
-        D_PAD=d_pad, INV_SQRT_D=inv_sqrt_d, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        D_PAD=d_pad, LOG2_D=d_pad.bit_length() - 1, INV_SQRT_D=inv_sqrt_d, PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 
