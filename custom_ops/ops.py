@@ -207,7 +207,8 @@ def decode(
         k_codes, v_codes, meta: the cache planes.
         block_table: ``[B, max_pages] int32`` page ids; seq_lens: ``[B] int32`` lengths (a
             sequence of length 0 gives zeros).
-        rotation, codebooks, fmt: as for :func:`store`.
+        rotation, codebooks, fmt: as for :func:`store` (for a power-of-two D the CUDA kernels
+            use the Walsh-Hadamard structure of ``rotation_matrix``: ``R = diag(s) @ H``).
         num_splits: fixed number of KV splits (a power of two), chosen once per cache.
         scale: softmax scale (``1 / sqrt(D)`` for standard attention).
         mask: optional ``[B or 1, Hq or 1, M]`` attention mask over cache positions: bool

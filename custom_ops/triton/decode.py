@@ -1,6 +1,7 @@
 """Split-KV decode attention over a compressed paged cache: ``torch.ops.tq.decode`` on CUDA.
 
-Three launches (four with a recent window, below) with shapes fixed by the inputs (CUDA-graph safe, no host sync):
+Three launches (four with a recent window, below), shapes fixed by the inputs (CUDA-graph safe,
+no host sync):
 
 1. ``_prep_query_kernel`` (grid ``B * Hq / 16``; rotated keys at long contexts only): rotates
    the query into the keys' code space (``q @ R / sqrt(D)`` for Lloyd-Max keys, 16 rows per
