@@ -1003,7 +1003,8 @@ def _split_launch(
     grid = (num_splits, num_kv_heads, batch)
     pdl = _use_pdl(fast, q.device)
     query = _query_mode(fmt, head_dim, block_table.shape[1] * page_size, num_splits)
-    q_code, part_out, part_lse = _buffers(fmt, q, query, num_splits + window_parts(window)[0])
+    num_partials = num_splits + window_parts(window)[0]
+    q_code, part_out, part_lse = _buffers(fmt, q, query, num_partials)
     if mask is None:
         mask_kind, mask_args = 0, (seq_lens, 0, 0, 0)
     else:
@@ -1031,7 +1032,7 @@ def _split_launch(
         BLOCK_N=block_n,
         SUBTILES=subtiles,
         NUM_SPLITS=num_splits,
-        NUM_PARTIALS=num_splits + window_parts(window)[0],
+        NUM_PARTIALS=num_partials,
         **_side_constexprs("K", fmt, "k", head_dim),
         **_side_constexprs("V", fmt, "v", head_dim),
         CODEBOOK_STRIDE=codebooks.stride(0),
