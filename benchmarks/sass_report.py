@@ -131,6 +131,13 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=decode.DEFAULT_WARPS)
     parser.add_argument("--stages", type=int, default=decode.DEFAULT_STAGES)
     parser.add_argument("--subtiles", type=int, help="default: decode.tile_config(format)")
+    parser.add_argument(
+        "--splits",
+        type=int,
+        default=2,
+        help="split count for a 1024-token cache: 2 (512 tokens per split, the long-context "
+        "configuration) or 32 (one tile per split, queries rotated in the kernel: 1 x 1024)",
+    )
     parser.add_argument("--maxnreg", type=int, help="register cap passed to ptxas")
     parser.add_argument("--dump", help="write the SASS here")
     args = parser.parse_args()
@@ -152,7 +159,7 @@ def main() -> None:
         table,
         lens,
         *consts,
-        num_splits=2,  # 512 tokens per split: the long-context configuration
+        num_splits=args.splits,
         block_n=args.block_n,
         compile_fn=compile_offline,
         num_warps=args.warps,

@@ -97,6 +97,28 @@ def test_query_rotated_in_split_or_prepared(fmt_name, kernel_device, seeded):
         assert _rel(actual, expected) < 1e-3
 
 
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "int8"])
+def test_block_table_past_the_length_is_not_followed(fmt_name, kernel_device, seeded):
+    """Block-table entries past a sequence's pages may hold anything (here a page id far beyond
+    the cache). Splits of one tile read them before they know the length and must not follow
+    them; longer splits do not read them. Both against float64 attention (int8: two 16-token
+    tiles per split)."""
+    from custom_ops.triton import decode as triton_decode
+
+    fmt, consts, cache, table, lens, q = _case(fmt_name, 64, 4, seeded)
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
+    stale = table.clone()
+    stale[torch.arange(4)[None, :] >= ((lens + 3) // 4)[:, None]] = 2**30
+    long_stale = torch.cat([stale, torch.full((3, 80), 2**30, dtype=torch.int32)], dim=1)
+    block_n, subtiles = triton_decode.tile_config(fmt)
+    one_tile = [triton_decode._one_tile(t.shape[1] * 4, 2, block_n * subtiles)
+                for t in (stale, long_stale)]  # fmt: skip
+    assert one_tile == [True, False]
+    for block_table in (stale, long_stale):
+        actual = _kernel_decode(fmt, q, cache, block_table, lens, consts, kernel_device)
+        assert _rel(actual, expected) < 1e-3
+
+
 def test_bf16_query(kernel_device, seeded):
     """bf16 queries: the output's own rounding (2^-9) dominates."""
     fmt, consts, cache, table, lens, q = _case("4bit_nc", 128, 4, seeded)

@@ -287,13 +287,19 @@ def _softmax_rescale(tile_max, m_i):
 
 
 @triton.jit
+def _table_entries(n, ok, b, block_table_ptr, stride_bt_b, stride_bt_p, PAGE_SIZE: tl.constexpr):
+    """The block-table entries (int32 page ids) of positions ``n [BLOCK_N]``, read where
+    ``ok`` (0 elsewhere)."""
+    page_ptr = block_table_ptr + b * stride_bt_b + (n // PAGE_SIZE) * stride_bt_p
+    return tl.load(page_ptr, mask=ok, other=0)
+
+
+@triton.jit
 def _key_scores(
     n,
     end,
+    table,
     b,
-    block_table_ptr,
-    stride_bt_b,
-    stride_bt_p,
     k_codes_ptr,
     k_head,
     stride_kc_page,
@@ -326,11 +332,11 @@ def _key_scores(
     K_ASM: tl.constexpr,
 ):
     """Scores ``S^T = K @ Q^T`` of the tokens at positions ``n [BLOCK_N]`` (``-inf`` at and past
+    ``end``) whose block-table entries are ``table`` (:func:`_table_entries`, 0 at and past
     ``end``): ``(scores [BLOCK_N, G_PAD] float32 in log2 units, page, slot, meta row pointers,
     valid)``."""
     valid = n < end
-    page_ptr = block_table_ptr + b * stride_bt_b + (n // PAGE_SIZE) * stride_bt_p
-    page = tl.load(page_ptr, mask=valid, other=0).to(tl.int64)
+    page = table.to(tl.int64)
     slot = (n % PAGE_SIZE).to(tl.int64)
     # Code rows are read unmasked, so that the loads stay vectorized along the tokens: tokens
     # past the end read their page (or page 0) and get zero probability (see _value_update).
@@ -540,18 +546,6 @@ def _query_part(
 
 
 @triton.jit
-def _hadamard_signs(rows, cols):
-    """Entries ``(-1)^popcount(rows & cols)`` of the Walsh-Hadamard matrix (Sylvester order, the
-    ``H`` of :func:`custom_ops.codebook.rotation_matrix` for a power-of-two head dim), float32,
-    for broadcastable integer indices below 256."""
-    x = rows & cols
-    x ^= x >> 4
-    x ^= x >> 2
-    x ^= x >> 1
-    return 1.0 - 2.0 * (x & 1).to(tl.float32)
-
-
-@triton.jit
 def _rotate_query(
     q_orig_ptr,
     stride_qb,
@@ -562,6 +556,7 @@ def _rotate_query(
     row_ok,
     q_scale,
     D: tl.constexpr,
+    LOG2_D: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     PARTS: tl.constexpr,
     PC: tl.constexpr,
@@ -572,41 +567,32 @@ def _rotate_query(
     the critical path).
 
     For a power-of-two D, ``R = diag(s) @ H`` with ``H`` Walsh-Hadamard and ``s = R[:, 0]``, so
-    output ``j`` is ``sum_i q_i s_i (-1)^popcount(i & j)``. The inputs go 16 at a time, ``i =
-    c0 + c``: the sign factors into ``(-1)^popcount(c0 & j)`` (a sign per output) times
-    ``(-1)^popcount(c & j)``, which depends on ``j mod 16`` only, so one ``[PC, 16]`` block of
-    ``H``, generated in registers, serves every chunk and part (a tf32 product, exact for
-    16-bit queries times +-1), and only R's first column is read.
+    ``q @ R = (q * s) @ H``: a butterfly over each query row (:func:`_walsh_hadamard_rows`,
+    float32 adds), and only R's first column is read. Parts are contiguous ranges of ``PC``
+    outputs, split off the transposed rows.
     """
-    e = tl.arange(0, PC)
-    c = tl.arange(0, 16)
-    h_block = _hadamard_signs(e[:, None] & 15, c[None, :])
-    q_rows = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh
-    y0 = tl.zeros([PC, q_head.shape[0]], tl.float32)
-    y1 = y0
-    y2 = y0
-    y3 = y0
-    for c0 in tl.static_range(0, D, 16):
-        i = c0 + c
-        s = tl.load(rot_ptr + i * D)
-        z = tl.load(q_rows + i[:, None], mask=row_ok[None, :], other=0.0).to(tl.float32)
-        m = tl.dot(h_block, z * s[:, None], input_precision="tf32")
-        y0 += _hadamard_signs(c0, e)[:, None] * m
-        if PARTS > 1:
-            y1 += _hadamard_signs(c0, PC + e)[:, None] * m
-        if PARTS > 2:
-            y2 += _hadamard_signs(c0, 2 * PC + e)[:, None] * m
-            y3 += _hadamard_signs(c0, 3 * PC + e)[:, None] * m
-    scale = INV_SQRT_D * q_scale
-    q0 = (y0 * scale).to(tl.float16)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    if PARTS > 1:
-        q1 = (y1 * scale).to(tl.float16)
-    if PARTS > 2:
-        q2 = (y2 * scale).to(tl.float16)
-        q3 = (y3 * scale).to(tl.float16)
+    d = tl.arange(0, D)
+    q_rows = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
+    x = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x *= tl.load(rot_ptr + d * D)[None, :] * (INV_SQRT_D * q_scale)
+    y = _walsh_hadamard_rows(x, D, LOG2_D)  # [G_PAD, D]
+    G_PAD: tl.constexpr = y.shape[0]
+    tl.static_assert(PARTS > 1, "rotated keys have 2 (4-bit) or 4 (2- and 3-bit) parts")
+    if PARTS == 2:
+        q0, q1 = tl.split(tl.permute(tl.reshape(y, [G_PAD, 2, PC]), [2, 0, 1]))
+        q0 = q0.to(tl.float16)
+        q1 = q1.to(tl.float16)
+        q2 = q0
+        q3 = q0
+    else:
+        halves = tl.permute(tl.reshape(y, [G_PAD, 2, 2, PC]), [3, 0, 1, 2])
+        low, high = tl.split(halves)  # part bit 0; [PC, G_PAD, 2] each
+        q0, q2 = tl.split(low)
+        q1, q3 = tl.split(high)
+        q0 = q0.to(tl.float16)
+        q1 = q1.to(tl.float16)
+        q2 = q2.to(tl.float16)
+        q3 = q3.to(tl.float16)
     return q0, q1, q2, q3
 
 
@@ -648,12 +634,14 @@ def _split_kernel(
     TOKEN_RUN: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
+    LOG2_D: tl.constexpr,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SUBTILES: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NUM_PARTIALS: tl.constexpr,
+    ONE_TILE: tl.constexpr,
     K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
     K_META: tl.constexpr,
@@ -689,9 +677,24 @@ def _split_kernel(
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
     compressed_len = seq_len - tl.minimum(seq_len, window)
     tile_tokens: tl.constexpr = SUBTILES * BLOCK_N
-    per_split = tl.cdiv(tl.cdiv(compressed_len, NUM_SPLITS), tile_tokens) * tile_tokens
-    start = split * per_split
-    end = tl.minimum(start + per_split, compressed_len)
+    if ONE_TILE:
+        # A split of at most one tile sits at a fixed place, so its block-table entries are read
+        # here, beside the length and before the query rotation, not after them: one dependent
+        # round trip fewer on the path that short contexts wait for.
+        start = split * tile_tokens
+        capacity = max_pages * PAGE_SIZE
+        n_first = start + tl.arange(0, BLOCK_N)
+        early_a = _table_entries(n_first, n_first < capacity, b, block_table_ptr, stride_bt_b,
+                                 stride_bt_p, PAGE_SIZE)  # fmt: skip
+        if SUBTILES == 2:
+            n_second = n_first + BLOCK_N
+            early_b = _table_entries(n_second, n_second < capacity, b, block_table_ptr,
+                                     stride_bt_b, stride_bt_p, PAGE_SIZE)  # fmt: skip
+        end = tl.minimum(start + tile_tokens, compressed_len)
+    else:
+        per_split = tl.cdiv(tl.cdiv(compressed_len, NUM_SPLITS), tile_tokens) * tile_tokens
+        start = split * per_split
+        end = tl.minimum(start + per_split, compressed_len)
 
     # The GQA group's prepared queries, transposed: fp16 [K_PC_PAD, G_PAD] per part, the B
     # operands of S^T = K @ Q^T (columns >= GROUP: 0). Tokens are the M dimension of both
@@ -710,7 +713,8 @@ def _split_kernel(
         q3 = q0
     elif QUERY == _QUERY_ROTATED_HERE:
         q0, q1, q2, q3 = _rotate_query(q_orig_ptr, stride_qb, stride_qh, rot_ptr, b, q_head,
-                                       row_ok, q_scale, D, INV_SQRT_D, K_PARTS, K_PC)  # fmt: skip
+                                       row_ok, q_scale, D, LOG2_D, INV_SQRT_D, K_PARTS,
+                                       K_PC)  # fmt: skip
     else:
         q_part = q_ptr + q_rows[:, None] * (K_PARTS * K_PC_PAD)
         q_part += tl.arange(0, K_PC_PAD)[None, :]
@@ -741,8 +745,13 @@ def _split_kernel(
     # while the codes are still decoded BLOCK_N tokens at a time.
     for tile_start in range(start, end, SUBTILES * BLOCK_N):
         n_a = tile_start + tl.arange(0, BLOCK_N)
+        if ONE_TILE:
+            table_a = tl.where(n_a < end, early_a, 0)  # read past the length, not followed
+        else:
+            table_a = _table_entries(n_a, n_a < end, b, block_table_ptr, stride_bt_b,
+                                     stride_bt_p, PAGE_SIZE)  # fmt: skip
         scores_a, page_a, slot_a, m_row_a, valid_a = _key_scores(
-            n_a, end, b, block_table_ptr, stride_bt_b, stride_bt_p, k_codes_ptr, k_head,
+            n_a, end, table_a, b, k_codes_ptr, k_head,
             stride_kc_page, stride_kc_slot, meta_ptr, m_head, stride_m_page, stride_m_slot,
             codebooks_ptr, q0, q1, q2, q3, mask_ptr, q_head, row_ok, stride_mask_b,
             stride_mask_h, mask_len, MASK, PAGE_SIZE, D, K_KIND, K_BITS, K_META, K_OFF1,
@@ -751,8 +760,13 @@ def _split_kernel(
         tile_max = scores_a
         if SUBTILES == 2:
             n_b = n_a + BLOCK_N
+            if ONE_TILE:
+                table_b = tl.where(n_b < end, early_b, 0)
+            else:
+                table_b = _table_entries(n_b, n_b < end, b, block_table_ptr, stride_bt_b,
+                                         stride_bt_p, PAGE_SIZE)  # fmt: skip
             scores_b, page_b, slot_b, m_row_b, valid_b = _key_scores(
-                n_b, end, b, block_table_ptr, stride_bt_b, stride_bt_p, k_codes_ptr, k_head,
+                n_b, end, table_b, b, k_codes_ptr, k_head,
                 stride_kc_page, stride_kc_slot, meta_ptr, m_head, stride_m_page, stride_m_slot,
                 codebooks_ptr, q0, q1, q2, q3, mask_ptr, q_head, row_ok, stride_mask_b,
                 stride_mask_h, mask_len, MASK, PAGE_SIZE, D, K_KIND, K_BITS, K_META, K_OFF1,
@@ -802,8 +816,10 @@ def _split_kernel(
 @triton.jit
 def _walsh_hadamard_rows(x, D: tl.constexpr, LOG2_D: tl.constexpr):
     """``x @ H`` for ``x [M, D]`` float32 and the Walsh-Hadamard matrix ``H`` of a power-of-two
-    ``D`` (:func:`_hadamard_signs`): ``log2(D)`` butterfly stages, stage ``k`` mapping the pair
-    of elements ``i``, ``i + 2^k`` (bit ``k`` of ``i`` clear) to their sum and difference."""
+    ``D`` (Sylvester order, ``H[i, j] = (-1)^popcount(i & j)``, the ``H`` of
+    :func:`custom_ops.codebook.rotation_matrix`): ``log2(D)`` butterfly stages, stage ``k``
+    mapping the pair of elements ``i``, ``i + 2^k`` (bit ``k`` of ``i`` clear) to their sum and
+    difference."""
     M: tl.constexpr = x.shape[0]
     for k in tl.static_range(LOG2_D):
         pairs = tl.permute(tl.reshape(x, [M, D >> (k + 1), 2, 1 << k]), [0, 1, 3, 2])
@@ -1002,7 +1018,8 @@ def _split_launch(
     group = num_q_heads // num_kv_heads
     grid = (num_splits, num_kv_heads, batch)
     pdl = _use_pdl(fast, q.device)
-    query = _query_mode(fmt, head_dim, block_table.shape[1] * page_size, num_splits)
+    capacity = block_table.shape[1] * page_size
+    query = _query_mode(fmt, head_dim, capacity, num_splits)
     num_partials = num_splits + window_parts(window)[0]
     q_code, part_out, part_lse = _buffers(fmt, q, query, num_partials)
     if mask is None:
@@ -1027,12 +1044,14 @@ def _split_launch(
         TOKEN_RUN=_token_run(page_size, block_n),
         D=head_dim,
         D_PAD=triton.next_power_of_2(head_dim),
+        LOG2_D=triton.next_power_of_2(head_dim).bit_length() - 1,
         GROUP=group,
         G_PAD=triton.next_power_of_2(group),
         BLOCK_N=block_n,
         SUBTILES=subtiles,
         NUM_SPLITS=num_splits,
         NUM_PARTIALS=num_partials,
+        ONE_TILE=_one_tile(capacity, num_splits, subtiles * block_n),
         **_side_constexprs("K", fmt, "k", head_dim),
         **_side_constexprs("V", fmt, "v", head_dim),
         CODEBOOK_STRIDE=codebooks.stride(0),
@@ -1048,6 +1067,13 @@ def _split_launch(
         num_stages=num_stages,
     )
     return (q_code, part_out, part_lse), grid, args, kwargs, (mask_kind, mask_args)
+
+
+def _one_tile(capacity: int, num_splits: int, tile_tokens: int) -> bool:
+    """Whether every split of a cache of ``capacity`` positions holds at most one tile, at a
+    place fixed by its index, so the split kernel reads its block-table entries without waiting
+    for the length (short contexts)."""
+    return capacity <= num_splits * tile_tokens
 
 
 # Rotated keys get their queries rotated inside the split kernel (one launch fewer) when a split
