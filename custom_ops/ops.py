@@ -205,8 +205,9 @@ def decode(
     Args:
         q: ``[B, Hq, D]`` bf16/fp16 queries; ``Hq`` a multiple of the cache's ``Hk`` (GQA).
         k_codes, v_codes, meta: the cache planes.
-        block_table: ``[B, max_pages] int32`` page ids; seq_lens: ``[B] int32`` lengths (a
-            sequence of length 0 gives zeros).
+        block_table: ``[B, max_pages] int32`` page ids (entries past a sequence's pages may
+            hold anything: short contexts read them early, but never follow them); seq_lens:
+            ``[B] int32`` lengths (a sequence of length 0 gives zeros).
         rotation, codebooks, fmt: as for :func:`store` (for a power-of-two D the CUDA kernels
             use the Walsh-Hadamard structure of ``rotation_matrix``: ``R = diag(s) @ H``).
         num_splits: fixed number of KV splits (a power of two), chosen once per cache.
