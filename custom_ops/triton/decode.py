@@ -1186,10 +1186,10 @@ def decode(
         num_warps, num_stages, subtiles, mask, scale, window,
     )  # fmt: skip
     parts, chunk, chunk_pad = _part_params(fmt.key, head_dim)
-    inv_sqrt_d = 1.0 / math.sqrt(head_dim)
-    d_pad = triton.next_power_of_2(head_dim)
+    # shapes the split kernel's launch already derived, shared by the other kernels
+    inv_sqrt_d, d_pad, pdl = kwargs["INV_SQRT_D"], kwargs["D_PAD"], kwargs["PDL"]
+    num_partials = kwargs["NUM_PARTIALS"]
     num_rows = batch * num_q_heads
-    pdl = kwargs["PDL"]
     # The first kernel is launched normally, after everything before it; the ones after it
     # with programmatic dependent launch where available (_use_pdl).
     if kwargs["QUERY"] == _QUERY_PREPARED.value:
@@ -1208,10 +1208,8 @@ def decode(
             *k_window.stride()[:3], window, seq_lens,
             block_table.shape[1] * cache.k_codes.shape[2] + window, *mask_args, part_out,
             part_lse, num_kv_heads, MASK=mask_kind, D=head_dim, D_PAD=d_pad,
-            GROUP=num_q_heads // num_kv_heads,
-            G_PAD=triton.next_power_of_2(num_q_heads // num_kv_heads), BLOCK_W=_BLOCK_W,
-            SLOTS_PER_PART=slots_per_part, NUM_SPLITS=num_splits,
-            NUM_PARTIALS=num_splits + num_window_parts,
+            GROUP=kwargs["GROUP"], G_PAD=kwargs["G_PAD"], BLOCK_W=_BLOCK_W,
+            SLOTS_PER_PART=slots_per_part, NUM_SPLITS=num_splits, NUM_PARTIALS=num_partials,
             WINDOW_QK_F32=not fast or k_window.dtype != q.dtype, WINDOW_F32=not fast, PDL=pdl,
             num_warps=_WINDOW_WARPS, **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
@@ -1221,7 +1219,7 @@ def decode(
         WINDOW_PARTS=num_window_parts,
         WINDOW_PARTS_PAD=triton.next_power_of_2(max(1, num_window_parts)),
         SPLIT_CHUNK=split_chunk, BLOCK_M=block_m, ROTATE_BACK=fmt.value.rotated, D=head_dim,
-        D_PAD=d_pad, LOG2_D=d_pad.bit_length() - 1, INV_SQRT_D=inv_sqrt_d, PDL=pdl,
+        D_PAD=d_pad, LOG2_D=kwargs["LOG2_D"], INV_SQRT_D=inv_sqrt_d, PDL=pdl,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
