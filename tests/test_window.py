@@ -178,9 +178,11 @@ def test_decode_window_contribution_is_exact(fmt_name, group, kernel_device, see
 def test_decode_window_only_is_exact(kernel_device, seeded):
     """While a sequence is shorter than the window, decode reads only the ring: it equals
     float64 attention over the bf16 tokens to float32 rounding (tf32 products of bf16 inputs
-    are exact), whatever the compressed pages hold."""
+    are exact), whatever the compressed pages and the ring's unwritten slots (NaN) hold."""
     seqs = Sequences("3bit_nc", seeded, kernel_device)
     seqs.append(6, (0, 0), seeded, use_triton=False)
+    seqs.k_window[:, :, 6:] = float("nan")  # unwritten slots: never read
+    seqs.v_window[:, :, 6:] = float("nan")
     q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).to(torch.bfloat16)
     expected = reference.attention(q, seqs.keys.double(), seqs.values.double(), seqs.lens,
                                    HEAD_DIM**-0.5)  # fmt: skip
