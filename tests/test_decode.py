@@ -10,6 +10,7 @@ from helpers import clone_cache, filled_cache, random_kv
 
 from custom_ops import api, reference
 from custom_ops.formats import FORMATS, get_format
+from custom_ops.triton import decode as triton_decode
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
 
@@ -85,8 +86,6 @@ def test_query_rotated_in_split_or_prepared(fmt_name, kernel_device, seeded):
     """Rotated keys get their queries rotated inside the split kernel (short splits: the
     Walsh-Hadamard structure of R) or by the preparation kernel (long splits: a block table with
     more capacity per split); both agree with float64 attention."""
-    from custom_ops.triton import decode as triton_decode
-
     fmt, consts, cache, table, lens, q = _case(fmt_name, 64, 4, seeded)
     long_table = torch.cat([table, table[:, :1].expand(-1, 80)], dim=1)
     modes = [triton_decode._query_mode(fmt, 64, t.shape[1] * 4, 2) for t in (table, long_table)]
@@ -103,8 +102,6 @@ def test_block_table_past_the_length_is_not_followed(fmt_name, kernel_device, se
     the cache). Splits of one tile read them before they know the length and must not follow
     them; longer splits do not read them. Both against float64 attention (int8, fp8: two
     16-token tiles per split; fp8, tq4_nc: the longer splits' kernel is register-capped)."""
-    from custom_ops.triton import decode as triton_decode
-
     fmt, consts, cache, table, lens, q = _case(fmt_name, 64, 4, seeded)
     expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
     stale = table.clone()
@@ -271,8 +268,6 @@ def test_cuda_graph_store_and_decode(fmt_name, seeded):
 def test_fast_and_portable_paths_agree(seeded):
     """On the GPU, the inline-PTX decoding of the codes (4, 3, 2 bits, int8) equals the
     plain-Triton decoding."""
-    from custom_ops.triton import decode as triton_decode
-
     for fmt_name in ("4bit_nc", "tq4_nc", "k8v4", "3bit_nc", "k2v2_nc", "k2v4_nc", "int8"):
         fmt, consts, cache, table, lens, q = _case(fmt_name, 128, 4, seeded)
         cuda_cache = clone_cache(cache, "cuda")

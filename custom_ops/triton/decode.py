@@ -849,9 +849,10 @@ def _merge_kernel(
 ):
     """``out[row] = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max lse)`` for the
     ``BLOCK_M`` rows ``b * Hq + h`` of this program, ``SPLIT_CHUNK`` splits at a time. Rotated
-    values go back with ``[BLOCK_M, D] @ R^T`` products per program (so R is read once per
-    ``BLOCK_M`` rows); the window's ``WINDOW_PARTS`` partials (after the splits') are in the
-    original space already."""
+    values go back by a Walsh-Hadamard butterfly for power-of-two head dims (only R's first
+    column is read), otherwise by ``[BLOCK_M, D] @ R^T`` products (R read once per ``BLOCK_M``
+    rows); the window's ``WINDOW_PARTS`` partials (after the splits') are in the original space
+    already."""
     NUM_PARTIALS: tl.constexpr = NUM_SPLITS + WINDOW_PARTS
     if PDL:
         gdc_wait()  # for every partial
