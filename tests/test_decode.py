@@ -277,6 +277,33 @@ def test_fast_and_portable_paths_agree(seeded):
         torch.testing.assert_close(fast, portable, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "tq4_nc", "int8"])
+def test_warp_counts(fmt_name, seeded, monkeypatch):
+    """Grids of at most two programs per SM get two-warp split programs, larger ones one warp;
+    merges of one row whose partials fit one warp get one warp, the others four warps and
+    chunks of splits. Every combination agrees with float64 attention (head dim 128, 32
+    splits; tq4_nc rotates its values back in the merge)."""
+    device = torch.device("cuda")
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    split_warps = [triton_decode._split_warps(n, device) for n in (2 * sm_count, 2 * sm_count + 1)]
+    assert split_warps == [2, 1]
+    one_row = [triton_decode._merge_block(32, n, 128, False, device) for n in (32, 64)]
+    assert one_row == [(1, 32, 1), (1, 64, 4)]
+    fmt, consts, cache, table, lens, q = _case(fmt_name, 128, 4, seeded)
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 128**-0.5, torch.float64)
+    args = (fmt, q.cuda(), clone_cache(cache, "cuda"), table.cuda(), lens.cuda())
+    args += tuple(c.cuda() for c in consts)
+    merges = {"one warp": (1, 32, 1), "four warps, chunks of 8": (1, 8, 4)}
+    for merge_label, merge_block in merges.items():
+        monkeypatch.setattr(triton_decode, "_merge_block", lambda *_, m=merge_block: m)
+        for num_warps in (1, 2):
+            actual = triton_decode.decode(*args, num_splits=32, scale=128**-0.5,
+                                          num_warps=num_warps)  # fmt: skip
+            error = _rel(actual.cpu(), expected)
+            assert error < 1e-3, f"{num_warps} split warps, merge of {merge_label}: {error}"
+
+
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc"])
 def test_kernel_mask(fmt_name, kind, kernel_device, seeded):

@@ -9,15 +9,16 @@ no host sync):
    and writes it as fp16 in the keys' *parts* (below). Where a split holds few tokens, the
    split kernel rotates its group's queries itself (Walsh-Hadamard structure of R), since this
    launch would then sit on the critical path.
-2. ``_split_kernel`` (grid ``(num_splits, Hk, B)``): one program (one warp by default) per
-   (sequence, kv-head, split) serves every q-head of the GQA group, so each cache byte is read
-   once. Each split finds its token range from ``seq_lens`` on the device (an empty split writes
-   a neutral partial), then streams ``BLOCK_N``-token tiles with the *tokens* as the tensor
-   cores' M dimension: ``S^T = K @ Q^T`` and ``O^T += V^T @ P^T``, so the GQA group is only the
-   N = 8 side (padding 4 heads to 8, not to 16 rows), the softmax reduces over tokens inside
-   one warp, and ``P^T`` feeds the next product without leaving the warp. The codecs' scalars
-   are folded in: the key norm/scale multiplies the scores, the value scale multiplies the
-   probabilities before ``V^T @ P^T`` and the value zero enters through a running
+2. ``_split_kernel`` (grid ``(num_splits, Hk, B)``): one program per (sequence, kv-head,
+   split) serves every q-head of the GQA group, so each cache byte is read once. Each split
+   finds its token range from ``seq_lens`` on the device (an empty split writes a neutral
+   partial), then streams ``BLOCK_N``-token tiles with the *tokens* as the tensor cores' M
+   dimension: ``S^T = K @ Q^T`` and ``O^T += V^T @ P^T``, so the GQA group is only the N = 8
+   side (padding 4 heads to 8, not to 16 rows). A program is one warp, so the softmax reduces
+   over tokens inside it and ``P^T`` feeds the next product without leaving it; where the grid
+   leaves SMs idle (short contexts) it is two warps, each decoding half of a tile. The codecs'
+   scalars are folded in: the key norm/scale multiplies the scores, the value scale multiplies
+   the probabilities before ``V^T @ P^T`` and the value zero enters through a running
    ``sum(p * zero)``. Value codes are stored token-minor (:mod:`custom_ops.formats`), so the
    A operand ``V^T`` (4 consecutive tokens of one byte column per register) is one aligned
    32-bit load.
@@ -69,6 +70,10 @@ LOG2E_ = tl.constexpr(LOG2E)
 _BLOCK_W = 64
 _WINDOW_WARPS = 4
 _MAX_WINDOW_PARTS = 8
+# Merge: warps per program, and the most partial elements per lane for a one-warp program
+# (148 registers at D = 128 and 32 splits, offline SASS; 64 splits spill).
+_MERGE_WARPS = 4
+_MERGE_LANE_FLOATS = 128
 # query rows and prepared columns per program of the query preparation
 _PREP_ROWS = 16
 _PREP_COLUMNS = 16
@@ -935,16 +940,29 @@ def _merge_store(
     tl.store(out_ptrs, (out * inv_total[:, None]).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def _merge_block(num_rows: int, num_splits: int, device: torch.device) -> tuple[int, int]:
-    """``(BLOCK_M, SPLIT_CHUNK)`` of the merge: as many rows per program as keep two programs
-    per SM busy (up to 16, so a rotation is read once per 16 rows), and at most 256 partials
-    in registers at a time."""
+def _merge_block(
+    num_rows: int, num_splits: int, d_pad: int, rotate_by_product: bool, device: torch.device
+):
+    """``(BLOCK_M, SPLIT_CHUNK, num_warps)`` of the merge: as many rows per program as keep two
+    programs per SM busy (up to 16, so a rotation is read once per 16 rows), and at most 256
+    partials in registers at a time.
+
+    A program of one row whose partials fit one warp's registers (``_MERGE_LANE_FLOATS`` per
+    lane) gets one warp and one chunk: with more warps, Triton lays them along the splits (the
+    row's ``D`` fills a warp's lanes) and sums over them through shared memory, which cost
+    about 1.1 us at 1 x 1024 and 2.5-5.5 us at 4 x 32768 and 16 x 8192 (H100, NOTES.md
+    "Decode v7"). Rows of more partials keep four warps: one warp looping over chunks was
+    slower. So does a rotation back by products with R (``rotate_by_product``: rotated values,
+    head dim not a power of two), whose ``[D_PAD, 64]`` blocks of R would spill in one warp."""
     block_m = 16
     if device.type == "cuda":
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         while block_m > 1 and num_rows < 2 * sm_count * block_m:
             block_m //= 2
-    return block_m, min(num_splits, max(1, 256 // block_m))
+    fits_one_warp = num_splits * d_pad <= 32 * _MERGE_LANE_FLOATS and not rotate_by_product
+    if block_m == 1 and fits_one_warp:
+        return 1, num_splits, 1
+    return block_m, min(num_splits, max(1, 256 // block_m)), _MERGE_WARPS
 
 
 # Programs of the split kernel per SM that the default split count aims at (each holds
@@ -1018,6 +1036,8 @@ def _split_launch(
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
     group = num_q_heads // num_kv_heads
     grid = (num_splits, num_kv_heads, batch)
+    if num_warps is None:
+        num_warps = _split_warps(math.prod(grid), q.device)
     pdl = _use_pdl(fast, q.device)
     capacity = block_table.shape[1] * page_size
     one_tile = _one_tile(capacity, num_splits, subtiles * block_n)
@@ -1070,6 +1090,18 @@ def _split_launch(
         **_register_cap(fmt, one_tile),
     )
     return (q_code, part_out, part_lse), grid, args, kwargs, (mask_kind, mask_args)
+
+
+def _split_warps(num_programs: int, device: torch.device) -> int:
+    """Warps per split program: ``DEFAULT_WARPS``, or two where the grid leaves SMs idle (at
+    most two programs per SM, so each of an SM's four schedulers gets one warp): each warp then
+    decodes half of its tile's tokens and value rows, which shortens the one dependent chain
+    that short contexts wait for (1 x 1024, H100: 0.15-0.45 us faster for every format but
+    k2v2_nc, which is even; NOTES.md "Decode v7")."""
+    if device.type != "cuda":
+        return DEFAULT_WARPS
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 if num_programs <= 2 * sm_count else DEFAULT_WARPS
 
 
 def _one_tile(capacity: int, num_splits: int, tile_tokens: int) -> bool:
@@ -1163,7 +1195,7 @@ def decode(
     v_window: torch.Tensor | None = None,
     block_n: int | None = None,
     fast: bool | None = None,
-    num_warps: int = DEFAULT_WARPS,
+    num_warps: int | None = None,
     num_stages: int = DEFAULT_STAGES,
     subtiles: int | None = None,
 ) -> torch.Tensor:
@@ -1171,7 +1203,8 @@ def decode(
 
     ``fast`` selects the inline-PTX decoding (default: on CUDA; the interpreter cannot run it).
     ``block_n``, ``subtiles`` (tiles per softmax update, 1 or 2; both default to
-    :func:`tile_config`), ``num_warps`` and ``num_stages`` tune the split kernel (see NOTES.md).
+    :func:`tile_config`), ``num_warps`` (default: :func:`_split_warps`) and ``num_stages`` tune
+    the split kernel (see NOTES.md).
     """
     default_block_n, default_subtiles = tile_config(fmt)
     block_n = default_block_n if block_n is None else block_n
@@ -1214,14 +1247,17 @@ def decode(
             WINDOW_QK_F32=not fast or k_window.dtype != q.dtype, WINDOW_F32=not fast, PDL=pdl,
             num_warps=_WINDOW_WARPS, **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
-    block_m, split_chunk = _merge_block(num_rows, num_splits, q.device)
+    rotate_by_product = fmt.value.rotated and head_dim != d_pad
+    block_m, split_chunk, merge_warps = _merge_block(
+        num_rows, num_splits, d_pad, rotate_by_product, q.device
+    )
     _merge_kernel[(triton.cdiv(num_rows, block_m),)](
         part_out, part_lse, rotation, out, num_rows, NUM_SPLITS=num_splits,
         WINDOW_PARTS=num_window_parts,
         WINDOW_PARTS_PAD=triton.next_power_of_2(max(1, num_window_parts)),
         SPLIT_CHUNK=split_chunk, BLOCK_M=block_m, ROTATE_BACK=fmt.value.rotated, D=head_dim,
         D_PAD=d_pad, LOG2_D=kwargs["LOG2_D"], INV_SQRT_D=inv_sqrt_d, PDL=pdl,
-        **({"launch_pdl": True} if pdl else {}),
+        num_warps=merge_warps, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 
