@@ -86,35 +86,39 @@ _BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_(\d+)\)|0x([0-9a-f]+))")
 _LABEL = re.compile(r"^\.L_x_(\d+):")
 
 
-def loop_body(lines: list[str]) -> list[str]:
-    """Opcodes of the largest backward-branch loop (the streaming loop), in order."""
+def loops(lines: list[str]) -> list[list[str]]:
+    """Opcodes of each backward-branch loop, in order, largest first (the streaming loop; with
+    a ring read by the split kernel, the ring's loop is the second)."""
     instrs, labels = [], {}
     for line in lines:
         if m := _LABEL.match(line.strip()):
             labels[m.group(1)] = len(instrs)
         if m := _INSTR.search(line):
             instrs.append((m.group(3), line))
-    best = (0, 0)
+    found = []
     for end, (op, line) in enumerate(instrs):
         if op.startswith("BRA") and (m := _BRANCH.search(line)) and m.group(1) in labels:
             start = labels[m.group(1)]
-            if start < end and end - start > best[1] - best[0]:
-                best = (start, end + 1)
-    return [op for op, _ in instrs[best[0] : best[1]]]
+            if start < end:
+                found.append([op for op, _ in instrs[start : end + 1]])
+    return sorted(found, key=len, reverse=True) or [[]]
 
 
 def report(compiled, tokens_per_iteration: int, title: str) -> dict:
     lines = disassemble(compiled.asm["cubin"])
-    body = loop_body(lines)
+    body, *others = loops(lines)
     mix = collections.Counter(op.split(".")[0] for op in body)
     per_token = len(body) / tokens_per_iteration
     print(f"{title}: {resource_usage(compiled.asm['cubin'])}")
+    print(f"  shared memory: {compiled.metadata.shared} bytes")
     print(
         f"  loop: {len(body)} instructions / {tokens_per_iteration} tokens = "
         f"{per_token:.1f} warp-instructions per token-head (per warp; x num_warps in total)"
     )
     top = ", ".join(f"{op} {n}" for op, n in mix.most_common(14))
     print(f"  mix: {top}")
+    if others:
+        print(f"  other loops (instructions): {[len(loop) for loop in others]}")
     return {"loop_instructions": len(body), "per_token": per_token, "mix": dict(mix)}
 
 
@@ -139,6 +143,13 @@ def main() -> None:
         "configuration) or 32 (one tile per split, queries rotated in the kernel: 1 x 1024)",
     )
     parser.add_argument("--maxnreg", type=int, help="register cap passed to ptxas")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=0,
+        help="recent-window ring size (bf16 rings; formats whose split kernel reads the ring "
+        "get a second loop, reported after the streaming loop)",
+    )
     parser.add_argument("--dump", help="write the SASS here")
     args = parser.parse_args()
 
@@ -152,6 +163,7 @@ def main() -> None:
     q = torch.zeros(batch, hk * args.group, args.head_dim, dtype=torch.bfloat16)
     table = torch.zeros(batch, 64, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
+    ring = torch.zeros(batch, hk, args.window, args.head_dim, dtype=torch.bfloat16)
     compiled = decode.compile_split_kernel(
         fmt,
         q,
@@ -165,6 +177,8 @@ def main() -> None:
         num_warps=args.warps,
         num_stages=args.stages,
         subtiles=args.subtiles,
+        k_window=ring if args.window else None,
+        v_window=ring if args.window else None,
         **({"maxnreg": args.maxnreg} if args.maxnreg else {}),
     )
     if args.dump:

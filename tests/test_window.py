@@ -35,17 +35,19 @@ class Sequences:
     """Two sequences in a paged cache with a shuffled block table, their rings and every token
     appended so far (bf16 ``[B, Hk, S, D]``)."""
 
-    def __init__(self, fmt_name, gen, device="cpu", dtype=torch.bfloat16):
+    def __init__(self, fmt_name, gen, device="cpu", dtype=torch.bfloat16, window=WINDOW):
         self.fmt = get_format(fmt_name)
+        self.window = window
+        self.capacity = PAGE_SIZE * PAGES_PER_SEQ + window
         self.consts = api.make_constants(self.fmt, HEAD_DIM, seed=5)
         num_pages = BATCH * PAGES_PER_SEQ + 2
         self.cache = poisoned_cache(self.fmt, num_pages, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM, gen)
         pages = torch.randperm(num_pages, generator=gen)[: BATCH * PAGES_PER_SEQ]
         self.block_table = pages.to(torch.int32).reshape(BATCH, PAGES_PER_SEQ)
-        shape = (BATCH, NUM_KV_HEADS, WINDOW, HEAD_DIM)
+        shape = (BATCH, NUM_KV_HEADS, window, HEAD_DIM)
         self.k_window = torch.randn(shape, generator=gen).to(dtype)  # poison: never read
         self.v_window = torch.randn(shape, generator=gen).to(dtype)
-        self.keys = torch.zeros(BATCH, NUM_KV_HEADS, CAPACITY, HEAD_DIM, dtype=torch.bfloat16)
+        self.keys = torch.zeros(BATCH, NUM_KV_HEADS, self.capacity, HEAD_DIM, dtype=torch.bfloat16)
         self.values = torch.zeros_like(self.keys)
         self.lens = torch.zeros(BATCH, dtype=torch.int32)
         self.device = device
@@ -146,9 +148,9 @@ def _expected_attention(seqs, q, dtype=torch.float64, mask=None):
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
     cache = clone_cache(seqs.cache)
     k, v = reference.dequantize(seqs.fmt, cache, seqs.block_table.cpu(), seqs.lens, *consts,
-                                CAPACITY, dtype)  # fmt: skip
-    positions = torch.arange(CAPACITY)[None, :]
-    recent = (positions >= seqs.lens[:, None] - WINDOW)[:, None, :, None]
+                                seqs.capacity, dtype)  # fmt: skip
+    positions = torch.arange(seqs.capacity)[None, :]
+    recent = (positions >= seqs.lens[:, None] - seqs.window)[:, None, :, None]
     k = torch.where(recent, seqs.keys.to(dtype), k)
     v = torch.where(recent, seqs.values.to(dtype), v)
     return reference.attention(q, k, v, seqs.lens, HEAD_DIM**-0.5, mask)
@@ -192,6 +194,26 @@ def test_decode_window_only_is_exact(kernel_device, seeded):
                             seqs.consts, num_splits=2, k_window=seqs.k_window,
                             v_window=seqs.v_window)  # fmt: skip
     torch.testing.assert_close(actual.cpu().double(), expected, rtol=1e-2, atol=4e-3)
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k2v2_nc", "int8", "tq4_nc"])
+def test_decode_ring_of_several_tiles(fmt_name, num_splits, kernel_device, seeded):
+    """A 40-token window (three ring tiles of the split kernel, the last one partial, dealt
+    round robin over the splits; two window-kernel tiles for 8-bit and rotated values), filled
+    past its size so the ring's slots wrap: decode equals float64 attention within 1e-3."""
+    seqs = Sequences(fmt_name, seeded, kernel_device, window=40)
+    for n_new, starts in [(45, (0, 10)), (3, (45, 55)), (10, (48, 58))]:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+        q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half()
+        expected = _expected_attention(seqs, q)
+        d = kernel_device
+        with triton_kernels(d):
+            actual = api.decode(seqs.fmt, q.to(d), seqs.cache, seqs.block_table,
+                                seqs.lens.to(d), seqs.consts, num_splits=num_splits,
+                                k_window=seqs.k_window, v_window=seqs.v_window)  # fmt: skip
+        rel = (actual.cpu().double() - expected).norm() / expected.norm()
+        assert rel < 1e-3, (n_new, starts, float(rel))
 
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])

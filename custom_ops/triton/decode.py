@@ -1,7 +1,7 @@
 """Split-KV decode attention over a compressed paged cache: ``torch.ops.tq.decode`` on CUDA.
 
-Three launches (four with a recent window, below), shapes fixed by the inputs (CUDA-graph safe,
-no host sync):
+Three launches (four with a recent window that the split kernel does not read itself, below),
+shapes fixed by the inputs (CUDA-graph safe, no host sync):
 
 1. ``_prep_query_kernel`` (grid ``B * Hq / 16``; rotated keys at long contexts only): rotates
    the query into the keys' code space (``q @ R / sqrt(D)`` for Lloyd-Max keys, 16 rows per
@@ -27,11 +27,15 @@ no host sync):
    head dims, a product with R otherwise) and casts to the query's dtype.
 
 Recent window: with a full-precision ring of the last ``W`` tokens (``k_window``/``v_window``),
-the splits cover the compressed positions ``[0, len - W)`` and a fourth kernel,
-``_window_kernel`` (grid ``(window parts, Hk, B)``), attends over the ring in full precision and
-in the original space, writing ``window parts`` more partials per row, which the merge adds
-after rotating the compressed partials back. With programmatic dependent launch it starts once
-every split program has, and runs beside the split kernel's tail instead of after it.
+the splits cover the compressed positions ``[0, len - W)``. For values in the original space
+and of fewer than 8 bits (:func:`_ring_in_split`), the split kernel also reads the ring:
+its 16-token tiles go round robin to the splits and enter the same softmax state and
+accumulators (in the original space, like those values), so the ring's bytes stream beside the
+compressed ones. Otherwise a fourth kernel, ``_window_kernel`` (grid ``(window parts, Hk,
+B)``), attends over the ring in full precision and in the original space, writing ``window
+parts`` more partials per row, which the merge adds after rotating the compressed partials
+back; with programmatic dependent launch it starts once every split program has, and runs
+beside the split kernel's tail instead of after it.
 
 Parts: the bit planes of :mod:`custom_ops.formats` are strided, so shifting a row of code bytes
 yields a *contiguous part* of the head dim: 4-bit codes give two halves (low / high nibbles),
@@ -70,6 +74,9 @@ LOG2E_ = tl.constexpr(LOG2E)
 _BLOCK_W = 64
 _WINDOW_WARPS = 4
 _MAX_WINDOW_PARTS = 8
+# Ring tokens per tile when the split kernel reads the window itself (_ring_in_split): 16 keeps
+# the ring loop's two pipeline stages within the compressed loop's shared memory class.
+_RING_BLOCK = 16
 # Merge: warps per program, and the most partial elements per lane for a one-warp program
 # (148 registers at D = 128 and 32 splits, offline SASS; 64 splits spill).
 _MERGE_WARPS = 4
@@ -420,6 +427,70 @@ def _value_update(
 
 
 @triton.jit
+def _ring_query(q_orig_ptr, stride_qb, stride_qh, b, q_head, row_ok, D: tl.constexpr,
+                D_PAD: tl.constexpr, F32: tl.constexpr):  # fmt: skip
+    """The group's original queries, transposed, as four quarters of the head dim: ``[D_PAD /
+    4, G_PAD]`` each, in the query's dtype (float32 with ``F32``), the B operands of the ring's
+    ``S^T = K @ Q^T`` (keys are read a quarter at a time to keep their registers down)."""
+    d = tl.arange(0, D_PAD)
+    q_ptrs = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh + d[:, None]
+    q_t = tl.load(q_ptrs, mask=row_ok[None, :] & (d < D)[:, None], other=0.0)
+    if F32:
+        q_t = q_t.to(tl.float32)
+    G_PAD: tl.constexpr = q_t.shape[1]
+    quarters = tl.permute(tl.reshape(q_t, [2, 2, D_PAD // 4, G_PAD]), [2, 3, 1, 0])
+    low, high = tl.split(quarters)
+    q0, q1 = tl.split(low)
+    q2, q3 = tl.split(high)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _ring_key_scores(k_rows, in_ring, q0, q1, q2, q3, D: tl.constexpr):
+    """``S^T = K @ Q^T`` of ring keys whose rows start at ``k_rows [RING_BLOCK, 1]`` (rows not
+    ``in_ring`` read as zeros), a quarter of the head dim at a time (:func:`_ring_query`)."""
+    QC: tl.constexpr = q0.shape[0]
+    j = tl.arange(0, QC)[None, :]
+    k = tl.load(k_rows + j, mask=in_ring[:, None] & (j < D), other=0.0)
+    scores = tl.dot(k.to(q0.dtype), q0)
+    k = tl.load(k_rows + QC + j, mask=in_ring[:, None] & (j + QC < D), other=0.0)
+    scores = tl.dot(k.to(q1.dtype), q1, scores)
+    k = tl.load(k_rows + 2 * QC + j, mask=in_ring[:, None] & (j + 2 * QC < D), other=0.0)
+    scores = tl.dot(k.to(q2.dtype), q2, scores)
+    k = tl.load(k_rows + 3 * QC + j, mask=in_ring[:, None] & (j + 3 * QC < D), other=0.0)
+    return tl.dot(k.to(q3.dtype), q3, scores)
+
+
+@triton.jit
+def _ring_values(
+    p,
+    v_rows,
+    in_ring,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    V_PARTS: tl.constexpr,
+    V_PC: tl.constexpr,
+    V_PC_PAD: tl.constexpr,
+    F32: tl.constexpr,
+):
+    """``O^T += V^T @ P^T`` for ring values (original space) whose rows start at ``v_rows [1,
+    RING_BLOCK]``, per value part of the compressed codes (part ``i``: elements ``[i * V_PC,
+    (i + 1) * V_PC)``), in fp16 like the compressed tiles (float32 with ``F32``)."""
+    j = tl.arange(0, V_PC_PAD)[:, None]
+    pv = p if F32 else p.to(tl.float16)
+    ok = in_ring[None, :] & (j < V_PC)
+    acc0 = tl.dot(tl.load(v_rows + j, mask=ok, other=0.0).to(pv.dtype), pv, acc0)
+    if V_PARTS > 1:
+        acc1 = tl.dot(tl.load(v_rows + V_PC + j, mask=ok, other=0.0).to(pv.dtype), pv, acc1)
+    if V_PARTS > 2:
+        acc2 = tl.dot(tl.load(v_rows + 2 * V_PC + j, mask=ok, other=0.0).to(pv.dtype), pv, acc2)
+        acc3 = tl.dot(tl.load(v_rows + 3 * V_PC + j, mask=ok, other=0.0).to(pv.dtype), pv, acc3)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _partial_normalizer(m_i, l_i):
     """``(lse, 1 / l)`` of a finished partial; ``lse = -inf`` (and ``1 / l = 1``) if it saw no
     key."""
@@ -630,6 +701,11 @@ def _split_kernel(
     stride_mask_h,
     mask_len,
     window,
+    k_window_ptr,
+    v_window_ptr,
+    stride_w_b,
+    stride_w_h,
+    stride_w_slot,
     part_out_ptr,
     part_lse_ptr,
     num_kv_heads,
@@ -666,6 +742,10 @@ def _split_kernel(
     V_ASM: tl.constexpr,
     QUERY: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
+    RING: tl.constexpr,
+    RING_BLOCK: tl.constexpr,
+    RING_QK_F32: tl.constexpr,
+    RING_F32: tl.constexpr,
     PDL: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -678,7 +758,8 @@ def _split_kernel(
         gdc_launch_dependents()
 
     # This split's token range of the compressed positions [0, len - W), from the device-side
-    # length: [start, end). The window's min(len, W) ring tokens are the window kernel's.
+    # length: [start, end). The window's min(len, W) ring tokens are read below (RING) or by
+    # the window kernel.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
     compressed_len = seq_len - tl.minimum(seq_len, window)
     tile_tokens: tl.constexpr = SUBTILES * BLOCK_N
@@ -800,6 +881,38 @@ def _split_kernel(
                 p_b, page_b, slot_b, m_row_b, valid_b, acc0, acc1, acc2, acc3, zero_acc,
                 v_codes_ptr, v_head, stride_vc_page, codebooks_ptr + CODEBOOK_STRIDE, PAGE_SIZE,
                 TOKEN_RUN, D, V_KIND, V_BITS, V_META, V_OFF1, V_PARTS, V_PC, V_PC_PAD, V_ASM,
+            )  # fmt: skip
+
+    if RING:
+        # The ring's RING_BLOCK-token tiles, round robin over the splits from the last one (which
+        # may hold fewer compressed tiles) down: each split takes about W / NUM_SPLITS more
+        # tokens, into the same softmax state and accumulators (values not rotated).
+        rq0, rq1, rq2, rq3 = _ring_query(q_orig_ptr, stride_qb, stride_qh, b, q_head, row_ok, D,
+                                         D_PAD, RING_QK_F32)  # fmt: skip
+        ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
+        window_len = seq_len - compressed_len
+        for r0 in tl.range((NUM_SPLITS - 1 - split) * RING_BLOCK, window_len,
+                           NUM_SPLITS * RING_BLOCK, num_stages=2):  # fmt: skip
+            # ring tokens r0 + i of the window's window_len, at positions compressed_len + r0 + i
+            # and slots (position mod W): within one tile they wrap at most once
+            i = tl.arange(0, RING_BLOCK)
+            in_ring = r0 + i < window_len
+            slot = (compressed_len + r0) % window + i
+            slot = tl.where(slot >= window, slot - window, slot)
+            rows = slot * stride_w_slot
+            scores = _ring_key_scores(k_window_ptr + ring + rows[:, None], in_ring, rq0, rq1, rq2,
+                                      rq3, D) * q_scale  # fmt: skip
+            scores = _mask_scores(scores, compressed_len + r0 + i, mask_ptr, b, q_head, row_ok,
+                                  stride_mask_b, stride_mask_h, mask_len, MASK)  # fmt: skip
+            scores = tl.where(in_ring[:, None], scores, float("-inf"))
+            m_i, m_sub, alpha = _softmax_rescale(tl.max(scores, axis=0), m_i)
+            p = tl.math.exp2(scores - m_sub[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            zero_acc *= alpha
+            acc0, acc1, acc2, acc3 = _ring_values(
+                p, v_window_ptr + ring + rows[None, :], in_ring, acc0 * alpha[None, :],
+                acc1 * alpha[None, :], acc2 * alpha[None, :], acc3 * alpha[None, :], V_PARTS,
+                V_PC, V_PC_PAD, RING_F32,
             )  # fmt: skip
 
     # This split's partial, normalized, in natural element order; lse in the log2 domain.
@@ -1027,11 +1140,12 @@ def _split_launch(
     subtiles,
     mask=None,
     scale=1.0,
-    window=0,
+    k_window=None,
+    v_window=None,
 ):
     """Buffers ``(q_code, part_out, part_lse)``, the grid, positional and keyword arguments of
     ``_split_kernel`` for query ``q [B, Hq, D]``, and the mask's ``(kind, args)``, for a
-    recent window of ``window`` tokens (0: none)."""
+    recent window in the rings ``k_window``/``v_window`` ``[B, Hk, W, D]`` (None: none)."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
     group = num_q_heads // num_kv_heads
@@ -1042,7 +1156,9 @@ def _split_launch(
     capacity = block_table.shape[1] * page_size
     one_tile = _one_tile(capacity, num_splits, subtiles * block_n)
     query = _query_mode(fmt, head_dim, capacity, num_splits)
-    num_partials = num_splits + window_parts(window)[0]
+    window = 0 if k_window is None else k_window.shape[2]
+    ring = _ring_in_split(fmt, window)
+    num_partials = num_splits + (0 if ring else window_parts(window)[0])
     q_code, part_out, part_lse = _buffers(fmt, q, query, num_partials)
     if mask is None:
         mask_kind, mask_args = 0, (seq_lens, 0, 0, 0)
@@ -1058,7 +1174,9 @@ def _split_launch(
         q_code, q, q.stride(0), q.stride(1), scale * LOG2E, rotation, cache.k_codes, cache.v_codes,
         cache.meta, *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:2],
         *cache.meta.stride()[:3], block_table, *block_table.stride(), seq_lens, codebooks,
-        *mask_args, window, part_out, part_lse, num_kv_heads, block_table.shape[1],
+        *mask_args, window, *((k_window, v_window, *k_window.stride()[:3]) if ring
+                              else (q, q, 0, 0, 0)),
+        part_out, part_lse, num_kv_heads, block_table.shape[1],
     )  # fmt: skip
     kwargs = dict(
         MASK=mask_kind,
@@ -1081,13 +1199,17 @@ def _split_launch(
         V_ASM=decode_asm(fmt.value, head_dim) if fast else "",
         QUERY=query,
         INV_SQRT_D=1.0 / math.sqrt(head_dim),
+        RING=ring,
+        RING_BLOCK=_RING_BLOCK,
+        RING_QK_F32=ring and (not fast or k_window.dtype != q.dtype),
+        RING_F32=not fast,
         # without the query preparation, what runs before this kernel is not ours: launch it
         # normally
         PDL=pdl,
         **({"launch_pdl": True} if pdl and query == _QUERY_PREPARED.value else {}),
         num_warps=num_warps,
         num_stages=num_stages,
-        **_register_cap(fmt, one_tile),
+        **_register_cap(fmt, one_tile, ring),
     )
     return (q_code, part_out, part_lse), grid, args, kwargs, (mask_kind, mask_args)
 
@@ -1104,6 +1226,16 @@ def _split_warps(num_programs: int, device: torch.device) -> int:
     return 2 if num_programs <= 2 * sm_count else DEFAULT_WARPS
 
 
+def _ring_in_split(fmt: KVFormat, window: int) -> bool:
+    """Whether the split kernel reads the recent window's ring itself, into the softmax state and
+    accumulators of its compressed tiles, instead of ``_window_kernel`` (NOTES.md "Decode
+    v8"): for values in the original space (rotated values would need the ring rotated into
+    the code space) and of fewer than 8 bits (8-bit values are one 128-element part, whose
+    ``[128, RING_BLOCK]`` ring tile spills beside the loop under the 128-register cap; measured
+    slower)."""
+    return window > 0 and not fmt.value.rotated and fmt.value.bits < 8
+
+
 def _one_tile(capacity: int, num_splits: int, tile_tokens: int) -> bool:
     """Whether every split of a cache of ``capacity`` positions holds at most one tile, at a
     place fixed by its index, so the split kernel reads its block-table entries without waiting
@@ -1118,12 +1250,14 @@ _CAPPED_FORMATS = ("fp8", "tq4_nc")
 _SPLIT_MAX_REGISTERS = 128
 
 
-def _register_cap(fmt: KVFormat, one_tile: bool) -> dict:
+def _register_cap(fmt: KVFormat, one_tile: bool, ring: bool = False) -> dict:
     """ptxas options of the split kernel: ``maxnreg`` for the loop of :data:`_CAPPED_FORMATS`
-    (+61 / +19 loop instructions, 5-9% / 3-6% faster at long contexts). Splits of one tile keep
-    their registers: occupancy does not matter there, and capped, tq4_nc's query rotation
-    spills (1x1024: 7.1 -> 7.6 us)."""
-    if fmt.name in _CAPPED_FORMATS and not one_tile:
+    (+61 / +19 loop instructions, 5-9% / 3-6% faster at long contexts), and for a kernel that
+    reads the ring (``ring``), whose loop would otherwise raise the registers past the 16
+    one-warp programs per SM that the split count assumes. Splits of one tile keep their
+    registers: occupancy does not matter there, and capped, tq4_nc's query rotation spills
+    (1x1024: 7.1 -> 7.6 us)."""
+    if (fmt.name in _CAPPED_FORMATS or ring) and not one_tile:
         return {"maxnreg": _SPLIT_MAX_REGISTERS}
     return {}
 
@@ -1217,7 +1351,7 @@ def decode(
     window = 0 if k_window is None else k_window.shape[2]
     (q_code, part_out, part_lse), grid, args, kwargs, (mask_kind, mask_args) = _split_launch(
         fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, block_n, fast,
-        num_warps, num_stages, subtiles, mask, scale, window,
+        num_warps, num_stages, subtiles, mask, scale, k_window, v_window,
     )  # fmt: skip
     parts, chunk, chunk_pad = _part_params(fmt.key, head_dim)
     # shapes the split kernel's launch already derived, shared by the other kernels
@@ -1234,8 +1368,8 @@ def decode(
             PC_PAD=chunk_pad, BLOCK_Q=_PREP_ROWS, BLOCK_C=_PREP_COLUMNS, PDL=pdl,
         )  # fmt: skip
     _split_kernel[grid](*args, **kwargs)
-    num_window_parts, slots_per_part = window_parts(window)
-    if window:
+    num_window_parts, slots_per_part = window_parts(0 if kwargs["RING"] else window)
+    if num_window_parts:
         num_kv_heads = cache.k_codes.shape[1]
         _window_kernel[(num_window_parts, num_kv_heads, batch)](
             q, q.stride(0), q.stride(1), scale * LOG2E, k_window, v_window,
@@ -1277,13 +1411,16 @@ def compile_split_kernel(
     num_warps=DEFAULT_WARPS,
     num_stages=DEFAULT_STAGES,
     subtiles=DEFAULT_SUBTILES,
+    k_window=None,
+    v_window=None,
     **launch_options,
 ):
-    """Compile (not launch) the split kernel for these inputs through ``compile_fn(kernel, grid,
-    *args, **kwargs)``; used by ``benchmarks/sass_report.py`` to inspect its SASS.
-    ``launch_options`` (e.g. ``maxnreg``) go to the compiler."""
+    """Compile (not launch) the split kernel for these inputs (with rings ``k_window``/
+    ``v_window``, if given) through ``compile_fn(kernel, grid, *args, **kwargs)``; used by
+    ``benchmarks/sass_report.py`` to inspect its SASS. ``launch_options`` (e.g. ``maxnreg``)
+    go to the compiler."""
     _, grid, args, kwargs, _ = _split_launch(
         fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits, block_n, fast,
-        num_warps, num_stages, subtiles,
+        num_warps, num_stages, subtiles, k_window=k_window, v_window=v_window,
     )  # fmt: skip
     return compile_fn(_split_kernel, grid, *args, **{**kwargs, **launch_options})
