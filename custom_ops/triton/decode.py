@@ -1174,6 +1174,7 @@ def _split_launch(
         q_code, q, q.stride(0), q.stride(1), scale * LOG2E, rotation, cache.k_codes, cache.v_codes,
         cache.meta, *cache.k_codes.stride()[:3], *cache.v_codes.stride()[:2],
         *cache.meta.stride()[:3], block_table, *block_table.stride(), seq_lens, codebooks,
+        # the rings and their strides, or placeholders that a kernel without RING never reads
         *mask_args, window, *((k_window, v_window, *k_window.stride()[:3]) if ring
                               else (q, q, 0, 0, 0)),
         part_out, part_lse, num_kv_heads, block_table.shape[1],
@@ -1250,7 +1251,7 @@ _CAPPED_FORMATS = ("fp8", "tq4_nc")
 _SPLIT_MAX_REGISTERS = 128
 
 
-def _register_cap(fmt: KVFormat, one_tile: bool, ring: bool = False) -> dict:
+def _register_cap(fmt: KVFormat, one_tile: bool, ring: bool) -> dict:
     """ptxas options of the split kernel: ``maxnreg`` for the loop of :data:`_CAPPED_FORMATS`
     (+61 / +19 loop instructions, 5-9% / 3-6% faster at long contexts), and for a kernel that
     reads the ring (``ring``), whose loop would otherwise raise the registers past the 16
