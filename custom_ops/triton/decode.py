@@ -427,16 +427,25 @@ def _value_update(
 
 
 @triton.jit
-def _ring_query(q_orig_ptr, stride_qb, stride_qh, b, q_head, row_ok, D: tl.constexpr,
-                D_PAD: tl.constexpr, F32: tl.constexpr):  # fmt: skip
-    """The group's original queries, transposed, as four quarters of the head dim: ``[D_PAD /
-    4, G_PAD]`` each, in the query's dtype (float32 with ``F32``), the B operands of the ring's
-    ``S^T = K @ Q^T`` (keys are read a quarter at a time to keep their registers down)."""
+def _original_query(q_orig_ptr, stride_qb, stride_qh, b, q_head, row_ok, D: tl.constexpr,
+                    D_PAD: tl.constexpr, F32: tl.constexpr):  # fmt: skip
+    """The group's original (unrotated, unscaled) queries, transposed: ``[D_PAD, G_PAD]`` in the
+    query's dtype (float32 with ``F32``), zero in padded rows and columns; the B operand of a
+    ring's ``S^T = K @ Q^T``."""
     d = tl.arange(0, D_PAD)
     q_ptrs = q_orig_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh + d[:, None]
     q_t = tl.load(q_ptrs, mask=row_ok[None, :] & (d < D)[:, None], other=0.0)
     if F32:
         q_t = q_t.to(tl.float32)
+    return q_t
+
+
+@triton.jit
+def _ring_query(q_orig_ptr, stride_qb, stride_qh, b, q_head, row_ok, D: tl.constexpr,
+                D_PAD: tl.constexpr, F32: tl.constexpr):  # fmt: skip
+    """:func:`_original_query` as four quarters of the head dim, ``[D_PAD / 4, G_PAD]`` each:
+    the split kernel reads ring keys a quarter at a time to keep their registers down."""
+    q_t = _original_query(q_orig_ptr, stride_qb, stride_qh, b, q_head, row_ok, D, D_PAD, F32)
     G_PAD: tl.constexpr = q_t.shape[1]
     quarters = tl.permute(tl.reshape(q_t, [2, 2, D_PAD // 4, G_PAD]), [2, 3, 1, 0])
     low, high = tl.split(quarters)
@@ -561,10 +570,8 @@ def _window_kernel(
     q_head = head * GROUP + g
     q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh + d[:, None]
-    q_orig = tl.load(q_ptrs, mask=row_ok[None, :] & (d < D)[:, None], other=0.0)
-    if WINDOW_QK_F32:
-        q_orig = q_orig.to(tl.float32)
+    q_orig = _original_query(q_ptr, stride_qb, stride_qh, b, q_head, row_ok, D, D_PAD,
+                             WINDOW_QK_F32)  # fmt: skip
     ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
     m_w = tl.full([G_PAD], float("-inf"), tl.float32)
     l_w = tl.zeros([G_PAD], tl.float32)
