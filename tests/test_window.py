@@ -197,13 +197,17 @@ def test_decode_window_only_is_exact(kernel_device, seeded):
 
 
 @pytest.mark.parametrize("num_splits", [2, 4])
-@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k2v2_nc", "int8", "tq4_nc"])
-def test_decode_ring_of_several_tiles(fmt_name, num_splits, kernel_device, seeded):
+@pytest.mark.parametrize(
+    "fmt_name, dtype",
+    [(name, torch.bfloat16) for name in ("4bit_nc", "3bit_nc", "k2v2_nc", "int8", "tq4_nc")]
+    + [("k8v4", torch.float16), ("fp8", torch.float16)],
+)
+def test_decode_ring_of_several_tiles(fmt_name, dtype, num_splits, kernel_device, seeded):
     """A 40-token window (three ring tiles of the split kernel, the last one partial, dealt
-    round robin over the splits; one partial window-kernel tile for 8-bit and rotated values),
-    filled past its size so the ring's slots wrap: decode equals float64 attention within
-    1e-3."""
-    seqs = Sequences(fmt_name, seeded, kernel_device, window=40)
+    round robin over the splits; one partial window-kernel tile for rotated values),
+    filled past its size so the ring's slots wrap, in bf16 or fp16 (with fp16 queries, whose
+    dtype then matches the ring's): decode equals float64 attention within 1e-3."""
+    seqs = Sequences(fmt_name, seeded, kernel_device, dtype=dtype, window=40)
     for n_new, starts in [(45, (0, 10)), (3, (45, 55)), (10, (48, 58))]:
         seqs.append(n_new, starts, seeded, use_triton=False)
         q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half()

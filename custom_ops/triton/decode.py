@@ -28,14 +28,14 @@ shapes fixed by the inputs (CUDA-graph safe, no host sync):
 
 Recent window: with a full-precision ring of the last ``W`` tokens (``k_window``/``v_window``),
 the splits cover the compressed positions ``[0, len - W)``. For values in the original space
-and of fewer than 8 bits (:func:`_ring_in_split`), the split kernel also reads the ring:
-its 16-token tiles go round robin to the splits and enter the same softmax state and
-accumulators (in the original space, like those values), so the ring's bytes stream beside the
-compressed ones. Otherwise a fourth kernel, ``_window_kernel`` (grid ``(window parts, Hk,
-B)``), attends over the ring in full precision and in the original space, writing ``window
-parts`` more partials per row, which the merge adds after rotating the compressed partials
-back; with programmatic dependent launch it starts once every split program has, and runs
-beside the split kernel's tail instead of after it.
+(:func:`_ring_in_split`: every format but tq4_nc), the split kernel also reads the ring: its
+16-slot tiles go round robin to the splits and enter the same softmax state and accumulators
+(in the original space, like those values), so the ring's bytes stream beside the compressed
+ones. For rotated values a fourth kernel, ``_window_kernel`` (grid ``(window parts, Hk, B)``),
+attends over the ring in full precision and in the original space, writing ``window parts``
+more partials per row, which the merge adds after rotating the compressed partials back; with
+programmatic dependent launch it starts once every split program has, and runs beside the
+split kernel's tail instead of after it.
 
 Parts: the bit planes of :mod:`custom_ops.formats` are strided, so shifting a row of code bytes
 yields a *contiguous part* of the head dim: 4-bit codes give two halves (low / high nibbles),
@@ -486,17 +486,38 @@ def _ring_values(
 ):
     """``O^T += V^T @ P^T`` for ring values (original space) whose rows start at ``v_rows [1,
     RING_BLOCK]``, per value part of the compressed codes (part ``i``: elements ``[i * V_PC,
-    (i + 1) * V_PC)``), in fp16 like the compressed tiles (float32 with ``F32``)."""
+    (i + 1) * V_PC)``); float32 with ``F32``.
+
+    On the tensor cores the ring's 16-bit values enter as they are (converting bf16 to fp16 cost
+    about 70 of the ring loop's 416 instructions), against ``P^T`` split into two terms of the
+    ring's dtype, ``p = hi + lo`` to ``2^-16`` relative for bf16: as exact as fp16
+    probabilities, for twice the (few) products."""
     j = tl.arange(0, V_PC_PAD)[:, None]
-    pv = p if F32 else p.to(tl.float16)
     ok = in_ring[None, :] & (j < V_PC)
-    acc0 = tl.dot(tl.load(v_rows + j, mask=ok, other=0.0).to(pv.dtype), pv, acc0)
+    if F32:
+        p_hi = p
+        p_lo = p
+    else:
+        p_hi = p.to(v_rows.dtype.element_ty)
+        p_lo = (p - p_hi.to(tl.float32)).to(v_rows.dtype.element_ty)
+    acc0 = _ring_part(tl.load(v_rows + j, mask=ok, other=0.0), p_hi, p_lo, acc0, F32)
     if V_PARTS > 1:
-        acc1 = tl.dot(tl.load(v_rows + V_PC + j, mask=ok, other=0.0).to(pv.dtype), pv, acc1)
+        acc1 = _ring_part(tl.load(v_rows + V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc1, F32)
     if V_PARTS > 2:
-        acc2 = tl.dot(tl.load(v_rows + 2 * V_PC + j, mask=ok, other=0.0).to(pv.dtype), pv, acc2)
-        acc3 = tl.dot(tl.load(v_rows + 3 * V_PC + j, mask=ok, other=0.0).to(pv.dtype), pv, acc3)
+        acc2 = _ring_part(tl.load(v_rows + 2 * V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc2,
+                          F32)  # fmt: skip
+        acc3 = _ring_part(tl.load(v_rows + 3 * V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc3,
+                          F32)  # fmt: skip
     return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _ring_part(v_t, p_hi, p_lo, acc, F32: tl.constexpr):
+    """``acc + v_t @ (p_hi + p_lo)`` for a ring value part ``v_t [V_PC_PAD, RING_BLOCK]``
+    (:func:`_ring_values`): one float32 product with ``F32`` (``p_lo`` is ``p_hi`` there)."""
+    if F32:
+        return tl.dot(v_t.to(tl.float32), p_hi, acc)
+    return tl.dot(v_t, p_lo, tl.dot(v_t, p_hi, acc))
 
 
 @triton.jit
@@ -891,26 +912,26 @@ def _split_kernel(
             )  # fmt: skip
 
     if RING:
-        # The ring's RING_BLOCK-token tiles, round robin over the splits from the last one (which
+        # The ring's RING_BLOCK-slot tiles, round robin over the splits from the last one (which
         # may hold fewer compressed tiles) down: each split takes about W / NUM_SPLITS more
-        # tokens, into the same softmax state and accumulators (values not rotated).
+        # tokens, into the same softmax state and accumulators (values not rotated). The ring
+        # holds window_len = min(len, W) positions from compressed_len, slot r the one that is r
+        # mod W, so its written slots are [0, window_len): a tile is a run of consecutive rows
+        # (no wrap), and a slot's position matters only to a mask.
         rq0, rq1, rq2, rq3 = _ring_query(q_orig_ptr, stride_qb, stride_qh, b, q_head, row_ok, D,
                                          D_PAD, RING_QK_F32)  # fmt: skip
         ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
         window_len = seq_len - compressed_len
         for r0 in tl.range((NUM_SPLITS - 1 - split) * RING_BLOCK, window_len,
                            NUM_SPLITS * RING_BLOCK, num_stages=2):  # fmt: skip
-            # ring tokens r0 + i of the window's window_len, at positions compressed_len + r0 + i
-            # and slots (position mod W): within one tile they wrap at most once
-            i = tl.arange(0, RING_BLOCK)
-            in_ring = r0 + i < window_len
-            slot = (compressed_len + r0) % window + i
-            slot = tl.where(slot >= window, slot - window, slot)
+            slot = r0 + tl.arange(0, RING_BLOCK)
+            in_ring = slot < window_len
             rows = slot * stride_w_slot
             scores = _ring_key_scores(k_window_ptr + ring + rows[:, None], in_ring, rq0, rq1, rq2,
                                       rq3, D) * q_scale  # fmt: skip
-            scores = _mask_scores(scores, compressed_len + r0 + i, mask_ptr, b, q_head, row_ok,
-                                  stride_mask_b, stride_mask_h, mask_len, MASK)  # fmt: skip
+            positions = compressed_len + (slot + window - compressed_len % window) % window
+            scores = _mask_scores(scores, positions, mask_ptr, b, q_head, row_ok, stride_mask_b,
+                                  stride_mask_h, mask_len, MASK)  # fmt: skip
             scores = tl.where(in_ring[:, None], scores, float("-inf"))
             m_i, m_sub, alpha = _softmax_rescale(tl.max(scores, axis=0), m_i)
             p = tl.math.exp2(scores - m_sub[None, :])
@@ -1236,12 +1257,10 @@ def _split_warps(num_programs: int, device: torch.device) -> int:
 
 def _ring_in_split(fmt: KVFormat, window: int) -> bool:
     """Whether the split kernel reads the recent window's ring itself, into the softmax state and
-    accumulators of its compressed tiles, instead of ``_window_kernel`` (NOTES.md "Decode
-    v8"): for values in the original space (rotated values would need the ring rotated into
-    the code space) and of fewer than 8 bits (8-bit values are one 128-element part, whose
-    ``[128, RING_BLOCK]`` ring tile spills beside the loop under the 128-register cap; measured
-    slower)."""
-    return window > 0 and not fmt.value.rotated and fmt.value.bits < 8
+    accumulators of its compressed tiles, instead of ``_window_kernel`` (NOTES.md "Decode v8"
+    and "Decode v9"): for values in the original space. Rotated values accumulate in the code
+    space, where the ring would have to be rotated into."""
+    return window > 0 and not fmt.value.rotated
 
 
 def _one_tile(capacity: int, num_splits: int, tile_tokens: int) -> bool:
