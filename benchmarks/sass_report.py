@@ -154,14 +154,15 @@ def main() -> None:
     args = parser.parse_args()
 
     fmt = get_format(args.format)
-    block_n, subtiles = decode.tile_config(fmt)
+    batch, hk, page, pages = 1, 8, 16, 64
+    one_tile = decode._one_tile(pages * page, args.splits, decode.DEFAULT_BLOCK_N)
+    block_n, subtiles = decode.tile_config(fmt, one_tile)
     args.block_n = args.block_n or block_n
     args.subtiles = args.subtiles or subtiles
-    batch, hk, page = 1, 8, 16
-    cache = fmt.allocate(64, hk, page, args.head_dim)
+    cache = fmt.allocate(pages, hk, page, args.head_dim)
     consts = api.make_constants(fmt, args.head_dim)
     q = torch.zeros(batch, hk * args.group, args.head_dim, dtype=torch.bfloat16)
-    table = torch.zeros(batch, 64, dtype=torch.int32)
+    table = torch.zeros(batch, pages, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
     ring = torch.zeros(batch, hk, args.window, args.head_dim, dtype=torch.bfloat16)
     compiled = decode.compile_split_kernel(

@@ -92,11 +92,24 @@ DEFAULT_STAGES = 2
 DEFAULT_SUBTILES = 1
 
 
-def tile_config(fmt: KVFormat) -> tuple[int, int]:
-    """``(block_n, subtiles)`` for a format: 8-bit keys and values decode to one full-width
-    part each, so they take 16-token tiles, two per softmax step (same work per step, half the
-    registers live); the others 32-token tiles, one per step (H100 sweep in NOTES.md)."""
-    if fmt.key.bits == 8 and fmt.value.bits == 8:
+# Formats whose split kernel takes two 16-token tiles per softmax step instead of one of 32
+# tokens (H100, NOTES.md "Decode v4" and "Decode v9"): int8 and fp8 always (8-bit keys and
+# values decode to one full-width part each, so half the registers are live per tile); k8v4,
+# k3v4_nc and k2v4_nc where splits hold several tiles. The kernel waits on loads, and two
+# independent tiles keep more of them in flight: those three are 5-8%, 1-3% and 5-6% faster at
+# long contexts while executing 15-21% more instructions; at 1 x 1024 (one tile per split)
+# k8v4 was 0.5 us slower. 4bit_nc, 3bit_nc and k2v2_nc would need more than 128 registers
+# (129-168, offline SASS) and were about 25% slower, tq4_nc 0-4%.
+_SUBTILED_FORMATS = ("int8", "fp8")
+_SUBTILED_LONG_FORMATS = ("k8v4", "k3v4_nc", "k2v4_nc")
+
+
+def tile_config(fmt: KVFormat, one_tile: bool = False) -> tuple[int, int]:
+    """``(block_n, subtiles)`` of the split kernel for a format, where splits hold at most one
+    tile (``one_tile``: short contexts) or more: 16-token tiles two per softmax step for
+    :data:`_SUBTILED_FORMATS` (and :data:`_SUBTILED_LONG_FORMATS` in long splits), 32-token
+    tiles one per step otherwise. Both read 32 tokens per step."""
+    if fmt.name in _SUBTILED_FORMATS or (fmt.name in _SUBTILED_LONG_FORMATS and not one_tile):
         return 16, 2
     return DEFAULT_BLOCK_N, DEFAULT_SUBTILES
 
@@ -1367,7 +1380,9 @@ def decode(
     :func:`tile_config`), ``num_warps`` (default: :func:`_split_warps`) and ``num_stages`` tune
     the split kernel (see NOTES.md).
     """
-    default_block_n, default_subtiles = tile_config(fmt)
+    capacity = block_table.shape[1] * cache.k_codes.shape[2]
+    one_tile = _one_tile(capacity, num_splits, DEFAULT_BLOCK_N * DEFAULT_SUBTILES)
+    default_block_n, default_subtiles = tile_config(fmt, one_tile)
     block_n = default_block_n if block_n is None else block_n
     subtiles = default_subtiles if subtiles is None else subtiles
     batch, num_q_heads, head_dim = q.shape
