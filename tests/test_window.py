@@ -78,6 +78,16 @@ class Sequences:
                              self.v_window, self.block_table, start_pos.to(d),
                              self.consts)  # fmt: skip
 
+    def decode(self, q, num_splits, mask=None):
+        """``tq.decode`` of ``q`` over the cache and the rings by the Triton kernels on this
+        device (query and mask moved there), returned on the CPU."""
+        d = self.device
+        with triton_kernels(d):
+            return api.decode(self.fmt, q.to(d), self.cache, self.block_table, self.lens.to(d),
+                              self.consts, num_splits=num_splits,
+                              mask=None if mask is None else mask.to(d), k_window=self.k_window,
+                              v_window=self.v_window).cpu()  # fmt: skip
+
     def slots_of(self, b, positions):
         pages = self.block_table.cpu()[b, positions // PAGE_SIZE].to(torch.int64)
         return pages * PAGE_SIZE + positions % PAGE_SIZE
@@ -168,12 +178,8 @@ def test_decode_window_contribution_is_exact(fmt_name, group, kernel_device, see
         # fp16 query, so the output's rounding (2^-11) stays below the bound
         q = torch.randn(BATCH, NUM_KV_HEADS * group, HEAD_DIM, generator=seeded).half()
         expected = _expected_attention(seqs, q)
-        d = kernel_device
-        with triton_kernels(d):
-            actual = api.decode(seqs.fmt, q.to(d), seqs.cache, seqs.block_table,
-                                seqs.lens.to(d), seqs.consts, num_splits=2,
-                                k_window=seqs.k_window, v_window=seqs.v_window)  # fmt: skip
-        rel = (actual.cpu().double() - expected).norm() / expected.norm()
+        actual = seqs.decode(q, num_splits=2)
+        rel = (actual.double() - expected).norm() / expected.norm()
         assert rel < 1e-3, (n_new, starts, float(rel))
 
 
@@ -188,12 +194,8 @@ def test_decode_window_only_is_exact(kernel_device, seeded):
     q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).to(torch.bfloat16)
     expected = reference.attention(q, seqs.keys.double(), seqs.values.double(), seqs.lens,
                                    HEAD_DIM**-0.5)  # fmt: skip
-    d = kernel_device
-    with triton_kernels(d):
-        actual = api.decode(seqs.fmt, q.to(d), seqs.cache, seqs.block_table, seqs.lens.to(d),
-                            seqs.consts, num_splits=2, k_window=seqs.k_window,
-                            v_window=seqs.v_window)  # fmt: skip
-    torch.testing.assert_close(actual.cpu().double(), expected, rtol=1e-2, atol=4e-3)
+    actual = seqs.decode(q, num_splits=2)
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-2, atol=4e-3)
 
 
 @pytest.mark.parametrize("num_splits", [2, 4])
@@ -212,12 +214,8 @@ def test_decode_ring_of_several_tiles(fmt_name, dtype, num_splits, kernel_device
         seqs.append(n_new, starts, seeded, use_triton=False)
         q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half()
         expected = _expected_attention(seqs, q)
-        d = kernel_device
-        with triton_kernels(d):
-            actual = api.decode(seqs.fmt, q.to(d), seqs.cache, seqs.block_table,
-                                seqs.lens.to(d), seqs.consts, num_splits=num_splits,
-                                k_window=seqs.k_window, v_window=seqs.v_window)  # fmt: skip
-        rel = (actual.cpu().double() - expected).norm() / expected.norm()
+        actual = seqs.decode(q, num_splits=num_splits)
+        rel = (actual.double() - expected).norm() / expected.norm()
         assert rel < 1e-3, (n_new, starts, float(rel))
 
 
@@ -234,11 +232,7 @@ def test_decode_window_mask(kind, kernel_device, seeded):
     mask = allowed if kind == "bool" else torch.where(allowed, 0.25, float("-inf"))
     q = torch.randn(BATCH, num_q_heads, HEAD_DIM, generator=seeded).half()
     expected = _expected_attention(seqs, q, mask=mask)
-    d = kernel_device
-    with triton_kernels(d):
-        actual = api.decode(seqs.fmt, q.to(d), seqs.cache, seqs.block_table, seqs.lens.to(d),
-                            seqs.consts, num_splits=4, mask=mask.to(d),
-                            k_window=seqs.k_window, v_window=seqs.v_window).cpu()  # fmt: skip
+    actual = seqs.decode(q, num_splits=4, mask=mask)
     assert bool((actual[1, 2] == 0).all())
     rel = (actual.double() - expected).norm() / expected.norm()
     assert rel < 1e-3

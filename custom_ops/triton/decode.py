@@ -1186,7 +1186,8 @@ def _split_launch(
 ):
     """Buffers ``(q_code, part_out, part_lse)``, the grid, positional and keyword arguments of
     ``_split_kernel`` for query ``q [B, Hq, D]``, and the mask's ``(kind, args)``, for a
-    recent window in the rings ``k_window``/``v_window`` ``[B, Hk, W, D]`` (None: none)."""
+    recent window in the rings ``k_window``/``v_window`` ``[B, Hk, W, D]`` (None: none).
+    ``block_n`` and ``subtiles`` of None take :func:`tile_config`'s."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
     group = num_q_heads // num_kv_heads
@@ -1195,6 +1196,12 @@ def _split_launch(
         num_warps = _split_warps(math.prod(grid), q.device)
     pdl = _use_pdl(fast, q.device)
     capacity = block_table.shape[1] * page_size
+    # both configurations read DEFAULT_BLOCK_N tokens per step, so one-tile splits are the same
+    default_block_n, default_subtiles = tile_config(
+        fmt, _one_tile(capacity, num_splits, DEFAULT_BLOCK_N * DEFAULT_SUBTILES)
+    )
+    block_n = default_block_n if block_n is None else block_n
+    subtiles = default_subtiles if subtiles is None else subtiles
     one_tile = _one_tile(capacity, num_splits, subtiles * block_n)
     query = _query_mode(fmt, head_dim, capacity, num_splits)
     window = 0 if k_window is None else k_window.shape[2]
@@ -1380,11 +1387,6 @@ def decode(
     :func:`tile_config`), ``num_warps`` (default: :func:`_split_warps`) and ``num_stages`` tune
     the split kernel (see NOTES.md).
     """
-    capacity = block_table.shape[1] * cache.k_codes.shape[2]
-    one_tile = _one_tile(capacity, num_splits, DEFAULT_BLOCK_N * DEFAULT_SUBTILES)
-    default_block_n, default_subtiles = tile_config(fmt, one_tile)
-    block_n = default_block_n if block_n is None else block_n
-    subtiles = default_subtiles if subtiles is None else subtiles
     batch, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q)
     if batch == 0:
