@@ -100,8 +100,9 @@ def test_query_rotated_in_split_or_prepared(fmt_name, kernel_device, seeded):
 def test_block_table_past_the_length_is_not_followed(fmt_name, kernel_device, seeded):
     """Block-table entries past a sequence's pages may hold anything (here a page id far beyond
     the cache). Splits of one tile read them before they know the length and must not follow
-    them; longer splits do not read them. Both against float64 attention (k8v4, int8, fp8: two
-    16-token tiles per split; fp8, tq4_nc: the longer splits' kernel is register-capped)."""
+    them; longer splits do not read them. Both against float64 attention (int8, fp8, and k8v4 in
+    the longer splits: two 16-token tiles per step; fp8, tq4_nc: the longer splits' kernel is
+    register-capped)."""
     fmt, consts, cache, table, lens, q = _case(fmt_name, 64, 4, seeded)
     expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
     stale = table.clone()
