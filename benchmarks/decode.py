@@ -36,6 +36,7 @@ from common import copy_bandwidth, gpu_name, print_table, require_cuda, write_js
 from custom_ops import api  # noqa: E402
 from custom_ops.formats import FORMATS, get_format  # noqa: E402
 from custom_ops.triton import decode as triton_decode  # noqa: E402
+from custom_ops.triton.decode import SplitConfig  # noqa: E402
 
 SHAPES = [(1, 131072), (4, 32768), (16, 8192), (64, 2048), (1, 1024), (1, 4096)]
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
@@ -146,6 +147,11 @@ def window_rings(inputs, window: int) -> list:
     return rings
 
 
+def default_splits(batch: int, seq: int) -> int:
+    """The split count a cache of ``batch`` x ``seq`` positions gets by default."""
+    return api.default_num_splits(batch, NUM_KV_HEADS, seq // PAGE_SIZE, PAGE_SIZE, 0, "cuda")
+
+
 def tq_calls(fmt, inputs, rings, num_splits: int, **kernel_args) -> list:
     """One ``tq.decode`` call per replica of the inputs and rings."""
     return [
@@ -201,18 +207,18 @@ def run(formats, shapes, sweep: bool, windows=(0,)) -> dict:
                 config="",
             )
         )
-        default_splits = api.num_splits_for(batch, NUM_KV_HEADS, seq, "cuda")
+        splits_default = default_splits(batch, seq)
         for name in formats:
             fmt = get_format(name)
             nbytes = batch * seq * NUM_KV_HEADS * fmt.bytes_per_token_head(HEAD_DIM)
             inputs = tq_inputs(fmt, batch, seq)
-            configs = [({}, default_splits)]
+            configs = [({}, splits_default)]
             if sweep:
                 configs = [
-                    (dict(block_n=bn, num_warps=w, num_stages=st, subtiles=sub), default_splits)
+                    ({"split_config": SplitConfig(bn, sub, w, st)}, splits_default)
                     for bn, w, st, sub in SWEEP
                 ]
-                configs += [({}, max(1, int(default_splits * f))) for f in SPLIT_FACTORS]
+                configs += [({}, max(1, int(splits_default * f))) for f in SPLIT_FACTORS]
             for config, splits in configs:
                 try:
                     graphs = {
@@ -238,7 +244,7 @@ def run(formats, shapes, sweep: bool, windows=(0,)) -> dict:
                             window=window,
                             vs_window0=times.get(0, float("nan")) / us,
                             splits=splits,
-                            config=",".join(f"{k}={v}" for k, v in config.items()),
+                            config=_config_label(config),
                         )
                     )
             del inputs
@@ -259,6 +265,14 @@ def run(formats, shapes, sweep: bool, windows=(0,)) -> dict:
         ),
     )
     return dict(gpu=gpu_name(), copy_bandwidth=copy_bw, rows=rows)
+
+
+def _config_label(config: dict) -> str:
+    """``block_n=..,subtiles=..,num_warps=..,num_stages=..`` of a sweep point ("" default)."""
+    split_config = config.get("split_config")
+    if split_config is None:
+        return ""
+    return ",".join(f"{k}={v}" for k, v in split_config._asdict().items())
 
 
 def plot(payload: dict, path: Path) -> None:

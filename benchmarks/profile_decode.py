@@ -37,7 +37,7 @@ def main() -> None:
     cache, consts, table, lens = bench.filled_cache(fmt, args.batch, args.seq)
     q = torch.randn(args.batch, bench.NUM_Q_HEADS, bench.HEAD_DIM, device="cuda",
                     dtype=torch.bfloat16)  # fmt: skip
-    splits = api.num_splits_for(args.batch, bench.NUM_KV_HEADS, args.seq, "cuda")
+    splits = bench.default_splits(args.batch, args.seq)
     for _ in range(args.warm + 1):
         api.decode(fmt, q, cache, table, lens, consts, splits)
     torch.cuda.synchronize()

@@ -126,15 +126,16 @@ def main() -> None:
     from custom_ops import api
     from custom_ops.formats import get_format
     from custom_ops.triton import decode
+    from custom_ops.triton.decode.plan import DEFAULT_STAGES, DEFAULT_WARPS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--format", default="4bit_nc")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--block-n", type=int, help="default: decode.tile_config(format)")
-    parser.add_argument("--warps", type=int, default=decode.DEFAULT_WARPS)
-    parser.add_argument("--stages", type=int, default=decode.DEFAULT_STAGES)
-    parser.add_argument("--subtiles", type=int, help="default: decode.tile_config(format)")
+    parser.add_argument("--block-n", type=int, help="default: the launch plan's")
+    parser.add_argument("--warps", type=int, default=DEFAULT_WARPS)
+    parser.add_argument("--stages", type=int, default=DEFAULT_STAGES)
+    parser.add_argument("--subtiles", type=int, help="default: the launch plan's")
     parser.add_argument(
         "--splits",
         type=int,
@@ -155,40 +156,28 @@ def main() -> None:
 
     fmt = get_format(args.format)
     batch, hk, page, pages = 1, 8, 16, 64
-    one_tile = decode._one_tile(pages * page, args.splits, decode.DEFAULT_BLOCK_N)
-    block_n, subtiles = decode.tile_config(fmt, one_tile)
-    args.block_n = args.block_n or block_n
-    args.subtiles = args.subtiles or subtiles
     cache = fmt.allocate(pages, hk, page, args.head_dim)
     consts = api.make_constants(fmt, args.head_dim)
     q = torch.zeros(batch, hk * args.group, args.head_dim, dtype=torch.bfloat16)
     table = torch.zeros(batch, pages, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
     ring = torch.zeros(batch, hk, args.window, args.head_dim, dtype=torch.bfloat16)
+    rings = (ring, ring) if args.window else (None, None)
+    config = decode.SplitConfig(args.block_n, args.subtiles, args.warps, args.stages)
+    plan = decode.plan_for(fmt, q, cache, table, args.splits, None, rings[0], True, config)
     compiled = decode.compile_split_kernel(
-        fmt,
-        q,
-        cache,
-        table,
-        lens,
-        *consts,
-        num_splits=args.splits,
-        block_n=args.block_n,
-        compile_fn=compile_offline,
-        num_warps=args.warps,
-        num_stages=args.stages,
-        subtiles=args.subtiles,
-        k_window=ring if args.window else None,
-        v_window=ring if args.window else None,
+        fmt, q, cache, table, lens, consts.rotation, args.splits, compile_offline,
+        split_config=config, k_window=rings[0], v_window=rings[1],
         **({"maxnreg": args.maxnreg} if args.maxnreg else {}),
-    )
+    )  # fmt: skip
     if args.dump:
         with open(args.dump, "w") as f:
             f.write("\n".join(disassemble(compiled.asm["cubin"])))
+    block_n, subtiles = plan.split.kwargs["BLOCK_N"], plan.split.kwargs["SUBTILES"]
     report(
         compiled,
-        args.block_n * args.subtiles,
-        f"{args.format} D={args.head_dim} group={args.group} BLOCK_N={args.block_n}",
+        block_n * subtiles,
+        f"{args.format} D={args.head_dim} group={args.group} BLOCK_N={block_n} x {subtiles}",
     )
 
 

@@ -1,4 +1,9 @@
-"""Typed Python API over ``torch.ops.tq`` for the layers above: constants, store, dequantize."""
+"""Typed Python API over ``torch.ops.tq`` for the layers above: constants, store, decode.
+
+Each wrapper builds the operator's argument tuple (:mod:`custom_ops.schema`) from a
+:class:`~custom_ops.formats.PagedKVCache` and :class:`KVConstants`, and fills in the defaults
+(split count, softmax scale) by the policies every caller shares.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,10 @@ from typing import NamedTuple
 
 import torch
 
-from custom_ops.codebook import codebook_table, rotation_matrix
-from custom_ops.formats import Kind, KVFormat, PagedKVCache, get_format
-from custom_ops.triton.decode import choose_num_splits
+from custom_ops import splits
+from custom_ops.codebook import rotation_matrix
+from custom_ops.formats import KVFormat, PagedKVCache, get_format, sequence_capacity
+from custom_ops.schema import DecodeArgs, DequantizeArgs, StoreArgs, StoreWindowArgs
 
 __all__ = [
     "KVConstants",
@@ -17,35 +23,27 @@ __all__ = [
     "store_window",
     "dequantize",
     "decode",
-    "num_splits_for",
+    "default_num_splits",
 ]
 
 
 class KVConstants(NamedTuple):
-    """The per-format constants every op takes.
+    """The per-cache constants every op takes.
 
     Attributes:
         rotation: ``[D, D] float32`` +-1 rotation matrix (Lloyd-Max codecs rotate with it).
-        codebooks: ``[2, 16] float32`` Lloyd-Max levels of keys (row 0) and values (row 1).
     """
 
     rotation: torch.Tensor
-    codebooks: torch.Tensor
 
 
 def make_constants(
     fmt: str | KVFormat, head_dim: int, seed: int = 0, device: torch.device | str = "cpu"
 ) -> KVConstants:
-    """Build the rotation (seeded) and codebooks of a format for one head dim on ``device``."""
-    kv_format = get_format(fmt)
-
-    def lloyd_max_bits(codec):
-        return codec.bits if codec.kind == Kind.LLOYD_MAX else None
-
-    codebooks = codebook_table(
-        lloyd_max_bits(kv_format.key), lloyd_max_bits(kv_format.value), head_dim
-    )
-    return KVConstants(rotation_matrix(head_dim, seed).to(device), codebooks.to(device))
+    """Build the seeded rotation for one head dim on ``device`` (the Lloyd-Max levels are not a
+    constant of the cache: they follow from the format and the head dim)."""
+    get_format(fmt)  # a clear error for an unknown format
+    return KVConstants(rotation_matrix(head_dim, seed).to(device))
 
 
 def store(
@@ -57,7 +55,8 @@ def store(
     constants: KVConstants,
 ) -> None:
     """Quantize ``key``/``value`` ``[N, Hk, D]`` into ``cache`` at ``slot_mapping [N] int32``."""
-    torch.ops.tq.store(key, value, *cache, slot_mapping, *constants, get_format(fmt).name)
+    args = StoreArgs(key, value, *cache, slot_mapping, constants.rotation, get_format(fmt).name)
+    torch.ops.tq.store(*args)
 
 
 def store_window(
@@ -74,8 +73,9 @@ def store_window(
     """Append ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos [B] int32 ..`` to
     sequences whose last ``W`` tokens live in the rings ``k_window``/``v_window [B, Hk, W, D]``
     (see ``torch.ops.tq.store_window``)."""
-    torch.ops.tq.store_window(key, value, *cache, k_window, v_window, block_table, start_pos,
-                              *constants, get_format(fmt).name)  # fmt: skip
+    args = StoreWindowArgs(key, value, *cache, k_window, v_window, block_table, start_pos,
+                           constants.rotation, get_format(fmt).name)  # fmt: skip
+    torch.ops.tq.store_window(*args)
 
 
 def dequantize(
@@ -91,24 +91,24 @@ def dequantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K and V ``[B, Hk, max_seq_len, D]`` of every sequence (zeros past its length; the
     last ``W`` positions from the rings when given)."""
-    return torch.ops.tq.dequantize(*cache, block_table, seq_lens, *constants,
-                                   get_format(fmt).name, max_seq_len, dtype, k_window,
-                                   v_window)  # fmt: skip
+    args = DequantizeArgs(*cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
+                          max_seq_len, dtype, k_window, v_window)  # fmt: skip
+    return torch.ops.tq.dequantize(*args)
 
 
-def num_splits_for(
-    batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device | str
+def default_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_pages: int,
+    page_size: int,
+    window: int,
+    device: torch.device | str,
 ) -> int:
-    """The fixed split count for a cache of this capacity on ``device`` (1 on the CPU).
-
-    Depends only on capacity and the GPU's SM count, never on current lengths, so it is chosen
-    once per cache and a captured CUDA graph stays valid as sequences grow.
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 1
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    return choose_num_splits(batch, num_kv_heads, max_seq_len, sm_count)
+    """The decode split count of a cache (:func:`custom_ops.splits.num_splits_for` of its
+    sequence capacity, ``max_pages * page_size + window``): what :func:`decode` and
+    ``TurboQuantKVCache`` use unless told otherwise."""
+    capacity = sequence_capacity(max_pages, page_size, window)
+    return splits.num_splits_for(batch, num_kv_heads, capacity, device)
 
 
 def decode(
@@ -126,24 +126,15 @@ def decode(
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` (one token per sequence) over the cache: ``[B, Hq, D]``.
 
-    ``num_splits`` defaults to :func:`num_splits_for` the block table's capacity; ``scale`` to
-    ``1 / sqrt(D)``; ``k_window``/``v_window`` are the recent-window rings, if any.
+    ``num_splits`` defaults to :func:`default_num_splits`; ``scale`` to ``1 / sqrt(D)``;
+    ``k_window``/``v_window`` are the recent-window rings, if any.
     """
     if num_splits is None:
-        capacity = block_table.shape[1] * cache.k_codes.shape[2]
-        num_splits = num_splits_for(q.shape[0], cache.k_codes.shape[1], capacity, q.device)
+        window = 0 if k_window is None else k_window.shape[2]
+        num_splits = default_num_splits(q.shape[0], cache.k_codes.shape[1], block_table.shape[1],
+                                        cache.k_codes.shape[2], window, q.device)  # fmt: skip
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return torch.ops.tq.decode(
-        q,
-        *cache,
-        block_table,
-        seq_lens,
-        *constants,
-        get_format(fmt).name,
-        num_splits,
-        scale,
-        mask,
-        k_window,
-        v_window,
-    )
+    args = DecodeArgs(q, *cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
+                      num_splits, scale, mask, k_window, v_window)  # fmt: skip
+    return torch.ops.tq.decode(*args)

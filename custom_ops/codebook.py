@@ -32,7 +32,7 @@ __all__ = [
     "signed_levels",
     "hadamard",
     "rotation_matrix",
-    "codebook_table",
+    "signed_level_values",
 ]
 
 
@@ -78,7 +78,8 @@ def lloyd_max_magnitudes(bits: int, head_dim: int) -> tuple[float, ...]:
 
 
 @functools.cache
-def _signed_levels_list(bits: int, head_dim: int) -> tuple[float, ...]:
+def signed_level_values(bits: int, head_dim: int) -> tuple[float, ...]:
+    """:func:`signed_levels` as Python floats (hashable: the kernels take them as constexprs)."""
     mags = torch.tensor(lloyd_max_magnitudes(bits, head_dim), dtype=torch.float64, device="cpu")
     mags = mags.to(torch.float16).to(torch.float32)
     return tuple(torch.cat([mags, -mags]).tolist())
@@ -91,7 +92,7 @@ def signed_levels(bits: int, head_dim: int) -> torch.Tensor:
         ``[2^bits] float32``: entry ``s << (bits-1) | m`` is ``(-1)^s * magnitude[m]``, with the
         magnitudes rounded to float16 (exactly what the kernels multiply with).
     """
-    return torch.tensor(_signed_levels_list(bits, head_dim), dtype=torch.float32, device="cpu")
+    return torch.tensor(signed_level_values(bits, head_dim), dtype=torch.float32, device="cpu")
 
 
 def _is_prime(n: int) -> bool:
@@ -148,19 +149,3 @@ def rotation_matrix(head_dim: int, seed: int) -> torch.Tensor:
     signs = torch.randint(0, 2, (head_dim,), generator=gen, dtype=torch.int64, device="cpu")
     signs = signs * 2 - 1
     return (signs.to(torch.float32)[:, None] * hadamard(head_dim).T).contiguous()
-
-
-MAX_LEVELS = 16
-
-
-def codebook_table(key_bits: int | None, value_bits: int | None, head_dim: int) -> torch.Tensor:
-    """The codebook table passed to the ops: ``[2, 16] float32``.
-
-    Row 0 holds the key levels and row 1 the value levels (:func:`signed_levels`) for the sides
-    whose codec is Lloyd-Max (``*_bits`` not None); other entries are zero.
-    """
-    table = torch.zeros(2, MAX_LEVELS, dtype=torch.float32, device="cpu")
-    for row, bits in enumerate((key_bits, value_bits)):
-        if bits is not None:
-            table[row, : 1 << bits] = signed_levels(bits, head_dim)
-    return table

@@ -40,6 +40,9 @@ import torch
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
+    "TINY_NORM",
+    "FP8_MAX",
+    "INT8_MAX",
     "Kind",
     "Codec",
     "BitPlane",
@@ -47,9 +50,16 @@ __all__ = [
     "PagedKVCache",
     "FORMATS",
     "get_format",
+    "check_head_dim",
+    "sequence_capacity",
 ]
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+
+# Numbers every encoder (the reference and the kernels) must agree on.
+TINY_NORM = 1e-30  # Lloyd-Max: rows with a smaller norm are zero vectors (codes +0, norm 0)
+FP8_MAX = 448.0  # largest finite e4m3 value: fp8 absmax scale = absmax / FP8_MAX
+INT8_MAX = 127.0  # int8 absmax scale = absmax / INT8_MAX
 
 
 class Kind(enum.IntEnum):
@@ -227,7 +237,14 @@ class PagedKVCache(NamedTuple):
         return self.v_codes.transpose(2, 3)
 
 
+def sequence_capacity(max_pages: int, page_size: int, window: int = 0) -> int:
+    """Positions one sequence of a paged cache can hold: its block table's pages, plus the
+    ``window`` most recent positions, which live in a full-precision ring and need no page."""
+    return max_pages * page_size + window
+
+
 def check_head_dim(head_dim: int) -> None:
+    """Raise ``ValueError`` unless ``head_dim`` is one of :data:`SUPPORTED_HEAD_DIMS`."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"unsupported head dim {head_dim}: expected one of {SUPPORTED_HEAD_DIMS}")
 

@@ -1,10 +1,46 @@
 """The ``torch.ops.tq`` operators: schemas, fake (meta) implementations and device dispatch.
 
-Every op validates its inputs first (:mod:`custom_ops.validate`), in the real and in the fake
-implementation, so bad input raises before any kernel runs, eagerly and while tracing. CUDA
-tensors run the Triton kernels; CPU tensors run the pure-torch reference, or the same Triton
-kernels under ``TRITON_INTERPRET=1`` inside :func:`triton_on_cpu` (how the tests exercise the
-kernels without a GPU).
+Each operator's schema is derived from its argument ``NamedTuple`` in :mod:`custom_ops.schema`
+(the one place its arguments are listed); the real and the fake implementation both receive
+that tuple and validate it first (:mod:`custom_ops.validate`), so bad input raises before any
+kernel runs, eagerly and while tracing. CUDA tensors run the Triton kernels; CPU tensors run the
+pure-torch reference, or the same Triton kernels under ``TRITON_INTERPRET=1`` inside
+:func:`triton_on_cpu` (how the tests exercise the kernels without a GPU).
+
+The operators are defined with ``torch.library.Library`` rather than ``custom_op``: the same
+dispatch, functionalization and ``opcheck`` support, for a fraction of the per-call host cost.
+
+* ``tq.store(key, value, k_codes!, v_codes!, meta!, slot_mapping, rotation, fmt)``: quantize
+  ``key``/``value [N, Hk, D]`` (bf16/fp16, any strides) into the cache planes (see
+  :mod:`custom_ops.formats`) at ``slot_mapping [N] int32`` (``page * page_size + offset``;
+  negative slots are padding and skipped). Returns nothing.
+* ``tq.store_window(key, value, k_codes!, v_codes!, meta!, k_window!, v_window!, block_table,
+  start_pos, rotation, fmt)``: append ``key``/``value [B, Hk, T, D]`` at positions
+  ``start_pos[b] ..`` (``[B] int32``, the current length; negative skips the sequence) to
+  sequences whose last ``min(len, W)`` tokens live in the rings ``k_window``/``v_window [>= B,
+  Hk, W, D]`` (contiguous bf16/fp16, position ``p`` at slot ``p % W``). Tokens that leave the
+  ring are quantized into their pages exactly once (:func:`custom_ops.reference.store_window`);
+  pages are needed only below ``len - W``, so a sequence of ``block_table [>= B, max_pages]``
+  holds ``max_pages * page_size + W`` positions.
+* ``tq.dequantize(k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, max_seq_len,
+  dtype, k_window=None, v_window=None) -> (K, V)``: dense ``[B, Hk, max_seq_len, D]`` of
+  ``dtype`` (bf16, fp16, fp32 or fp64) for ``block_table [B, max_pages] int32`` and ``seq_lens
+  [B] int32``; zeros at and past each length; with the rings, each sequence's last ``min(len,
+  W)`` positions are copied from them. ``max_seq_len`` is at most the sequence capacity.
+* ``tq.decode(q, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, num_splits,
+  scale, mask=None, k_window=None, v_window=None) -> out``: attention of ``q [B, Hq, D]``
+  (bf16/fp16, ``Hq`` a multiple of ``Hk``) over each sequence's cache, ``[B, Hq, D]`` in q's
+  dtype. Block-table entries past a sequence's pages may hold anything (short contexts read them
+  early but never follow them); a sequence of length 0 gives zeros. ``num_splits`` is the fixed
+  split count (a power of two, :mod:`custom_ops.splits`), ``scale`` the softmax scale, ``mask``
+  an optional ``[B or 1, Hq or 1, M]`` bool (False masks out) or additive float mask over cache
+  positions (positions ``>= M`` masked out; a query with no visible key gets zeros). With the
+  rings, the last ``min(len, W)`` positions are read from them in full precision.
+
+``rotation`` (``[D, D] float32``, entries +-1) must be :func:`custom_ops.codebook.rotation_matrix`
+(for a power-of-two D the CUDA decode kernels use its Walsh-Hadamard structure, ``R = diag(s) @
+H``). The Lloyd-Max levels are not an argument: they follow from the format and the head dim
+(:func:`custom_ops.codebook.signed_levels`), the same on every path.
 """
 
 from __future__ import annotations
@@ -18,13 +54,16 @@ from triton import knobs
 
 from custom_ops import reference, validate
 from custom_ops.formats import PagedKVCache
-from custom_ops.triton import decode as triton_decode
+from custom_ops.schema import DecodeArgs, DequantizeArgs, StoreArgs, StoreWindowArgs, op_schema
 from custom_ops.triton import dequant as triton_dequant
 from custom_ops.triton import store as triton_store
+from custom_ops.triton import store_window as triton_store_window
+from custom_ops.triton.decode import decode as triton_decode
 
-__all__ = ["store", "store_window", "dequantize", "decode", "triton_on_cpu"]
+__all__ = ["triton_on_cpu"]
 
 _state = threading.local()
+_lib = torch.library.Library("tq", "DEF")
 
 
 @contextlib.contextmanager
@@ -49,208 +88,69 @@ def _use_triton(device: torch.device) -> bool:
     )
 
 
-@torch.library.custom_op("tq::store", mutates_args=("k_codes", "v_codes", "meta"))
-def store(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_codes: torch.Tensor,
-    v_codes: torch.Tensor,
-    meta: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    rotation: torch.Tensor,
-    codebooks: torch.Tensor,
-    fmt: str,
-) -> None:
-    """Quantize ``key``/``value`` ``[N, Hk, D]`` (bf16/fp16) into the slots of a paged cache.
-
-    Args:
-        key, value: ``[N, Hk, D]`` new token-heads, any strides.
-        k_codes, v_codes, meta: the cache planes (see :mod:`custom_ops.formats`), mutated.
-        slot_mapping: ``[N] int32`` slot of each token (``page * page_size + offset``);
-            negative slots are padding and skipped.
-        rotation: ``[D, D] float32`` +-1 rotation (:func:`custom_ops.codebook.rotation_matrix`).
-        codebooks: ``[2, 16] float32`` levels (:func:`custom_ops.codebook.codebook_table`).
-        fmt: format name (:data:`custom_ops.formats.FORMATS`).
-    """
-    cache = PagedKVCache(k_codes, v_codes, meta)
-    kv_format = validate.check_store(fmt, key, value, cache, slot_mapping, rotation, codebooks)
-    impl = triton_store.store if _use_triton(key.device) else reference.store
-    impl(kv_format, key, value, cache, slot_mapping, rotation, codebooks)
+def _define(name, args_type, impl, fake, mutates=(), returns="()") -> None:
+    """Define ``tq::<name>`` from its argument tuple; ``impl`` and ``fake`` take that tuple."""
+    _lib.define(op_schema(name, args_type, mutates, returns))
+    _lib.impl(name, lambda *a, **kw: impl(args_type(*a, **kw)), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tq::{name}", lambda *a, **kw: fake(args_type(*a, **kw)),
+                                lib=_lib)  # fmt: skip
 
 
-@store.register_fake
-def _store_fake(key, value, k_codes, v_codes, meta, slot_mapping, rotation, codebooks, fmt):
-    validate.check_store(
-        fmt, key, value, PagedKVCache(k_codes, v_codes, meta), slot_mapping, rotation, codebooks
-    )
+def _cache(args) -> PagedKVCache:
+    return PagedKVCache(args.k_codes, args.v_codes, args.meta)
 
 
-@torch.library.custom_op(
-    "tq::store_window", mutates_args=("k_codes", "v_codes", "meta", "k_window", "v_window")
-)
-def store_window(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_codes: torch.Tensor,
-    v_codes: torch.Tensor,
-    meta: torch.Tensor,
-    k_window: torch.Tensor,
-    v_window: torch.Tensor,
-    block_table: torch.Tensor,
-    start_pos: torch.Tensor,
-    rotation: torch.Tensor,
-    codebooks: torch.Tensor,
-    fmt: str,
-) -> None:
-    """Append new tokens to sequences that keep their most recent ``W`` tokens in full precision.
-
-    The ring ``k_window``/``v_window`` holds each sequence's last ``min(len, W)`` tokens (position
-    ``p`` at slot ``p % W``); the paged cache holds the older ones, quantized. New tokens go into
-    the ring; tokens that leave it are quantized into their slots, exactly once (see
-    :func:`custom_ops.reference.store_window`).
-
-    Args:
-        key, value: ``[B, Hk, T, D]`` (bf16/fp16, any strides) new tokens of each sequence.
-        k_codes, v_codes, meta: the cache planes, mutated.
-        k_window, v_window: ``[>= B, Hk, W, D]`` contiguous bf16/fp16 rings, mutated.
-        block_table: ``[>= B, max_pages] int32`` page ids of each sequence; pages are needed
-            only below ``len - W``, so a sequence holds ``max_pages * page_size + W`` positions.
-        start_pos: ``[B] int32`` current length of each sequence = position of its first new
-            token (tokens are appended; a negative start skips the sequence).
-        rotation, codebooks, fmt: as for :func:`store`.
-    """
-    cache = PagedKVCache(k_codes, v_codes, meta)
-    kv_format = validate.check_store_window(
-        fmt, key, value, cache, k_window, v_window, block_table, start_pos, rotation, codebooks
-    )
-    impl = triton_store.store_window if _use_triton(key.device) else reference.store_window
-    impl(kv_format, key, value, cache, k_window, v_window, block_table, start_pos, rotation,
-         codebooks)  # fmt: skip
+def _store(a: StoreArgs) -> None:
+    kv_format = validate.check_store(a)
+    impl = triton_store.store if _use_triton(a.key.device) else reference.store
+    impl(kv_format, a.key, a.value, _cache(a), a.slot_mapping, a.rotation)
 
 
-@store_window.register_fake
-def _store_window_fake(key, value, k_codes, v_codes, meta, k_window, v_window, block_table,
-                       start_pos, rotation, codebooks, fmt):  # fmt: skip
-    validate.check_store_window(
-        fmt, key, value, PagedKVCache(k_codes, v_codes, meta), k_window, v_window, block_table,
-        start_pos, rotation, codebooks,
-    )  # fmt: skip
+def _store_window(a: StoreWindowArgs) -> None:
+    kv_format = validate.check_store_window(a)
+    use_triton = _use_triton(a.key.device)
+    impl = triton_store_window.store_window if use_triton else reference.store_window
+    impl(kv_format, a.key, a.value, _cache(a), a.k_window, a.v_window, a.block_table, a.start_pos,
+         a.rotation)  # fmt: skip
 
 
-@torch.library.custom_op("tq::dequantize", mutates_args=())
-def dequantize(
-    k_codes: torch.Tensor,
-    v_codes: torch.Tensor,
-    meta: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    rotation: torch.Tensor,
-    codebooks: torch.Tensor,
-    fmt: str,
-    max_seq_len: int,
-    dtype: torch.dtype,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantize a paged cache into dense K and V ``[B, Hk, max_seq_len, D]`` of ``dtype``.
-
-    Args:
-        k_codes, v_codes, meta: the cache planes.
-        block_table: ``[B, max_pages] int32`` page ids of each sequence.
-        seq_lens: ``[B] int32`` lengths; positions at or beyond them come out as zeros.
-        rotation, codebooks, fmt: as for :func:`store`.
-        max_seq_len: static length S of the output (at most ``max_pages * page_size``).
-        dtype: output dtype (bf16, fp16, fp32 or fp64).
-        k_window, v_window: optional ``[>= B, Hk, W, D]`` recent-window rings (see
-            :func:`store_window`): each sequence's last ``min(len, W)`` positions come from them.
-    """
-    args = (k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len,
-            dtype, k_window, v_window)  # fmt: skip
-    kv_format, cache, _ = validate.check_dequantize(*args)
-    impl = triton_dequant.dequantize if _use_triton(k_codes.device) else reference.dequantize
-    return impl(kv_format, cache, block_table, seq_lens, rotation, codebooks, max_seq_len, dtype,
-                k_window, v_window)  # fmt: skip
+def _dequantize(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    kv_format, _ = validate.check_dequantize(a)
+    impl = triton_dequant.dequantize if _use_triton(a.k_codes.device) else reference.dequantize
+    return impl(kv_format, _cache(a), a.block_table, a.seq_lens, a.rotation, a.max_seq_len,
+                a.dtype, a.k_window, a.v_window)  # fmt: skip
 
 
-@dequantize.register_fake
-def _dequantize_fake(k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt,
-                     max_seq_len, dtype, k_window=None, v_window=None):  # fmt: skip
-    _, _, head_dim = validate.check_dequantize(
-        k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt, max_seq_len,
-        dtype, k_window, v_window,
-    )  # fmt: skip
-    shape = (block_table.shape[0], k_codes.shape[1], max_seq_len, head_dim)
-    return k_codes.new_empty(shape, dtype=dtype), k_codes.new_empty(shape, dtype=dtype)
+def _dequantize_fake(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    _, head_dim = validate.check_dequantize(a)
+    shape = (a.block_table.shape[0], a.k_codes.shape[1], a.max_seq_len, head_dim)
+    return a.k_codes.new_empty(shape, dtype=a.dtype), a.k_codes.new_empty(shape, dtype=a.dtype)
 
 
-@torch.library.custom_op("tq::decode", mutates_args=())
-def decode(
-    q: torch.Tensor,
-    k_codes: torch.Tensor,
-    v_codes: torch.Tensor,
-    meta: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    rotation: torch.Tensor,
-    codebooks: torch.Tensor,
-    fmt: str,
-    num_splits: int,
-    scale: float,
-    mask: torch.Tensor | None = None,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of one query token per sequence over its compressed, paged cache.
-
-    Args:
-        q: ``[B, Hq, D]`` bf16/fp16 queries; ``Hq`` a multiple of the cache's ``Hk`` (GQA).
-        k_codes, v_codes, meta: the cache planes.
-        block_table: ``[B, max_pages] int32`` page ids (entries past a sequence's pages may
-            hold anything: short contexts read them early, but never follow them); seq_lens:
-            ``[B] int32`` lengths (a sequence of length 0 gives zeros).
-        rotation, codebooks, fmt: as for :func:`store` (for a power-of-two D the CUDA kernels
-            use the Walsh-Hadamard structure of ``rotation_matrix``: ``R = diag(s) @ H``).
-        num_splits: fixed number of KV splits (a power of two), chosen once per cache.
-        scale: softmax scale (``1 / sqrt(D)`` for standard attention).
-        mask: optional ``[B or 1, Hq or 1, M]`` attention mask over cache positions: bool
-            (False masks out) or additive float (added to the scaled scores); positions
-            ``>= M`` are masked out. A query with no visible key gets zeros.
-        k_window, v_window: optional ``[>= B, Hk, W, D]`` recent-window rings (see
-            :func:`store_window`): the last ``min(len, W)`` positions are read from them in
-            full precision, the older ones from the compressed cache.
-
-    Returns:
-        ``[B, Hq, D]`` in q's dtype.
-    """
-    cache = PagedKVCache(k_codes, v_codes, meta)
-    kv_format = validate.check_decode(fmt, q, cache, block_table, seq_lens, rotation, codebooks,
-                                      num_splits, scale, mask, k_window, v_window)  # fmt: skip
-    if _use_triton(q.device):
-        return triton_decode.decode(kv_format, q, cache, block_table, seq_lens, rotation,
-                                    codebooks, num_splits, scale, mask, k_window,
-                                    v_window)  # fmt: skip
-    return reference.decode(kv_format, q, cache, block_table, seq_lens, rotation, codebooks,
-                            scale, torch.float32, mask, k_window, v_window)  # fmt: skip
+def _decode(a: DecodeArgs) -> torch.Tensor:
+    kv_format = validate.check_decode(a)
+    if _use_triton(a.q.device):
+        return triton_decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
+                             a.num_splits, a.scale, a.mask, a.k_window, a.v_window)  # fmt: skip
+    return reference.decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
+                            a.scale, torch.float32, a.mask, a.k_window, a.v_window)  # fmt: skip
 
 
-@decode.register_fake
-def _decode_fake(
-    q,
-    k_codes,
-    v_codes,
-    meta,
-    block_table,
-    seq_lens,
-    rotation,
-    codebooks,
-    fmt,
-    num_splits,
-    scale,
-    mask=None,
-    k_window=None,
-    v_window=None,
-):
-    cache = PagedKVCache(k_codes, v_codes, meta)
-    validate.check_decode(fmt, q, cache, block_table, seq_lens, rotation, codebooks, num_splits,
-                          scale, mask, k_window, v_window)  # fmt: skip
-    return torch.empty_like(q)
+def _decode_fake(a: DecodeArgs) -> torch.Tensor:
+    validate.check_decode(a)
+    return torch.empty_like(a.q)
+
+
+def _store_fake(a: StoreArgs) -> None:
+    validate.check_store(a)
+
+
+def _store_window_fake(a: StoreWindowArgs) -> None:
+    validate.check_store_window(a)
+
+
+_define("store", StoreArgs, _store, _store_fake, mutates=("k_codes", "v_codes", "meta"))
+_define("store_window", StoreWindowArgs, _store_window, _store_window_fake,
+        mutates=("k_codes", "v_codes", "meta", "k_window", "v_window"))  # fmt: skip
+_define("dequantize", DequantizeArgs, _dequantize, _dequantize_fake, returns="(Tensor, Tensor)")
+_define("decode", DecodeArgs, _decode, _decode_fake, returns="Tensor")

@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from custom_ops.formats import Codec, Kind, KVFormat, PagedKVCache
+from custom_ops.codebook import signed_levels
+from custom_ops.formats import FP8_MAX, INT8_MAX, TINY_NORM, Codec, Kind, KVFormat, PagedKVCache
 
 __all__ = [
     "encode_rows",
@@ -29,11 +30,6 @@ __all__ = [
     "attention",
     "decode",
 ]
-
-# Norms below this are treated as zero vectors (codes of +0, stored norm 0).
-TINY_NORM = 1e-30
-FP8_MAX = 448.0
-INT8_MAX = 127.0
 
 
 def pack_codes(codec: Codec, codes: torch.Tensor) -> torch.Tensor:
@@ -79,9 +75,10 @@ def _magnitude_midpoints(levels: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _encode_lloyd_max(
-    codec: Codec, x: torch.Tensor, rotation: torch.Tensor, levels: torch.Tensor
+    codec: Codec, x: torch.Tensor, rotation: torch.Tensor
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     head_dim = x.shape[1]
+    levels = signed_levels(codec.bits, head_dim).to(x.device)
     norm = torch.sqrt((x * x).sum(dim=1))
     inv_sqrt_d = torch.tensor(1.0 / math.sqrt(head_dim), dtype=torch.float32)
     y = (x @ rotation) * (inv_sqrt_d / norm.clamp_min(TINY_NORM))[:, None]
@@ -122,22 +119,22 @@ def _encode_absmax(codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, list[to
 
 
 def encode_rows(
-    codec: Codec, x: torch.Tensor, rotation: torch.Tensor, levels: torch.Tensor
+    codec: Codec, x: torch.Tensor, rotation: torch.Tensor
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Encode token-head rows with one codec.
 
     Args:
         codec: the codec.
         x: ``[R, D]`` rows (any float dtype; computed in float32).
-        rotation: ``[D, D]`` +-1 rotation matrix (used by Lloyd-Max codecs).
-        levels: ``[2^bits]`` float32 signed levels (used by Lloyd-Max codecs).
+        rotation: ``[D, D]`` +-1 rotation matrix (used by Lloyd-Max codecs, whose levels are
+            :func:`custom_ops.codebook.signed_levels` of the codec's bits and ``D``).
 
     Returns:
         ``(packed [R, code_bytes] uint8, meta)`` with one ``[R] float32`` per meta field.
     """
     x = x.to(torch.float32)
     if codec.kind == Kind.LLOYD_MAX:
-        codes, meta = _encode_lloyd_max(codec, x, rotation.to(x.device), levels.to(x.device))
+        codes, meta = _encode_lloyd_max(codec, x, rotation.to(x.device))
     elif codec.kind == Kind.UNIFORM:
         codes, meta = _encode_uniform(codec, x)
     elif codec.kind == Kind.FP8:
@@ -152,7 +149,6 @@ def decode_rows(
     packed: torch.Tensor,
     meta: list[torch.Tensor],
     rotation: torch.Tensor,
-    levels: torch.Tensor,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Decode rows back to vectors in the original (un-rotated) space.
@@ -162,7 +158,6 @@ def decode_rows(
         packed: ``[R, code_bytes] uint8``.
         meta: one ``[R]`` tensor per meta field of the codec.
         rotation: ``[D, D]`` +-1 rotation matrix.
-        levels: ``[2^bits]`` float32 signed levels.
         dtype: float32 for the CPU implementation, float64 for oracles.
 
     Returns:
@@ -177,6 +172,7 @@ def decode_rows(
     if codec.kind == Kind.UNIFORM:
         return codes.to(dtype) * meta[0][:, None] + meta[1][:, None]
     head_dim = codes.shape[1]
+    levels = signed_levels(codec.bits, head_dim)
     rotated = levels.to(device=packed.device, dtype=dtype)[codes]
     inv_sqrt_d = 1.0 / math.sqrt(head_dim)
     unrotated = rotated @ rotation.to(device=packed.device, dtype=dtype).T
@@ -196,7 +192,6 @@ def store(
     cache: PagedKVCache,
     slot_mapping: torch.Tensor,
     rotation: torch.Tensor,
-    codebooks: torch.Tensor,
 ) -> None:
     """Quantize ``key``/``value`` ``[N, Hk, D]`` and write them into the slots of a paged cache.
 
@@ -205,8 +200,8 @@ def store(
     """
     n_tokens, num_kv_heads, head_dim = key.shape
     page_size = cache.k_codes.shape[2]
-    k_packed, k_meta = encode_rows(fmt.key, key.reshape(-1, head_dim), rotation, codebooks[0])
-    v_packed, v_meta = encode_rows(fmt.value, value.reshape(-1, head_dim), rotation, codebooks[1])
+    k_packed, k_meta = encode_rows(fmt.key, key.reshape(-1, head_dim), rotation)
+    v_packed, v_meta = encode_rows(fmt.value, value.reshape(-1, head_dim), rotation)
     meta = torch.stack(k_meta + v_meta, dim=1).to(fmt.meta_dtype)
 
     slots = slot_mapping.to(torch.int64)
@@ -240,7 +235,6 @@ def store_window(
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     rotation: torch.Tensor,
-    codebooks: torch.Tensor,
 ) -> None:
     """Append ``key``/``value`` ``[B, Hk, T, D]`` to sequences that keep their most recent
     ``W`` tokens in full precision.
@@ -270,7 +264,7 @@ def store_window(
         positions = torch.cat([leaving, new_pos[direct]])
         slots = _slots_of(positions, block_table[b], page_size)
         store(fmt, k_rows.transpose(0, 1).float(), v_rows.transpose(0, 1).float(), cache, slots,
-              rotation, codebooks)  # fmt: skip
+              rotation)  # fmt: skip
         stay = ~direct
         k_window[b][:, new_pos[stay] % window] = key[b][:, stay].to(k_window.dtype)
         v_window[b][:, new_pos[stay] % window] = value[b][:, stay].to(v_window.dtype)
@@ -317,7 +311,6 @@ def dequantize(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     rotation: torch.Tensor,
-    codebooks: torch.Tensor,
     max_seq_len: int,
     dtype: torch.dtype,
     k_window: torch.Tensor | None = None,
@@ -335,14 +328,12 @@ def dequantize(
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     k_meta, v_meta = _split_meta(fmt, rows.meta.reshape(-1, rows.meta.shape[-1]))
 
-    def side(codec, packed, meta, levels):
-        flat = decode_rows(
-            codec, packed.reshape(-1, packed.shape[-1]), meta, rotation, levels, compute
-        )
+    def side(codec, packed, meta):
+        flat = decode_rows(codec, packed.reshape(-1, packed.shape[-1]), meta, rotation, compute)
         return flat.reshape(batch, num_kv_heads, seq, -1)
 
-    k = side(fmt.key, rows.k_codes, k_meta, codebooks[0])
-    v = side(fmt.value, rows.value_rows, v_meta, codebooks[1])
+    k = side(fmt.key, rows.k_codes, k_meta)
+    v = side(fmt.value, rows.value_rows, v_meta)
     valid = torch.arange(seq, device=k.device)[None, :] < seq_lens.to(k.device)[:, None]
     valid = valid[:, None, :, None]
     k = torch.where(valid, k, torch.zeros((), dtype=compute))
@@ -399,7 +390,6 @@ def decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     rotation: torch.Tensor,
-    codebooks: torch.Tensor,
     scale: float,
     dtype: torch.dtype = torch.float32,
     mask: torch.Tensor | None = None,
@@ -415,6 +405,6 @@ def decode(
     max_seq_len = block_table.shape[1] * cache.k_codes.shape[2]
     if k_window is not None:
         max_seq_len += k_window.shape[2]  # the ring holds the last W positions
-    k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, codebooks, max_seq_len, dtype,
-                      k_window, v_window)  # fmt: skip
+    k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, max_seq_len, dtype, k_window,
+                      v_window)  # fmt: skip
     return attention(q, k, v, seq_lens, scale, mask).to(q.dtype)

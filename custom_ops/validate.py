@@ -15,8 +15,9 @@ import os
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from custom_ops.codebook import MAX_LEVELS
-from custom_ops.formats import SUPPORTED_HEAD_DIMS, KVFormat, PagedKVCache, get_format
+from custom_ops import formats, splits
+from custom_ops.formats import KVFormat, PagedKVCache, get_format
+from custom_ops.schema import DecodeArgs, DequantizeArgs, StoreArgs, StoreWindowArgs
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -59,8 +60,10 @@ def check_same_device(op: str, device: torch.device, **tensors: torch.Tensor) ->
 
 
 def check_head_dim(op: str, head_dim: int) -> None:
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        _fail(op, f"unsupported head dim {head_dim}: expected one of {SUPPORTED_HEAD_DIMS}")
+    try:
+        formats.check_head_dim(head_dim)
+    except ValueError as err:
+        _fail(op, str(err))
 
 
 def check_cache(op: str, fmt: KVFormat, cache: PagedKVCache, head_dim: int) -> None:
@@ -90,28 +93,16 @@ def check_cache(op: str, fmt: KVFormat, cache: PagedKVCache, head_dim: int) -> N
     check_same_device(op, cache.k_codes.device, v_codes=cache.v_codes, meta=cache.meta)
 
 
-def check_constants(
-    op: str, rotation: torch.Tensor, codebooks: torch.Tensor, head_dim: int, device: torch.device
-) -> None:
-    if rotation.dtype != torch.float32 or codebooks.dtype != torch.float32:
-        _fail(
-            op,
-            f"rotation and codebooks must be float32, got {rotation.dtype} and {codebooks.dtype}",
-            TypeError,
-        )
+def check_rotation(op: str, rotation: torch.Tensor, head_dim: int, device: torch.device) -> None:
+    if rotation.dtype != torch.float32:
+        _fail(op, f"rotation must be float32, got {rotation.dtype}", TypeError)
     if _shape(rotation) != (head_dim, head_dim) or not rotation.is_contiguous():
         _fail(
             op,
             f"rotation must be a contiguous [{head_dim}, {head_dim}] matrix, got shape "
             f"{_shape(rotation)}",
         )
-    if _shape(codebooks) != (2, MAX_LEVELS) or not codebooks.is_contiguous():
-        _fail(
-            op,
-            f"codebooks must be a contiguous [2, {MAX_LEVELS}] table, got shape "
-            f"{_shape(codebooks)}",
-        )
-    check_same_device(op, device, rotation=rotation, codebooks=codebooks)
+    check_same_device(op, device, rotation=rotation)
 
 
 def check_int32_vector(op: str, name: str, t: torch.Tensor, length: int | None = None) -> None:
@@ -154,23 +145,18 @@ def check_new_tokens(
         _fail(op, f"key has {num_kv_heads} kv-heads but the cache has {cache.k_codes.shape[1]}")
 
 
-def check_store(
-    fmt_name: str,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cache: PagedKVCache,
-    slot_mapping: torch.Tensor,
-    rotation: torch.Tensor,
-    codebooks: torch.Tensor,
-) -> KVFormat:
+def check_store(args: StoreArgs) -> KVFormat:
+    """Checks of ``tq.store``; returns the format."""
     op = "store"
-    fmt = check_format(op, fmt_name)
-    check_new_tokens(op, fmt, key, value, cache, "[N, Hk, D]")
+    fmt = check_format(op, args.fmt)
+    cache = PagedKVCache(args.k_codes, args.v_codes, args.meta)
+    key, slot_mapping = args.key, args.slot_mapping
+    check_new_tokens(op, fmt, key, args.value, cache, "[N, Hk, D]")
     n_tokens, _, head_dim = key.shape
     device = cache.k_codes.device
-    check_same_device(op, device, key=key, value=value, slot_mapping=slot_mapping)
+    check_same_device(op, device, key=key, value=args.value, slot_mapping=slot_mapping)
     check_int32_vector(op, "slot_mapping", slot_mapping, n_tokens)
-    check_constants(op, rotation, codebooks, head_dim, device)
+    check_rotation(op, args.rotation, head_dim, device)
     if n_tokens and checks_values(slot_mapping):
         capacity = cache.k_codes.shape[0] * cache.k_codes.shape[2]
         largest = int(slot_mapping.max())
@@ -184,25 +170,17 @@ def check_store(
     return fmt
 
 
-def check_store_window(
-    fmt_name: str,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cache: PagedKVCache,
-    k_window: torch.Tensor,
-    v_window: torch.Tensor,
-    block_table: torch.Tensor,
-    start_pos: torch.Tensor,
-    rotation: torch.Tensor,
-    codebooks: torch.Tensor,
-) -> KVFormat:
+def check_store_window(args: StoreWindowArgs) -> KVFormat:
+    """Checks of ``tq.store_window``; returns the format."""
     op = "store_window"
-    fmt = check_format(op, fmt_name)
-    check_new_tokens(op, fmt, key, value, cache, "[B, Hk, T, D]")
+    fmt = check_format(op, args.fmt)
+    cache = PagedKVCache(args.k_codes, args.v_codes, args.meta)
+    key, block_table, start_pos = args.key, args.block_table, args.start_pos
+    check_new_tokens(op, fmt, key, args.value, cache, "[B, Hk, T, D]")
     batch, num_kv_heads, n_new, head_dim = key.shape
     device = cache.k_codes.device
-    check_same_device(op, device, key=key, value=value, start_pos=start_pos)
-    check_window(op, k_window, v_window, batch, num_kv_heads, head_dim, device)
+    check_same_device(op, device, key=key, value=args.value, start_pos=start_pos)
+    check_window(op, args.k_window, args.v_window, batch, num_kv_heads, head_dim, device)
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < batch:
         _fail(
             op,
@@ -211,10 +189,10 @@ def check_store_window(
         )
     check_same_device(op, device, block_table=block_table)
     check_int32_vector(op, "start_pos", start_pos, batch)
-    check_constants(op, rotation, codebooks, head_dim, device)
+    check_rotation(op, args.rotation, head_dim, device)
     if batch and checks_values(start_pos):
-        window = k_window.shape[2]
-        capacity = block_table.shape[1] * cache.k_codes.shape[2] + window
+        window = args.k_window.shape[2]
+        capacity = formats.sequence_capacity(block_table.shape[1], cache.k_codes.shape[2], window)
         end = int(start_pos.max()) + n_new
         if end > capacity:
             _fail(
@@ -289,7 +267,7 @@ def check_block_table(
     batch, max_pages = block_table.shape
     check_int32_vector(op, "seq_lens", seq_lens, batch)
     check_same_device(op, cache.k_codes.device, block_table=block_table, seq_lens=seq_lens)
-    table_capacity = max_pages * cache.k_codes.shape[2] + window
+    table_capacity = formats.sequence_capacity(max_pages, cache.k_codes.shape[2], window)
     if max_seq_len is not None and not 0 <= max_seq_len <= table_capacity:
         _fail(
             op,
@@ -323,89 +301,71 @@ def check_page_ids(
         _fail(op, f"block_table holds page ids outside [0, {num_pages}) for {what}")
 
 
-def check_dequantize(
-    k_codes,
-    v_codes,
-    meta,
-    block_table,
-    seq_lens,
-    rotation,
-    codebooks,
-    fmt,
-    max_seq_len,
-    dtype,
-    k_window=None,
-    v_window=None,
-) -> tuple[KVFormat, PagedKVCache, int]:
-    """Checks of ``tq.dequantize``; returns the format, the cache and the head dim."""
+def check_dequantize(args: DequantizeArgs) -> tuple[KVFormat, int]:
+    """Checks of ``tq.dequantize``; returns the format and the head dim."""
     op = "dequantize"
-    kv_format = check_format(op, fmt)
+    kv_format = check_format(op, args.fmt)
+    rotation = args.rotation
     head_dim = rotation.shape[0] if rotation.dim() == 2 else -1
     check_head_dim(op, head_dim)
-    cache = PagedKVCache(k_codes, v_codes, meta)
+    cache = PagedKVCache(args.k_codes, args.v_codes, args.meta)
+    device = cache.k_codes.device
     check_cache(op, kv_format, cache, head_dim)
-    check_constants(op, rotation, codebooks, head_dim, k_codes.device)
+    check_rotation(op, rotation, head_dim, device)
+    block_table = args.block_table
     batch = block_table.shape[0] if block_table.dim() == 2 else 0
-    check_window(op, k_window, v_window, batch, k_codes.shape[1], head_dim, k_codes.device)
-    window = 0 if k_window is None else k_window.shape[2]
-    check_block_table(op, cache, block_table, seq_lens, max_seq_len, window)
-    if dtype not in OUTPUT_DTYPES:
-        _fail(op, f"dtype must be one of {OUTPUT_DTYPES}, got {dtype}", TypeError)
-    return kv_format, cache, head_dim
+    num_kv_heads = cache.k_codes.shape[1]
+    check_window(op, args.k_window, args.v_window, batch, num_kv_heads, head_dim, device)
+    window = 0 if args.k_window is None else args.k_window.shape[2]
+    check_block_table(op, cache, block_table, args.seq_lens, args.max_seq_len, window)
+    if args.dtype not in OUTPUT_DTYPES:
+        _fail(op, f"dtype must be one of {OUTPUT_DTYPES}, got {args.dtype}", TypeError)
+    return kv_format, head_dim
 
 
-def check_decode(
-    fmt_name: str,
-    q: torch.Tensor,
-    cache: PagedKVCache,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    rotation: torch.Tensor,
-    codebooks: torch.Tensor,
-    num_splits: int,
-    scale: float,
-    mask: torch.Tensor | None = None,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-) -> KVFormat:
+def check_decode(args: DecodeArgs) -> KVFormat:
+    """Checks of ``tq.decode``; returns the format."""
     op = "decode"
-    fmt = check_format(op, fmt_name)
+    fmt = check_format(op, args.fmt)
+    q, mask = args.q, args.mask
     if q.dim() != 3:
         _fail(op, f"q must be [B, Hq, D] (one query token per sequence), got shape {_shape(q)}")
     if q.dtype not in MODEL_DTYPES:
         _fail(op, f"q must be bfloat16 or float16, got {q.dtype}", TypeError)
     batch, num_q_heads, head_dim = q.shape
     check_head_dim(op, head_dim)
+    cache = PagedKVCache(args.k_codes, args.v_codes, args.meta)
+    device = cache.k_codes.device
     check_cache(op, fmt, cache, head_dim)
     num_kv_heads = cache.k_codes.shape[1]
     if num_q_heads % num_kv_heads:
         _fail(
             op, f"q has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} kv-heads"
         )
-    check_same_device(op, cache.k_codes.device, q=q)
-    check_constants(op, rotation, codebooks, head_dim, cache.k_codes.device)
-    check_window(op, k_window, v_window, batch, num_kv_heads, head_dim, cache.k_codes.device)
-    window = 0 if k_window is None else k_window.shape[2]
-    check_block_table(op, cache, block_table, seq_lens, window=window)
-    if block_table.shape[0] != batch:
-        _fail(op, f"block_table has {block_table.shape[0]} rows for a batch of {batch} queries")
-    if not (1 <= num_splits <= 512 and num_splits & (num_splits - 1) == 0):
-        _fail(op, f"num_splits must be a power of two in [1, 512], got {num_splits}")
+    check_same_device(op, device, q=q)
+    check_rotation(op, args.rotation, head_dim, device)
+    check_window(op, args.k_window, args.v_window, batch, num_kv_heads, head_dim, device)
+    window = 0 if args.k_window is None else args.k_window.shape[2]
+    check_block_table(op, cache, args.block_table, args.seq_lens, window=window)
+    if args.block_table.shape[0] != batch:
+        _fail(
+            op, f"block_table has {args.block_table.shape[0]} rows for a batch of {batch} queries"
+        )
+    if not splits.is_valid_num_splits(args.num_splits):
+        _fail(
+            op,
+            f"num_splits must be a power of two in [1, {splits.MAX_SPLITS}], got "
+            f"{args.num_splits}",
+        )
+    scale = args.scale
     if not (scale > 0 and scale != float("inf")):
         _fail(op, f"scale must be a positive finite float, got {scale}")
     if mask is not None:
-        check_same_device(op, cache.k_codes.device, mask=mask)
+        check_same_device(op, device, mask=mask)
         if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
             _fail(op, f"mask must be bool or floating point, got {mask.dtype}", TypeError)
-        if (
-            mask.dim() != 3
-            or mask.shape[0] not in (1, batch)
-            or mask.shape[1]
-            not in (
-                1,
-                num_q_heads,
-            )
-        ):
+        heads_ok = mask.dim() == 3 and mask.shape[1] in (1, num_q_heads)
+        if not heads_ok or mask.shape[0] not in (1, batch):
             _fail(
                 op,
                 f"mask must be [B or 1, Hq or 1, positions] = [{batch} or 1, "

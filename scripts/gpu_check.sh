@@ -6,6 +6,8 @@
 #   sweep  - the decode kernel's tuning sweep
 #   e2e    - benchmarks/e2e.py with $E2E_ARGS
 #   quality - benchmarks/quality.py with $QUALITY_ARGS (trains the byte model once per machine)
+#   compare - benchmarks/compare_decode.py: this tree's decode vs the tree at $COMPARE_BASE
+#             (default .ab/base, a carried export of the base commit) with $COMPARE_ARGS
 # Logs and JSON/PNG results go to $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -35,6 +37,10 @@ for stage in "${@:-tests bench}"; do
       ;;
     quality)
       python3 benchmarks/quality.py ${QUALITY_ARGS:-} 2>&1 | tee "$OUT/quality.log" | tail -40
+      ;;
+    compare)
+      python3 benchmarks/compare_decode.py --base "${COMPARE_BASE:-.ab/base}" ${COMPARE_ARGS:-} \
+        2>&1 | tee "$OUT/compare.log" | tail -70
       ;;
     sweep)
       python3 benchmarks/decode.py --formats 4bit_nc k8v4 3bit_nc int8 --shapes 1x131072 \

@@ -11,7 +11,7 @@ The cache of sequence ``b`` is pages ``b * pages_per_seq ... (b + 1) * pages_per
 (enough for the ``S_max - W`` positions that can leave a recent window of ``W``): a
 static cache is the identity block table of the paged kernels.
 
-Float buffers (the meta record, the rotation, the codebooks) are held as integer tensors of the
+Float buffers (the meta record, the rotation) are held as integer tensors of the
 same bits and viewed as floats when used, so ``model.to(dtype)`` / ``model.half()`` after
 ``setup_caches`` cannot convert them (it converts floating-point buffers only).
 """
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from custom_ops import api
-from custom_ops.formats import get_format
+from custom_ops.formats import PagedKVCache, get_format
 from tq_compile.kv_tensor import TurboQuantKVTensor
 
 __all__ = ["TurboQuantKVCache", "kv_cache_nbytes"]
@@ -45,8 +45,9 @@ class TurboQuantKVCache(nn.Module):
         fmt: format name (``custom_ops.FORMATS``), default ``"4bit_nc"``.
         page_size: tokens per page.
         seed: seed of the rotation.
-        num_splits: the decode kernel's split count (default: chosen from the capacity and the
-            GPU's SM count, again whenever the module moves to another device).
+        num_splits: the decode kernel's split count (default: ``custom_ops.api.default_num_splits``
+            of the capacity and the GPU, chosen again whenever the module moves to another
+            device).
         window: W, the most recent tokens of each sequence kept in ``dtype`` in a ring buffer
             (``k_window``, ``v_window [B, Hk, W, D]``) and quantized only when they leave it
             (default 128, at most ``max_seq_length``; 0 quantizes every token when written).
@@ -82,6 +83,7 @@ class TurboQuantKVCache(nn.Module):
         self.window = min(window, max_seq_length)
         # Positions in the ring never need a page: the oldest S_max - W go to pages.
         pages_per_seq = max(1, -(-(max_seq_length - self.window) // page_size))
+        self.pages_per_seq = pages_per_seq
         device = torch.get_default_device() if device is None else device  # honours `with device`
         cache = self.kv_format.allocate(max_batch_size * pages_per_seq, n_heads, page_size,
                                         head_dim, device)  # fmt: skip
@@ -103,15 +105,16 @@ class TurboQuantKVCache(nn.Module):
 
     def __getattr__(self, name: str):
         float_dtypes = self.__dict__.get("_float_dtypes", {})
-        if name in float_dtypes:  # meta, rotation, codebooks: their float view
+        if name in float_dtypes:  # meta, rotation: their float view
             return super().__getattr__(f"_{name}").view(float_dtypes[name])
         return super().__getattr__(name)
 
     def _choose_splits(self) -> int:
         if self._requested_splits is not None:
             return self._requested_splits
-        return api.num_splits_for(self.max_batch_size, self.k_codes.shape[1],
-                                  self.max_seq_length, self.k_codes.device)  # fmt: skip
+        return api.default_num_splits(self.max_batch_size, self.k_codes.shape[1],
+                                      self.pages_per_seq, self.page_size, self.window,
+                                      self.k_codes.device)  # fmt: skip
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
@@ -143,7 +146,7 @@ class TurboQuantKVCache(nn.Module):
         if self.window:
             start = pos[:1].to(torch.int32).expand(batch).contiguous()
             torch.ops.tq.store_window(k_val, v_val, *planes, *rings, table, start, self.rotation,
-                                      self.codebooks, name)  # fmt: skip
+                                      name)  # fmt: skip
         else:
             pages = table[:, pos // self.page_size]  # [B, T]
             slots = pages * self.page_size + (pos % self.page_size).to(torch.int32)
@@ -151,12 +154,14 @@ class TurboQuantKVCache(nn.Module):
             keys = k_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
             values = v_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
             torch.ops.tq.store(keys, values, *planes, slots.reshape(-1).to(torch.int32),
-                               self.rotation, self.codebooks, name)  # fmt: skip
+                               self.rotation, name)  # fmt: skip
         seq_lens = (pos.max() + 1).to(torch.int32).expand(batch).contiguous()
-        tensors = (*planes, table, seq_lens, self.rotation, self.codebooks)
-        attrs = (self.max_seq_length, 1, False, self.num_splits, self.model_dtype)
-        return (TurboQuantKVTensor(*tensors, name, "key", *attrs, *rings),
-                TurboQuantKVTensor(*tensors, name, "value", *attrs, *rings))  # fmt: skip
+        return tuple(
+            TurboQuantKVTensor.from_cache(side, name, PagedKVCache(*planes), table, seq_lens,
+                                          self.rotation, self.max_seq_length, self.num_splits,
+                                          self.model_dtype, *rings)
+            for side in ("key", "value")
+        )  # fmt: skip
 
     def nbytes(self) -> int:
         """Bytes of the cache: codes and meta of every slot, and the recent-window rings."""

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torchao.utils import TorchAOBaseTensor
 
 import custom_ops  # noqa: F401  (registers torch.ops.tq)
+from custom_ops.formats import PagedKVCache
 
 __all__ = ["TurboQuantKVTensor"]
 
@@ -49,7 +50,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             and the value view of one cache.
         block_table: ``[B, max_pages] int32`` page ids of each sequence.
         seq_lens: ``[B] int32`` number of cached tokens of each sequence.
-        rotation: ``[D, D] float32`` +-1 rotation; codebooks: ``[2, 16] float32`` levels.
+        rotation: ``[D, D] float32`` +-1 rotation.
         k_window, v_window: optional ``[B, Hk, W, D]`` bf16/fp16 rings holding each sequence's
             last ``min(len, W)`` tokens in full precision (``None``: no window).
 
@@ -63,14 +64,13 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         model_dtype: the logical dtype (bf16 / fp16).
     """
 
-    tensor_data_names = ["k_codes", "v_codes", "meta", "block_table", "seq_lens", "rotation",
-                         "codebooks"]  # fmt: skip
+    tensor_data_names = ["k_codes", "v_codes", "meta", "block_table", "seq_lens", "rotation"]
     tensor_attribute_names = ["fmt", "side", "max_seq_len", "group", "split_heads",
                               "num_splits", "model_dtype"]  # fmt: skip
     optional_tensor_data_names = ["k_window", "v_window"]
 
-    def __new__(cls, k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt,
-                side, max_seq_len, group, split_heads, num_splits, model_dtype, k_window=None,
+    def __new__(cls, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
+                max_seq_len, group, split_heads, num_splits, model_dtype, k_window=None,
                 v_window=None):  # fmt: skip
         batch, num_kv_heads, head_dim = block_table.shape[0], k_codes.shape[1], rotation.shape[0]
         if split_heads:
@@ -81,21 +81,53 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             cls, shape, dtype=model_dtype, device=k_codes.device, requires_grad=False
         )
 
-    def __init__(self, k_codes, v_codes, meta, block_table, seq_lens, rotation, codebooks, fmt,
-                 side, max_seq_len, group, split_heads, num_splits, model_dtype, k_window=None,
+    def __init__(self, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
+                 max_seq_len, group, split_heads, num_splits, model_dtype, k_window=None,
                  v_window=None):  # fmt: skip
         super().__init__()
         if side not in _SIDES:
             raise ValueError(f"side must be one of {_SIDES}, got {side!r}")
         self.k_codes, self.v_codes, self.meta = k_codes, v_codes, meta
         self.block_table, self.seq_lens = block_table, seq_lens
-        self.rotation, self.codebooks = rotation, codebooks
+        self.rotation = rotation
         self.fmt, self.side, self.max_seq_len = fmt, side, max_seq_len
         self.group, self.split_heads = group, split_heads
         self.num_splits, self.model_dtype = num_splits, model_dtype
         self.k_window, self.v_window = k_window, v_window
 
     # ---- construction helpers -------------------------------------------------------------
+
+    @classmethod
+    def from_cache(
+        cls,
+        side: str,
+        fmt: str,
+        cache: PagedKVCache,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        rotation: torch.Tensor,
+        max_seq_len: int,
+        num_splits: int,
+        model_dtype: torch.dtype,
+        k_window: torch.Tensor | None = None,
+        v_window: torch.Tensor | None = None,
+    ) -> TurboQuantKVTensor:
+        """The ``side`` (``"key"`` or ``"value"``) view ``[B, Hk, max_seq_len, D]`` of a paged
+        cache, before any GQA repetition.
+
+        Args:
+            side: ``"key"`` or ``"value"``.
+            fmt: format name.
+            cache: the planes (see ``custom_ops.formats``).
+            block_table: ``[B, max_pages] int32``; seq_lens: ``[B] int32``.
+            rotation: ``[D, D] float32``.
+            max_seq_len: S_max, the logical length.
+            num_splits: the decode split count of this cache.
+            model_dtype: bf16 or fp16.
+            k_window, v_window: the recent-window rings ``[B, Hk, W, D]``, or None.
+        """
+        return cls(*cache, block_table, seq_lens, rotation, fmt, side, max_seq_len, 1, False,
+                   num_splits, model_dtype, k_window, v_window)  # fmt: skip
 
     def _with(self, **changes) -> TurboQuantKVTensor:
         """The same cache with some non-tensor attributes changed (no data is copied)."""
@@ -106,8 +138,8 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
                                   *self.rings)  # fmt: skip
 
     @property
-    def planes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.k_codes, self.v_codes, self.meta
+    def planes(self) -> PagedKVCache:
+        return PagedKVCache(self.k_codes, self.v_codes, self.meta)
 
     @property
     def rings(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -118,9 +150,8 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         """Dense ``[B, H, S_max, D]`` (this view's logical shape) in ``dtype`` (default: the
         model's); positions past each sequence's length are zero."""
         k, v = torch.ops.tq.dequantize(*self.planes, self.block_table, self.seq_lens,
-                                       self.rotation, self.codebooks, self.fmt,
-                                       self.max_seq_len, dtype or self.model_dtype,
-                                       *self.rings)  # fmt: skip
+                                       self.rotation, self.fmt, self.max_seq_len,
+                                       dtype or self.model_dtype, *self.rings)  # fmt: skip
         dense = k if self.side == "key" else v
         if self.split_heads:
             return dense[:, :, None].expand(self.shape)
@@ -293,8 +324,8 @@ def _scaled_dot_product_attention(func, types, args, kwargs):
         if attn_mask is not None:
             mask = _mask_4d(attn_mask)[:, :, 0, :]  # [B or 1, Hq or 1, S]
         out = torch.ops.tq.decode(q[:, :, 0, :], *k.planes, k.block_table, k.seq_lens,
-                                  k.rotation, k.codebooks, k.fmt, k.num_splits, scale,
-                                  mask, *k.rings)  # fmt: skip
+                                  k.rotation, k.fmt, k.num_splits, scale, mask,
+                                  *k.rings)  # fmt: skip
         return out[:, :, None, :]
     # Prefill (or a causal mask on a cache): attention over the dequantized cache, with every
     # position past a sequence's length masked out.

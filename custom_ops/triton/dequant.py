@@ -16,14 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.formats import Kind, KVFormat, PagedKVCache
-from custom_ops.triton.planes import load_codes, rotation_slice, tile_offsets
-from custom_ops.triton.store import codec_constexprs, first_meta_column
+from custom_ops.formats import KVFormat, PagedKVCache
+from custom_ops.triton.kinds import FP8, INT8_ABSMAX, LLOYD_MAX, UNIFORM
+from custom_ops.triton.paged import plane_arguments, ring_arguments, row_pointers, table_arguments
+from custom_ops.triton.planes import lloyd_max_levels, load_codes, rotation_slice, tile_offsets
+from custom_ops.triton.store import side_params
 
-_LLOYD_MAX = tl.constexpr(int(Kind.LLOYD_MAX))
-_UNIFORM = tl.constexpr(int(Kind.UNIFORM))
-_FP8 = tl.constexpr(int(Kind.FP8))
-_INT8_ABSMAX = tl.constexpr(int(Kind.INT8_ABSMAX))
+__all__ = ["dequantize"]
 
 
 @triton.jit
@@ -34,34 +33,27 @@ def _decode_side(
     in_bounds,
     out_ptr,
     rot_ptr,
-    levels_ptr,
-    BYTE_STRIDE: tl.constexpr,
-    KIND: tl.constexpr,
-    BITS: tl.constexpr,
-    META_COL: tl.constexpr,
-    W0: tl.constexpr,
-    W1: tl.constexpr,
-    OFF1: tl.constexpr,
-    G: tl.constexpr,
-    C: tl.constexpr,
-    C_PAD: tl.constexpr,
-    RC: tl.constexpr,
+    P: tl.constexpr,
     D: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Decode ``BLOCK_S`` code rows (``code_row [BLOCK_S]``, bytes ``BYTE_STRIDE`` apart) of one
-    side into ``out_ptr [BLOCK_S]`` (row starts): zeros where not ``valid``, nothing where not
-    ``in_bounds``."""
+    """Decode ``BLOCK_S`` code rows (``code_row [BLOCK_S]``) of one side, the codec ``P`` (a
+    :class:`~custom_ops.triton.planes.CodecParams`), into ``out_ptr [BLOCK_S]`` (row starts):
+    zeros where not ``valid``, nothing where not ``in_bounds``."""
+    G: tl.constexpr = P.G
+    C: tl.constexpr = P.C
+    C_PAD: tl.constexpr = P.C_PAD
     e, e_mask = tile_offsets(G, C, C_PAD)
     out_mask = in_bounds[:, None, None] & e_mask
     out_ty = out_ptr.dtype.element_ty
-    if KIND == _LLOYD_MAX:
+    if P.KIND == LLOYD_MAX:
         # x = levels[codes] @ R.T * (norm / sqrt(D)), one slice of RC columns per group at a time.
-        codes = load_codes(code_row, valid, BYTE_STRIDE, W0, W1, OFF1, BLOCK_S, G, C, C_PAD)
-        norm = tl.load(meta_row + META_COL, mask=valid, other=0.0).to(tl.float32)
+        RC: tl.constexpr = P.RC
+        codes = load_codes(code_row, valid, P, BLOCK_S)
+        norm = tl.load(meta_row + P.META, mask=valid, other=0.0).to(tl.float32)
         row_scale = tl.where(valid, norm * INV_SQRT_D, 0.0)[:, None, None]
-        rotated = tl.where(e_mask, tl.load(levels_ptr + codes), 0.0)
+        rotated = tl.where(e_mask, lloyd_max_levels(codes, P.BITS, P.LEVELS), 0.0)
         rotated = tl.reshape(rotated, (BLOCK_S, G * C_PAD))
         for col0 in tl.static_range(0, C_PAD, RC):
             rot_t = rotation_slice(rot_ptr, D, G, C, C_PAD, 0, G * C_PAD, col0, RC, True)
@@ -72,20 +64,20 @@ def _decode_side(
             mask = in_bounds[:, None, None] & (c < C)
             tl.store(out_ptr[:, None, None] + g * C + c, x.to(out_ty), mask=mask)
         return
-    if KIND == _UNIFORM:
-        codes = load_codes(code_row, valid, BYTE_STRIDE, W0, W1, OFF1, BLOCK_S, G, C, C_PAD)
-        scale = tl.load(meta_row + META_COL, mask=valid, other=0.0).to(tl.float32)
-        zero = tl.load(meta_row + META_COL + 1, mask=valid, other=0.0).to(tl.float32)
+    if P.KIND == UNIFORM:
+        codes = load_codes(code_row, valid, P, BLOCK_S)
+        scale = tl.load(meta_row + P.META, mask=valid, other=0.0).to(tl.float32)
+        zero = tl.load(meta_row + P.META + 1, mask=valid, other=0.0).to(tl.float32)
         x = codes.to(tl.float32) * scale[:, None, None] + zero[:, None, None]
     else:
-        byte_ptr = code_row[:, None, None] + e * BYTE_STRIDE
+        byte_ptr = code_row[:, None, None] + e * P.BYTE_STRIDE
         byte = tl.load(byte_ptr, mask=valid[:, None, None] & e_mask, other=0)
-        if KIND == _INT8_ABSMAX:
+        if P.KIND == INT8_ABSMAX:
             x = byte.to(tl.int8, bitcast=True).to(tl.float32)
         else:
             x = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if KIND != _FP8:
-            scale = tl.load(meta_row + META_COL, mask=valid, other=0.0).to(tl.float32)
+        if P.KIND != FP8:
+            scale = tl.load(meta_row + P.META, mask=valid, other=0.0).to(tl.float32)
             x = x * scale[:, None, None]
     x = tl.where(valid[:, None, None], x, 0.0)
     tl.store(out_ptr[:, None, None] + e, x.to(out_ty), mask=out_mask)
@@ -93,31 +85,13 @@ def _decode_side(
 
 @triton.jit
 def _dequant_kernel(
-    k_codes_ptr,
-    v_codes_ptr,
-    meta_ptr,
-    stride_kc_page,
-    stride_kc_head,
-    stride_kc_slot,
-    stride_vc_page,
-    stride_vc_head,
-    stride_vc_slot,
-    stride_m_page,
-    stride_m_head,
-    stride_m_slot,
-    block_table_ptr,
-    stride_bt_b,
-    stride_bt_p,
+    planes,
+    table,
     seq_lens_ptr,
     rot_ptr,
-    codebooks_ptr,
     k_out_ptr,
     v_out_ptr,
-    k_window_ptr,
-    v_window_ptr,
-    stride_w_b,
-    stride_w_h,
-    stride_w_slot,
+    rings,
     window,
     num_kv_heads,
     page_size,
@@ -128,31 +102,8 @@ def _dequant_kernel(
     D_PAD: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    K_BYTE_STRIDE: tl.constexpr,
-    V_BYTE_STRIDE: tl.constexpr,
-    K_KIND: tl.constexpr,
-    K_BITS: tl.constexpr,
-    K_NC: tl.constexpr,
-    K_META: tl.constexpr,
-    K_W0: tl.constexpr,
-    K_W1: tl.constexpr,
-    K_OFF1: tl.constexpr,
-    K_G: tl.constexpr,
-    K_C: tl.constexpr,
-    K_C_PAD: tl.constexpr,
-    K_RC: tl.constexpr,
-    V_KIND: tl.constexpr,
-    V_BITS: tl.constexpr,
-    V_NC: tl.constexpr,
-    V_META: tl.constexpr,
-    V_W0: tl.constexpr,
-    V_W1: tl.constexpr,
-    V_OFF1: tl.constexpr,
-    V_G: tl.constexpr,
-    V_C: tl.constexpr,
-    V_C_PAD: tl.constexpr,
-    V_RC: tl.constexpr,
-    CODEBOOK_STRIDE: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
 ):
     batch_head = tl.program_id(0)
     b = batch_head // num_kv_heads
@@ -166,6 +117,7 @@ def _dequant_kernel(
     if HAS_WINDOW:
         # The last min(len, W) positions are copied from the ring (position p at slot p % W);
         # the codes are decoded everywhere else.
+        k_window_ptr, v_window_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
         in_window = valid & (pos >= seq_len - window)
         ring_rows = b.to(tl.int64) * stride_w_b + head * stride_w_h
         ring_rows += (pos % window).to(tl.int64) * stride_w_slot
@@ -178,58 +130,14 @@ def _dequant_kernel(
         tl.store(v_out_ptr + out_row[:, None] + d, v_ring.to(out_ty), mask=copy)
         valid = valid & ~in_window
         in_bounds = in_bounds & ~in_window
+    block_table_ptr, stride_bt_b, stride_bt_p = table
     page_ptr = block_table_ptr + b * stride_bt_b + (pos // page_size) * stride_bt_p
     page = tl.load(page_ptr, mask=valid, other=0).to(tl.int64)
-    slot = (pos % page_size).to(tl.int64)
-    k_row = k_codes_ptr + page * stride_kc_page + head * stride_kc_head + slot * stride_kc_slot
-    v_row = v_codes_ptr + page * stride_vc_page + head * stride_vc_head + slot * stride_vc_slot
-    m_row = meta_ptr + page * stride_m_page + head * stride_m_head + slot * stride_m_slot
-    _decode_side(
-        k_row,
-        m_row,
-        valid,
-        in_bounds,
-        k_out_ptr + out_row,
-        rot_ptr,
-        codebooks_ptr,
-        K_BYTE_STRIDE,
-        K_KIND,
-        K_BITS,
-        K_META,
-        K_W0,
-        K_W1,
-        K_OFF1,
-        K_G,
-        K_C,
-        K_C_PAD,
-        K_RC,
-        D,
-        INV_SQRT_D,
-        BLOCK_S,
-    )
-    _decode_side(
-        v_row,
-        m_row,
-        valid,
-        in_bounds,
-        v_out_ptr + out_row,
-        rot_ptr,
-        codebooks_ptr + CODEBOOK_STRIDE,
-        V_BYTE_STRIDE,
-        V_KIND,
-        V_BITS,
-        V_META,
-        V_W0,
-        V_W1,
-        V_OFF1,
-        V_G,
-        V_C,
-        V_C_PAD,
-        V_RC,
-        D,
-        INV_SQRT_D,
-        BLOCK_S,
-    )
+    k_row, v_row, m_row = row_pointers(planes, page, head, (pos % page_size).to(tl.int64))
+    _decode_side(k_row, m_row, valid, in_bounds, k_out_ptr + out_row, rot_ptr, K, D, INV_SQRT_D,
+                 BLOCK_S)  # fmt: skip
+    _decode_side(v_row, m_row, valid, in_bounds, v_out_ptr + out_row, rot_ptr, V, D, INV_SQRT_D,
+                 BLOCK_S)  # fmt: skip
 
 
 def dequantize(
@@ -238,7 +146,6 @@ def dequantize(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     rotation: torch.Tensor,
-    codebooks: torch.Tensor,
     max_seq_len: int,
     dtype: torch.dtype,
     k_window: torch.Tensor | None = None,
@@ -257,38 +164,15 @@ def dequantize(
     grid = (batch * num_kv_heads, triton.cdiv(max_seq_len, block_s))
     has_window = k_window is not None
     if has_window:
-        window_args = (k_window, v_window, *k_window.stride()[:3], k_window.shape[2])
+        window_args = (ring_arguments(k_window, v_window), k_window.shape[2])
     else:
-        window_args = (k_out, v_out, 0, 0, 0, 0)  # never read; no positions in a ring
+        window_args = ((k_out, v_out, 0, 0, 0), 0)  # never read; no positions in a ring
+    key_params, value_params = side_params(fmt, cache, head_dim)
     _dequant_kernel[grid](
-        cache.k_codes,
-        cache.v_codes,
-        cache.meta,
-        *cache.k_codes.stride()[:3],
-        *cache.value_rows.stride()[:3],
-        *cache.meta.stride()[:3],
-        block_table,
-        *block_table.stride(),
-        seq_lens,
-        rotation,
-        codebooks,
-        k_out,
-        v_out,
-        *window_args,
-        num_kv_heads,
-        page_size,
-        block_table.shape[1],
-        max_seq_len,
-        HAS_WINDOW=has_window,
-        D=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim),
-        INV_SQRT_D=1.0 / math.sqrt(head_dim),
-        BLOCK_S=block_s,
-        K_BYTE_STRIDE=cache.k_codes.stride(3),
-        V_BYTE_STRIDE=cache.value_rows.stride(3),
-        **codec_constexprs("K", fmt.key, first_meta_column(fmt, "k"), head_dim),
-        **codec_constexprs("V", fmt.value, first_meta_column(fmt, "v"), head_dim),
-        CODEBOOK_STRIDE=codebooks.stride(0),
+        plane_arguments(cache), table_arguments(block_table), seq_lens, rotation, k_out, v_out,
+        *window_args, num_kv_heads, page_size, block_table.shape[1], max_seq_len,
+        HAS_WINDOW=has_window, D=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        INV_SQRT_D=1.0 / math.sqrt(head_dim), BLOCK_S=block_s, K=key_params, V=value_params,
         num_warps=4,
-    )
+    )  # fmt: skip
     return k_out, v_out

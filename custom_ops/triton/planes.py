@@ -13,48 +13,106 @@ token-minor value rows (see :mod:`custom_ops.formats`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
-from custom_ops.formats import Codec
+from custom_ops.codebook import signed_level_values
+from custom_ops.formats import Codec, Kind, KVFormat
+
+__all__ = [
+    "CodecParams",
+    "codec_params",
+    "first_meta_column",
+    "tile_offsets",
+    "rotation_slice",
+    "store_codes",
+    "load_codes",
+    "lloyd_max_levels",
+]
 
 
-@dataclass(frozen=True)
-class PlaneParams:
-    """Compile-time description of a codec's code row for the kernels.
+class CodecParams(NamedTuple):
+    """Compile-time description of one side (keys or values) of a format for the store and
+    dequantize kernels, passed whole as one ``tl.constexpr``.
 
     Attributes:
-        w0: width of the first (low-bit) plane.
-        w1: width of the second plane (0 when there is one plane).
-        off1: byte offset of the second plane in the row.
-        groups: G, the tile's number of strided groups.
-        chunk: C = D / G.
-        chunk_pad: C rounded up to a power of two.
-        rot_cols: columns per group in one slice of the rotation (``rotation_slice``): the
-            whole ``C_PAD`` up to D=128; at D=256 a float32 rotation would not fit in shared
-            memory, so kernels rotate in slices of ``G * rot_cols = 64`` output elements.
+        KIND: the codec's :class:`custom_ops.formats.Kind` (an int).
+        BITS: code width per element.
+        NC: Lloyd-Max norm correction.
+        META: meta column of the side's first scalar (0 when it has none; then unused).
+        W0: width of the first (low-bit) plane.
+        W1: width of the second plane (0 when there is one plane).
+        OFF1: byte offset of the second plane in the row.
+        G: the tile's number of strided groups.
+        C: ``D / G``.
+        C_PAD: C rounded up to a power of two.
+        RC: columns per group in one slice of the rotation (:func:`rotation_slice`): the whole
+            ``C_PAD`` up to D=128; at D=256 a float32 rotation would not fit in shared memory,
+            so kernels rotate in slices of ``G * RC = 64`` output elements.
+        BYTE_STRIDE: distance between bytes of one code row (1 for keys, ``page_size`` for the
+            token-minor value rows).
+        LEVELS: the signed Lloyd-Max levels (:func:`custom_ops.codebook.signed_levels`), ``()``
+            for other codecs.
     """
 
-    w0: int
-    w1: int
-    off1: int
-    groups: int
-    chunk: int
-    chunk_pad: int
-    rot_cols: int
+    KIND: int
+    BITS: int
+    NC: bool
+    META: int
+    W0: int
+    W1: int
+    OFF1: int
+    G: int
+    C: int
+    C_PAD: int
+    RC: int
+    BYTE_STRIDE: int
+    LEVELS: tuple[float, ...]
 
-    @staticmethod
-    def of(codec: Codec, head_dim: int) -> PlaneParams:
-        planes = codec.planes(head_dim)
-        w1 = planes[1].width if len(planes) > 1 else 0
-        off1 = planes[1].offset if len(planes) > 1 else 0
-        groups = 8 // min(p.width for p in planes)
-        chunk = head_dim // groups
-        chunk_pad = triton.next_power_of_2(chunk)
-        rot_cols = chunk_pad if groups * chunk_pad <= 128 else max(1, 64 // groups)
-        return PlaneParams(planes[0].width, w1, off1, groups, chunk, chunk_pad, rot_cols)
+
+def first_meta_column(fmt: KVFormat, side: str) -> int:
+    """Meta column of a side's first field (0 when the side has none; then it is unused)."""
+    codec = fmt.key if side == "k" else fmt.value
+    if not codec.meta_fields:
+        return 0
+    return fmt.meta_index(f"{side}_{codec.meta_fields[0]}")
+
+
+def codec_levels(codec: Codec, head_dim: int) -> tuple[float, ...]:
+    """The codec's signed Lloyd-Max levels as constexpr floats (``()`` if not Lloyd-Max)."""
+    if codec.kind != Kind.LLOYD_MAX:
+        return ()
+    return signed_level_values(codec.bits, head_dim)
+
+
+def codec_params(fmt: KVFormat, side: str, head_dim: int, byte_stride: int) -> CodecParams:
+    """The :class:`CodecParams` of side ``"k"`` or ``"v"`` of ``fmt`` for rows of ``head_dim``
+    elements whose bytes are ``byte_stride`` apart."""
+    codec = fmt.key if side == "k" else fmt.value
+    planes = codec.planes(head_dim)
+    w1 = planes[1].width if len(planes) > 1 else 0
+    off1 = planes[1].offset if len(planes) > 1 else 0
+    groups = 8 // min(p.width for p in planes)
+    chunk = head_dim // groups
+    chunk_pad = triton.next_power_of_2(chunk)
+    rot_cols = chunk_pad if groups * chunk_pad <= 128 else max(1, 64 // groups)
+    meta = first_meta_column(fmt, side)
+    return CodecParams(int(codec.kind), codec.bits, codec.norm_correction, meta, planes[0].width,
+                       w1, off1, groups, chunk, chunk_pad, rot_cols, byte_stride,
+                       codec_levels(codec, head_dim))  # fmt: skip
+
+
+@triton.jit
+def lloyd_max_levels(codes, BITS: tl.constexpr, LEVELS: tl.constexpr):
+    """Sign-magnitude Lloyd-Max ``codes`` (int) -> their float32 levels, from the constexpr
+    ``LEVELS`` (magnitudes first): a select per magnitude, no table in memory."""
+    magnitude = codes & ((1 << (BITS - 1)) - 1)
+    level = tl.zeros(codes.shape, tl.float32) + LEVELS[0]
+    for m in tl.static_range(1, 1 << (BITS - 1)):
+        level = tl.where(magnitude == m, LEVELS[m], level)
+    return tl.where(((codes >> (BITS - 1)) & 1) != 0, -level, level)
 
 
 @triton.jit
@@ -128,25 +186,15 @@ def _store_plane(
 
 
 @triton.jit
-def store_codes(
-    codes,
-    row_ptr,
-    row_mask,
-    BYTE_STRIDE: tl.constexpr,
-    W0: tl.constexpr,
-    W1: tl.constexpr,
-    OFF1: tl.constexpr,
-    ROWS: tl.constexpr,
-    G: tl.constexpr,
-    C: tl.constexpr,
-    COL0: tl.constexpr,
-    CW: tl.constexpr,
-):
+def store_codes(codes, row_ptr, row_mask, P: tl.constexpr, ROWS: tl.constexpr,
+                COL0: tl.constexpr, CW: tl.constexpr):  # fmt: skip
     """Pack the tile slice ``codes [ROWS, G, CW] int32`` (columns ``COL0 + c``) into the planes
-    of the rows starting at ``row_ptr`` (bytes ``BYTE_STRIDE`` apart)."""
-    _store_plane(codes, row_ptr, row_mask, BYTE_STRIDE, W0, 0, 0, ROWS, G, C, COL0, CW)
-    if W1 > 0:
-        _store_plane(codes, row_ptr, row_mask, BYTE_STRIDE, W1, W0, OFF1, ROWS, G, C, COL0, CW)
+    of the rows starting at ``row_ptr`` (bytes ``P.BYTE_STRIDE`` apart) of the codec ``P``
+    (:class:`CodecParams`)."""
+    _store_plane(codes, row_ptr, row_mask, P.BYTE_STRIDE, P.W0, 0, 0, ROWS, P.G, P.C, COL0, CW)
+    if P.W1 > 0:
+        _store_plane(codes, row_ptr, row_mask, P.BYTE_STRIDE, P.W1, P.W0, P.OFF1, ROWS, P.G, P.C,
+                     COL0, CW)  # fmt: skip
 
 
 @triton.jit
@@ -174,21 +222,11 @@ def _load_plane(
 
 
 @triton.jit
-def load_codes(
-    row_ptr,
-    row_mask,
-    BYTE_STRIDE: tl.constexpr,
-    W0: tl.constexpr,
-    W1: tl.constexpr,
-    OFF1: tl.constexpr,
-    ROWS: tl.constexpr,
-    G: tl.constexpr,
-    C: tl.constexpr,
-    C_PAD: tl.constexpr,
-):
-    """Unpack the code rows at ``row_ptr`` (bytes ``BYTE_STRIDE`` apart) into
-    ``[ROWS, G, C_PAD] int32`` (0 where masked)."""
-    codes = _load_plane(row_ptr, row_mask, BYTE_STRIDE, W0, 0, ROWS, G, C, C_PAD)
-    if W1 > 0:
-        codes |= _load_plane(row_ptr, row_mask, BYTE_STRIDE, W1, OFF1, ROWS, G, C, C_PAD) << W0
+def load_codes(row_ptr, row_mask, P: tl.constexpr, ROWS: tl.constexpr):
+    """Unpack the code rows at ``row_ptr`` (bytes ``P.BYTE_STRIDE`` apart) of the codec ``P``
+    into ``[ROWS, G, C_PAD] int32`` (0 where masked)."""
+    codes = _load_plane(row_ptr, row_mask, P.BYTE_STRIDE, P.W0, 0, ROWS, P.G, P.C, P.C_PAD)
+    if P.W1 > 0:
+        codes |= _load_plane(row_ptr, row_mask, P.BYTE_STRIDE, P.W1, P.OFF1, ROWS, P.G, P.C,
+                             P.C_PAD) << P.W0  # fmt: skip
     return codes

@@ -25,7 +25,7 @@ following the strided bit planes of :mod:`custom_ops.formats`:
 Lloyd-Max codes are sign-magnitude: ``prmt`` looks the fp16 magnitudes up in registers (byte
 tables indexed by each code's magnitude bits) and ``lop3`` ors the sign into bit 15. Uniform
 codes become exact fp16 integers by or-ing them into the mantissa of 1024.0 (``0x6400``) and
-subtracting 1024. ``tests/test_decode_asm.py`` runs every string on a bit-exact emulator.
+subtracting 1024. ``tests/test_decode_ptx.py`` runs every string on a bit-exact emulator.
 """
 
 from __future__ import annotations

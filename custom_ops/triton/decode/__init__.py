@@ -1,0 +1,171 @@
+"""Split-KV decode attention over a compressed paged cache: ``torch.ops.tq.decode`` on CUDA.
+
+Up to four launches, shapes fixed by the inputs (CUDA-graph safe, no host sync), chosen by the
+cached launch plan (:mod:`~custom_ops.triton.decode.plan`):
+
+1. query preparation (:mod:`~custom_ops.triton.decode.prep`; rotated keys with long splits):
+   rotates the query into the keys' code space and scales it by ``scale * log2(e)`` so the
+   softmax can use ``exp2``;
+2. the split kernel (:mod:`~custom_ops.triton.decode.split`): one program per (sequence,
+   kv-head, split) streams its compressed tokens (and, for values in the original space, its
+   share of the recent window's ring) into a partial softmax state;
+3. the ring kernel (:mod:`~custom_ops.triton.decode.ring`; rotated values with a window): the
+   ring's partials in the original space;
+4. the merge (:mod:`~custom_ops.triton.decode.merge`): log-sum-exp of the partials, rotated
+   values back to the original space, the query's dtype.
+
+On Hopper each kernel after the first uses programmatic dependent launch. Jit pieces shared by
+the kernels: :mod:`~custom_ops.triton.decode.codes` (code rows -> fp16 operands, inline PTX from
+:mod:`~custom_ops.triton.decode.ptx`), :mod:`~custom_ops.triton.decode.query`,
+:mod:`~custom_ops.triton.decode.tiles` and :mod:`~custom_ops.triton.decode.softmax`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from custom_ops.formats import KVFormat, PagedKVCache, sequence_capacity
+from custom_ops.triton.decode.merge import MergeConfig, launch_merge
+from custom_ops.triton.decode.plan import DecodePlan, QueryMode, SplitConfig, plan_decode
+from custom_ops.triton.decode.prep import launch_prep
+from custom_ops.triton.decode.ring import launch_ring
+from custom_ops.triton.decode.softmax import LOG2E
+from custom_ops.triton.decode.split import compile_split, launch_split, split_arguments
+
+__all__ = [
+    "DecodePlan",
+    "MergeConfig",
+    "QueryMode",
+    "SplitConfig",
+    "decode",
+    "plan_for",
+    "compile_split_kernel",
+]
+
+
+def plan_for(
+    fmt: KVFormat,
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    num_splits: int,
+    mask: torch.Tensor | None = None,
+    k_window: torch.Tensor | None = None,
+    fast: bool | None = None,
+    split_config: SplitConfig | None = None,
+    merge_config: MergeConfig | None = None,
+) -> DecodePlan:
+    """The :class:`DecodePlan` of a decode with these inputs (``fast`` default: on CUDA)."""
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = cache.k_codes.shape
+    fast = q.device.type == "cuda" if fast is None else fast
+    mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
+    window = 0 if k_window is None else k_window.shape[2]
+    ring_dtype = None if k_window is None else k_window.dtype
+    return plan_decode(fmt, batch, num_q_heads, num_kv_heads, head_dim, page_size,
+                       block_table.shape[1], window, q.dtype, ring_dtype, mask_kind, num_splits,
+                       q.device, fast, split_config, merge_config)  # fmt: skip
+
+
+def _mask_arguments(mask, batch, num_q_heads, placeholder):
+    """``(mask, stride_b, stride_h, mask_len)`` for the kernels: ``[B or 1, Hq or 1, M]``
+    broadcast by strides, bool read as bytes; without a mask, a placeholder never read."""
+    if mask is None:
+        return placeholder, 0, 0, 0
+    mask = mask.expand(batch, num_q_heads, mask.shape[-1])
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    data = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    return data, mask.stride(0), mask.stride(1), mask.shape[-1]
+
+
+def _buffers(plan: DecodePlan, q: torch.Tensor):
+    """``(q_code, part_out, part_lse)``: the prepared query ``[B, Hq, q_code_columns] fp16``
+    (``q`` itself, never read, without preparation) and the partials ``[B, Hq, num_partials,
+    D]`` and their lse ``[B, Hq, num_partials]``, float32."""
+    batch, num_q_heads, head_dim = q.shape
+    q_code = q
+    if plan.prep is not None:
+        q_code = torch.empty(batch, num_q_heads, plan.q_code_columns, dtype=torch.float16,
+                             device=q.device)  # fmt: skip
+    part_out = torch.empty(batch, num_q_heads, plan.num_partials, head_dim, dtype=torch.float32,
+                           device=q.device)  # fmt: skip
+    part_lse = torch.empty(batch, num_q_heads, plan.num_partials, dtype=torch.float32,
+                           device=q.device)  # fmt: skip
+    return q_code, part_out, part_lse
+
+
+def decode(
+    fmt: KVFormat,
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rotation: torch.Tensor,
+    num_splits: int,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
+    fast: bool | None = None,
+    split_config: SplitConfig | None = None,
+    merge_config: MergeConfig | None = None,
+) -> torch.Tensor:
+    """Launch the decode kernels (inputs validated; see ``torch.ops.tq.decode``).
+
+    Returns ``[B, Hq, D]`` in q's dtype. ``fast`` selects the inline-PTX decoding and
+    programmatic dependent launch (default: on CUDA; the interpreter cannot run them);
+    ``split_config`` and ``merge_config`` override the plan's kernel configurations (sweeps,
+    tests).
+    """
+    batch, num_q_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    plan = plan_for(fmt, q, cache, block_table, num_splits, mask, k_window, fast, split_config,
+                    merge_config)  # fmt: skip
+    mask_args = _mask_arguments(mask, batch, num_q_heads, seq_lens)
+    q_scale = scale * LOG2E
+    q_code, part_out, part_lse = _buffers(plan, q)
+    # The first kernel is launched normally, after everything before it; the ones after it
+    # with programmatic dependent launch where the plan says so.
+    if plan.prep is not None:
+        launch_prep(plan.prep, q, rotation, q_code, q_scale)
+    launch_split(plan.split, split_arguments(
+        q, q_code, q_scale, rotation, cache, block_table, seq_lens, mask_args, k_window,
+        v_window, plan.ring_in_split, part_out, part_lse,
+    ))  # fmt: skip
+    if plan.ring is not None:
+        capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
+                                     k_window.shape[2])  # fmt: skip
+        launch_ring(plan.ring, q, q_scale, k_window, v_window, seq_lens, capacity, mask_args,
+                    part_out, part_lse)  # fmt: skip
+    launch_merge(plan.merge, part_out, part_lse, rotation, out)
+    return out
+
+
+def compile_split_kernel(
+    fmt: KVFormat,
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rotation: torch.Tensor,
+    num_splits: int,
+    compile_fn,
+    fast: bool = True,
+    split_config: SplitConfig | None = None,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
+    **options,
+):
+    """Compile (not launch) the split kernel of this decode through ``compile_fn(kernel, grid,
+    *args, **kwargs)``; ``benchmarks/sass_report.py`` compiles it for sm_90 without a GPU.
+    ``options`` (e.g. ``maxnreg``) override the plan's launch options."""
+    plan = plan_for(fmt, q, cache, block_table, num_splits, None, k_window, fast, split_config)
+    mask_args = _mask_arguments(None, q.shape[0], q.shape[1], seq_lens)
+    q_code, part_out, part_lse = _buffers(plan, q)
+    arguments = split_arguments(q, q_code, LOG2E, rotation, cache, block_table, seq_lens,
+                                mask_args, k_window, v_window, plan.ring_in_split, part_out,
+                                part_lse)  # fmt: skip
+    return compile_split(plan.split, arguments, compile_fn, **options)

@@ -1,0 +1,173 @@
+"""Code rows -> fp16 tensor-core operands: the decode kernels' dequantization of one tile.
+
+The bit planes of :mod:`custom_ops.formats` are strided, so shifting a row of code bytes yields
+a *contiguous part* of the head dim: 4-bit codes give two halves (low / high nibbles), 3- and
+2-bit codes four quarters, 8-bit codes one part. Each part is decoded straight into its own
+``tl.dot`` operand and multiplied with the matching part of the query: nothing is shuffled. On
+the GPU the parts are decoded by inline PTX (:mod:`custom_ops.triton.decode.ptx`, the codec's
+``ASM``); under the interpreter, which cannot run PTX, by plain Triton (``ASM == ""``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from custom_ops.formats import Codec
+from custom_ops.triton.decode.ptx import decode_asm, parts_of
+from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX
+from custom_ops.triton.planes import codec_levels, first_meta_column, lloyd_max_levels
+
+__all__ = ["PartParams", "part_params", "decode_tile"]
+
+
+class PartParams(NamedTuple):
+    """Compile-time description of one side of a format for the decode kernels, passed whole as
+    one ``tl.constexpr``.
+
+    Attributes:
+        KIND: the codec's :class:`custom_ops.formats.Kind` (an int).
+        BITS: code width per element.
+        META: meta column of the side's first scalar (0 when it has none).
+        OFF1: byte offset of the second bit plane (3-bit codes' sign plane), else 0.
+        PARTS: contiguous parts of the head dim decoded separately (1, 2 or 4).
+        PC: elements per part, ``D / PARTS``.
+        PC_PAD: PC rounded up to a power of two.
+        ASM: the inline PTX that decodes 4 code bytes (``""``: plain Triton).
+        LEVELS: the signed Lloyd-Max levels (``()`` for other codecs).
+    """
+
+    KIND: int
+    BITS: int
+    META: int
+    OFF1: int
+    PARTS: int
+    PC: int
+    PC_PAD: int
+    ASM: str
+    LEVELS: tuple[float, ...]
+
+
+def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
+    """The :class:`PartParams` of side ``"k"`` or ``"v"`` of ``fmt`` (``fast``: inline PTX)."""
+    codec: Codec = fmt.key if side == "k" else fmt.value
+    planes = codec.planes(head_dim)
+    parts = parts_of(codec)
+    chunk = head_dim // parts
+    return PartParams(int(codec.kind), codec.bits, first_meta_column(fmt, side),
+                      planes[1].offset if len(planes) > 1 else 0, parts, chunk,
+                      triton.next_power_of_2(chunk), decode_asm(codec, head_dim) if fast else "",
+                      codec_levels(codec, head_dim))  # fmt: skip
+
+
+@triton.jit
+def _values(codes, P: tl.constexpr):
+    """Codes -> fp16 values before the per-token scalars (Lloyd-Max levels or integers)."""
+    if P.KIND == LLOYD_MAX:
+        return lloyd_max_levels(codes.to(tl.int32), P.BITS, P.LEVELS).to(tl.float16)
+    return codes.to(tl.float16)
+
+
+@triton.jit
+def decode_tile(
+    codes_ptr,
+    row_offsets,
+    j,
+    mask,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BYTE_STRIDE: tl.constexpr,
+    TOKEN_RUN: tl.constexpr,
+    FINITE: tl.constexpr = False,
+):
+    """Decode a tile of code rows of the codec ``P`` into up to four parts (fp16, the tile's
+    shape, *before* the per-token scalars; unused parts repeat part 0).
+
+    ``row_offsets`` (offsets of byte 0 of each token's row) and ``j`` (byte of a plane part)
+    broadcast to the tile: ``[N, 1]`` and ``[1, PC]`` for keys (token-major, ``BYTE_STRIDE`` 1),
+    ``[1, N]`` and ``[PC, 1]`` for values (token-minor, ``BYTE_STRIDE = page_size``), whose
+    tokens come in runs of ``TOKEN_RUN`` adjacent bytes (page-aligned; 1: no hint). The inline
+    asm packs 4 consecutive bytes of the tile's last axis: 4 elements of a key, or one byte
+    column of 4 tokens of values. ``FINITE`` maps the fp8 NaN codes to finite numbers.
+    """
+    ASM: tl.constexpr = P.ASM
+    offsets = row_offsets + j * BYTE_STRIDE
+    if TOKEN_RUN > 1:
+        offsets = tl.max_contiguous(tl.multiple_of(offsets, [1, TOKEN_RUN]), [1, TOKEN_RUN])
+    plane = tl.load(codes_ptr + offsets, mask=mask, other=0)
+    if P.BITS == 4:
+        # byte j: element j in the low nibble, element j + D/2 in the high nibble
+        if ASM != "":
+            p0, p1 = tl.inline_asm_elementwise(
+                ASM, "=r,=r,=r,=r,r", [plane], dtype=(tl.float16,) * 2, is_pure=True, pack=4
+            )
+        else:
+            p0 = _values(plane & 15, P)
+            p1 = _values(plane >> 4, P)
+        p2 = p0
+        p3 = p0
+    elif P.BITS == 3:
+        # 2-bit plane byte j holds element j + q*D/4 at bits 2q; the 1-bit plane's byte j' holds
+        # element j' + r*D/8 at bit r, re-read here as a sign tile whose byte j is the 1-bit
+        # plane's byte j mod D/8: element j + q*D/4's top bit is its bit 2q + j // (D/8).
+        D8: tl.constexpr = D // 8
+        sign_offsets = row_offsets + (P.OFF1 + j % D8) * BYTE_STRIDE
+        if TOKEN_RUN > 1:
+            sign_offsets = tl.max_contiguous(
+                tl.multiple_of(sign_offsets, [1, TOKEN_RUN]), [1, TOKEN_RUN]
+            )
+        signs = tl.load(codes_ptr + sign_offsets, mask=mask, other=0)
+        sign_shift = tl.broadcast_to((j // D8).to(tl.uint8), plane.shape)
+        # The asm shifts 4 packed bytes at once: along the tokens (values) they share j, along
+        # j (keys) they do when D/8 is a multiple of 4 (not at D = 80: shift here instead).
+        if (ASM == "") | ((BYTE_STRIDE == 1) & (D8 % 4 != 0)):
+            signs = (signs >> sign_shift).to(tl.uint8)
+            sign_shift = tl.zeros_like(sign_shift)
+        if ASM != "":
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                ASM,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+                [plane, signs, sign_shift],
+                dtype=(tl.float16,) * 4,
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            p0 = _values((plane & 3) | ((signs & 1) << 2), P)
+            p1 = _values(((plane >> 2) & 3) | (signs & 4), P)
+            p2 = _values(((plane >> 4) & 3) | ((signs >> 2) & 4), P)
+            p3 = _values(((plane >> 6) & 3) | ((signs >> 4) & 4), P)
+    elif P.BITS == 2:
+        # byte j holds element j + q*D/4 at bits 2q
+        if ASM != "":
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                ASM,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r",
+                [plane],
+                dtype=(tl.float16,) * 4,
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            p0 = _values(plane & 3, P)
+            p1 = _values((plane >> 2) & 3, P)
+            p2 = _values((plane >> 4) & 3, P)
+            p3 = _values(plane >> 6, P)
+    else:
+        if ASM != "":
+            p0 = tl.inline_asm_elementwise(
+                ASM, "=r,=r,r", [plane], dtype=tl.float16, is_pure=True, pack=4
+            )
+        elif P.KIND == INT8_ABSMAX:
+            p0 = plane.to(tl.int8, bitcast=True).to(tl.float16)
+        else:
+            p0 = plane.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            if FINITE:
+                # max with NaN gives the other operand; every e4m3 value is >= -448
+                p0 = tl.maximum(p0, tl.full(p0.shape, -448.0, tl.float16))
+        p1 = p0
+        p2 = p0
+        p3 = p0
+    return p0, p1, p2, p3

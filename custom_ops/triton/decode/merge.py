@@ -1,0 +1,157 @@
+"""Log-sum-exp merge of the split (and ring) partials into the attention output.
+
+Grid ``ceil(B * Hq / BLOCK_M)``. Rotated values go back to the original space here: a
+Walsh-Hadamard butterfly for power-of-two head dims, products with R otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from custom_ops.triton.decode.query import walsh_hadamard_rows
+
+__all__ = ["MergeConfig", "merge_config", "launch_merge"]
+
+# Warps of a multi-row or many-partial program, and the most partial elements per lane of a
+# one-warp program (148 registers at D = 128 and 32 splits, offline SASS; 64 splits spill).
+NUM_WARPS = 4
+LANE_FLOATS = 128
+
+
+class MergeConfig(NamedTuple):
+    """How the merge runs: ``block_m`` rows per program, partials read ``split_chunk`` at a
+    time, ``num_warps`` per program."""
+
+    block_m: int
+    split_chunk: int
+    num_warps: int
+
+
+def merge_config(num_rows: int, num_splits: int, d_pad: int, rotate_by_product: bool,
+                 sm_count: int | None) -> MergeConfig:  # fmt: skip
+    """As many rows per program as keep two programs per SM busy (up to 16, so a rotation is
+    read once per 16 rows), and at most 256 partials in registers at a time (``sm_count`` None:
+    not a GPU, 16 rows).
+
+    A program of one row whose partials fit one warp's registers (``LANE_FLOATS`` per lane)
+    gets one warp and one chunk: with more warps, Triton lays them along the splits (the row's
+    ``D`` fills a warp's lanes) and sums over them through shared memory (NOTES "Decode v7").
+    Rows of more partials keep four warps, and so does a rotation back by products with R
+    (``rotate_by_product``: rotated values, head dim not a power of two), whose ``[D_PAD, 64]``
+    blocks of R would spill in one warp."""
+    block_m = 16
+    if sm_count is not None:
+        while block_m > 1 and num_rows < 2 * sm_count * block_m:
+            block_m //= 2
+    fits_one_warp = num_splits * d_pad <= 32 * LANE_FLOATS and not rotate_by_product
+    if block_m == 1 and fits_one_warp:
+        return MergeConfig(1, num_splits, 1)
+    return MergeConfig(block_m, min(num_splits, max(1, 256 // block_m)), NUM_WARPS)
+
+
+@triton.jit
+def _merge_store(out, j, rows, row_ok, window_rows, window_ok, window_w, inv_total, part_out_ptr,
+                 out_ptr, WINDOW_PARTS: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    """Columns ``j`` of the merged rows: ``(out + sum_w window_w * window_partial) / total``,
+    stored in the output's dtype."""
+    col_ok = row_ok & (j < D)[None, :]
+    if WINDOW_PARTS > 0:
+        jj = j[None, None, :]
+        window_out = tl.load(part_out_ptr + window_rows[:, :, None] * D + jj,
+                             mask=window_ok[:, :, None] & (jj < D), other=0.0)  # fmt: skip
+        out += tl.sum(window_out * window_w[:, :, None], axis=1)
+    out_ptrs = out_ptr + rows[:, None] * D + j[None, :]
+    tl.store(out_ptrs, (out * inv_total[:, None]).to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    rot_ptr,
+    out_ptr,
+    num_rows,
+    NUM_SPLITS: tl.constexpr,
+    WINDOW_PARTS: tl.constexpr,
+    WINDOW_PARTS_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ROTATE_BACK: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``out[row] = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max lse)`` for the
+    ``BLOCK_M`` rows ``b * Hq + h`` of this program, ``SPLIT_CHUNK`` splits at a time. Rotated
+    values go back by a Walsh-Hadamard butterfly for power-of-two head dims (only R's first
+    column is read), otherwise by ``[BLOCK_M, D] @ R^T`` products (R read once per ``BLOCK_M``
+    rows); the window's ``WINDOW_PARTS`` partials (after the splits') are in the original space
+    already."""
+    NUM_PARTIALS: tl.constexpr = NUM_SPLITS + WINDOW_PARTS
+    if PDL:
+        gdc_wait()  # for every partial
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows[:, None] < num_rows
+    split_lse = tl.load(part_lse_ptr + rows[:, None] * NUM_PARTIALS + tl.arange(0, NUM_SPLITS),
+                        mask=row_ok, other=float("-inf"))  # fmt: skip
+    m = tl.max(split_lse, axis=1)
+    # [BLOCK_M, WINDOW_PARTS_PAD] partial rows and lse of the window
+    window_part = tl.arange(0, WINDOW_PARTS_PAD)[None, :]
+    window_rows = rows[:, None] * NUM_PARTIALS + NUM_SPLITS + window_part
+    window_ok = row_ok & (window_part < WINDOW_PARTS)
+    window_lse = tl.load(part_lse_ptr + window_rows, mask=window_ok, other=float("-inf"))
+    m = tl.maximum(m, tl.max(window_lse, axis=1))
+    m = tl.where(m > float("-inf"), m, 0.0)
+    total = tl.sum(
+        tl.where(split_lse > float("-inf"), tl.math.exp2(split_lse - m[:, None]), 0.0), axis=1
+    )
+    d = tl.arange(0, D_PAD)[None, None, :]
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for s0 in range(0, NUM_SPLITS, SPLIT_CHUNK):
+        part_rows = rows[:, None] * NUM_PARTIALS + s0 + tl.arange(0, SPLIT_CHUNK)[None, :]
+        lse = tl.load(part_lse_ptr + part_rows, mask=row_ok, other=float("-inf"))
+        w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m[:, None]), 0.0)
+        parts = tl.load(part_out_ptr + part_rows[:, :, None] * D + d,
+                        mask=row_ok[:, :, None] & (d < D), other=0.0)  # fmt: skip
+        acc += tl.sum(parts * w[:, :, None], axis=1)
+    window_w = tl.where(window_lse > float("-inf"), tl.math.exp2(window_lse - m[:, None]), 0.0)
+    total += tl.sum(window_w, axis=1)
+    inv_total = 1.0 / tl.where(total > 0, total, 1.0)
+    if ROTATE_BACK and D == D_PAD:
+        # x = y @ R.T / sqrt(D) = (y @ H) * s / sqrt(D) for a power-of-two D (R = diag(s) @ H,
+        # Walsh-Hadamard H, s = R[:, 0]): a butterfly in registers, exact in float32
+        j = tl.arange(0, D)
+        signs = tl.load(rot_ptr + j * D) * INV_SQRT_D
+        out = walsh_hadamard_rows(acc, D, LOG2_D) * signs[None, :]
+        _merge_store(out, j, rows, row_ok, window_rows, window_ok, window_w, inv_total,
+                     part_out_ptr, out_ptr, WINDOW_PARTS, D)  # fmt: skip
+    elif ROTATE_BACK:
+        # padded head dims: x = y @ R.T / sqrt(D), 64 output columns at a time: rot_t[i, j] =
+        # R[j, i]
+        CHUNK: tl.constexpr = min(64, D_PAD)
+        i = tl.arange(0, D_PAD)[:, None]
+        for j0 in tl.static_range(0, D_PAD, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            rot_t = tl.load(rot_ptr + j[None, :] * D + i, mask=(i < D) & (j < D)[None, :],
+                            other=0.0)  # fmt: skip
+            out = tl.dot(acc, rot_t, input_precision="ieee") * INV_SQRT_D
+            _merge_store(out, j, rows, row_ok, window_rows, window_ok, window_w, inv_total,
+                         part_out_ptr, out_ptr, WINDOW_PARTS, D)  # fmt: skip
+    else:
+        _merge_store(acc, tl.arange(0, D_PAD), rows, row_ok, window_rows, window_ok, window_w,
+                     inv_total, part_out_ptr, out_ptr, WINDOW_PARTS, D)  # fmt: skip
+
+
+def launch_merge(launch, part_out: torch.Tensor, part_lse: torch.Tensor, rotation: torch.Tensor,
+                 out: torch.Tensor) -> None:  # fmt: skip
+    """Merge ``part_out [B, Hq, partials, D]`` / ``part_lse`` into ``out [B, Hq, D]``
+    (``launch``: the plan's launch of this kernel)."""
+    _merge_kernel[launch.grid](part_out, part_lse, rotation, out, out.shape[0] * out.shape[1],
+                               **launch.kwargs)  # fmt: skip

@@ -1,0 +1,261 @@
+"""The decode launch plan: every host-side decision of ``tq.decode``, made once per key.
+
+:func:`plan_decode` turns (format, shapes, dtypes, window, mask kind, split count, device,
+overrides) into a frozen :class:`DecodePlan`: which kernels run, their grids, compile-time
+parameters and launch options. It is cached, so a decode step does no policy work after the
+first call with the same key; the launcher (:func:`custom_ops.triton.decode.decode`) only binds
+tensors to the plan's kernels. Tools and tests read plans instead of the kernels' internals.
+
+Per-format speed choices come from :mod:`custom_ops.tuning`; measured reasons for every default
+are in ``benchmarks/NOTES.md``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+
+from custom_ops.formats import KVFormat
+from custom_ops.triton.decode import merge, prep, ring
+from custom_ops.triton.decode.codes import PartParams, part_params
+from custom_ops.tuning import decode_tuning
+
+__all__ = [
+    "QueryMode",
+    "SplitConfig",
+    "KernelLaunch",
+    "DecodePlan",
+    "plan_decode",
+    "TOKENS_PER_STEP",
+]
+
+# Tokens the split kernel reads per softmax step (one 32-token tile, or two of 16), its warps
+# per program and pipeline stages (H100 sweep, NOTES "Decode v3").
+TOKENS_PER_STEP = 32
+DEFAULT_WARPS = 1
+DEFAULT_STAGES = 2
+# Ring tokens per tile when the split kernel reads the window itself: 16 keeps the ring loop's
+# two pipeline stages within the compressed loop's shared memory class.
+RING_BLOCK = 16
+# Register cap of the long-split kernel (tuning.cap_registers, or a ring read in the split):
+# 16 one-warp programs per SM, which the split count assumes.
+SPLIT_MAX_REGISTERS = 128
+# Rotated keys get their queries rotated inside the split kernel (one launch fewer) when a split
+# holds at most this many tokens of the capacity: there the preparation launch is on the
+# critical path; at longer splits it is cheaper than one rotation per program.
+ROTATE_HERE_MAX_TOKENS = 128
+
+
+class QueryMode(enum.IntEnum):
+    """Where the split kernel gets its queries (the values of its ``QUERY`` constexpr)."""
+
+    SCALED = 0  # unrotated keys: the split kernel scales the query itself
+    PREPARED = 1  # rotated keys, long splits: the preparation kernel rotates it first
+    ROTATED_HERE = 2  # rotated keys, short splits: the split kernel rotates it (Walsh-Hadamard)
+
+
+class SplitConfig(NamedTuple):
+    """Overrides of the split kernel's defaults (None: the plan's choice); for sweeps and tests.
+
+    Attributes:
+        block_n: tokens per tile.
+        subtiles: tiles per softmax step (1 or 2).
+        num_warps: warps per program.
+        num_stages: software pipeline stages.
+    """
+
+    block_n: int | None = None
+    subtiles: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel's launch: its grid and keyword arguments (constexprs and launch options such
+    as ``num_warps``, ``maxnreg``, ``launch_pdl``; read-only)."""
+
+    grid: tuple[int, ...]
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Everything ``tq.decode`` decides on the host for one key (see :func:`plan_decode`).
+
+    Attributes:
+        num_splits: splits per (sequence, kv-head).
+        num_partials: partials per query row: the splits', then the ring kernel's.
+        query: how the split kernel gets its queries.
+        one_tile: every split holds at most one softmax step of tokens at a fixed place, so it
+            reads its block-table entries before the length (short contexts).
+        ring_in_split: the split kernel reads the recent window's ring itself.
+        keys, values: the sides' :class:`~custom_ops.triton.decode.codes.PartParams`.
+        q_code_columns: columns of the prepared query (0 without preparation).
+        pdl: later kernels use programmatic dependent launch (Hopper and newer).
+        prep: the query preparation's launch, or None.
+        split: the split kernel's launch.
+        ring: the ring kernel's launch (rotated values with a window), or None.
+        merge: the merge's launch.
+        merge_config: the merge's :class:`~custom_ops.triton.decode.merge.MergeConfig`.
+    """
+
+    num_splits: int
+    num_partials: int
+    query: QueryMode
+    one_tile: bool
+    ring_in_split: bool
+    keys: PartParams
+    values: PartParams
+    q_code_columns: int
+    pdl: bool
+    prep: KernelLaunch | None
+    split: KernelLaunch
+    ring: KernelLaunch | None
+    merge: KernelLaunch
+    merge_config: merge.MergeConfig
+
+
+def _token_run(page_size: int, block_n: int) -> int:
+    """How many adjacent bytes of a value-code column belong to consecutive tokens of a tile,
+    aligned: tiles start at multiples of ``block_n``, so a power-of-two page gives runs of
+    ``min(page_size, block_n)``; other page sizes get no vectorization hint."""
+    if page_size & (page_size - 1):
+        return 1
+    return min(page_size, block_n)
+
+
+def _query_mode(fmt: KVFormat, keys: PartParams, head_dim: int, capacity: int,
+                num_splits: int) -> QueryMode:  # fmt: skip
+    """Rotating in the split kernel needs the Walsh-Hadamard structure of R (a power-of-two head
+    dim) and parts of at least 16 elements."""
+    if not fmt.key.rotated:
+        return QueryMode.SCALED
+    power_of_two = head_dim & (head_dim - 1) == 0
+    if power_of_two and keys.PC >= 16 and capacity <= ROTATE_HERE_MAX_TOKENS * num_splits:
+        return QueryMode.ROTATED_HERE
+    return QueryMode.PREPARED
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_decode(
+    fmt: KVFormat,
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    max_pages: int,
+    window: int,
+    q_dtype: torch.dtype,
+    ring_dtype: torch.dtype | None,
+    mask_kind: int,
+    num_splits: int,
+    device: torch.device,
+    fast: bool,
+    split_config: SplitConfig | None = None,
+    merge_config: merge.MergeConfig | None = None,
+) -> DecodePlan:
+    """The plan of a decode over a paged cache (cached per argument tuple).
+
+    Args:
+        fmt: the cache's format.
+        batch, num_q_heads, num_kv_heads, head_dim: B, Hq, Hk, D.
+        page_size, max_pages: the cache's page size and the block table's width.
+        window: W, the rings' size (0: no rings).
+        q_dtype, ring_dtype: dtypes of the query and of the rings (None without rings).
+        mask_kind: 0 no mask, 1 boolean, 2 additive.
+        num_splits: splits per (sequence, kv-head), a power of two.
+        device: where the kernels run (a CPU device: compiled offline or interpreted).
+        fast: inline-PTX decoding and programmatic dependent launch where available.
+        split_config: overrides of the split kernel's defaults.
+        merge_config: override of the merge's configuration.
+    """
+    cuda = device.type == "cuda"
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count if cuda else None
+    pdl = fast and cuda and torch.cuda.get_device_capability(device)[0] >= 9
+    group = num_q_heads // num_kv_heads
+    d_pad = triton.next_power_of_2(head_dim)
+    common = dict(D=head_dim, D_PAD=d_pad, INV_SQRT_D=1.0 / math.sqrt(head_dim), PDL=pdl)
+    keys = part_params(fmt, "k", head_dim, fast)
+    values = part_params(fmt, "v", head_dim, fast)
+    capacity = max_pages * page_size  # compressed positions a sequence can hold
+
+    # Split kernel: both tile configurations read TOKENS_PER_STEP tokens per step, so whether
+    # splits are one step long does not depend on the format's choice.
+    split_config = split_config or SplitConfig()
+    tuning = decode_tuning(fmt)
+    short = capacity <= num_splits * TOKENS_PER_STEP
+    subtiles = split_config.subtiles or (tuning.subtiles_short if short else tuning.subtiles_long)
+    block_n = split_config.block_n or TOKENS_PER_STEP // subtiles
+    one_tile = capacity <= num_splits * subtiles * block_n
+    query = _query_mode(fmt, keys, head_dim, capacity, num_splits)
+    ring_in_split = window > 0 and not fmt.value.rotated
+    window_parts, slots_per_part = ring.window_parts(0 if ring_in_split else window)
+    num_partials = num_splits + window_parts
+    split_grid = (num_splits, num_kv_heads, batch)
+    num_warps = split_config.num_warps
+    if num_warps is None:
+        # two warps where the grid leaves SMs idle (at most two programs per SM): each decodes
+        # half of its tile, shortening the chain short contexts wait for (NOTES "Decode v7")
+        num_warps = 2 if cuda and math.prod(split_grid) <= 2 * sm_count else DEFAULT_WARPS
+    num_stages = split_config.num_stages or DEFAULT_STAGES
+    launch_options = dict(num_warps=num_warps, num_stages=num_stages)
+    if (tuning.cap_registers or ring_in_split) and not one_tile:
+        # Splits of one tile keep their registers: occupancy does not matter there, and
+        # capped, tq4_nc's query rotation spills.
+        launch_options["maxnreg"] = SPLIT_MAX_REGISTERS
+    if pdl and query == QueryMode.PREPARED:
+        # without the preparation, what runs before the split kernel is not ours: launch it
+        # normally
+        launch_options["launch_pdl"] = True
+    split = KernelLaunch(split_grid, dict(
+        MASK=mask_kind, PAGE_SIZE=page_size, TOKEN_RUN=_token_run(page_size, block_n),
+        D=head_dim, D_PAD=d_pad, LOG2_D=d_pad.bit_length() - 1, GROUP=group,
+        G_PAD=triton.next_power_of_2(group), BLOCK_N=block_n, SUBTILES=subtiles,
+        NUM_SPLITS=num_splits, NUM_PARTIALS=num_partials, ONE_TILE=one_tile, K=keys, V=values,
+        QUERY=int(query), INV_SQRT_D=common["INV_SQRT_D"], RING=ring_in_split,
+        RING_BLOCK=RING_BLOCK, RING_QK_F32=ring_in_split and (not fast or ring_dtype != q_dtype),
+        RING_F32=not fast, PDL=pdl, **launch_options,
+    ))  # fmt: skip
+
+    num_rows = batch * num_q_heads
+    prep_launch = None
+    q_code_columns = 0
+    if query == QueryMode.PREPARED:
+        q_code_columns = keys.PARTS * keys.PC_PAD
+        prep_launch = KernelLaunch(
+            (triton.cdiv(num_rows, prep.BLOCK_Q), q_code_columns // prep.BLOCK_C),
+            dict(common, PARTS=keys.PARTS, PC=keys.PC, PC_PAD=keys.PC_PAD, BLOCK_Q=prep.BLOCK_Q,
+                 BLOCK_C=prep.BLOCK_C),
+        )  # fmt: skip
+    later = {"launch_pdl": True} if pdl else {}  # kernels after the first one
+    ring_launch = None
+    if window_parts:
+        ring_launch = KernelLaunch((window_parts, num_kv_heads, batch), dict(
+            MASK=mask_kind, D=head_dim, D_PAD=d_pad, GROUP=group,
+            G_PAD=triton.next_power_of_2(group),
+            BLOCK_W=ring.BLOCK_W, SLOTS_PER_PART=slots_per_part, NUM_SPLITS=num_splits,
+            NUM_PARTIALS=num_partials, WINDOW_QK_F32=not fast or ring_dtype != q_dtype,
+            WINDOW_F32=not fast, PDL=pdl, num_warps=ring.NUM_WARPS, **later,
+        ))  # fmt: skip
+    if merge_config is None:
+        rotate_by_product = fmt.value.rotated and head_dim != d_pad
+        merge_config = merge.merge_config(num_rows, num_splits, d_pad, rotate_by_product,
+                                          sm_count)  # fmt: skip
+    merge_launch = KernelLaunch((triton.cdiv(num_rows, merge_config.block_m),), dict(
+        common, NUM_SPLITS=num_splits, WINDOW_PARTS=window_parts,
+        WINDOW_PARTS_PAD=triton.next_power_of_2(max(1, window_parts)),
+        SPLIT_CHUNK=merge_config.split_chunk, BLOCK_M=merge_config.block_m,
+        ROTATE_BACK=fmt.value.rotated, LOG2_D=d_pad.bit_length() - 1,
+        num_warps=merge_config.num_warps, **later,
+    ))  # fmt: skip
+    return DecodePlan(num_splits, num_partials, query, one_tile, ring_in_split, keys, values,
+                      q_code_columns, pdl, prep_launch, split, ring_launch, merge_launch,
+                      merge_config)  # fmt: skip

@@ -1,0 +1,74 @@
+"""Query preparation: rotate the queries into the keys' code space once per decode step.
+
+Grid ``(ceil(B * Hq / BLOCK_Q), PARTS * PC_PAD / BLOCK_C)``; runs only for rotated keys with
+long splits (:class:`custom_ops.triton.decode.plan.QueryMode`), where one rotation per query row
+is cheaper than one per split program.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+__all__ = ["BLOCK_Q", "BLOCK_C", "launch_prep"]
+
+# query rows and prepared columns per program
+BLOCK_Q = 16
+BLOCK_C = 16
+
+
+@triton.jit
+def _prep_query_kernel(
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    rot_ptr,
+    out_ptr,
+    num_rows,
+    num_q_heads,
+    q_scale,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    PARTS: tl.constexpr,
+    PC: tl.constexpr,
+    PC_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``out[r, c] = (q[r] @ R / sqrt(D))[p * PC + j] * q_scale`` as fp16, ``c = p * PC_PAD + j``,
+    for the ``BLOCK_Q`` query rows ``r = b * Hq + h`` and ``BLOCK_C`` columns of this program: a
+    ``[BLOCK_Q, D] @ [D, BLOCK_C]`` product on the tensor cores (tf32 is exact here: 16-bit
+    queries times +-1), so R is read once per 16 rows, by several programs at once."""
+    if PDL:
+        gdc_launch_dependents()  # the split kernel may launch now; it waits for q_code
+    rows = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    row_ok = rows < num_rows
+    q_rows = q_ptr + (rows // num_q_heads).to(tl.int64) * stride_qb
+    q_rows += (rows % num_q_heads) * stride_qh
+    d = tl.arange(0, D_PAD)
+    q_mask = row_ok[:, None] & (d < D)[None, :]
+    q = tl.load(q_rows[:, None] + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    elem = (c // PC_PAD) * PC + c % PC_PAD
+    ok = (c % PC_PAD) < PC
+    rot = tl.load(rot_ptr + d[:, None] * D + elem[None, :], mask=(d[:, None] < D) & ok[None, :],
+                  other=0.0)  # fmt: skip
+    q_code = tl.dot(q, rot, input_precision="tf32") * INV_SQRT_D
+    q_code = tl.where(ok[None, :], q_code * q_scale, 0.0)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * (PARTS * PC_PAD) + c[None, :]
+    tl.store(out_ptrs, q_code.to(tl.float16), mask=row_ok[:, None])
+
+
+def launch_prep(launch, q: torch.Tensor, rotation: torch.Tensor, q_code: torch.Tensor,
+                q_scale: float) -> None:  # fmt: skip
+    """Write ``q_code [B, Hq, PARTS * PC_PAD] fp16`` from ``q [B, Hq, D]`` (``launch``: the
+    plan's :class:`~custom_ops.triton.decode.plan.KernelLaunch` of this kernel)."""
+    batch, num_q_heads, _ = q.shape
+    _prep_query_kernel[launch.grid](
+        q, q.stride(0), q.stride(1), rotation, q_code, batch * num_q_heads, num_q_heads, q_scale,
+        **launch.kwargs,
+    )  # fmt: skip

@@ -1,0 +1,115 @@
+"""The GQA group's queries as the decode kernels' tensor-core operands.
+
+``query`` is the tuple ``(q_ptr, stride_b, stride_h)`` of the original ``q [B, Hq, D]``; a
+kernel program serves the group's rows ``q_head [G_PAD]`` (``row_ok`` marks the real ones).
+Scores are ``S^T = K @ Q^T``: the queries enter transposed, ``[elements, G_PAD]``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "query_part",
+    "rotate_query",
+    "walsh_hadamard_rows",
+    "original_query",
+    "ring_query",
+]
+
+
+@triton.jit
+def query_part(query, b, q_head, row_ok, q_scale, PART: tl.constexpr, PC: tl.constexpr,
+               PC_PAD: tl.constexpr):  # fmt: skip
+    """Part ``PART`` of the group's unrotated queries times ``q_scale``, transposed: ``[PC_PAD,
+    G_PAD]`` fp16 (keys that are not rotated need no preparation launch)."""
+    q_ptr, stride_qb, stride_qh = query
+    j = tl.arange(0, PC_PAD)[:, None]
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh
+    q_part = tl.load(q_rows + PART * PC + j, mask=row_ok[None, :] & (j < PC), other=0.0)
+    return (q_part.to(tl.float32) * q_scale).to(tl.float16)
+
+
+@triton.jit
+def walsh_hadamard_rows(x, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """``x @ H`` for ``x [M, D]`` float32 and the Walsh-Hadamard matrix ``H`` of a power-of-two
+    ``D`` (Sylvester order, ``H[i, j] = (-1)^popcount(i & j)``, the ``H`` of
+    :func:`custom_ops.codebook.rotation_matrix`): ``log2(D)`` butterfly stages, stage ``k``
+    mapping the pair of elements ``i``, ``i + 2^k`` (bit ``k`` of ``i`` clear) to their sum and
+    difference."""
+    M: tl.constexpr = x.shape[0]
+    for k in tl.static_range(LOG2_D):
+        pairs = tl.permute(tl.reshape(x, [M, D >> (k + 1), 2, 1 << k]), [0, 1, 3, 2])
+        low, high = tl.split(pairs)
+        x = tl.reshape(tl.permute(tl.join(low + high, low - high), [0, 1, 3, 2]), [M, D])
+    return x
+
+
+@triton.jit
+def rotate_query(query, rot_ptr, b, q_head, row_ok, q_scale, D: tl.constexpr,
+                 LOG2_D: tl.constexpr, INV_SQRT_D: tl.constexpr, PARTS: tl.constexpr,
+                 PC: tl.constexpr):  # fmt: skip
+    """The group's queries rotated into the keys' code space, ``(q @ R / sqrt(D)) * q_scale``,
+    as ``PARTS`` transposed parts ``[PC, G_PAD]`` fp16 (unused ones repeat part 0), computed
+    in the split kernel instead of by the preparation kernel (short contexts, where that launch
+    would be on the critical path).
+
+    For a power-of-two D, ``R = diag(s) @ H`` with ``H`` Walsh-Hadamard and ``s = R[:, 0]``, so
+    ``q @ R = (q * s) @ H``: a butterfly over each query row (:func:`walsh_hadamard_rows`,
+    float32 adds), and only R's first column is read. Parts are contiguous ranges of ``PC``
+    outputs, split off the transposed rows.
+    """
+    q_ptr, stride_qb, stride_qh = query
+    d = tl.arange(0, D)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
+    x = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x *= tl.load(rot_ptr + d * D)[None, :] * (INV_SQRT_D * q_scale)
+    y = walsh_hadamard_rows(x, D, LOG2_D)  # [G_PAD, D]
+    G_PAD: tl.constexpr = y.shape[0]
+    tl.static_assert(PARTS > 1, "rotated keys have 2 (4-bit) or 4 (2- and 3-bit) parts")
+    if PARTS == 2:
+        q0, q1 = tl.split(tl.permute(tl.reshape(y, [G_PAD, 2, PC]), [2, 0, 1]))
+        q0 = q0.to(tl.float16)
+        q1 = q1.to(tl.float16)
+        q2 = q0
+        q3 = q0
+    else:
+        halves = tl.permute(tl.reshape(y, [G_PAD, 2, 2, PC]), [3, 0, 1, 2])
+        low, high = tl.split(halves)  # part bit 0; [PC, G_PAD, 2] each
+        q0, q2 = tl.split(low)
+        q1, q3 = tl.split(high)
+        q0 = q0.to(tl.float16)
+        q1 = q1.to(tl.float16)
+        q2 = q2.to(tl.float16)
+        q3 = q3.to(tl.float16)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def original_query(query, b, q_head, row_ok, D: tl.constexpr, D_PAD: tl.constexpr,
+                   F32: tl.constexpr):  # fmt: skip
+    """The group's original (unrotated, unscaled) queries, transposed: ``[D_PAD, G_PAD]`` in the
+    query's dtype (float32 with ``F32``), zero in padded rows and columns; the B operand of a
+    ring's ``S^T = K @ Q^T``."""
+    q_ptr, stride_qb, stride_qh = query
+    d = tl.arange(0, D_PAD)
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh + d[:, None]
+    q_t = tl.load(q_ptrs, mask=row_ok[None, :] & (d < D)[:, None], other=0.0)
+    if F32:
+        q_t = q_t.to(tl.float32)
+    return q_t
+
+
+@triton.jit
+def ring_query(query, b, q_head, row_ok, D: tl.constexpr, D_PAD: tl.constexpr,
+               F32: tl.constexpr):  # fmt: skip
+    """:func:`original_query` as four quarters of the head dim, ``[D_PAD / 4, G_PAD]`` each:
+    the split kernel reads ring keys a quarter at a time to keep their registers down."""
+    q_t = original_query(query, b, q_head, row_ok, D, D_PAD, F32)
+    G_PAD: tl.constexpr = q_t.shape[1]
+    quarters = tl.permute(tl.reshape(q_t, [2, 2, D_PAD // 4, G_PAD]), [2, 3, 1, 0])
+    low, high = tl.split(quarters)
+    q0, q1 = tl.split(low)
+    q2, q3 = tl.split(high)
+    return q0, q1, q2, q3

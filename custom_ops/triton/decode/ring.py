@@ -1,0 +1,140 @@
+"""The recent window's ring as partials of their own, for rotated values (tq4_nc).
+
+Formats whose values are in the original space read the ring inside the split kernel
+(:mod:`custom_ops.triton.decode.split`). Rotated values accumulate in the code space, where the
+ring would have to be rotated into, so for them this kernel (grid ``(window parts, Hk, B)``)
+attends over the ring in full precision and in the original space and writes ``window parts``
+more partials per row, which the merge adds after rotating the compressed partials back. With
+programmatic dependent launch it starts once every split program has, and runs beside the split
+kernel's tail instead of after it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from custom_ops.triton.decode.query import original_query
+from custom_ops.triton.decode.softmax import mask_scores, partial_normalizer, softmax_rescale
+from custom_ops.triton.paged import ring_arguments
+
+__all__ = ["BLOCK_W", "NUM_WARPS", "window_parts", "launch_ring"]
+
+# Ring slots per tile and warps per program; a ring is split over at most MAX_PARTS programs
+# per (sequence, kv-head).
+BLOCK_W = 64
+NUM_WARPS = 4
+MAX_PARTS = 8
+
+
+def window_parts(window: int) -> tuple[int, int]:
+    """``(parts, slots_per_part)`` of a ring of ``window`` slots: this kernel's programs per
+    (sequence, kv-head), each over whole ``BLOCK_W`` tiles; ``(0, 0)`` without a window."""
+    if window == 0:
+        return 0, 0
+    parts = min(MAX_PARTS, triton.cdiv(window, BLOCK_W))
+    slots = triton.cdiv(triton.cdiv(window, parts), BLOCK_W) * BLOCK_W
+    return triton.cdiv(window, slots), slots
+
+
+@triton.jit
+def _ring_partials_kernel(
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    q_scale,
+    rings,
+    window,
+    seq_lens_ptr,
+    max_len,
+    mask_args,
+    part_out_ptr,
+    part_lse_ptr,
+    num_kv_heads,
+    MASK: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SLOTS_PER_PART: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    NUM_PARTIALS: tl.constexpr,
+    WINDOW_QK_F32: tl.constexpr,
+    WINDOW_F32: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Attention of a GQA group's queries over ring slots ``[part * SLOTS_PER_PART, ..)`` of
+    the recent window (grid ``(window parts, Hk, B)``), stored as the rows' partial
+    ``NUM_SPLITS + part`` (normalized, original space) with its lse (log2 domain).
+
+    The ring holds a sequence's last ``window_len = min(len, W)`` positions, from ``first =
+    len - window_len``; slot ``r`` holds the one that is ``r`` mod ``W``. ``S^T = K @ Q^T``
+    against the original query in the ring's dtype (tf32, exact for 16-bit inputs, when the
+    query's dtype differs), ``O^T += V^T @ P^T`` in fp16 like the compressed tiles, float32
+    accumulation; all float32 under the interpreter, which cannot run 16-bit dots. With PDL it
+    waits for the split kernel at its end, so the merge, which waits for this kernel, sees both.
+    """
+    part = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    if PDL:
+        gdc_launch_dependents()
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_len)
+    window_len = tl.minimum(seq_len, window)
+    first = seq_len - window_len
+    g = tl.arange(0, G_PAD)
+    row_ok = g < GROUP
+    q_head = head * GROUP + g
+    q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    q_orig = original_query((q_ptr, stride_qb, stride_qh), b, q_head, row_ok, D, D_PAD,
+                            WINDOW_QK_F32)  # fmt: skip
+    k_window_ptr, v_window_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
+    ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
+    m_w = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_w = tl.zeros([G_PAD], tl.float32)
+    acc_w = tl.zeros([D_PAD, G_PAD], tl.float32)  # O^T
+    slot_end = tl.minimum((part + 1) * SLOTS_PER_PART, window_len)
+    for r0 in range(part * SLOTS_PER_PART, slot_end, BLOCK_W):
+        r = r0 + tl.arange(0, BLOCK_W)
+        in_window = r < slot_end
+        positions = first + (r + window - first % window) % window
+        rows = ring + r.to(tl.int64) * stride_w_slot
+        k = tl.load(k_window_ptr + rows[:, None] + d[None, :],
+                    mask=in_window[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+        scores = tl.dot(k.to(q_orig.dtype), q_orig)
+        scores = mask_scores(scores * q_scale, positions, mask_args, b, q_head, row_ok, MASK)
+        scores = tl.where(in_window[:, None], scores, float("-inf"))
+        m_w, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_w)
+        p = tl.math.exp2(scores - m_sub[None, :])
+        l_w = l_w * alpha + tl.sum(p, axis=0)
+        if WINDOW_F32:
+            pv = p
+        else:
+            pv = p.to(tl.float16)
+        v_t = tl.load(v_window_ptr + rows[None, :] + d[:, None],
+                      mask=in_window[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+        acc_w = tl.dot(v_t.to(pv.dtype), pv, acc_w * alpha[None, :])
+    lse, inv_l = partial_normalizer(m_w, l_w)
+    part_rows = q_rows * NUM_PARTIALS + NUM_SPLITS + part
+    out_ptrs = part_out_ptr + part_rows[None, :] * D + d[:, None]
+    tl.store(out_ptrs, acc_w * inv_l[None, :], mask=row_ok[None, :] & (d < D)[:, None])
+    tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
+    if PDL:
+        gdc_wait()  # for the split kernel: the merge waits only for this one
+
+
+def launch_ring(launch, q: torch.Tensor, q_scale: float, k_window: torch.Tensor,
+                v_window: torch.Tensor, seq_lens: torch.Tensor, capacity: int, mask_args: tuple,
+                part_out: torch.Tensor, part_lse: torch.Tensor) -> None:  # fmt: skip
+    """Write the ring's partials of ``q [B, Hq, D]`` into ``part_out``/``part_lse`` after the
+    splits' (``launch``: the plan's launch of this kernel; ``capacity``: positions a sequence
+    holds; ``mask_args``: ``(mask, stride_b, stride_h, mask_len)``)."""
+    _ring_partials_kernel[launch.grid](
+        q, q.stride(0), q.stride(1), q_scale, ring_arguments(k_window, v_window),
+        k_window.shape[2], seq_lens, capacity, mask_args, part_out, part_lse, k_window.shape[1],
+        **launch.kwargs,
+    )  # fmt: skip

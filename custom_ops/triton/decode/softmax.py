@@ -1,0 +1,51 @@
+"""The online-softmax state shared by the decode kernels (log2 domain) and the attention mask."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["LOG2E", "mask_scores", "softmax_rescale", "partial_normalizer"]
+
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def mask_scores(scores, positions, mask_args, b, q_head, row_ok, MASK: tl.constexpr):
+    """Apply the attention mask at key ``positions [N]`` to ``scores [N, G_PAD]`` (log2 units):
+    ``MASK`` 0 none, 1 boolean (False masks out), 2 additive (natural-log units).
+    ``mask_args`` is ``(mask_ptr, stride_b, stride_h, mask_len)``."""
+    if MASK != 0:
+        mask_ptr, stride_mask_b, stride_mask_h, mask_len = mask_args
+        mask_ptrs = mask_ptr + b * stride_mask_b + q_head[None, :] * stride_mask_h
+        mask_ptrs += positions[:, None]
+        in_mask = row_ok[None, :] & (positions < mask_len)[:, None]
+        if MASK == 1:
+            allowed = tl.load(mask_ptrs, mask=in_mask, other=0) != 0
+            scores = tl.where(allowed, scores, float("-inf"))
+        else:
+            bias = tl.load(mask_ptrs, mask=in_mask, other=float("-inf")).to(tl.float32)
+            scores = scores + bias * _LOG2E
+    return scores
+
+
+@triton.jit
+def softmax_rescale(tile_max, m_i):
+    """Online-softmax step in the log2 domain for a tile whose per-query max is ``tile_max
+    [G_PAD]``: ``(m_new, m_sub, alpha)``, with ``p = exp2(scores - m_sub)`` and the running sums
+    rescaled by ``alpha``. A query masked out so far keeps ``m = -inf``, so 0 is subtracted
+    instead."""
+    m_new = tl.maximum(m_i, tile_max)
+    m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)
+    return m_new, m_sub, tl.math.exp2(m_i - m_sub)
+
+
+@triton.jit
+def partial_normalizer(m_i, l_i):
+    """``(lse, 1 / l)`` of a finished partial; ``lse = -inf`` (and ``1 / l = 1``) if it saw no
+    key."""
+    has_keys = l_i > 0
+    safe_l = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, m_i + tl.math.log2(safe_l), float("-inf"))
+    return lse, 1.0 / safe_l

@@ -1,0 +1,277 @@
+"""The split kernel: attention of a GQA group over one split of a sequence's compressed tokens.
+
+Grid ``(num_splits, Hk, B)``: one program per (sequence, kv-head, split) serves every q-head of
+the GQA group, so each cache byte is read once. Each split finds its token range from
+``seq_lens`` on the device (an empty split writes a neutral partial), then streams tiles with
+the *tokens* as the tensor cores' M dimension (:mod:`custom_ops.triton.decode.tiles`): ``S^T = K
+@ Q^T`` and ``O^T += V^T @ P^T``, so the GQA group is only the N = 8 side (padding 4 heads to 8,
+not to 16 rows). A program is one warp, so the softmax reduces over tokens inside it and ``P^T``
+feeds the next product without leaving it; where the grid leaves SMs idle (short contexts) it
+is two warps, each decoding half of a tile. The codecs' scalars are folded in: the key
+norm/scale multiplies the scores, the value scale multiplies the probabilities before ``V^T @
+P^T`` and the value zero enters through a running ``sum(p * zero)``. Value codes are stored
+token-minor (:mod:`custom_ops.formats`), so the A operand ``V^T`` (4 consecutive tokens of one
+byte column per register) is one aligned 32-bit load.
+
+With a recent window the splits cover the compressed positions ``[0, len - W)``; for values in
+the original space the kernel also reads the ring (``RING``): its ``RING_BLOCK``-slot tiles go
+round robin to the splits and enter the same softmax state and accumulators.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from custom_ops.formats import PagedKVCache
+from custom_ops.triton.decode.query import query_part, ring_query, rotate_query
+from custom_ops.triton.decode.softmax import mask_scores, partial_normalizer, softmax_rescale
+from custom_ops.triton.decode.tiles import (
+    compressed_scores,
+    compressed_values,
+    head_planes,
+    ring_scores,
+    ring_values,
+    table_entries,
+)
+from custom_ops.triton.paged import plane_arguments, ring_arguments, table_arguments
+
+__all__ = ["split_arguments", "launch_split", "compile_split"]
+
+# Where the split kernel gets its queries (plan.QueryMode): scaled here (unrotated keys),
+# rotated by the preparation kernel, or rotated here (rotated keys at short contexts).
+QUERY_SCALED = tl.constexpr(0)
+QUERY_PREPARED = tl.constexpr(1)
+QUERY_ROTATED_HERE = tl.constexpr(2)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,
+    q_orig_ptr,
+    stride_qb,
+    stride_qh,
+    q_scale,
+    rot_ptr,
+    planes,
+    table,
+    seq_lens_ptr,
+    mask_args,
+    window,
+    rings,
+    part_out_ptr,
+    part_lse_ptr,
+    num_kv_heads,
+    max_pages,
+    MASK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    TOKEN_RUN: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUBTILES: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    NUM_PARTIALS: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    QUERY: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    RING: tl.constexpr,
+    RING_BLOCK: tl.constexpr,
+    RING_QK_F32: tl.constexpr,
+    RING_F32: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    split = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    if PDL:
+        # Programmatic dependent launch: the kernel after this one (ring or merge) may launch
+        # once every program of this one has started; when this kernel was launched that way
+        # itself, everything but q_code, which the query preparation writes, was ready before.
+        gdc_launch_dependents()
+    query = (q_orig_ptr, stride_qb, stride_qh)
+
+    # This split's token range of the compressed positions [0, len - W), from the device-side
+    # length: [start, end). The window's min(len, W) ring tokens are read below (RING) or by
+    # the ring kernel.
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
+    compressed_len = seq_len - tl.minimum(seq_len, window)
+    tile_tokens: tl.constexpr = SUBTILES * BLOCK_N
+    if ONE_TILE:
+        # A split of at most one tile sits at a fixed place, so its block-table entries are read
+        # here, beside the length and before the query rotation, not after them: one dependent
+        # round trip fewer on the path that short contexts wait for.
+        start = split * tile_tokens
+        capacity = max_pages * PAGE_SIZE
+        n_first = start + tl.arange(0, BLOCK_N)
+        early_a = table_entries(n_first, n_first < capacity, b, table, PAGE_SIZE)
+        early_b = early_a
+        if SUBTILES == 2:
+            n_second = n_first + BLOCK_N
+            early_b = table_entries(n_second, n_second < capacity, b, table, PAGE_SIZE)
+        end = tl.minimum(start + tile_tokens, compressed_len)
+    else:
+        early_a = 0  # entries are read per tile
+        early_b = 0
+        per_split = tl.cdiv(tl.cdiv(compressed_len, NUM_SPLITS), tile_tokens) * tile_tokens
+        start = split * per_split
+        end = tl.minimum(start + per_split, compressed_len)
+
+    # The GQA group's prepared queries, transposed: fp16 [K.PC_PAD, G_PAD] per part, the B
+    # operands of S^T = K @ Q^T (columns >= GROUP: 0). Tokens are the M dimension of both
+    # products, so the group is padded to the tensor cores' N = 8, not to M = 16. Unrotated keys
+    # scale the query here (one part: 8 bits); rotated keys read q_code (the preparation
+    # kernel) or, at short contexts, rotate it here.
+    g = tl.arange(0, G_PAD)
+    row_ok = g < GROUP
+    q_head = head * GROUP + g
+    q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
+    if QUERY == QUERY_SCALED:
+        q0 = query_part(query, b, q_head, row_ok, q_scale, 0, K.PC, K.PC_PAD)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+    elif QUERY == QUERY_ROTATED_HERE:
+        q0, q1, q2, q3 = rotate_query(query, rot_ptr, b, q_head, row_ok, q_scale, D, LOG2_D,
+                                      INV_SQRT_D, K.PARTS, K.PC)  # fmt: skip
+    else:
+        q_part = q_ptr + q_rows[:, None] * (K.PARTS * K.PC_PAD)
+        q_part += tl.arange(0, K.PC_PAD)[None, :]
+        if PDL:
+            gdc_wait()  # for the preparation kernel's q_code
+        q0 = tl.trans(tl.load(q_part, mask=row_ok[:, None], other=0.0))
+        q1 = tl.trans(tl.load(q_part + K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 1),
+                              other=0.0))  # fmt: skip
+        q2 = tl.trans(
+            tl.load(q_part + 2 * K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 2), other=0.0)
+        )
+        q3 = tl.trans(
+            tl.load(q_part + 3 * K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 2), other=0.0)
+        )
+    qs = (q0, q1, q2, q3)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    # O^T = V^T @ P^T per value part: [V_PC_PAD, G_PAD] float32
+    V_PC_PAD: tl.constexpr = V.PC_PAD
+    acc0 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
+    acc1 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
+    acc2 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
+    acc3 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
+    zero_acc = tl.zeros([G_PAD], tl.float32)
+    k_plane, v_plane, meta_plane = head_planes(planes, head.to(tl.int64))
+    # Each iteration streams SUBTILES tiles of BLOCK_N tokens that share one softmax update
+    # (running max, rescale of the accumulators), which amortizes its cross-lane reductions
+    # while the codes are still decoded BLOCK_N tokens at a time.
+    for tile_start in range(start, end, SUBTILES * BLOCK_N):
+        n_a = tile_start + tl.arange(0, BLOCK_N)
+        scores_a, page_a, slot_a, m_row_a, valid_a = compressed_scores(
+            n_a, end, early_a, b, table, k_plane, meta_plane, qs, mask_args, q_head, row_ok,
+            MASK, PAGE_SIZE, D, K, ONE_TILE,
+        )  # fmt: skip
+        tile_max = scores_a
+        if SUBTILES == 2:
+            scores_b, page_b, slot_b, m_row_b, valid_b = compressed_scores(
+                n_a + BLOCK_N, end, early_b, b, table, k_plane, meta_plane, qs, mask_args,
+                q_head, row_ok, MASK, PAGE_SIZE, D, K, ONE_TILE,
+            )  # fmt: skip
+            tile_max = tl.maximum(scores_a, scores_b)
+        m_i, m_sub, alpha = softmax_rescale(tl.max(tile_max, axis=0), m_i)
+        p_a = tl.math.exp2(scores_a - m_sub[None, :])
+        p_sum = p_a
+        if SUBTILES == 2:
+            p_b = tl.math.exp2(scores_b - m_sub[None, :])
+            p_sum = p_a + p_b
+        l_i = l_i * alpha + tl.sum(p_sum, axis=0)
+        zero_acc *= alpha
+        acc0 *= alpha[None, :]
+        acc1 *= alpha[None, :]
+        acc2 *= alpha[None, :]
+        acc3 *= alpha[None, :]
+        acc0, acc1, acc2, acc3, zero_acc = compressed_values(
+            p_a, page_a, slot_a, m_row_a, valid_a, acc0, acc1, acc2, acc3, zero_acc, v_plane,
+            PAGE_SIZE, TOKEN_RUN, D, V,
+        )  # fmt: skip
+        if SUBTILES == 2:
+            acc0, acc1, acc2, acc3, zero_acc = compressed_values(
+                p_b, page_b, slot_b, m_row_b, valid_b, acc0, acc1, acc2, acc3, zero_acc, v_plane,
+                PAGE_SIZE, TOKEN_RUN, D, V,
+            )  # fmt: skip
+
+    if RING:
+        # The ring's RING_BLOCK-slot tiles, round robin over the splits from the last one (which
+        # may hold fewer compressed tiles) down: each split takes about W / NUM_SPLITS more
+        # tokens, into the same softmax state and accumulators (values not rotated). The ring
+        # holds window_len = min(len, W) positions from compressed_len, slot r the one that is r
+        # mod W, so its written slots are [0, window_len): a tile is a run of consecutive rows
+        # (no wrap), and a slot's position matters only to a mask.
+        rqs = ring_query(query, b, q_head, row_ok, D, D_PAD, RING_QK_F32)
+        k_window_ptr, v_window_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
+        ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
+        window_len = seq_len - compressed_len
+        for r0 in tl.range((NUM_SPLITS - 1 - split) * RING_BLOCK, window_len,
+                           NUM_SPLITS * RING_BLOCK, num_stages=2):  # fmt: skip
+            slot = r0 + tl.arange(0, RING_BLOCK)
+            in_ring = slot < window_len
+            rows = slot * stride_w_slot
+            scores = ring_scores(k_window_ptr + ring + rows[:, None], in_ring, rqs, D) * q_scale
+            positions = compressed_len + (slot + window - compressed_len % window) % window
+            scores = mask_scores(scores, positions, mask_args, b, q_head, row_ok, MASK)
+            scores = tl.where(in_ring[:, None], scores, float("-inf"))
+            m_i, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_i)
+            p = tl.math.exp2(scores - m_sub[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            zero_acc *= alpha
+            acc0, acc1, acc2, acc3 = ring_values(
+                p, v_window_ptr + ring + rows[None, :], in_ring, acc0 * alpha[None, :],
+                acc1 * alpha[None, :], acc2 * alpha[None, :], acc3 * alpha[None, :], V, RING_F32,
+            )  # fmt: skip
+
+    # This split's partial, normalized, in natural element order; lse in the log2 domain.
+    lse, inv_l = partial_normalizer(m_i, l_i)
+    part_rows = q_rows * NUM_PARTIALS + split
+    j = tl.arange(0, V_PC_PAD)[:, None]
+    out_ptrs = part_out_ptr + part_rows[None, :] * D + j
+    ok = row_ok[None, :] & (j < V.PC)
+    scale = inv_l[None, :]
+    tl.store(out_ptrs, (acc0 + zero_acc[None, :]) * scale, mask=ok)
+    if V.PARTS > 1:
+        tl.store(out_ptrs + V.PC, (acc1 + zero_acc[None, :]) * scale, mask=ok)
+    if V.PARTS > 2:
+        tl.store(out_ptrs + 2 * V.PC, (acc2 + zero_acc[None, :]) * scale, mask=ok)
+        tl.store(out_ptrs + 3 * V.PC, (acc3 + zero_acc[None, :]) * scale, mask=ok)
+    tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
+
+
+def split_arguments(q, q_code, q_scale, rotation, cache: PagedKVCache, block_table, seq_lens,
+                    mask_args, k_window, v_window, ring_in_split, part_out,
+                    part_lse) -> tuple:  # fmt: skip
+    """The split kernel's runtime arguments, in order (``mask_args``: ``(mask, stride_b,
+    stride_h, mask_len)``). ``k_window``/``v_window`` are the rings or None; a kernel that does
+    not read them itself (``ring_in_split`` False) gets placeholders, which it never reads, but
+    still the window's size."""
+    window = 0 if k_window is None else k_window.shape[2]
+    rings = ring_arguments(k_window, v_window) if ring_in_split else (q, q, 0, 0, 0)
+    return (
+        q_code, q, q.stride(0), q.stride(1), q_scale, rotation, plane_arguments(cache),
+        table_arguments(block_table), seq_lens, mask_args, window, rings, part_out, part_lse,
+        cache.k_codes.shape[1], block_table.shape[1],
+    )  # fmt: skip
+
+
+def launch_split(launch, arguments: tuple) -> None:
+    """Launch the split kernel with :func:`split_arguments` (``launch``: the plan's launch)."""
+    _split_kernel[launch.grid](*arguments, **launch.kwargs)
+
+
+def compile_split(launch, arguments: tuple, compile_fn, **options):
+    """Compile (not launch) the split kernel through ``compile_fn(kernel, grid, *args,
+    **kwargs)`` (``benchmarks/sass_report.py`` compiles for sm_90 offline); ``options`` (e.g.
+    ``maxnreg``) override the plan's."""
+    return compile_fn(_split_kernel, launch.grid, *arguments, **{**launch.kwargs, **options})

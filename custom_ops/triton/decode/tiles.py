@@ -1,0 +1,178 @@
+"""One tile of the split kernel's loops: scores and value products of compressed tokens, and of
+recent-window (ring) tokens in full precision.
+
+Tokens are the tensor cores' M dimension: ``S^T = K @ Q^T`` (``[N, G_PAD]``) and ``O^T += V^T @
+P^T`` (``[PC_PAD, G_PAD]`` per value part). Argument tuples name the planes a tile reads:
+``table = (block_table_ptr, stride_b, stride_p)``, ``k_plane = (k_codes_ptr, head_offset,
+stride_page, stride_slot)``, ``meta_plane = (meta_ptr, head_offset, stride_page,
+stride_slot)``, ``v_plane = (v_codes_ptr, head_offset, stride_page)`` (value rows token-minor,
+so a slot is a byte offset), ``qs = (q0, q1, q2, q3)`` the query parts.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from custom_ops.triton.decode.codes import decode_tile
+from custom_ops.triton.decode.softmax import mask_scores
+from custom_ops.triton.kinds import FP8, UNIFORM
+
+__all__ = [
+    "head_planes",
+    "table_entries",
+    "compressed_scores",
+    "compressed_values",
+    "ring_scores",
+    "ring_values",
+]
+
+
+@triton.jit
+def head_planes(planes, head):
+    """``(k_plane, v_plane, meta_plane)`` of kv-head ``head`` (int64) from the kernel argument
+    ``planes`` (:mod:`custom_ops.triton.paged`)."""
+    k_codes, v_codes, meta, kc_page, kc_head, kc_slot, vc_page, vc_head, _, m_page, m_head, \
+        m_slot = planes  # fmt: skip
+    return ((k_codes, head * kc_head, kc_page, kc_slot), (v_codes, head * vc_head, vc_page),
+            (meta, head * m_head, m_page, m_slot))  # fmt: skip
+
+
+@triton.jit
+def table_entries(n, ok, b, table, PAGE_SIZE: tl.constexpr):
+    """The block-table entries (int32 page ids) of positions ``n [BLOCK_N]``, read where
+    ``ok`` (0 elsewhere)."""
+    block_table_ptr, stride_bt_b, stride_bt_p = table
+    page_ptr = block_table_ptr + b * stride_bt_b + (n // PAGE_SIZE) * stride_bt_p
+    return tl.load(page_ptr, mask=ok, other=0)
+
+
+@triton.jit
+def compressed_scores(n, end, early, b, table, k_plane, meta_plane, qs, mask_args, q_head,
+                      row_ok, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
+                      K: tl.constexpr, ONE_TILE: tl.constexpr):  # fmt: skip
+    """Scores ``S^T = K @ Q^T`` of the compressed tokens at positions ``n [BLOCK_N]`` (``-inf``
+    at and past ``end``): ``(scores [BLOCK_N, G_PAD] float32 in log2 units, page, slot, meta
+    row pointers, valid)``.
+
+    Page ids come from the block table, or from ``early`` (entries read before the length was
+    known, ``ONE_TILE``), kept only below ``end``: entries past a sequence's pages may hold
+    anything and are never followed. Code rows are read unmasked, so that the loads stay
+    vectorized along the tokens: tokens past the end read their page (or page 0) and get zero
+    probability (see :func:`compressed_values`).
+    """
+    valid = n < end
+    if ONE_TILE:
+        entries = tl.where(valid, early, 0)
+    else:
+        entries = table_entries(n, valid, b, table, PAGE_SIZE)
+    k_codes_ptr, k_head, stride_kc_page, stride_kc_slot = k_plane
+    meta_ptr, m_head, stride_m_page, stride_m_slot = meta_plane
+    q0, q1, q2, q3 = qs
+    page = entries.to(tl.int64)
+    slot = (n % PAGE_SIZE).to(tl.int64)
+    k_byte = tl.arange(0, K.PC_PAD)[None, :]
+    k0, k1, k2, k3 = decode_tile(
+        k_codes_ptr, (page * stride_kc_page + k_head + slot * stride_kc_slot)[:, None], k_byte,
+        k_byte < K.PC, K, D, 1, 1,
+    )  # fmt: skip
+    scores = tl.dot(k0, q0)
+    if K.PARTS > 1:
+        scores = tl.dot(k1, q1, scores)
+    if K.PARTS > 2:
+        scores = tl.dot(k2, q2, scores)
+        scores = tl.dot(k3, q3, scores)
+    m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
+    if K.KIND != FP8:
+        k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
+        scores = scores * k_mul[:, None]
+    scores = mask_scores(scores, n, mask_args, b, q_head, row_ok, MASK)
+    return tl.where(valid[:, None], scores, float("-inf")), page, slot, m_row, valid
+
+
+@triton.jit
+def compressed_values(p, page, slot, m_row, valid, acc0, acc1, acc2, acc3, zero_acc, v_plane,
+                      PAGE_SIZE: tl.constexpr, TOKEN_RUN: tl.constexpr, D: tl.constexpr,
+                      V: tl.constexpr):  # fmt: skip
+    """Add one tile's ``O^T += V^T @ (p * v_scale)^T`` per value part (``p [BLOCK_N, G_PAD]``),
+    and ``sum(p * v_zero)`` to ``zero_acc`` for uniform values.
+
+    Value codes of tokens past the end enter the product with zero probability, which is only
+    safe for codes that decode to finite numbers: fp8 bytes there (stale or never written) can
+    be NaN, so fp8 values are decoded ``FINITE``.
+    """
+    v_codes_ptr, v_head, stride_vc_page = v_plane
+    v_byte = tl.arange(0, V.PC_PAD)[:, None]
+    v0, v1, v2, v3 = decode_tile(
+        v_codes_ptr, (page * stride_vc_page + v_head + slot)[None, :], v_byte, v_byte < V.PC, V,
+        D, PAGE_SIZE, TOKEN_RUN, FINITE=True,
+    )  # fmt: skip
+    v_mul = tl.load(m_row + V.META, mask=valid, other=0.0).to(tl.float32)
+    if V.KIND == UNIFORM:
+        v_zero = tl.load(m_row + V.META + 1, mask=valid, other=0.0).to(tl.float32)
+        zero_acc += tl.sum(p * v_zero[:, None], axis=0)
+    pv = (p * v_mul[:, None]).to(tl.float16)
+    acc0 = tl.dot(v0, pv, acc0)
+    if V.PARTS > 1:
+        acc1 = tl.dot(v1, pv, acc1)
+    if V.PARTS > 2:
+        acc2 = tl.dot(v2, pv, acc2)
+        acc3 = tl.dot(v3, pv, acc3)
+    return acc0, acc1, acc2, acc3, zero_acc
+
+
+@triton.jit
+def ring_scores(k_rows, in_ring, rqs, D: tl.constexpr):
+    """``S^T = K @ Q^T`` of ring keys whose rows start at ``k_rows [RING_BLOCK, 1]`` (rows not
+    ``in_ring`` read as zeros), a quarter of the head dim at a time (``rqs``: the quarters of
+    :func:`custom_ops.triton.decode.query.ring_query`)."""
+    q0, q1, q2, q3 = rqs
+    QC: tl.constexpr = q0.shape[0]
+    j = tl.arange(0, QC)[None, :]
+    k = tl.load(k_rows + j, mask=in_ring[:, None] & (j < D), other=0.0)
+    scores = tl.dot(k.to(q0.dtype), q0)
+    k = tl.load(k_rows + QC + j, mask=in_ring[:, None] & (j + QC < D), other=0.0)
+    scores = tl.dot(k.to(q1.dtype), q1, scores)
+    k = tl.load(k_rows + 2 * QC + j, mask=in_ring[:, None] & (j + 2 * QC < D), other=0.0)
+    scores = tl.dot(k.to(q2.dtype), q2, scores)
+    k = tl.load(k_rows + 3 * QC + j, mask=in_ring[:, None] & (j + 3 * QC < D), other=0.0)
+    return tl.dot(k.to(q3.dtype), q3, scores)
+
+
+@triton.jit
+def _ring_part(v_t, p_hi, p_lo, acc, F32: tl.constexpr):
+    """``acc + v_t @ (p_hi + p_lo)`` for a ring value part ``v_t [V_PC_PAD, RING_BLOCK]``
+    (:func:`ring_values`): one float32 product with ``F32`` (``p_lo`` is ``p_hi`` there)."""
+    if F32:
+        return tl.dot(v_t.to(tl.float32), p_hi, acc)
+    return tl.dot(v_t, p_lo, tl.dot(v_t, p_hi, acc))
+
+
+@triton.jit
+def ring_values(p, v_rows, in_ring, acc0, acc1, acc2, acc3, V: tl.constexpr, F32: tl.constexpr):
+    """``O^T += V^T @ P^T`` for ring values (original space) whose rows start at ``v_rows [1,
+    RING_BLOCK]``, per value part of the compressed codes (part ``i``: elements ``[i * V.PC,
+    (i + 1) * V.PC)``); float32 with ``F32``.
+
+    On the tensor cores the ring's 16-bit values enter as they are (a bf16 -> fp16 conversion
+    would cost a sixth of the ring loop's instructions), against ``P^T`` split into two terms of
+    the ring's dtype, ``p = hi + lo`` to ``2^-16`` relative for bf16: as exact as fp16
+    probabilities, for twice the (few) products."""
+    V_PC: tl.constexpr = V.PC
+    j = tl.arange(0, V.PC_PAD)[:, None]
+    ok = in_ring[None, :] & (j < V_PC)
+    if F32:
+        p_hi = p
+        p_lo = p
+    else:
+        p_hi = p.to(v_rows.dtype.element_ty)
+        p_lo = (p - p_hi.to(tl.float32)).to(v_rows.dtype.element_ty)
+    acc0 = _ring_part(tl.load(v_rows + j, mask=ok, other=0.0), p_hi, p_lo, acc0, F32)
+    if V.PARTS > 1:
+        acc1 = _ring_part(tl.load(v_rows + V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc1, F32)
+    if V.PARTS > 2:
+        acc2 = _ring_part(tl.load(v_rows + 2 * V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc2,
+                          F32)  # fmt: skip
+        acc3 = _ring_part(tl.load(v_rows + 3 * V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc3,
+                          F32)  # fmt: skip
+    return acc0, acc1, acc2, acc3

@@ -1,0 +1,142 @@
+"""Encoding one side (keys or values) of token-head rows in registers, shared by the store
+kernels (:mod:`custom_ops.triton.store`, :mod:`custom_ops.triton.store_window`).
+
+It reproduces :func:`custom_ops.reference.encode_rows` operation by operation:
+
+* Lloyd-Max: ``norm = ||x||``; ``y = (x @ R) * (1/sqrt(D) / norm)`` with the +-1 rotation R on
+  the tensor cores (tf32 is exact here: bf16 and fp16 inputs and +-1 fit in tf32's mantissa);
+  magnitude index = number of magnitude midpoints below ``|y|``; sign-magnitude code; with norm
+  correction the stored norm is ``norm / ||levels[codes]||``.
+* Uniform: fp16 scale ``(max - min) / (2^b - 1)`` and zero ``min``; codes from those rounded
+  values: ``floor((x - zero) / scale + 0.5)``, clamped.
+* FP8 / absmax: saturating e4m3 casts, ``floor(x / scale + 0.5)`` for int8.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from custom_ops.formats import FP8_MAX, INT8_MAX, TINY_NORM
+from custom_ops.triton.kinds import FP8, FP8_ABSMAX, INT8_ABSMAX, LLOYD_MAX, UNIFORM
+from custom_ops.triton.planes import rotation_slice, store_codes, tile_offsets
+
+__all__ = ["encode_side"]
+
+_TINY = tl.constexpr(TINY_NORM)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_INT8_MAX = tl.constexpr(INT8_MAX)
+
+
+@triton.jit
+def _row_sum(x):
+    return tl.sum(tl.sum(x, axis=2), axis=1)
+
+
+@triton.jit
+def _reciprocal_or_zero(x):
+    """``1 / x`` (IEEE) where ``x > 0``, else 0: one division per row, multiplies per element."""
+    positive = x > 0
+    return tl.where(
+        positive,
+        tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), tl.where(positive, x, 1.0)),
+        0.0,
+    )
+
+
+@triton.jit
+def encode_side(
+    x_ptr,
+    x_rows,
+    stride_xd,
+    ok,
+    code_ptr,
+    meta_ptr,
+    rot_ptr,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Encode one side of ``BLOCK_R`` rows with the codec ``P`` (a
+    :class:`~custom_ops.triton.planes.CodecParams`) and store codes and meta.
+
+    ``x_rows [BLOCK_R]`` are the rows' element offsets from ``x_ptr`` (elements ``stride_xd``
+    apart); ``code_ptr [BLOCK_R]`` / ``meta_ptr [BLOCK_R]`` point at each row's code row and
+    meta record; rows not ``ok`` are neither read nor written.
+    """
+    G: tl.constexpr = P.G
+    C: tl.constexpr = P.C
+    C_PAD: tl.constexpr = P.C_PAD
+    e, e_mask = tile_offsets(G, C, C_PAD)  # [1, G, C_PAD]
+    mask = ok[:, None, None] & e_mask
+    x_offs = x_rows[:, None, None] + e * stride_xd
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_R, G, C_PAD]
+    meta_ty = meta_ptr.dtype.element_ty
+
+    if P.KIND == LLOYD_MAX:
+        BITS: tl.constexpr = P.BITS
+        RC: tl.constexpr = P.RC
+        norm = tl.sqrt_rn(_row_sum(x * x))
+        inv = tl.math.div_rn(tl.full([BLOCK_R], INV_SQRT_D, tl.float32), tl.maximum(norm, _TINY))
+        recon_sq = tl.zeros([BLOCK_R], tl.float32)
+        # y = x @ R / sqrt(D) / norm: RC output columns per group at a time, contracting KC
+        # tile positions at a time (x re-read from L1), so no rotation block needs > 32 KiB.
+        KC: tl.constexpr = 32
+        for col0 in tl.static_range(0, C_PAD, RC):
+            y = tl.zeros([BLOCK_R, G * RC], tl.float32)
+            for k0 in tl.static_range(0, G * C_PAD, KC):
+                i = k0 + tl.arange(0, KC)
+                i_elem = (i // C_PAD) * C + i % C_PAD
+                x_offs = x_rows[:, None] + i_elem * stride_xd
+                x_mask = ok[:, None] & ((i % C_PAD) < C)[None, :]
+                x_k = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+                rot = rotation_slice(rot_ptr, D, G, C, C_PAD, k0, KC, col0, RC, False)
+                y = tl.dot(x_k, rot, y, input_precision="tf32")
+            y = tl.reshape(y, (BLOCK_R, G, RC)) * inv[:, None, None]
+            magnitude = tl.abs(y)
+            mag_index = tl.zeros([BLOCK_R, G, RC], dtype=tl.int32)
+            level = tl.zeros([BLOCK_R, G, RC], dtype=tl.float32) + P.LEVELS[0]
+            for m in tl.static_range((1 << (BITS - 1)) - 1):
+                above = magnitude > (P.LEVELS[m] + P.LEVELS[m + 1]) * 0.5
+                mag_index += above.to(tl.int32)
+                level = tl.where(above, P.LEVELS[m + 1], level)
+            codes = ((y < 0).to(tl.int32) << (BITS - 1)) | mag_index
+            if P.NC:
+                col_ok = (col0 + tl.arange(0, RC))[None, None, :] < C
+                recon_sq += _row_sum(tl.where(col_ok, level * level, 0.0))
+            store_codes(codes, code_ptr, ok, P, BLOCK_R, col0, RC)
+        stored = norm
+        if P.NC:
+            stored = tl.math.div_rn(norm, tl.sqrt_rn(recon_sq))
+        tl.store(meta_ptr + P.META, stored.to(meta_ty), mask=ok)
+    elif P.KIND == UNIFORM:
+        QMAX: tl.constexpr = (1 << P.BITS) - 1
+        lo = tl.min(tl.min(tl.where(e_mask, x, float("inf")), axis=2), axis=1)
+        hi = tl.max(tl.max(tl.where(e_mask, x, float("-inf")), axis=2), axis=1)
+        scale16 = tl.math.div_rn(hi - lo, tl.full([BLOCK_R], QMAX, tl.float32)).to(tl.float16)
+        zero16 = lo.to(tl.float16)
+        scale = scale16.to(tl.float32)
+        zero = zero16.to(tl.float32)[:, None, None]
+        inv = _reciprocal_or_zero(scale)[:, None, None]
+        q = tl.floor((x - zero) * inv + 0.5)
+        q = tl.minimum(tl.maximum(q, 0.0), QMAX)
+        tl.store(meta_ptr + P.META, scale16.to(meta_ty), mask=ok)
+        tl.store(meta_ptr + P.META + 1, zero16.to(meta_ty), mask=ok)
+        store_codes(q.to(tl.int32), code_ptr, ok, P, BLOCK_R, 0, C_PAD)
+    else:
+        if P.KIND == FP8:
+            scaled = x
+        else:
+            QMAX_ABS: tl.constexpr = _FP8_MAX if P.KIND == FP8_ABSMAX else _INT8_MAX
+            absmax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+            scale = tl.math.div_rn(absmax, tl.full([BLOCK_R], QMAX_ABS, tl.float32))
+            tl.store(meta_ptr + P.META, scale.to(meta_ty), mask=ok)
+            scaled = x * _reciprocal_or_zero(scale)[:, None, None]
+        if P.KIND == INT8_ABSMAX:
+            q = tl.minimum(tl.maximum(tl.floor(scaled + 0.5), -128.0), 127.0)
+            byte = q.to(tl.int8).to(tl.uint8, bitcast=True)
+        else:
+            byte = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        # 8-bit codes: one plane, G == 1, element e at byte e.
+        tl.store(code_ptr[:, None, None] + e * P.BYTE_STRIDE, byte, mask=mask)

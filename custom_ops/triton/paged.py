@@ -1,0 +1,51 @@
+"""How the kernels address a paged cache: argument tuples, and the rows of a slot.
+
+Kernels take a paged cache as a few tuple arguments instead of a dozen pointers and strides
+each (Triton flattens tuples into separate kernel parameters and specializes each one):
+
+* ``planes = (k_codes, v_codes, meta, k strides, value-row strides, meta strides)``: the three
+  planes and their ``(page, head, slot)`` strides, value codes through the token-major
+  :attr:`~custom_ops.formats.PagedKVCache.value_rows` view (slot stride 1, bytes ``page_size``
+  apart);
+* ``table = (block_table, stride_b, stride_p)``;
+* ``rings = (k_window, v_window, stride_b, stride_h, stride_slot)``: the recent-window rings
+  ``[>= B, Hk, W, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from custom_ops.formats import PagedKVCache
+
+__all__ = ["plane_arguments", "table_arguments", "ring_arguments", "row_pointers"]
+
+
+def plane_arguments(cache: PagedKVCache) -> tuple:
+    """The ``planes`` tuple of ``cache``."""
+    return (*cache, *cache.k_codes.stride()[:3], *cache.value_rows.stride()[:3],
+            *cache.meta.stride()[:3])  # fmt: skip
+
+
+def table_arguments(block_table: torch.Tensor) -> tuple:
+    """The ``table`` tuple of ``block_table [B, max_pages] int32``."""
+    return (block_table, *block_table.stride())
+
+
+def ring_arguments(k_window: torch.Tensor, v_window: torch.Tensor) -> tuple:
+    """The ``rings`` tuple of ``k_window``, ``v_window [>= B, Hk, W, D]`` (same strides)."""
+    return (k_window, v_window, *k_window.stride()[:3])
+
+
+@triton.jit
+def row_pointers(planes, page, head, slot):
+    """``(k_row, v_row, m_row)``: byte 0 of the key-code row and of the value-code row (its
+    bytes ``page_size`` apart) and the meta record of token-heads ``(page, head, slot)`` (int64
+    tensors of one shape)."""
+    k_codes, v_codes, meta, kc_page, kc_head, kc_slot, vc_page, vc_head, vc_slot, m_page, m_head, \
+        m_slot = planes  # fmt: skip
+    k_row = k_codes + page * kc_page + head * kc_head + slot * kc_slot
+    v_row = v_codes + page * vc_page + head * vc_head + slot * vc_slot
+    m_row = meta + page * m_page + head * m_head + slot * m_slot
+    return k_row, v_row, m_row

@@ -1,0 +1,146 @@
+"""``tq.store_window`` on CUDA: append tokens to sequences that keep their most recent ``W``
+tokens in full-precision rings, quantizing each token that leaves a ring into its page.
+
+One launch of ``_store_window_kernel`` over ``B * min(T, W) * Hk`` rows moves every token that
+leaves the ring into the paged cache and writes the ring. When ``T > W`` the first ``T - W`` new
+tokens never enter the ring: one more launch of the plain store kernel
+(:mod:`custom_ops.triton.store`) quantizes them straight into their slots (computed on the
+device from ``start_pos``). The two launches touch disjoint memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.formats import KVFormat, PagedKVCache
+from custom_ops.triton.encode import encode_side
+from custom_ops.triton.paged import plane_arguments, ring_arguments, row_pointers, table_arguments
+from custom_ops.triton.store import side_params, store
+
+__all__ = ["store_window"]
+
+
+@triton.jit
+def _store_window_kernel(
+    key_ptr,
+    value_ptr,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_vd,
+    rings,
+    planes,
+    table,
+    start_pos_ptr,
+    rot_ptr,
+    num_rows,
+    num_kv_heads,
+    num_new,
+    num_chains,
+    window,
+    page_size,
+    max_pages,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+):
+    """Row ``(b, chain, head)``: ring slot ``(start + chain) % W`` of sequence ``b``. Its old
+    token (position ``start + chain - W``) leaves the window and is quantized; then the last new
+    token of the chain ``chain, chain + W, ...`` takes the slot."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = rows < num_rows
+    head = rows % num_kv_heads
+    chain = (rows // num_kv_heads) % num_chains
+    b = rows // (num_kv_heads * num_chains)
+    start = tl.load(start_pos_ptr + b, mask=in_range, other=-1)
+    live = in_range & (start >= 0)
+    b64 = b.to(tl.int64)
+    head64 = head.to(tl.int64)
+    k_window_ptr, v_window_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
+    block_table_ptr, stride_bt_b, stride_bt_p = table
+    ring_slot = (tl.maximum(start, 0) + chain) % window
+    ring_rows = b64 * stride_w_b + head64 * stride_w_h + ring_slot.to(tl.int64) * stride_w_slot
+
+    # 1. quantize the token leaving the ring into its page slot
+    leaving = start + chain - window
+    page_index = tl.maximum(leaving, 0) // page_size
+    evict = live & (leaving >= 0) & (page_index < max_pages)
+    page_ptr = block_table_ptr + b64 * stride_bt_b + page_index * stride_bt_p
+    page = tl.load(page_ptr, mask=evict, other=0).to(tl.int64)
+    slot = (tl.maximum(leaving, 0) % page_size).to(tl.int64)
+    k_row, v_row, m_row = row_pointers(planes, page, head64, slot)
+    encode_side(k_window_ptr, ring_rows, 1, evict, k_row, m_row, rot_ptr, K, D, INV_SQRT_D,
+                BLOCK_R)  # fmt: skip
+    encode_side(v_window_ptr, ring_rows, 1, evict, v_row, m_row, rot_ptr, V, D, INV_SQRT_D,
+                BLOCK_R)  # fmt: skip
+    # Every thread's reads of the old ring rows happen before any thread overwrites them.
+    tl.debug_barrier()
+
+    # 2. the chain's last new token (the only one of it that stays in the window) takes the slot
+    newest = chain + window * ((num_new - 1 - chain) // window)
+    d = tl.arange(0, D_PAD)[None, :]
+    copy_mask = live[:, None] & (d < D)
+    newest64 = newest.to(tl.int64)
+    k_src = key_ptr + b64 * stride_kb + head64 * stride_kh + newest64 * stride_kt
+    v_src = value_ptr + b64 * stride_vb + head64 * stride_vh + newest64 * stride_vt
+    k_new = tl.load(k_src[:, None] + d * stride_kd, mask=copy_mask)
+    v_new = tl.load(v_src[:, None] + d * stride_vd, mask=copy_mask)
+    w_dst = ring_rows[:, None] + d
+    tl.store(k_window_ptr + w_dst, k_new.to(k_window_ptr.dtype.element_ty), mask=copy_mask)
+    tl.store(v_window_ptr + w_dst, v_new.to(v_window_ptr.dtype.element_ty), mask=copy_mask)
+
+
+def store_window(
+    fmt: KVFormat,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    block_table: torch.Tensor,
+    start_pos: torch.Tensor,
+    rotation: torch.Tensor,
+    block_rows: int = 32,
+    num_warps: int = 4,
+) -> None:
+    """Launch the window store (inputs validated; see ``torch.ops.tq.store_window``)."""
+    batch, num_kv_heads, n_new, head_dim = key.shape
+    window = k_window.shape[2]
+    if batch == 0 or n_new == 0:
+        return
+    page_size = cache.k_codes.shape[2]
+    if n_new > window:
+        positions = start_pos[:, None].to(torch.int64) + torch.arange(
+            n_new - window, device=key.device
+        )  # [B, T - W]
+        page_index = positions // page_size
+        in_table = (start_pos[:, None] >= 0) & (page_index < block_table.shape[1])
+        pages = block_table[:batch].gather(1, page_index.clamp(0, block_table.shape[1] - 1))
+        slots = torch.where(in_table, pages * page_size + positions % page_size, -1)
+
+        def rows_of(x):  # [B, Hk, T, D] -> [B * (T - W), Hk, D], in the slots' order
+            return x[:, :, : n_new - window].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
+
+        store(fmt, rows_of(key), rows_of(value), cache, slots.reshape(-1).to(torch.int32),
+              rotation, block_rows, num_warps)  # fmt: skip
+    num_chains = min(n_new, window)
+    num_rows = batch * num_chains * num_kv_heads
+    key_params, value_params = side_params(fmt, cache, head_dim)
+    _store_window_kernel[(triton.cdiv(num_rows, block_rows),)](
+        key, value, *key.stride(), *value.stride(), ring_arguments(k_window, v_window),
+        plane_arguments(cache), table_arguments(block_table), start_pos, rotation,
+        num_rows, num_kv_heads, n_new, num_chains, window, page_size, block_table.shape[1],
+        D=head_dim, D_PAD=triton.next_power_of_2(head_dim), INV_SQRT_D=1.0 / math.sqrt(head_dim),
+        BLOCK_R=block_rows, K=key_params, V=value_params, num_warps=num_warps,
+    )  # fmt: skip

@@ -1,0 +1,52 @@
+"""Per-format tuning of the decode kernel: the one table that names presets for speed.
+
+Kernels never test a preset's name; the launch plan (:mod:`custom_ops.triton.decode.plan`) reads
+this table and turns it into compile-time parameters. The numbers behind each entry (H100
+sweeps, offline SASS) are in ``benchmarks/NOTES.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from custom_ops.formats import FORMATS, KVFormat
+
+__all__ = ["DecodeTuning", "DECODE_TUNING", "decode_tuning"]
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """How the split kernel streams one format.
+
+    Attributes:
+        subtiles_short: tiles per softmax step where every split holds at most one step of
+            tokens (short contexts): 1 (one 32-token tile) or 2 (two 16-token tiles).
+        subtiles_long: the same for longer splits. Two independent 16-token tiles keep more
+            loads in flight, which pays where the kernel waits on memory and the format's
+            registers allow it (NOTES "Decode v4", "Decode v9").
+        cap_registers: cap the long-split kernel at 128 registers, restoring 16 one-warp
+            programs per SM where ptxas would give the loop more (NOTES "Register cap").
+    """
+
+    subtiles_short: int = 1
+    subtiles_long: int = 1
+    cap_registers: bool = False
+
+
+DECODE_TUNING: dict[str, DecodeTuning] = {
+    "k8v4": DecodeTuning(subtiles_long=2),
+    "4bit_nc": DecodeTuning(),
+    "k3v4_nc": DecodeTuning(subtiles_long=2),
+    "3bit_nc": DecodeTuning(),
+    "int8": DecodeTuning(subtiles_short=2, subtiles_long=2),
+    "fp8": DecodeTuning(subtiles_short=2, subtiles_long=2, cap_registers=True),
+    "tq4_nc": DecodeTuning(cap_registers=True),
+    "k2v2_nc": DecodeTuning(),
+    "k2v4_nc": DecodeTuning(subtiles_long=2),
+}
+assert DECODE_TUNING.keys() == FORMATS.keys(), "every format needs a tuning entry"
+
+
+def decode_tuning(fmt: KVFormat) -> DecodeTuning:
+    """The tuning of ``fmt`` (defaults for a format built outside :data:`FORMATS`)."""
+    return DECODE_TUNING.get(fmt.name, DecodeTuning())
