@@ -1,16 +1,30 @@
-"""End-to-end decode speed of the example model: TurboQuant caches vs the bf16 cache.
+"""End-to-end decode speed of the example model: TurboQuant caches vs the best bf16 model.
 
-For each cache format, batch size and context length: the example model (``examples/model.py``,
-random weights, default the ~1B ``1b-shape``: 16 layers, Hq=32, Hk=8, D=128) gets caches of
-``context`` slots per sequence holding ``context - steps - 4`` random tokens, so the timed steps
-attend to about ``context`` tokens; its decode step is compiled with
-``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs), and ``--steps`` steps
-are timed with CUDA events after warm-up. Reports ms per step, tokens/s (batch / step time),
-KV-cache bytes, speed-up over bf16 in the same run, and the largest context per sequence whose
-KV cache fits ``--kv-budget-gb`` at that batch size.
+The example model (``examples/model.py``, random weights, default the ~1B ``1b-shape``: 16
+layers, Hq=32, Hk=8, D=128) decodes one token per sequence per step with caches of ``context``
+slots per sequence holding ``context - steps - 4`` random tokens, so the timed steps attend to
+about ``context`` tokens. Caches:
 
-    python benchmarks/e2e.py --batches 8 --contexts 8192           # one point
-    python benchmarks/e2e.py --batches 1 16 --contexts 4096 32768  # the grid
+* ``bf16``: the dense cache with ``F.scaled_dot_product_attention(..., enable_gqa=True)``, what a
+  careful user writes: the baseline of every speed-up;
+* ``bf16-repeat``: the same cache with gpt-fast's ``repeat_interleave`` of K/V to all query heads
+  (a 4x copy of the cache per layer and step), for reference;
+* each TurboQuant format, with its default 128-token bf16 window.
+
+Modes: ``reduce-overhead`` (``torch.compile(decode_one_token, mode="reduce-overhead",
+fullgraph=True)``: CUDA graphs), ``default`` (``torch.compile(..., fullgraph=True)``, no
+graphs: host-bound at small batch) and ``eager``. Each cell times ``--steps`` steps after
+warm-up, wall clock between two synchronizations. A cache that does not fit the GPU is reported
+as ``oom`` (a capacity win for the smaller cache). ``max_context``: the longest context per
+sequence whose KV cache fits ``--kv-budget-gb`` at that batch.
+
+``--host`` adds the host-overhead table: CPU microseconds per eager call of one layer's cache
+write and attention (dense ``KVCache.update`` and SDPA; ``TurboQuantKVCache.update``, SDPA
+through the ``TurboQuantKVTensor``, and the raw ``tq.decode`` / ``tq.store_window``), and the
+GPU time of a one-token append (``tq.store_window``) from CUDA-graph replays.
+
+    python benchmarks/e2e.py --batches 1 --contexts 4096 --modes eager     # one cell
+    python benchmarks/e2e.py --host --modes                                # host table only
 """
 
 from __future__ import annotations
@@ -19,19 +33,32 @@ import argparse
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import gpu_name, print_table, require_cuda, write_json  # noqa: E402
 
-from examples.model import ModelArgs, Transformer, decode_one_token, init_weights  # noqa: E402
+from custom_ops.formats import PagedKVCache, get_format  # noqa: E402
+from custom_ops.triton import store_window as triton_store_window  # noqa: E402
+from examples.model import (  # noqa: E402
+    KVCache,
+    ModelArgs,
+    Transformer,
+    decode_one_token,
+    init_weights,  # noqa: E402
+)
 from tq_compile import TurboQuantKVCache, kv_cache_nbytes  # noqa: E402
 
 FILL_CHUNK = 2048
+BASELINE = "bf16"
+DENSE = {"bf16": "enable_gqa", "bf16-repeat": "repeat_interleave"}
+MODES = ("reduce-overhead", "default", "eager")
 
 
 @torch.no_grad()
@@ -48,91 +75,226 @@ def fill_caches(model: Transformer, batch: int, context: int, gen: torch.Generat
             cache.update(torch.arange(start, start + n, device="cuda"), k, v)
 
 
-@torch.no_grad()
-def time_decode(model: Transformer, batch: int, context: int, steps: int) -> float:
-    """Milliseconds per compiled decode step at positions context, context + 1, ..."""
+def step_function(mode: str):
+    """The decode step as a user runs it in ``mode``."""
+    if mode == "eager":
+        return decode_one_token
     torch._dynamo.reset()
-    step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-    tok = torch.zeros(batch, 1, dtype=torch.int64, device="cuda")
-    pos = context
-    for _ in range(3):  # compile, record the CUDA graph, replay
-        tok, _ = step(model, tok, torch.tensor([pos], device="cuda"))
-        tok = tok.clone()
-        pos += 1
+    options = {"mode": "reduce-overhead"} if mode == "reduce-overhead" else {}
+    return torch.compile(decode_one_token, fullgraph=True, **options)
+
+
+@torch.no_grad()
+def time_decode(model: Transformer, step, batch: int, position: int, steps: int) -> float:
+    """Milliseconds per decode step at positions ``position, position + 1, ...``."""
+    token = torch.zeros(batch, 1, dtype=torch.int64, device="cuda")
+    positions = [torch.tensor([position + i], device="cuda") for i in range(steps + 3)]
+    for pos in positions[:3]:  # compile, record the CUDA graph, replay
+        token, _ = step(model, token, pos)
+        token = token.clone()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for pos in positions[3:]:
+        token, _ = step(model, token, pos)
+        token = token.clone()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def set_caches(model: Transformer, cache: str, batch: int, context: int) -> None:
+    """Give ``model`` caches of kind ``cache`` (``DENSE`` names or a format)."""
+    gqa = DENSE.get(cache, "enable_gqa")
+    for layer in model.layers:
+        layer.attention.gqa = gqa
+        layer.attention.kv_cache = None
+    torch.cuda.empty_cache()
+    factory = KVCache if cache in DENSE else functools.partial(TurboQuantKVCache, fmt=cache)
+    model.setup_caches(batch, context, cache_factory=factory)
+
+
+def run_cells(model: Transformer, args) -> list[dict]:
+    rows = []
+    for mode in args.modes:
+        for batch in args.batches:
+            for context in args.contexts:
+                base_ms = None
+                for cache in [BASELINE, *args.dense, *args.formats]:
+                    row = dict(mode=mode, batch=batch, context=context, cache=cache)
+                    try:
+                        set_caches(model, cache, batch, context)
+                        filled = context - args.steps - 4
+                        fill_caches(model, batch, filled, torch.Generator("cuda").manual_seed(1))
+                        ms = time_decode(model, step_function(mode), batch, filled, args.steps)
+                    except torch.cuda.OutOfMemoryError:
+                        ms = None
+                    nbytes = (kv_cache_nbytes(model) if ms is not None
+                              else _cache_bytes(model.config, cache, batch, context))  # fmt: skip
+                    base_ms = ms if cache == BASELINE else base_ms
+                    row.update(
+                        ms=ms, tok_s=batch / ms * 1e3 if ms else None,
+                        speedup=base_ms / ms if ms and base_ms else None, kv_gb=nbytes / 1e9,
+                        max_context=int(args.kv_budget_gb * 1e9 * context / (nbytes * batch)),
+                    )  # fmt: skip
+                    rows.append(row)
+                    print(_row_text(row), flush=True)
+                    for layer in model.layers:
+                        layer.attention.kv_cache = None
+                    torch._dynamo.reset()
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def _cache_bytes(cfg: ModelArgs, cache: str, batch: int, context: int) -> int:
+    """KV bytes a cache of this kind would take (for one that did not fit)."""
+    if cache in DENSE:
+        return 2 * cfg.n_layer * batch * cfg.n_local_heads * context * cfg.head_dim * 2
+    meta = TurboQuantKVCache(batch, cfg.n_local_heads, context, cfg.head_dim, fmt=cache,
+                             device="meta")  # fmt: skip
+    return cfg.n_layer * meta.nbytes()
+
+
+def _row_text(row: dict) -> str:
+    ms = "oom" if row["ms"] is None else f"{row['ms']:.2f} ms"
+    speed = "" if row["speedup"] is None else f" {row['speedup']:.2f}x"
+    return (f"{row['mode']:>15} B{row['batch']:<3} ctx {row['context']:>6} {row['cache']:>11}: "
+            f"{ms}{speed}")  # fmt: skip
+
+
+def _printable(row: dict) -> dict:
+    """``row`` with its timings as text (``oom`` where the cache did not fit)."""
+    text = {"ms": "{:.2f}", "tok_s": "{:.0f}", "speedup": "{:.2f}x"}
+    return {k: (("oom" if v is None else fmt.format(v)) if (fmt := text.get(k)) else v)
+            for k, v in row.items()}  # fmt: skip
+
+
+def host_cpu_us(call, n: int = 200) -> float:
+    """CPU microseconds per eager call of ``call`` (its GPU work is far shorter at these
+    shapes, so the loop's wall time is the host's)."""
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
+
+
+def graph_gpu_us(call, n: int = 50) -> float:
+    """GPU microseconds per call of ``call``, from a CUDA graph of ``n`` calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            call()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(steps):
-        tok, _ = step(model, tok, torch.tensor([pos], device="cuda"))
-        tok = tok.clone()
-        pos += 1
+    for _ in range(10):
+        graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / steps
+    return start.elapsed_time(end) * 1e3 / (10 * n)
 
 
-def run(args) -> dict:
-    cfg = ModelArgs.from_name(args.preset)
-    with torch.device("cuda"):
-        model = init_weights(Transformer(cfg), seed=0).to(torch.bfloat16).eval()
-    rows = []
-    for batch in args.batches:
-        for context in args.contexts:
-            base_ms = None
-            for fmt in args.formats:
-                factory = None if fmt == "bf16" else functools.partial(TurboQuantKVCache, fmt=fmt)
-                # caches of `context` slots, filled so that the timed steps end near the top
-                model.setup_caches(batch, context, cache_factory=factory)
-                filled = context - args.steps - 4
-                fill_caches(model, batch, filled, torch.Generator("cuda").manual_seed(1))
-                ms = time_decode(model, batch, filled, args.steps)
-                nbytes = kv_cache_nbytes(model)
-                per_token = nbytes / (batch * context)
-                base_ms = ms if fmt == "bf16" else base_ms
-                rows.append(dict(
-                    batch=batch, context=context, format=fmt, ms=ms, tok_s=batch / ms * 1e3,
-                    speedup=(base_ms / ms) if base_ms else float("nan"),
-                    kv_gb=nbytes / 1e9,
-                    max_context=int(args.kv_budget_gb * 1e9 / (per_token * batch)),
-                ))  # fmt: skip
-                print(rows[-1], flush=True)
-                for layer in model.layers:
-                    layer.attention.kv_cache = None
-                torch._dynamo.reset()
-                torch.cuda.empty_cache()
-    print(
-        f"{gpu_name()}, {args.preset}, decode step compiled with reduce-overhead; "
-        f"max_context: tokens per sequence whose KV cache fits {args.kv_budget_gb} GB"
-    )
-    print_table(rows, dict(batch="d", context="d", format="", ms=".2f", tok_s=".0f",
-                           speedup=".2f", kv_gb=".2f", max_context="d"))  # fmt: skip
-    return dict(gpu=gpu_name(), preset=args.preset, kv_budget_gb=args.kv_budget_gb, rows=rows)
+@torch.no_grad()
+def host_table(cfg: ModelArgs, formats: list[str], context: int = 4096) -> list[dict]:
+    """CPU microseconds per eager call of one layer's cache write and attention, B=1."""
+    hq, hk, d = cfg.n_head, cfg.n_local_heads, cfg.head_dim
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(1, hq, 1, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k_new = torch.randn(1, hk, 1, d, generator=gen, device="cuda").to(torch.bfloat16)
+    mask = torch.ones(1, 1, 1, context, dtype=torch.bool, device="cuda")
+    pos = torch.tensor([context - 8], device="cuda")
+    dense = KVCache(1, hk, context, d).cuda()
+    k_all, v_all = dense.update(pos, k_new, k_new)
+    rows = [
+        dict(cache="bf16", call="KVCache.update",
+             cpu_us=host_cpu_us(lambda: dense.update(pos, k_new, k_new))),
+        dict(cache="bf16", call="SDPA (mask, enable_gqa)", cpu_us=host_cpu_us(
+            lambda: F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                                   enable_gqa=True))),
+    ]  # fmt: skip
+    for fmt in formats:
+        rows += _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context)
+    return rows
+
+
+def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
+    """The TurboQuant rows of :func:`host_table` for one format."""
+    hk, d = cfg.n_local_heads, cfg.head_dim
+    cache = TurboQuantKVCache(1, hk, context, d, fmt=fmt, device="cuda")
+    for start in range(0, context - 8, FILL_CHUNK):  # append in order, as a prefill would
+        n = min(FILL_CHUNK, context - 8 - start)
+        chunk = torch.randn(1, hk, n, d, generator=gen, device="cuda").to(torch.bfloat16)
+        cache.update(torch.arange(start, start + n, device="cuda"), chunk, chunk)
+    k_tq, v_tq = cache.update(pos, k_new, k_new)
+    planes, table = (cache.k_codes, cache.v_codes, cache.meta), cache.block_table
+    rings = (cache.k_window, cache.v_window)
+    seq_lens = torch.full((1,), context - 7, dtype=torch.int32, device="cuda")
+    start_pos = torch.full((1,), context - 8, dtype=torch.int32, device="cuda")
+    calls = {
+        # an update at a fixed position writes the same token each time: the cost is the same
+        "TurboQuantKVCache.update": lambda: cache.update(pos, k_new, k_new),
+        "SDPA via TurboQuantKVTensor": lambda: F.scaled_dot_product_attention(
+            q, k_tq, v_tq, attn_mask=mask, enable_gqa=True),
+        "tq.decode (raw op)": lambda: torch.ops.tq.decode(
+            q[:, :, 0], *planes, table, seq_lens, cache.rotation, fmt, cache.num_splits,
+            d**-0.5, None, *rings),
+        "tq.store_window (raw op)": lambda: torch.ops.tq.store_window(
+            k_new, k_new, *planes, *rings, table, start_pos, cache.rotation, fmt),
+    }  # fmt: skip
+    rows = [dict(cache=fmt, call=call, cpu_us=host_cpu_us(fn)) for call, fn in calls.items()]
+    batch = 16
+    big = TurboQuantKVCache(batch, hk, context, d, fmt=fmt, device="cuda")
+    k16 = torch.randn(batch, hk, 1, d, generator=gen, device="cuda").to(torch.bfloat16)
+    start16 = torch.full((batch,), context - 8, dtype=torch.int32, device="cuda")
+    append = graph_gpu_us(lambda: torch.ops.tq.store_window(
+        k16, k16, big.k_codes, big.v_codes, big.meta, big.k_window, big.v_window,
+        big.block_table, start16, big.rotation, fmt))  # fmt: skip
+    rows.append(dict(cache=fmt, call="tq.store_window B=16, T=1: GPU us", cpu_us=append))
+    for block_rows, num_warps in ((16, 4), (16, 2), (8, 1)):  # the append's launch shape
+        us = graph_gpu_us(lambda r=block_rows, w=num_warps: triton_store_window.store_window(
+            get_format(fmt), k16, k16, PagedKVCache(big.k_codes, big.v_codes, big.meta),
+            big.k_window, big.v_window, big.block_table, start16, big.rotation, r, w))  # fmt: skip
+        rows.append(dict(cache=fmt, call=f"  with {block_rows} rows x {num_warps} warps: GPU us",
+                         cpu_us=us))  # fmt: skip
+    return rows
 
 
 def plot(payload: dict, path: Path) -> None:
-    """Tokens/s per (batch, context) cell, one bar per cache format."""
+    """Speed-up over bf16 (enable_gqa) per cell, one panel per mode, one bar per cache."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = payload["rows"]
-    cells = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
-    formats = list(dict.fromkeys(r["format"] for r in rows))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.8 / len(formats)
-    for i, fmt in enumerate(formats):
-        rate = {(r["batch"], r["context"]): r["tok_s"] for r in rows if r["format"] == fmt}
-        xs = [j + i * width for j in range(len(cells))]
-        bars = ax.bar(xs, [rate.get(c, 0) for c in cells], width, label=fmt)
-        if fmt != "bf16":
-            speed = {(r["batch"], r["context"]): r["speedup"] for r in rows if r["format"] == fmt}
-            ax.bar_label(bars, [f"{speed[c]:.1f}x" for c in cells], fontsize=7)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))],
-                  [f"B={b}, {c // 1024}K ctx" for b, c in cells])  # fmt: skip
-    ax.set_ylabel("decode tokens/s")
-    ax.set_yscale("log")
-    ax.set_title(f"{payload['preset']} decode (reduce-overhead) on {payload['gpu']}")
-    ax.legend()
+    rows = [r for r in payload["rows"] if r["cache"] != BASELINE]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        cells = list(dict.fromkeys((r["batch"], r["context"]) for r in rows if r["mode"] == mode))
+        caches = list(dict.fromkeys(r["cache"] for r in rows if r["mode"] == mode))
+        width = 0.8 / len(caches)
+        for i, cache in enumerate(caches):
+            speed = {(r["batch"], r["context"]): r["speedup"] or 0 for r in rows
+                     if r["mode"] == mode and r["cache"] == cache}  # fmt: skip
+            xs = [j + i * width for j in range(len(cells))]
+            bars = ax.bar(xs, [speed.get(c, 0) for c in cells], width, label=cache)
+            ax.bar_label(bars, [f"{speed.get(c, 0):.2f}" for c in cells], fontsize=6)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))],
+                      [f"B={b}\n{c // 1024}K" for b, c in cells])  # fmt: skip
+        ax.set_title(mode)
+        ax.set_ylabel("speed-up vs bf16 SDPA (enable_gqa)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{payload['preset']} decode step on {payload['gpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
@@ -141,11 +303,15 @@ def plot(payload: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="1b-shape")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
-    parser.add_argument("--formats", nargs="+", default=["bf16", "4bit_nc", "k8v4"])
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--formats", nargs="*", default=["4bit_nc", "k8v4", "3bit_nc"])
+    parser.add_argument("--dense", nargs="*", default=["bf16-repeat"], choices=["bf16-repeat"],
+                        help="dense caches timed besides the bf16 baseline")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kv-budget-gb", type=float, default=40.0)
+    parser.add_argument("--host", action="store_true", help="also the host-overhead table")
     parser.add_argument("--out", default="e2e.json")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
     args = parser.parse_args()
@@ -153,13 +319,30 @@ def main() -> None:
         plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return
     require_cuda("benchmarks/e2e.py")
-    payload = run(args)
+    cfg = ModelArgs.from_name(args.preset)
+    payload = dict(gpu=gpu_name(), preset=args.preset, kv_budget_gb=args.kv_budget_gb)
+    if args.host:
+        payload["host"] = host_table(cfg, args.formats)
+        print(f"{gpu_name()}: one layer of {args.preset} at B=1, 4096 tokens")
+        print_table(payload["host"], dict(cache="", call="", cpu_us=".1f"))
+    with torch.device("cuda"):
+        model = init_weights(Transformer(cfg), seed=0).to(torch.bfloat16).eval()
+    payload["rows"] = run_cells(model, args)
+    print(
+        f"{gpu_name()}, {args.preset}; speed-up over bf16 SDPA with enable_gqa, same mode; "
+        f"max_context: tokens per sequence whose KV cache fits {args.kv_budget_gb} GB"
+    )
+    if payload["rows"]:
+        print_table([_printable(r) for r in payload["rows"]],
+                    dict(mode="", batch="d", context="d", cache="", ms="", tok_s="", speedup="",
+                         kv_gb=".2f", max_context="d"))  # fmt: skip
     path = write_json(args.out, payload)
     print(f"wrote {path}")
-    try:
-        plot(payload, path.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed: no PNG (python benchmarks/e2e.py --plot JSON later)")
+    if payload["rows"]:
+        try:
+            plot(payload, path.with_suffix(".png"))
+        except ImportError:
+            print("matplotlib not installed: no PNG (python benchmarks/e2e.py --plot JSON)")
 
 
 if __name__ == "__main__":

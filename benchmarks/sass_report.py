@@ -20,38 +20,8 @@ import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
 
-
-class _OfflineCudaDriver:
-    """Just enough of Triton's CUDA driver to compile (``warmup``) without a GPU."""
-
-    def __init__(self, arch: int) -> None:
-        self.target = GPUTarget("cuda", arch, 32)
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-
-def compile_offline(kernel, grid, *args, arch: int = 90, **kwargs):
-    """Compile ``kernel[grid](*args, **kwargs)`` for ``sm_<arch>`` and return the compiled
-    kernel (``.asm['cubin']``, ``.asm['ptx']``) without launching it."""
-    previous = driver._active
-    driver.set_active(_OfflineCudaDriver(arch))
-    try:
-        return kernel.warmup(*args, grid=grid, **kwargs)
-    finally:
-        driver._active = previous
+from custom_ops.triton.offline import compile_offline
 
 
 def _tool(name: str) -> str:

@@ -101,13 +101,13 @@ def _cache(args) -> PagedKVCache:
 
 
 def _store(a: StoreArgs) -> None:
-    kv_format = validate.check_store(a)
+    kv_format = validate.checked(validate.check_store, a)
     impl = triton_store.store if _use_triton(a.key.device) else reference.store
     impl(kv_format, a.key, a.value, _cache(a), a.slot_mapping, a.rotation)
 
 
 def _store_window(a: StoreWindowArgs) -> None:
-    kv_format = validate.check_store_window(a)
+    kv_format = validate.checked(validate.check_store_window, a)
     use_triton = _use_triton(a.key.device)
     impl = triton_store_window.store_window if use_triton else reference.store_window
     impl(kv_format, a.key, a.value, _cache(a), a.k_window, a.v_window, a.block_table, a.start_pos,
@@ -115,7 +115,7 @@ def _store_window(a: StoreWindowArgs) -> None:
 
 
 def _dequantize(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    kv_format, _ = validate.check_dequantize(a)
+    kv_format, _ = validate.checked(validate.check_dequantize, a)
     impl = triton_dequant.dequantize if _use_triton(a.k_codes.device) else reference.dequantize
     return impl(kv_format, _cache(a), a.block_table, a.seq_lens, a.rotation, a.max_seq_len,
                 a.dtype, a.k_window, a.v_window)  # fmt: skip
@@ -128,7 +128,7 @@ def _dequantize_fake(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _decode(a: DecodeArgs) -> torch.Tensor:
-    kv_format = validate.check_decode(a)
+    kv_format = validate.checked(validate.check_decode, a)
     if _use_triton(a.q.device):
         return triton_decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
                              a.num_splits, a.scale, a.mask, a.k_window, a.v_window)  # fmt: skip

@@ -2,8 +2,9 @@
 
 Modelled on pytorch-labs/gpt-fast's ``model.py`` and kept as plain as it: a bf16 ``KVCache``
 with the ``update(input_pos, k_val, v_val) -> (k_out, v_out)`` contract, grouped-query attention
-that ``repeat_interleave``s K/V up to the query heads before ``F.scaled_dot_product_attention``
-with a boolean causal mask, RoPE, RMSNorm and a SwiGLU feed-forward. Weights are random
+by ``F.scaled_dot_product_attention(..., enable_gqa=True)`` with a boolean causal mask (or, as
+gpt-fast writes it, ``repeat_interleave`` of K/V up to the query heads first:
+``Attention.gqa``), RoPE, RMSNorm and a SwiGLU feed-forward. Weights are random
 (``init_weights``); nothing is downloaded.
 
 The KV cache is the one thing meant to be swapped: ``setup_caches(..., cache_factory=...)`` or
@@ -156,9 +157,20 @@ def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
     return x_out.flatten(3).type_as(x)
 
 
+GQA_MODES = ("enable_gqa", "repeat_interleave")
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelArgs):
+    """Attention with a KV cache. ``gqa`` says how the Hk key/value heads serve the Hq query
+    heads: ``"enable_gqa"`` passes them to SDPA as they are (what a careful user writes);
+    ``"repeat_interleave"`` copies them to Hq heads first, as gpt-fast does (a dense cache is
+    then copied 4x per layer and step at Hq / Hk = 4; a TurboQuantKVTensor repeats lazily)."""
+
+    def __init__(self, config: ModelArgs, gqa: str = "enable_gqa"):
         super().__init__()
+        if gqa not in GQA_MODES:
+            raise ValueError(f"gqa must be one of {GQA_MODES}, got {gqa!r}")
+        self.gqa = gqa
         self.n_head = config.n_head
         self.n_local_heads = config.n_local_heads
         self.head_dim = config.head_dim
@@ -182,9 +194,11 @@ class Attention(nn.Module):
 
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(input_pos, k, v)  # [B, Hk, S_max, D]
-        k = k.repeat_interleave(self.n_head // self.n_local_heads, dim=1)  # [B, Hq, S, D]
-        v = v.repeat_interleave(self.n_head // self.n_local_heads, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+        if self.gqa == "repeat_interleave":
+            k = k.repeat_interleave(self.n_head // self.n_local_heads, dim=1)  # [B, Hq, S, D]
+            v = v.repeat_interleave(self.n_head // self.n_local_heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
+                                           enable_gqa=self.gqa == "enable_gqa")  # fmt: skip
 
         y = y.transpose(1, 2).contiguous().view(bsz, seqlen, q_size)
         return self.wo(y)

@@ -23,10 +23,10 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=c
 for stage in "${@:-tests bench}"; do
   case "$stage" in
     tests)
-      # TQ_TESTS narrows the selection (default: every suite with CUDA tests)
-      python3 -m pytest -q -n 8 -p no:cacheprovider ${TQ_TESTS:-tests/test_store.py \
-        tests/test_dequantize.py tests/test_decode.py tests/test_ops.py tests/test_kv_tensor.py \
-        tests/test_tq_model.py tests/test_quantize.py tests/test_window.py} 2>&1 | tee "$OUT/pytest.log" | tail -25
+      # TQ_TESTS narrows the selection (default: every suite with CUDA tests: the kernels'
+      # and ops' tests, and tq_compile's)
+      python3 -m pytest -q -n 8 -p no:cacheprovider ${TQ_TESTS:-tests/custom_ops/triton \
+        tests/custom_ops/test_ops.py tests/custom_ops/test_validate.py tests/tq_compile} 2>&1 | tee "$OUT/pytest.log" | tail -25
       ;;
     bench)
       python3 benchmarks/store.py 2>&1 | tee "$OUT/store.log"

@@ -3,15 +3,26 @@
 Kernel tests run on the ``kernel_device`` fixture: CUDA when present, otherwise the CPU through
 ``TRITON_INTERPRET=1`` (set here before any kernel is defined) with the interpreter's float
 conversions fixed (see ``interpreter_fix``).
+
+The tests mirror the package (``tests/custom_ops/triton/test_store.py`` tests
+``custom_ops/triton/store.py``); the modules they share live here beside this file, whose
+directory pytest puts on ``sys.path``: ``helpers``, ``window_sequences``, ``kv_views``,
+``ptx_emulator``. The repository root goes on ``sys.path`` too (``examples/`` is not installed).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 CUDA = torch.cuda.is_available()
 if not CUDA:

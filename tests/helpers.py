@@ -1,11 +1,17 @@
-"""Helpers shared by the tests: random inputs, poisoned caches, code comparisons."""
+"""Helpers shared by the tests: random inputs, poisoned caches, code comparisons, the op tests'
+implementations, a decode case, running the examples."""
 
 from __future__ import annotations
 
-import torch
+import os
+import subprocess
+import sys
 
-from custom_ops import reference
-from custom_ops.formats import Codec, Kind, KVFormat, PagedKVCache
+import torch
+from conftest import ROOT, triton_kernels
+
+from custom_ops import api, reference
+from custom_ops.formats import Codec, Kind, KVFormat, PagedKVCache, get_format
 
 
 def random_kv(n_tokens: int, num_kv_heads: int, head_dim: int, dtype=torch.bfloat16, gen=None):
@@ -88,3 +94,60 @@ def filled_cache(
     slots = torch.arange(n_tokens, dtype=torch.int32)
     reference.store(fmt, key, value, cache, slots, *consts)
     return cache
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64."""
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+# The op tests run each op's CPU implementation (the reference) and its Triton kernels (on the
+# kernel device: CUDA, or the CPU through the interpreter).
+IMPLS = ["reference", "triton"]
+
+
+def impl_device(impl: str, kernel_device: str) -> str:
+    return "cpu" if impl == "reference" else kernel_device
+
+
+def impl_context(impl: str, device: str):
+    return triton_kernels(device) if impl == "triton" else torch.no_grad()
+
+
+def decode_case(fmt_name, head_dim, group, gen, num_kv_heads=2, page_size=4, num_pages=14):
+    """A filled cache, a shuffled non-contiguous block table, ragged lengths (0, 1, full)."""
+    fmt = get_format(fmt_name)
+    consts = api.make_constants(fmt, head_dim, seed=3)
+    cache = filled_cache(fmt, num_pages, num_kv_heads, page_size, head_dim, consts, gen)
+    pages = torch.randperm(num_pages, generator=gen)[:12].to(torch.int32)
+    block_table = pages.reshape(4, 3).T  # [3, 4], non-contiguous
+    seq_lens = torch.tensor([13, 0, 1], dtype=torch.int32)
+    q = torch.randn(3, num_kv_heads * group, head_dim, generator=gen).to(torch.float16)
+    return fmt, consts, cache, block_table, seq_lens, q
+
+
+def longer_table(table: torch.Tensor) -> torch.Tensor:
+    """A decode case's block table with 80 more columns (copies of its first): more capacity per
+    split, so splits are longer than one tile (and rotated keys get a prepared query)."""
+    return torch.cat([table, table[:, :1].expand(-1, 80)], dim=1)
+
+
+def stale_tables(table: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode case's ``[3, 4]`` block table with the entries past each sequence's pages set to
+    a page id far beyond the cache, and the same with 80 more such columns (longer splits)."""
+    stale = table.clone()
+    stale[torch.arange(4)[None, :] >= ((lens + 3) // 4)[:, None]] = 2**30
+    long_stale = torch.cat([stale, torch.full((3, 80), 2**30, dtype=torch.int32)], dim=1)
+    return stale, long_stale
+
+
+def run_example(*argv: str, timeout: int = 300) -> str:
+    """Run a script of the repository (``examples/...``) with it on ``PYTHONPATH``; it must
+    succeed. Returns its stdout."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    result = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=timeout)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout

@@ -11,9 +11,11 @@ The cache of sequence ``b`` is pages ``b * pages_per_seq ... (b + 1) * pages_per
 (enough for the ``S_max - W`` positions that can leave a recent window of ``W``): a
 static cache is the identity block table of the paged kernels.
 
-Float buffers (the meta record, the rotation) are held as integer tensors of the
-same bits and viewed as floats when used, so ``model.to(dtype)`` / ``model.half()`` after
-``setup_caches`` cannot convert them (it converts floating-point buffers only).
+Every buffer is passed to the ops as it is, never as a view of another dtype: a compiled step
+then mutates the buffers in place (a view would make functionalization copy it back into its
+buffer every step). ``model.to(dtype)`` / ``model.half()`` after ``setup_caches`` would convert
+the floating-point ones (meta record, rotation, rings), so the module's ``_apply`` lets them
+follow device moves only.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from tq_compile.kv_tensor import TurboQuantKVTensor
 
 __all__ = ["TurboQuantKVCache", "kv_cache_nbytes"]
 
-_BITS = {2: torch.int16, 4: torch.int32}
 
 
 class TurboQuantKVCache(nn.Module):
@@ -92,22 +93,11 @@ class TurboQuantKVCache(nn.Module):
         ring_shape = (max_batch_size, n_heads, self.window, head_dim)
         rings = [(name, torch.zeros(ring_shape, dtype=dtype, device=device))
                  for name in ("k_window", "v_window") if self.window]  # fmt: skip
-        self._float_dtypes = {}
         for name, tensor in (*zip(cache._fields, cache, strict=True),
                              ("block_table", table.reshape(max_batch_size, pages_per_seq)),
                              *zip(consts._fields, consts, strict=True), *rings):  # fmt: skip
-            if tensor.is_floating_point():
-                self._float_dtypes[name] = tensor.dtype
-                tensor = tensor.view(_BITS[tensor.dtype.itemsize])
-            self.register_buffer(f"_{name}" if name in self._float_dtypes else name, tensor,
-                                 persistent=False)  # fmt: skip
+            self.register_buffer(name, tensor, persistent=False)
         self.num_splits = self._choose_splits()
-
-    def __getattr__(self, name: str):
-        float_dtypes = self.__dict__.get("_float_dtypes", {})
-        if name in float_dtypes:  # meta, rotation: their float view
-            return super().__getattr__(f"_{name}").view(float_dtypes[name])
-        return super().__getattr__(name)
 
     def _choose_splits(self) -> int:
         if self._requested_splits is not None:
@@ -117,7 +107,13 @@ class TurboQuantKVCache(nn.Module):
                                       self.k_codes.device)  # fmt: skip
 
     def _apply(self, fn, recurse=True):
-        module = super()._apply(fn, recurse)
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            # a dtype conversion (model.half(), .to(bfloat16)) keeps the buffer's dtype and
+            # values; a device move or to_empty() applies
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+        module = super()._apply(keep_dtype, recurse)
         self.num_splits = self._choose_splits()  # the device may have changed
         return module
 

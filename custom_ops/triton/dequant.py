@@ -10,6 +10,7 @@ Positions at or beyond the sequence length are written as zeros. With a recent w
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,11 +19,18 @@ import triton.language as tl
 
 from custom_ops.formats import KVFormat, PagedKVCache
 from custom_ops.triton.kinds import FP8, INT8_ABSMAX, LLOYD_MAX, UNIFORM
+from custom_ops.triton.launch import Launcher
 from custom_ops.triton.paged import plane_arguments, ring_arguments, row_pointers, table_arguments
-from custom_ops.triton.planes import lloyd_max_levels, load_codes, rotation_slice, tile_offsets
+from custom_ops.triton.planes import (
+    CodecParams,
+    lloyd_max_levels,
+    load_codes,
+    rotation_slice,
+    tile_offsets,
+)
 from custom_ops.triton.store import side_params
 
-__all__ = ["dequantize"]
+__all__ = ["dequant_kernel", "dequantize"]
 
 
 @triton.jit
@@ -53,7 +61,7 @@ def _decode_side(
         codes = load_codes(code_row, valid, P, BLOCK_S)
         norm = tl.load(meta_row + P.META, mask=valid, other=0.0).to(tl.float32)
         row_scale = tl.where(valid, norm * INV_SQRT_D, 0.0)[:, None, None]
-        rotated = tl.where(e_mask, lloyd_max_levels(codes, P.BITS, P.LEVELS), 0.0)
+        rotated = tl.where(e_mask, lloyd_max_levels(codes, P), 0.0)
         rotated = tl.reshape(rotated, (BLOCK_S, G * C_PAD))
         for col0 in tl.static_range(0, C_PAD, RC):
             rot_t = rotation_slice(rot_ptr, D, G, C, C_PAD, 0, G * C_PAD, col0, RC, True)
@@ -84,7 +92,7 @@ def _decode_side(
 
 
 @triton.jit
-def _dequant_kernel(
+def dequant_kernel(
     planes,
     table,
     seq_lens_ptr,
@@ -140,6 +148,16 @@ def _dequant_kernel(
                  BLOCK_S)  # fmt: skip
 
 
+@functools.lru_cache(maxsize=256)
+def _launcher(key_params: CodecParams, value_params: CodecParams, head_dim: int, has_window: bool,
+              block_s: int) -> Launcher:  # fmt: skip
+    return Launcher(dequant_kernel, dict(
+        HAS_WINDOW=has_window, D=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        INV_SQRT_D=1.0 / math.sqrt(head_dim), BLOCK_S=block_s, K=key_params, V=value_params,
+        num_warps=4,
+    ))  # fmt: skip
+
+
 def dequantize(
     fmt: KVFormat,
     cache: PagedKVCache,
@@ -167,12 +185,8 @@ def dequantize(
         window_args = (ring_arguments(k_window, v_window), k_window.shape[2])
     else:
         window_args = ((k_out, v_out, 0, 0, 0), 0)  # never read; no positions in a ring
-    key_params, value_params = side_params(fmt, cache, head_dim)
-    _dequant_kernel[grid](
-        plane_arguments(cache), table_arguments(block_table), seq_lens, rotation, k_out, v_out,
-        *window_args, num_kv_heads, page_size, block_table.shape[1], max_seq_len,
-        HAS_WINDOW=has_window, D=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        INV_SQRT_D=1.0 / math.sqrt(head_dim), BLOCK_S=block_s, K=key_params, V=value_params,
-        num_warps=4,
-    )  # fmt: skip
+    launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, has_window, block_s)
+    launcher(grid, plane_arguments(cache), table_arguments(block_table), seq_lens, rotation, k_out,
+             v_out, *window_args, num_kv_heads, page_size, block_table.shape[1],
+             max_seq_len)  # fmt: skip
     return k_out, v_out

@@ -96,11 +96,12 @@ def encode_side(
             y = tl.reshape(y, (BLOCK_R, G, RC)) * inv[:, None, None]
             magnitude = tl.abs(y)
             mag_index = tl.zeros([BLOCK_R, G, RC], dtype=tl.int32)
-            level = tl.zeros([BLOCK_R, G, RC], dtype=tl.float32) + P.LEVELS[0]
+            level = tl.full([BLOCK_R, G, RC], P.LEVELS[0], tl.float32)
             for m in tl.static_range((1 << (BITS - 1)) - 1):
                 above = magnitude > (P.LEVELS[m] + P.LEVELS[m + 1]) * 0.5
                 mag_index += above.to(tl.int32)
-                level = tl.where(above, P.LEVELS[m + 1], level)
+                level = tl.where(above, tl.full([BLOCK_R, G, RC], P.LEVELS[m + 1], tl.float32),
+                                 level)  # fmt: skip
             codes = ((y < 0).to(tl.int32) << (BITS - 1)) | mag_index
             if P.NC:
                 col_ok = (col0 + tl.arange(0, RC))[None, None, :] < C

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl  # noqa: F401  (the interpreter wants it beside every jit function)
 
 from custom_ops.formats import PagedKVCache
 

@@ -105,13 +105,15 @@ def codec_params(fmt: KVFormat, side: str, head_dim: int, byte_stride: int) -> C
 
 
 @triton.jit
-def lloyd_max_levels(codes, BITS: tl.constexpr, LEVELS: tl.constexpr):
-    """Sign-magnitude Lloyd-Max ``codes`` (int) -> their float32 levels, from the constexpr
-    ``LEVELS`` (magnitudes first): a select per magnitude, no table in memory."""
+def lloyd_max_levels(codes, P: tl.constexpr):
+    """Sign-magnitude Lloyd-Max ``codes`` (int) of the codec ``P`` (anything with ``BITS`` and
+    ``LEVELS``, magnitudes first) -> their float32 levels: a select per magnitude, no table in
+    memory."""
+    BITS: tl.constexpr = P.BITS
     magnitude = codes & ((1 << (BITS - 1)) - 1)
-    level = tl.zeros(codes.shape, tl.float32) + LEVELS[0]
+    level = tl.full(codes.shape, P.LEVELS[0], tl.float32)
     for m in tl.static_range(1, 1 << (BITS - 1)):
-        level = tl.where(magnitude == m, LEVELS[m], level)
+        level = tl.where(magnitude == m, tl.full(codes.shape, P.LEVELS[m], tl.float32), level)
     return tl.where(((codes >> (BITS - 1)) & 1) != 0, -level, level)
 
 

@@ -8,6 +8,7 @@ row's slot. Slots that are negative (padding) or beyond the cache's capacity are
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -16,14 +17,15 @@ import triton.language as tl
 
 from custom_ops.formats import KVFormat, PagedKVCache
 from custom_ops.triton.encode import encode_side
+from custom_ops.triton.launch import Launcher
 from custom_ops.triton.paged import plane_arguments, row_pointers
 from custom_ops.triton.planes import CodecParams, codec_params
 
-__all__ = ["store", "side_params"]
+__all__ = ["store_kernel", "store", "side_params"]
 
 
 @triton.jit
-def _store_kernel(
+def store_kernel(
     key_ptr,
     value_ptr,
     stride_kn,
@@ -72,6 +74,15 @@ def side_params(
             codec_params(fmt, "v", head_dim, cache.value_rows.stride(3)))  # fmt: skip
 
 
+@functools.lru_cache(maxsize=256)
+def _launcher(fmt: KVFormat, key_params: CodecParams, value_params: CodecParams, head_dim: int,
+              block_rows: int, num_warps: int) -> Launcher:  # fmt: skip
+    return Launcher(store_kernel, dict(
+        D=head_dim, INV_SQRT_D=1.0 / math.sqrt(head_dim), BLOCK_R=block_rows, K=key_params,
+        V=value_params, num_warps=num_warps,
+    ))  # fmt: skip
+
+
 def store(
     fmt: KVFormat,
     key: torch.Tensor,
@@ -88,10 +99,7 @@ def store(
     if num_rows == 0:
         return
     num_pages, _, page_size, _ = cache.k_codes.shape
-    key_params, value_params = side_params(fmt, cache, head_dim)
-    _store_kernel[(triton.cdiv(num_rows, block_rows),)](
-        key, value, *key.stride(), *value.stride(), plane_arguments(cache), slot_mapping, rotation,
-        num_rows, num_kv_heads, page_size, num_pages * page_size, D=head_dim,
-        INV_SQRT_D=1.0 / math.sqrt(head_dim), BLOCK_R=block_rows, K=key_params, V=value_params,
-        num_warps=num_warps,
-    )  # fmt: skip
+    launcher = _launcher(fmt, *side_params(fmt, cache, head_dim), head_dim, block_rows, num_warps)
+    launcher((triton.cdiv(num_rows, block_rows),), key, value, *key.stride(), *value.stride(),
+             plane_arguments(cache), slot_mapping, rotation, num_rows, num_kv_heads, page_size,
+             num_pages * page_size)  # fmt: skip

@@ -1,7 +1,7 @@
 """``tq.store_window`` on CUDA: append tokens to sequences that keep their most recent ``W``
 tokens in full-precision rings, quantizing each token that leaves a ring into its page.
 
-One launch of ``_store_window_kernel`` over ``B * min(T, W) * Hk`` rows moves every token that
+One launch of ``store_window_kernel`` over ``B * min(T, W) * Hk`` rows moves every token that
 leaves the ring into the paged cache and writes the ring. When ``T > W`` the first ``T - W`` new
 tokens never enter the ring: one more launch of the plain store kernel
 (:mod:`custom_ops.triton.store`) quantizes them straight into their slots (computed on the
@@ -10,6 +10,7 @@ device from ``start_pos``). The two launches touch disjoint memory.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,14 +19,16 @@ import triton.language as tl
 
 from custom_ops.formats import KVFormat, PagedKVCache
 from custom_ops.triton.encode import encode_side
+from custom_ops.triton.launch import Launcher
 from custom_ops.triton.paged import plane_arguments, ring_arguments, row_pointers, table_arguments
+from custom_ops.triton.planes import CodecParams
 from custom_ops.triton.store import side_params, store
 
-__all__ = ["store_window"]
+__all__ = ["store_window_kernel", "store_window"]
 
 
 @triton.jit
-def _store_window_kernel(
+def store_window_kernel(
     key_ptr,
     value_ptr,
     stride_kb,
@@ -101,6 +104,15 @@ def _store_window_kernel(
     tl.store(v_window_ptr + w_dst, v_new.to(v_window_ptr.dtype.element_ty), mask=copy_mask)
 
 
+@functools.lru_cache(maxsize=256)
+def _launcher(key_params: CodecParams, value_params: CodecParams, head_dim: int, block_rows: int,
+              num_warps: int) -> Launcher:  # fmt: skip
+    return Launcher(store_window_kernel, dict(
+        D=head_dim, D_PAD=triton.next_power_of_2(head_dim), INV_SQRT_D=1.0 / math.sqrt(head_dim),
+        BLOCK_R=block_rows, K=key_params, V=value_params, num_warps=num_warps,
+    ))  # fmt: skip
+
+
 def store_window(
     fmt: KVFormat,
     key: torch.Tensor,
@@ -136,11 +148,10 @@ def store_window(
               rotation, block_rows, num_warps)  # fmt: skip
     num_chains = min(n_new, window)
     num_rows = batch * num_chains * num_kv_heads
-    key_params, value_params = side_params(fmt, cache, head_dim)
-    _store_window_kernel[(triton.cdiv(num_rows, block_rows),)](
-        key, value, *key.stride(), *value.stride(), ring_arguments(k_window, v_window),
-        plane_arguments(cache), table_arguments(block_table), start_pos, rotation,
-        num_rows, num_kv_heads, n_new, num_chains, window, page_size, block_table.shape[1],
-        D=head_dim, D_PAD=triton.next_power_of_2(head_dim), INV_SQRT_D=1.0 / math.sqrt(head_dim),
-        BLOCK_R=block_rows, K=key_params, V=value_params, num_warps=num_warps,
+    launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, block_rows, num_warps)
+    launcher(
+        (triton.cdiv(num_rows, block_rows),), key, value, *key.stride(), *value.stride(),
+        ring_arguments(k_window, v_window), plane_arguments(cache), table_arguments(block_table),
+        start_pos, rotation, num_rows, num_kv_heads, n_new, num_chains, window, page_size,
+        block_table.shape[1],
     )  # fmt: skip

@@ -66,7 +66,7 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
 def _values(codes, P: tl.constexpr):
     """Codes -> fp16 values before the per-token scalars (Lloyd-Max levels or integers)."""
     if P.KIND == LLOYD_MAX:
-        return lloyd_max_levels(codes.to(tl.int32), P.BITS, P.LEVELS).to(tl.float16)
+        return lloyd_max_levels(codes.to(tl.int32), P).to(tl.float16)
     return codes.to(tl.float16)
 
 

@@ -15,7 +15,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from custom_ops.triton.decode.query import walsh_hadamard_rows
 
-__all__ = ["MergeConfig", "merge_config", "launch_merge"]
+__all__ = ["MergeConfig", "merge_config", "merge_kernel", "launch_merge"]
 
 # Warps of a multi-row or many-partial program, and the most partial elements per lane of a
 # one-warp program (148 registers at D = 128 and 32 splits, offline SASS; 64 splits spill).
@@ -70,7 +70,7 @@ def _merge_store(out, j, rows, row_ok, window_rows, window_ok, window_w, inv_tot
 
 
 @triton.jit
-def _merge_kernel(
+def merge_kernel(
     part_out_ptr,
     part_lse_ptr,
     rot_ptr,
@@ -153,5 +153,4 @@ def launch_merge(launch, part_out: torch.Tensor, part_lse: torch.Tensor, rotatio
                  out: torch.Tensor) -> None:  # fmt: skip
     """Merge ``part_out [B, Hq, partials, D]`` / ``part_lse`` into ``out [B, Hq, D]``
     (``launch``: the plan's launch of this kernel)."""
-    _merge_kernel[launch.grid](part_out, part_lse, rotation, out, out.shape[0] * out.shape[1],
-                               **launch.kwargs)  # fmt: skip
+    launch(part_out, part_lse, rotation, out, out.shape[0] * out.shape[1])

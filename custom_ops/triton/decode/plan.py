@@ -24,12 +24,13 @@ import triton
 from custom_ops.formats import KVFormat
 from custom_ops.triton.decode import merge, prep, ring
 from custom_ops.triton.decode.codes import PartParams, part_params
+from custom_ops.triton.decode.split import split_kernel
+from custom_ops.triton.launch import KernelLaunch, Launcher
 from custom_ops.tuning import decode_tuning
 
 __all__ = [
     "QueryMode",
     "SplitConfig",
-    "KernelLaunch",
     "DecodePlan",
     "plan_decode",
     "TOKENS_PER_STEP",
@@ -74,15 +75,6 @@ class SplitConfig(NamedTuple):
     subtiles: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-
-
-@dataclass(frozen=True)
-class KernelLaunch:
-    """One kernel's launch: its grid and keyword arguments (constexprs and launch options such
-    as ``num_warps``, ``maxnreg``, ``launch_pdl``; read-only)."""
-
-    grid: tuple[int, ...]
-    kwargs: dict
 
 
 @dataclass(frozen=True)
@@ -215,7 +207,7 @@ def plan_decode(
         # without the preparation, what runs before the split kernel is not ours: launch it
         # normally
         launch_options["launch_pdl"] = True
-    split = KernelLaunch(split_grid, dict(
+    split = KernelLaunch(split_grid, Launcher(split_kernel, dict(
         MASK=mask_kind, PAGE_SIZE=page_size, TOKEN_RUN=_token_run(page_size, block_n),
         D=head_dim, D_PAD=d_pad, LOG2_D=d_pad.bit_length() - 1, GROUP=group,
         G_PAD=triton.next_power_of_2(group), BLOCK_N=block_n, SUBTILES=subtiles,
@@ -223,7 +215,7 @@ def plan_decode(
         QUERY=int(query), INV_SQRT_D=common["INV_SQRT_D"], RING=ring_in_split,
         RING_BLOCK=RING_BLOCK, RING_QK_F32=ring_in_split and (not fast or ring_dtype != q_dtype),
         RING_F32=not fast, PDL=pdl, **launch_options,
-    ))  # fmt: skip
+    )))  # fmt: skip
 
     num_rows = batch * num_q_heads
     prep_launch = None
@@ -232,30 +224,34 @@ def plan_decode(
         q_code_columns = keys.PARTS * keys.PC_PAD
         prep_launch = KernelLaunch(
             (triton.cdiv(num_rows, prep.BLOCK_Q), q_code_columns // prep.BLOCK_C),
-            dict(common, PARTS=keys.PARTS, PC=keys.PC, PC_PAD=keys.PC_PAD, BLOCK_Q=prep.BLOCK_Q,
-                 BLOCK_C=prep.BLOCK_C),
+            Launcher(prep.prep_query_kernel, dict(
+                common, PARTS=keys.PARTS, PC=keys.PC, PC_PAD=keys.PC_PAD, BLOCK_Q=prep.BLOCK_Q,
+                BLOCK_C=prep.BLOCK_C,
+            )),
         )  # fmt: skip
     later = {"launch_pdl": True} if pdl else {}  # kernels after the first one
     ring_launch = None
     if window_parts:
-        ring_launch = KernelLaunch((window_parts, num_kv_heads, batch), dict(
+        ring_launch = KernelLaunch((window_parts, num_kv_heads, batch), Launcher(
+            ring.ring_partials_kernel, dict(
             MASK=mask_kind, D=head_dim, D_PAD=d_pad, GROUP=group,
             G_PAD=triton.next_power_of_2(group),
             BLOCK_W=ring.BLOCK_W, SLOTS_PER_PART=slots_per_part, NUM_SPLITS=num_splits,
             NUM_PARTIALS=num_partials, WINDOW_QK_F32=not fast or ring_dtype != q_dtype,
             WINDOW_F32=not fast, PDL=pdl, num_warps=ring.NUM_WARPS, **later,
-        ))  # fmt: skip
+        )))  # fmt: skip
     if merge_config is None:
         rotate_by_product = fmt.value.rotated and head_dim != d_pad
         merge_config = merge.merge_config(num_rows, num_splits, d_pad, rotate_by_product,
                                           sm_count)  # fmt: skip
-    merge_launch = KernelLaunch((triton.cdiv(num_rows, merge_config.block_m),), dict(
+    merge_launch = KernelLaunch((triton.cdiv(num_rows, merge_config.block_m),), Launcher(
+        merge.merge_kernel, dict(
         common, NUM_SPLITS=num_splits, WINDOW_PARTS=window_parts,
         WINDOW_PARTS_PAD=triton.next_power_of_2(max(1, window_parts)),
         SPLIT_CHUNK=merge_config.split_chunk, BLOCK_M=merge_config.block_m,
         ROTATE_BACK=fmt.value.rotated, LOG2_D=d_pad.bit_length() - 1,
         num_warps=merge_config.num_warps, **later,
-    ))  # fmt: skip
+    )))  # fmt: skip
     return DecodePlan(num_splits, num_partials, query, one_tile, ring_in_split, keys, values,
                       q_code_columns, pdl, prep_launch, split, ring_launch, merge_launch,
                       merge_config)  # fmt: skip

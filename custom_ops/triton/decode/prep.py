@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-__all__ = ["BLOCK_Q", "BLOCK_C", "launch_prep"]
+__all__ = ["BLOCK_Q", "BLOCK_C", "prep_query_kernel", "launch_prep"]
 
 # query rows and prepared columns per program
 BLOCK_Q = 16
@@ -20,7 +20,7 @@ BLOCK_C = 16
 
 
 @triton.jit
-def _prep_query_kernel(
+def prep_query_kernel(
     q_ptr,
     stride_qb,
     stride_qh,
@@ -66,9 +66,7 @@ def _prep_query_kernel(
 def launch_prep(launch, q: torch.Tensor, rotation: torch.Tensor, q_code: torch.Tensor,
                 q_scale: float) -> None:  # fmt: skip
     """Write ``q_code [B, Hq, PARTS * PC_PAD] fp16`` from ``q [B, Hq, D]`` (``launch``: the
-    plan's :class:`~custom_ops.triton.decode.plan.KernelLaunch` of this kernel)."""
+    plan's :class:`~custom_ops.triton.launch.KernelLaunch` of this kernel)."""
     batch, num_q_heads, _ = q.shape
-    _prep_query_kernel[launch.grid](
-        q, q.stride(0), q.stride(1), rotation, q_code, batch * num_q_heads, num_q_heads, q_scale,
-        **launch.kwargs,
-    )  # fmt: skip
+    num_rows = batch * num_q_heads
+    launch(q, q.stride(0), q.stride(1), rotation, q_code, num_rows, num_q_heads, q_scale)

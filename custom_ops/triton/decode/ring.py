@@ -20,7 +20,7 @@ from custom_ops.triton.decode.query import original_query
 from custom_ops.triton.decode.softmax import mask_scores, partial_normalizer, softmax_rescale
 from custom_ops.triton.paged import ring_arguments
 
-__all__ = ["BLOCK_W", "NUM_WARPS", "window_parts", "launch_ring"]
+__all__ = ["BLOCK_W", "NUM_WARPS", "window_parts", "ring_partials_kernel", "launch_ring"]
 
 # Ring slots per tile and warps per program; a ring is split over at most MAX_PARTS programs
 # per (sequence, kv-head).
@@ -40,7 +40,7 @@ def window_parts(window: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _ring_partials_kernel(
+def ring_partials_kernel(
     q_ptr,
     stride_qb,
     stride_qh,
@@ -133,8 +133,6 @@ def launch_ring(launch, q: torch.Tensor, q_scale: float, k_window: torch.Tensor,
     """Write the ring's partials of ``q [B, Hq, D]`` into ``part_out``/``part_lse`` after the
     splits' (``launch``: the plan's launch of this kernel; ``capacity``: positions a sequence
     holds; ``mask_args``: ``(mask, stride_b, stride_h, mask_len)``)."""
-    _ring_partials_kernel[launch.grid](
-        q, q.stride(0), q.stride(1), q_scale, ring_arguments(k_window, v_window),
-        k_window.shape[2], seq_lens, capacity, mask_args, part_out, part_lse, k_window.shape[1],
-        **launch.kwargs,
-    )  # fmt: skip
+    launch(q, q.stride(0), q.stride(1), q_scale, ring_arguments(k_window, v_window),
+           k_window.shape[2], seq_lens, capacity, mask_args, part_out, part_lse,
+           k_window.shape[1])  # fmt: skip

@@ -37,7 +37,7 @@ from custom_ops.triton.decode.tiles import (
 )
 from custom_ops.triton.paged import plane_arguments, ring_arguments, table_arguments
 
-__all__ = ["split_arguments", "launch_split", "compile_split"]
+__all__ = ["split_kernel", "split_arguments", "launch_split", "compile_split"]
 
 # Where the split kernel gets its queries (plan.QueryMode): scaled here (unrotated keys),
 # rotated by the preparation kernel, or rotated here (rotated keys at short contexts).
@@ -47,7 +47,7 @@ QUERY_ROTATED_HERE = tl.constexpr(2)
 
 
 @triton.jit
-def _split_kernel(
+def split_kernel(
     q_ptr,
     q_orig_ptr,
     stride_qb,
@@ -267,11 +267,11 @@ def split_arguments(q, q_code, q_scale, rotation, cache: PagedKVCache, block_tab
 
 def launch_split(launch, arguments: tuple) -> None:
     """Launch the split kernel with :func:`split_arguments` (``launch``: the plan's launch)."""
-    _split_kernel[launch.grid](*arguments, **launch.kwargs)
+    launch(*arguments)
 
 
 def compile_split(launch, arguments: tuple, compile_fn, **options):
     """Compile (not launch) the split kernel through ``compile_fn(kernel, grid, *args,
     **kwargs)`` (``benchmarks/sass_report.py`` compiles for sm_90 offline); ``options`` (e.g.
     ``maxnreg``) override the plan's."""
-    return compile_fn(_split_kernel, launch.grid, *arguments, **{**launch.kwargs, **options})
+    return compile_fn(split_kernel, launch.grid, *arguments, **{**launch.kwargs, **options})

@@ -143,9 +143,12 @@ def ring_scores(k_rows, in_ring, rqs, D: tl.constexpr):
 def _ring_part(v_t, p_hi, p_lo, acc, F32: tl.constexpr):
     """``acc + v_t @ (p_hi + p_lo)`` for a ring value part ``v_t [V_PC_PAD, RING_BLOCK]``
     (:func:`ring_values`): one float32 product with ``F32`` (``p_lo`` is ``p_hi`` there)."""
+    # one return: the compiler would otherwise type-check the second product for float32 too
     if F32:
-        return tl.dot(v_t.to(tl.float32), p_hi, acc)
-    return tl.dot(v_t, p_lo, tl.dot(v_t, p_hi, acc))
+        acc = tl.dot(v_t.to(tl.float32), p_hi, acc)
+    else:
+        acc = tl.dot(v_t, p_lo, tl.dot(v_t, p_hi, acc))
+    return acc
 
 
 @triton.jit

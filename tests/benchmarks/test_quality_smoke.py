@@ -8,9 +8,8 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
 
 
 def test_quality_tiny_cpu_reports_bf16_and_4bit(tmp_path):

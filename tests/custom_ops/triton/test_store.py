@@ -1,4 +1,5 @@
-"""torch.ops.tq.store / dequantize as operators: opcheck, bad input, torch.compile."""
+"""tq.store (``custom_ops/triton/store.py`` on CUDA): the Triton kernel against the reference,
+strides, canary; opcheck; bad input."""
 
 from __future__ import annotations
 
@@ -6,20 +7,94 @@ import expecttest
 import pytest
 import torch
 from conftest import triton_kernels
-from helpers import filled_cache, poisoned_cache, random_kv
+from helpers import (
+    IMPLS,
+    assert_same_cache,
+    clone_cache,
+    impl_context,
+    impl_device,
+    poisoned_cache,
+    random_kv,
+    slot_rows,
+)
 
-from custom_ops import api
-from custom_ops.formats import FORMATS, get_format
+from custom_ops import api, reference
+from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, PagedKVCache, get_format
 
-IMPLS = ["reference", "triton"]
-
-
-def _device(impl: str, kernel_device: str) -> str:
-    return "cpu" if impl == "reference" else kernel_device
+NUM_PAGES, NUM_KV_HEADS, PAGE_SIZE = 6, 2, 4
 
 
-def _impl_context(impl: str, device: str):
-    return triton_kernels(device) if impl == "triton" else torch.no_grad()
+def _store_both(fmt_name, key, value, slots, kernel_device, gen):
+    """Store with the reference on CPU and with the Triton kernel; return both caches."""
+    fmt = get_format(fmt_name)
+    head_dim = key.shape[-1]
+    consts = api.make_constants(fmt, head_dim, seed=11)
+    expected = poisoned_cache(fmt, NUM_PAGES, NUM_KV_HEADS, PAGE_SIZE, head_dim, gen)
+    actual = clone_cache(expected, kernel_device)
+    reference.store(fmt, key, value, expected, slots, *consts)
+    dev = api.KVConstants(*(c.to(kernel_device) for c in consts))
+    with triton_kernels(kernel_device):
+        api.store(
+            fmt,
+            actual,
+            key.to(kernel_device),
+            value.to(kernel_device),
+            slots.to(kernel_device),
+            dev,
+        )
+    return fmt, expected, PagedKVCache(*(p.cpu() for p in actual))
+
+
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_matches_reference(fmt_name, head_dim, dtype, kernel_device, seeded):
+    """The Triton store writes the reference's bytes (codes, norms, scales) into the right
+    slots, skipping padding slots, for every format x head dim x input dtype."""
+    n_tokens = 11
+    key, value = random_kv(n_tokens, NUM_KV_HEADS, head_dim, dtype, seeded)
+    slots = torch.randperm(NUM_PAGES * PAGE_SIZE, generator=seeded)[:n_tokens].to(torch.int32)
+    slots[[2, 7]] = -1
+    fmt, expected, actual = _store_both(fmt_name, key, value, slots, kernel_device, seeded)
+    assert_same_cache(fmt, expected, actual)
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k8v4", "int8"])
+def test_kernel_takes_permuted_strides(fmt_name, kernel_device, seeded):
+    """Non-contiguous key/value views (token and head dims swapped in memory) store the same
+    bytes as contiguous inputs."""
+    key, value = random_kv(9, NUM_KV_HEADS, 64, torch.bfloat16, seeded)
+    key_t = key.transpose(0, 1).contiguous().transpose(0, 1)
+    value_t = value.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not key_t.is_contiguous()
+    slots = torch.arange(9, dtype=torch.int32) + 3
+    fmt, expected, actual = _store_both(fmt_name, key_t, value_t, slots, kernel_device, seeded)
+    assert_same_cache(fmt, expected, actual)
+
+
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_store_writes_only_target_slots(fmt_name, kernel_device, seeded):
+    """Canary: every byte of every slot not named in slot_mapping is unchanged."""
+    key, value = random_kv(5, NUM_KV_HEADS, 128, torch.bfloat16, seeded)
+    slots = torch.tensor([9, -1, 0, 23, 14], dtype=torch.int32)
+    fmt = get_format(fmt_name)
+    consts = api.make_constants(fmt, 128)
+    before = poisoned_cache(fmt, NUM_PAGES, NUM_KV_HEADS, PAGE_SIZE, 128, seeded)
+    cache = clone_cache(before, kernel_device)
+    with triton_kernels(kernel_device):
+        api.store(
+            fmt,
+            cache,
+            key.to(kernel_device),
+            value.to(kernel_device),
+            slots.to(kernel_device),
+            api.KVConstants(*(c.to(kernel_device) for c in consts)),
+        )
+    written = torch.zeros(NUM_PAGES * PAGE_SIZE, dtype=torch.bool)
+    written[slots[slots >= 0].long()] = True
+    for raw_b, raw_a in zip(slot_rows(before), slot_rows(cache), strict=True):
+        assert torch.equal(raw_a[~written], raw_b[~written])
+        assert not torch.equal(raw_a[written], raw_b[written])
 
 
 def _store_args(fmt_name, device, gen, permuted=False):
@@ -39,28 +114,11 @@ def _store_args(fmt_name, device, gen, permuted=False):
 @pytest.mark.parametrize("fmt_name", sorted(FORMATS))
 def test_opcheck_store(fmt_name, impl, kernel_device, seeded):
     """opcheck (schema, fake tensor, aot dispatch) for tq.store, with permuted-stride inputs."""
-    device = _device(impl, kernel_device)
-    with _impl_context(impl, device):
+    device = impl_device(impl, kernel_device)
+    with impl_context(impl, device):
         for permuted in (False, True):
             args = _store_args(fmt_name, device, seeded, permuted)
             torch.library.opcheck(torch.ops.tq.store.default, args)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
-def test_opcheck_dequantize(fmt_name, impl, kernel_device, seeded):
-    """opcheck for tq.dequantize, including a non-contiguous block table."""
-    device = _device(impl, kernel_device)
-    fmt = get_format(fmt_name)
-    consts = api.make_constants(fmt, 64)
-    cache = filled_cache(fmt, 6, 2, 4, 64, consts, seeded)
-    block_table = torch.tensor([[5, 1, 4], [0, 2, 3]], dtype=torch.int32).T.contiguous().T
-    block_table = block_table[:, :3]
-    seq_lens = torch.tensor([9, 12], dtype=torch.int32)
-    tensors = (*cache, block_table, seq_lens, *consts)
-    args = tuple(t.to(device) for t in tensors) + (fmt_name, 12, torch.bfloat16)
-    with _impl_context(impl, device):
-        torch.library.opcheck(torch.ops.tq.dequantize.default, args)
 
 
 def _bad_store_cases(gen):
@@ -81,7 +139,7 @@ def _bad_store_cases(gen):
     }
 
 
-class TestBadInput(expecttest.TestCase):
+class TestStoreBadInput(expecttest.TestCase):
     def test_store_rejects_bad_input_before_writing(self):
         """Each bad input raises an error naming what was expected; the cache is unchanged."""
         gen = torch.Generator().manual_seed(0)
@@ -128,56 +186,3 @@ kv-heads mismatch: ValueError: tq.store: key has 1 kv-heads but the cache has 2"
 token-major: tq.store: v_codes of a 4bit_nc cache with head dim 128 must have shape (6, 2, 64, 4), got (6, 2, 4, 64)
 token-major, transposed: tq.store: v_codes must be contiguous""",  # noqa: E501
         )
-
-    def test_dequantize_rejects_bad_input(self):
-        gen = torch.Generator().manual_seed(0)
-        fmt = get_format("k8v4")
-        cache = poisoned_cache(fmt, 6, 2, 4, 128, gen)
-        consts = api.make_constants(fmt, 128)
-        table = torch.tensor([[0, 1, 2]], dtype=torch.int32)
-        cases = {
-            "length beyond capacity": (table, torch.tensor([13], dtype=torch.int32), 12),
-            "length beyond max_seq_len": (table, torch.tensor([9], dtype=torch.int32), 8),
-            "max_seq_len beyond table": (table, torch.tensor([9], dtype=torch.int32), 16),
-            "page id out of range": (table + 4, torch.tensor([9], dtype=torch.int32), 12),
-            "int64 block table": (table.long(), torch.tensor([9], dtype=torch.int32), 12),
-        }
-        messages = []
-        for case, (bt, lens, max_len) in cases.items():
-            with self.assertRaises((ValueError, TypeError)) as ctx:
-                api.dequantize(fmt, cache, bt, lens, consts, max_len)
-            messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
-        self.assertExpectedInline(
-            "\n".join(messages),
-            """\
-length beyond capacity: ValueError: tq.dequantize: seq_lens must be in [0, 12], got a length of 13
-length beyond max_seq_len: ValueError: tq.dequantize: seq_lens must be in [0, 8], got a length of 9
-max_seq_len beyond table: ValueError: tq.dequantize: max_seq_len 16 must be in [0, 12] (block_table pages * page_size)
-page id out of range: ValueError: tq.dequantize: block_table holds page ids outside [0, 6) for positions below seq_lens
-int64 block table: TypeError: tq.dequantize: block_table must be int32, got torch.int64""",  # noqa: E501
-        )
-
-
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_store_then_dequantize(backend, seeded):
-    """A compiled function that stores new tokens and dequantizes the cache (fullgraph) gives
-    the eager result and mutates the cache like eager."""
-    fmt = get_format("3bit_nc")
-    consts = api.make_constants(fmt, 64)
-    key, value = random_kv(6, 2, 64, torch.bfloat16, seeded)
-    slots = torch.tensor([0, 1, 2, 5, 6, 7], dtype=torch.int32)
-    table = torch.tensor([[0, 1]], dtype=torch.int32)
-    lens = torch.tensor([8], dtype=torch.int32)
-
-    def step(cache, k, v):
-        api.store(fmt, cache, k, v, slots, consts)
-        return api.dequantize(fmt, cache, table, lens, consts, 8, torch.float32)
-
-    eager_cache = fmt.allocate(2, 2, 4, 64)
-    compiled_cache = fmt.allocate(2, 2, 4, 64)
-    expected = step(eager_cache, key, value)
-    actual = torch.compile(step, backend=backend, fullgraph=True)(compiled_cache, key, value)
-    for e, a in zip(expected, actual, strict=True):
-        torch.testing.assert_close(a, e, rtol=0, atol=0)
-    for e, a in zip(eager_cache, compiled_cache, strict=True):
-        assert torch.equal(e, a)

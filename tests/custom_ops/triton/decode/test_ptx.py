@@ -8,7 +8,7 @@ from ptx_emulator import run
 
 from custom_ops.codebook import signed_levels
 from custom_ops.formats import Codec, Kind
-from custom_ops.triton.decode_asm import (
+from custom_ops.triton.decode.ptx import (
     INT8_ASM,
     UINT3_ASM,
     UINT4_ASM,

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch._dynamo.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ is not installed
-from examples.model import (  # noqa: E402
+from examples.model import (
     KVCache,
     ModelArgs,
     Transformer,

@@ -1,0 +1,89 @@
+"""Launching a kernel through its compiled handle: the host path of every ``tq`` op on CUDA.
+
+``kernel[grid](*args, **kwargs)`` (``JITFunction.run``) binds and specializes every argument,
+builds the compilation key and looks the kernel up on each call: tens of microseconds for the
+decode kernels' dozens of arguments, which is most of an eager decode step's host time. A
+:class:`Launcher` makes that call once per *specialization* of the arguments (the tensors'
+dtypes and 16-byte alignment, the integers' values) and then calls the compiled kernel's own
+launcher directly, with the same arguments. Under Triton's interpreter, or while a launch hook
+(a profiler) is installed, it always takes the ordinary path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from triton import knobs
+
+__all__ = ["Launcher", "KernelLaunch"]
+
+
+def _signature(args: tuple) -> tuple:
+    """What Triton specializes a kernel on, for the arguments ``args`` (tuples flattened):
+    a tensor's dtype and 16-byte alignment, an integer's value; other values not at all."""
+    key = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif isinstance(arg, tuple):
+            key.append(_signature(arg))
+        elif isinstance(arg, int):  # bool included
+            key.append(arg)
+        else:
+            key.append(None)
+    return tuple(key)
+
+
+class Launcher:
+    """One kernel with fixed compile-time arguments, launched by its compiled handle.
+
+    Args:
+        kernel: the ``@triton.jit`` kernel.
+        kwargs: its constexpr arguments and launch options (``num_warps``, ``maxnreg``,
+            ``launch_pdl``...), the same for every launch through this object.
+    """
+
+    def __init__(self, kernel, kwargs: dict):
+        self.kernel, self.kwargs = kernel, kwargs
+        self._compiled: dict = {}
+        params = getattr(kernel, "params", None)  # None: an interpreted kernel
+        if params is not None:
+            # the constexpr values in parameter order, after the positional runtime arguments
+            self._constexprs = [kwargs[p.name] for p in params if p.name in kwargs]
+            if len(self._constexprs) != sum(p.is_constexpr for p in params):
+                raise TypeError(f"{kernel.__name__}: every constexpr must be given")
+
+    def __call__(self, grid: tuple[int, ...], *args) -> None:
+        """Launch on ``grid`` with the runtime arguments ``args`` (positional, in order)."""
+        if knobs.runtime.interpret or knobs.runtime.launch_enter_hook is not None:
+            self.kernel[grid](*args, **self.kwargs)
+            return
+        device = torch.cuda.current_device()
+        key = (device, _signature(args))
+        compiled = self._compiled.get(key)
+        if compiled is None:  # compiles, or finds the kernel in Triton's cache, and launches
+            self._compiled[key] = self.kernel[grid](*args, **self.kwargs)
+            return
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
+        stream = torch._C._cuda_getCurrentRawStream(device)  # what Triton's own launch reads
+        compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *self._constexprs)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel's launch in a plan: its grid and a :class:`Launcher` holding its constexprs
+    and launch options; calling it launches with the runtime arguments."""
+
+    grid: tuple[int, ...]
+    launcher: Launcher = field(compare=False)
+
+    @property
+    def kwargs(self) -> dict:
+        """The constexprs and launch options (read-only)."""
+        return self.launcher.kwargs
+
+    def __call__(self, *args) -> None:
+        self.launcher(self.grid, *args)

@@ -1,0 +1,45 @@
+"""Compiling kernels for a GPU without one: the machine code a kernel gets on sm_90.
+
+Triton compiles through its bundled ptxas, so a CPU machine can build a kernel's cubin for a
+Hopper GPU: ``benchmarks/sass_report.py`` counts its SASS, and the tests compile every kernel
+this way, because the interpreter that runs them on the CPU accepts programs the compiler
+rejects (a tuple of floats passed on as an argument, an early ``return`` in a constexpr branch).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+__all__ = ["compile_offline"]
+
+
+class _OfflineCudaDriver:
+    """Just enough of Triton's CUDA driver to compile (``warmup``) without a GPU."""
+
+    def __init__(self, arch: int) -> None:
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def compile_offline(kernel, grid, *args, arch: int = 90, **kwargs):
+    """Compile ``kernel[grid](*args, **kwargs)`` for ``sm_<arch>`` and return the compiled
+    kernel (``.asm['cubin']``, ``.asm['ptx']``) without launching it."""
+    previous = driver._active
+    driver.set_active(_OfflineCudaDriver(arch))
+    try:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    finally:
+        driver._active = previous

@@ -1,0 +1,157 @@
+"""The ``torch.ops.tq`` operators together (``custom_ops/ops.py``): a compiled function that
+stores and dequantizes, and CUDA-graph loops of store (or store_window) and decode. Each op's
+own tests (kernel, opcheck, bad input) are in the test module of its kernel under
+``tests/custom_ops/triton/``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import random_kv
+
+from custom_ops import api
+from custom_ops.formats import get_format
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_store_then_dequantize(backend, seeded):
+    """A compiled function that stores new tokens and dequantizes the cache (fullgraph) gives
+    the eager result and mutates the cache like eager."""
+    fmt = get_format("3bit_nc")
+    consts = api.make_constants(fmt, 64)
+    key, value = random_kv(6, 2, 64, torch.bfloat16, seeded)
+    slots = torch.tensor([0, 1, 2, 5, 6, 7], dtype=torch.int32)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    lens = torch.tensor([8], dtype=torch.int32)
+
+    def step(cache, k, v):
+        api.store(fmt, cache, k, v, slots, consts)
+        return api.dequantize(fmt, cache, table, lens, consts, 8, torch.float32)
+
+    eager_cache = fmt.allocate(2, 2, 4, 64)
+    compiled_cache = fmt.allocate(2, 2, 4, 64)
+    expected = step(eager_cache, key, value)
+    actual = torch.compile(step, backend=backend, fullgraph=True)(compiled_cache, key, value)
+    for e, a in zip(expected, actual, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    for e, a in zip(eager_cache, compiled_cache, strict=True):
+        assert torch.equal(e, a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc", "tq4_nc"])
+def test_cuda_graph_store_and_decode(fmt_name, seeded):
+    """Capture store-one-token + decode in a CUDA graph; replay 100 steps with new tokens and
+    growing lengths written in place; every step equals the eager ops on a twin cache, and no
+    host sync happens (sync debug mode "error"). Rotated keys take three launches (query
+    preparation, split, merge), fp8 keys two; on Hopper the launches after the first use
+    programmatic dependent launch."""
+    fmt = get_format(fmt_name)
+    batch, num_kv_heads, group, head_dim, page_size = 3, 4, 4, 128, 16
+    max_pages = 16
+    consts = api.make_constants(fmt, head_dim, device="cuda")
+    num_pages = batch * max_pages
+    block_table = torch.randperm(num_pages, generator=seeded).to(torch.int32)
+    block_table = block_table.reshape(batch, max_pages).cuda()
+    graph_cache = fmt.allocate(num_pages, num_kv_heads, page_size, head_dim, "cuda")
+    eager_cache = fmt.allocate(num_pages, num_kv_heads, page_size, head_dim, "cuda")
+    start = torch.tensor([30, 0, 111], dtype=torch.int32)
+    seq_lens = (start + 1).cuda()
+    pos = start.cuda()
+    static_k = torch.empty(batch, num_kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    static_v = torch.empty_like(static_k)
+    static_q = torch.empty(
+        batch, num_kv_heads * group, head_dim, dtype=torch.bfloat16, device="cuda"
+    )
+    num_splits = api.default_num_splits(batch, num_kv_heads, max_pages, page_size, 0, "cuda")
+
+    def step(cache):
+        page = block_table.gather(1, (pos // page_size)[:, None].long())[:, 0]
+        slots = page * page_size + pos % page_size
+        api.store(fmt, cache, static_k, static_v, slots, consts)
+        return api.decode(fmt, static_q, cache, block_table, seq_lens, consts, num_splits)
+
+    static_k.normal_(), static_v.normal_(), static_q.normal_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compiles the kernels) off the capture stream
+        for _ in range(3):
+            step(graph_cache)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = step(graph_cache)
+    for eager_plane, graph_plane in zip(eager_cache, graph_cache, strict=True):
+        eager_plane.copy_(graph_plane)  # both start from the warmed-up state
+    for _ in range(100):
+        static_k.normal_(), static_v.normal_(), static_q.normal_()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+            expected = step(eager_cache)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.testing.assert_close(graph_out, expected, rtol=0, atol=0)
+        pos.add_(1)
+        seq_lens.add_(1)
+    for eager_plane, graph_plane in zip(eager_cache, graph_cache, strict=True):
+        assert torch.equal(eager_plane, graph_plane)
+    assert int(seq_lens.max()) == 212
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k2v4_nc"])
+def test_cuda_graph_loop_crossing_the_window(fmt_name, seeded):
+    """Capture store_window-one-token + decode in a CUDA graph; replay 100 steps with new tokens
+    and positions advanced in place, from lengths below the window (32) to past it; every step
+    equals the eager ops on a twin cache bitwise, and no host sync happens."""
+    fmt = get_format(fmt_name)
+    batch, num_kv_heads, group, head_dim, page_size, window, max_pages = 3, 4, 4, 128, 16, 32, 8
+    consts = api.make_constants(fmt, head_dim, device="cuda")
+    num_pages = batch * max_pages
+    table = torch.randperm(num_pages, generator=seeded).to(torch.int32)
+    table = table.reshape(batch, max_pages).cuda()
+
+    def state():
+        cache = fmt.allocate(num_pages, num_kv_heads, page_size, head_dim, "cuda")
+        ring = (batch, num_kv_heads, window, head_dim)
+        rings = [torch.zeros(ring, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+        return cache, rings
+
+    start = torch.tensor([0, 5, 20], dtype=torch.int32, device="cuda")  # lengths before a step
+    seq_lens = start + 1
+    token = torch.empty(batch, num_kv_heads, 2, 1, head_dim, dtype=torch.bfloat16, device="cuda")
+    q = torch.empty(batch, num_kv_heads * group, head_dim, dtype=torch.bfloat16, device="cuda")
+    num_splits = api.default_num_splits(batch, num_kv_heads, max_pages, page_size, 0, "cuda")
+
+    def step(cache, rings):
+        api.store_window(fmt, cache, token[:, :, 0], token[:, :, 1], *rings, table, start, consts)
+        return api.decode(fmt, q, cache, table, seq_lens, consts, num_splits, k_window=rings[0],
+                          v_window=rings[1])  # fmt: skip
+
+    token.normal_(), q.normal_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile the kernels on a throwaway state
+        step(*state())
+    torch.cuda.current_stream().wait_stream(side)
+    graph_state, eager_state = state(), state()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # records only: the states stay equal (zeros)
+        graph_out = step(*graph_state)
+    for _ in range(100):
+        token.normal_(), q.normal_()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+            expected = step(*eager_state)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.testing.assert_close(graph_out, expected, rtol=0, atol=0)
+        start.add_(1)
+        seq_lens.add_(1)
+    (graph_cache, graph_rings), (eager_cache, eager_rings) = graph_state, eager_state
+    graph_tensors, eager_tensors = (*graph_cache, *graph_rings), (*eager_cache, *eager_rings)
+    for graph_t, eager_t in zip(graph_tensors, eager_tensors, strict=True):
+        assert torch.equal(graph_t, eager_t)
+    assert start.tolist() == [100, 105, 120]

@@ -1,0 +1,329 @@
+"""tq.decode (``custom_ops/triton/decode/`` on CUDA): the launcher end to end, split-KV
+attention over the compressed cache and the recent window's rings against float64 attention;
+opcheck; bad input."""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+from conftest import CUDA, triton_kernels
+from helpers import (
+    IMPLS,
+    clone_cache,
+    decode_case,
+    impl_context,
+    impl_device,
+    longer_table,
+    rel_error,
+    stale_tables,
+)
+from window_sequences import BATCH, CAPACITY, HEAD_DIM, NUM_KV_HEADS, STEPS, Sequences
+
+from custom_ops import api, reference
+from custom_ops.formats import FORMATS
+from custom_ops.triton import decode as triton_decode
+from custom_ops.triton.decode import MergeConfig, SplitConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
+
+
+def _kernel_decode(fmt, q, cache, block_table, seq_lens, consts, device, num_splits=2):
+    dev = api.KVConstants(*(c.to(device) for c in consts))
+    with triton_kernels(device):
+        out = api.decode(
+            fmt,
+            q.to(device),
+            clone_cache(cache, device),
+            block_table.to(device),
+            seq_lens.to(device),
+            dev,
+            num_splits=num_splits,
+        )
+    return out.cpu()
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_kernel_matches_float64_attention(fmt_name, group, kernel_device, seeded):
+    """The kernel equals float64 attention over the dequantized cache within 1e-3 (fp16 query
+    and probabilities on the tensor cores: 2^-11 each), for every format and GQA group sizes 1
+    (MHA), 4 and 8, ragged lengths 0 / 1 / 13, a shuffled non-contiguous block table and more
+    splits than some sequences have tiles."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, group, seeded)
+    assert not table.is_contiguous()
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
+    actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device, num_splits=4)
+    assert bool((actual[1] == 0).all()), "a sequence of length 0 attends to nothing"
+    assert rel_error(actual, expected) < 1e-3
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 128, 256])
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k8v4", "tq4_nc", "k2v2_nc"])
+def test_kernel_head_dims(fmt_name, head_dim, kernel_device, seeded):
+    """Head dims 80, 96 (padded tiles), 128 and 256 against float64 attention."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, head_dim, 4, seeded)
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, head_dim**-0.5, torch.float64)
+    actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device)
+    assert rel_error(actual, expected) < 1e-3
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq4_nc"])
+def test_many_splits(fmt_name, kernel_device, seeded):
+    """64 splits, most of them empty: the merge reads them in chunks and rotates rotated values
+    back, against float64 attention."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
+    actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device, num_splits=64)
+    assert rel_error(actual, expected) < 1e-3
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k2v4_nc", "tq4_nc"])
+def test_query_rotated_in_split_or_prepared(fmt_name, kernel_device, seeded):
+    """Rotated keys get their queries rotated inside the split kernel (short splits: the
+    Walsh-Hadamard structure of R) or by the preparation kernel (long splits: a block table with
+    more capacity per split; test_plan.py checks that these two tables take the two paths); both
+    agree with float64 attention."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
+    long_table = longer_table(table)
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
+    for block_table in (table, long_table):
+        actual = _kernel_decode(fmt, q, cache, block_table, lens, consts, kernel_device)
+        assert rel_error(actual, expected) < 1e-3
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "int8", "fp8", "tq4_nc"])
+def test_block_table_past_the_length_is_not_followed(fmt_name, kernel_device, seeded):
+    """Block-table entries past a sequence's pages may hold anything (here a page id far beyond
+    the cache). Splits of one tile read them before they know the length and must not follow
+    them; longer splits do not read them. Both against float64 attention (int8, fp8, and k8v4 in
+    the longer splits: two 16-token tiles per step; fp8, tq4_nc: the longer splits' kernel is
+    register-capped; test_plan.py checks that the two tables give splits of one tile and
+    longer ones)."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
+    stale, long_stale = stale_tables(table, lens)
+    for block_table in (stale, long_stale):
+        actual = _kernel_decode(fmt, q, cache, block_table, lens, consts, kernel_device)
+        assert rel_error(actual, expected) < 1e-3
+
+
+def test_bf16_query(kernel_device, seeded):
+    """bf16 queries: the output's own rounding (2^-9) dominates."""
+    fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 128, 4, seeded)
+    q = q.to(torch.bfloat16)
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 128**-0.5, torch.float64)
+    actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device)
+    assert actual.dtype == torch.bfloat16
+    assert rel_error(actual, expected) < 4e-3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc", "int8", "tq4_nc", "k2v4_nc"])
+def test_opcheck_decode(fmt_name, impl, kernel_device, seeded):
+    """opcheck (schema, fake tensor, aot dispatch) for tq.decode."""
+    device = impl_device(impl, kernel_device)
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
+    args = tuple(t.to(device) for t in (q, *cache, table, lens, *consts))
+    args = args + (fmt_name, 2, 0.125)
+    with impl_context(impl, device):
+        torch.library.opcheck(torch.ops.tq.decode.default, args)
+
+
+class TestDecodeBadInput(expecttest.TestCase):
+    def test_rejects_bad_input(self):
+        gen = torch.Generator().manual_seed(0)
+        fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 64, 4, gen)
+        cases = {
+            "float32 query": dict(q=q.float()),
+            "heads not a multiple": dict(q=q[:, :7]),
+            "splits not a power of two": dict(num_splits=3),
+            "batch mismatch": dict(q=q[:2]),
+            "prefill-shaped query": dict(q=q[:, :, None]),
+        }
+        messages = []
+        for case, override in cases.items():
+            args = dict(q=q, num_splits=2) | override
+            with self.assertRaises((ValueError, TypeError)) as ctx:
+                api.decode(
+                    fmt, args["q"], cache, table, lens, consts, num_splits=args["num_splits"]
+                )
+            messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
+        self.assertExpectedInline(
+            "\n".join(messages),
+            """\
+float32 query: TypeError: tq.decode: q must be bfloat16 or float16, got torch.float32
+heads not a multiple: ValueError: tq.decode: q has 7 heads, not a multiple of the cache's 2 kv-heads
+splits not a power of two: ValueError: tq.decode: num_splits must be a power of two in [1, 512], got 3
+batch mismatch: ValueError: tq.decode: block_table has 3 rows for a batch of 2 queries
+prefill-shaped query: ValueError: tq.decode: q must be [B, Hq, D] (one query token per sequence), got shape (3, 8, 1, 64)""",  # noqa: E501
+        )
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_fast_and_portable_paths_agree(seeded):
+    """On the GPU, the inline-PTX decoding of the codes (4, 3, 2 bits, int8) equals the
+    plain-Triton decoding."""
+    for fmt_name in ("4bit_nc", "tq4_nc", "k8v4", "3bit_nc", "k2v2_nc", "k2v4_nc", "int8"):
+        fmt, consts, cache, table, lens, q = decode_case(fmt_name, 128, 4, seeded)
+        cuda_cache = clone_cache(cache, "cuda")
+        args = (fmt, q.cuda(), cuda_cache, table.cuda(), lens.cuda(), *(c.cuda() for c in consts))
+        fast = triton_decode.decode(*args, num_splits=2, scale=0.1)
+        portable = triton_decode.decode(*args, num_splits=2, scale=0.1, fast=False)
+        torch.testing.assert_close(fast, portable, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "tq4_nc", "int8"])
+def test_warp_counts(fmt_name, seeded):
+    """One- and two-warp split programs, and merges of one warp or of four warps and chunks of
+    splits (the configurations test_plan.py checks the plan picks): every combination agrees
+    with float64 attention (head dim 128, 32 splits; tq4_nc rotates its values back in the
+    merge)."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 128, 4, seeded)
+    args = (fmt, q.cuda(), clone_cache(cache, "cuda"), table.cuda(), lens.cuda())
+    args += tuple(c.cuda() for c in consts)
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 128**-0.5, torch.float64)
+    merges = {"one warp": MergeConfig(1, 32, 1), "four warps, chunks of 8": MergeConfig(1, 8, 4)}
+    for merge_label, merge_config in merges.items():
+        for num_warps in (1, 2):
+            actual = triton_decode.decode(*args, num_splits=32, scale=128**-0.5,
+                                          split_config=SplitConfig(num_warps=num_warps),
+                                          merge_config=merge_config)  # fmt: skip
+            error = rel_error(actual.cpu(), expected)
+            assert error < 1e-3, f"{num_warps} split warps, merge of {merge_label}: {error}"
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc"])
+def test_kernel_mask(fmt_name, kind, kernel_device, seeded):
+    """A boolean or additive mask [B, Hq or 1, M] (M shorter than the cache: the rest masked),
+    including a query whose keys are all masked out (zeros), against float64 attention."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
+    num_q_heads = q.shape[1]
+    if kind == "bool":
+        mask = torch.rand(3, num_q_heads, 12, generator=seeded) > 0.4
+        mask[0, 1] = False
+    else:
+        mask = torch.randn(3, 1, 12, generator=seeded) * 2
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 0.125, torch.float64, mask)
+    dev = api.KVConstants(*(c.to(kernel_device) for c in consts))
+    with triton_kernels(kernel_device):
+        actual = api.decode(
+            fmt,
+            q.to(kernel_device),
+            clone_cache(cache, kernel_device),
+            table.to(kernel_device),
+            lens.to(kernel_device),
+            dev,
+            num_splits=4,
+            scale=0.125,
+            mask=mask.to(kernel_device),
+        ).cpu()
+    assert not actual.isnan().any()
+    if kind == "bool":
+        assert bool((actual[0, 1] == 0).all())
+    assert rel_error(actual, expected) < 1e-3
+
+
+def _expected_attention(seqs, q, dtype=torch.float64, mask=None):
+    """float64 attention over the dequantized cache for positions below ``len - W`` and the
+    exact bf16 tokens for the last ``W``."""
+    consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
+    cache = clone_cache(seqs.cache)
+    k, v = reference.dequantize(seqs.fmt, cache, seqs.block_table.cpu(), seqs.lens, *consts,
+                                seqs.capacity, dtype)  # fmt: skip
+    positions = torch.arange(seqs.capacity)[None, :]
+    recent = (positions >= seqs.lens[:, None] - seqs.window)[:, None, :, None]
+    k = torch.where(recent, seqs.keys.to(dtype), k)
+    v = torch.where(recent, seqs.values.to(dtype), v)
+    return reference.attention(q, k, v, seqs.lens, HEAD_DIM**-0.5, mask)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_decode_window_contribution_is_exact(fmt_name, group, kernel_device, seeded):
+    """Decode with the window equals float64 attention over the dequantized compressed tokens
+    and the *unquantized* window tokens (1e-3: fp16 query and probabilities on the compressed
+    side), at lengths below, at and beyond the window."""
+    seqs = Sequences(fmt_name, seeded, kernel_device)
+    for n_new, starts in STEPS:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+        # fp16 query, so the output's rounding (2^-11) stays below the bound
+        q = torch.randn(BATCH, NUM_KV_HEADS * group, HEAD_DIM, generator=seeded).half()
+        expected = _expected_attention(seqs, q)
+        actual = seqs.decode(q, num_splits=2)
+        rel = (actual.double() - expected).norm() / expected.norm()
+        assert rel < 1e-3, (n_new, starts, float(rel))
+
+
+def test_decode_window_only_is_exact(kernel_device, seeded):
+    """While a sequence is shorter than the window, decode reads only the ring: it equals
+    float64 attention over the bf16 tokens to float32 rounding (tf32 products of bf16 inputs
+    are exact), whatever the compressed pages and the ring's unwritten slots (NaN) hold."""
+    seqs = Sequences("3bit_nc", seeded, kernel_device)
+    seqs.append(6, (0, 0), seeded, use_triton=False)
+    seqs.k_window[:, :, 6:] = float("nan")  # unwritten slots: never read
+    seqs.v_window[:, :, 6:] = float("nan")
+    q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).to(torch.bfloat16)
+    expected = reference.attention(q, seqs.keys.double(), seqs.values.double(), seqs.lens,
+                                   HEAD_DIM**-0.5)  # fmt: skip
+    actual = seqs.decode(q, num_splits=2)
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-2, atol=4e-3)
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+@pytest.mark.parametrize(
+    "fmt_name, dtype",
+    [(name, torch.bfloat16) for name in ("4bit_nc", "3bit_nc", "k2v2_nc", "int8", "tq4_nc")]
+    + [("k8v4", torch.float16), ("fp8", torch.float16)],
+)
+def test_decode_ring_of_several_tiles(fmt_name, dtype, num_splits, kernel_device, seeded):
+    """A 40-token window (three ring tiles of the split kernel, the last one partial, dealt
+    round robin over the splits; one partial window-kernel tile for rotated values),
+    filled past its size so the ring's slots wrap, in bf16 or fp16 (with fp16 queries, whose
+    dtype then matches the ring's): decode equals float64 attention within 1e-3."""
+    seqs = Sequences(fmt_name, seeded, kernel_device, dtype=dtype, window=40)
+    for n_new, starts in [(45, (0, 10)), (3, (45, 55)), (10, (48, 58))]:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+        q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half()
+        expected = _expected_attention(seqs, q)
+        actual = seqs.decode(q, num_splits=num_splits)
+        rel = (actual.double() - expected).norm() / expected.norm()
+        assert rel < 1e-3, (n_new, starts, float(rel))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_decode_window_mask(kind, kernel_device, seeded):
+    """A mask over positions applies to window tokens by their position (not their ring slot),
+    including a query with every key masked out (zeros)."""
+    seqs = Sequences("4bit_nc", seeded, kernel_device)
+    for n_new, starts in STEPS[:4]:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+    num_q_heads = NUM_KV_HEADS * 4
+    allowed = torch.rand(BATCH, num_q_heads, CAPACITY - 3, generator=seeded) > 0.3
+    allowed[1, 2] = False
+    mask = allowed if kind == "bool" else torch.where(allowed, 0.25, float("-inf"))
+    q = torch.randn(BATCH, num_q_heads, HEAD_DIM, generator=seeded).half()
+    expected = _expected_attention(seqs, q, mask=mask)
+    actual = seqs.decode(q, num_splits=4, mask=mask)
+    assert bool((actual[1, 2] == 0).all())
+    rel = (actual.double() - expected).norm() / expected.norm()
+    assert rel < 1e-3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_opcheck_decode_with_rings(impl, kernel_device, seeded):
+    """opcheck for tq.decode with the recent window's rings."""
+    device = impl_device(impl, kernel_device)
+    seqs = Sequences("4bit_nc", seeded, device)
+    seqs.append(11, (0, 3), seeded, use_triton=impl == "triton")
+    q = torch.randn(BATCH, NUM_KV_HEADS * 2, HEAD_DIM, generator=seeded).to(torch.bfloat16)
+    rings = (seqs.k_window, seqs.v_window)
+    with impl_context(impl, device):
+        lens = seqs.lens.to(device)
+        torch.library.opcheck(
+            torch.ops.tq.decode.default,
+            (q.to(device), *seqs.cache, seqs.block_table, lens, *seqs.consts, "4bit_nc", 2,
+             0.125, None, *rings),
+        )  # fmt: skip

@@ -1,0 +1,52 @@
+"""The decode launch plan (``custom_ops/triton/decode/plan.py``): where the query is rotated,
+splits of one tile, the split kernel's warps and the merge's configuration. The decode tests
+run the kernels on these same cases (``tests/custom_ops/triton/decode/test_decode.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CUDA
+from helpers import clone_cache, decode_case, longer_table, stale_tables
+
+from custom_ops.triton import decode as triton_decode
+from custom_ops.triton.decode import MergeConfig, QueryMode
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k2v4_nc", "tq4_nc"])
+def test_query_rotated_in_split_or_prepared(fmt_name, kernel_device, seeded):
+    """Rotated keys get their queries rotated inside the split kernel with short splits and by
+    the preparation kernel with a block table of more capacity per split."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
+    long_table = longer_table(table)
+    modes = [triton_decode.plan_for(fmt, q.to(kernel_device), cache, t, 2).query
+             for t in (table, long_table)]  # fmt: skip
+    assert modes == [QueryMode.ROTATED_HERE, QueryMode.PREPARED]
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "int8", "fp8", "tq4_nc"])
+def test_one_tile_splits(fmt_name, kernel_device, seeded):
+    """The decode case's table gives splits of one tile (which read their block-table entries
+    before they know the length); 80 more columns give longer splits."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
+    stale, long_stale = stale_tables(table, lens)
+    one_tile = [triton_decode.plan_for(fmt, q.to(kernel_device), cache, t, 2).one_tile
+                for t in (stale, long_stale)]  # fmt: skip
+    assert one_tile == [True, False]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "tq4_nc", "int8"])
+def test_split_warps_and_merge_configs(fmt_name, seeded):
+    """Grids of at most two programs per SM get two-warp split programs, larger ones one warp;
+    merges of one row whose partials fit one warp get one warp, the others four warps and
+    chunks of splits."""
+    sm_count = torch.cuda.get_device_properties("cuda").multi_processor_count
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 128, 4, seeded)
+    args = (fmt, q.cuda(), clone_cache(cache, "cuda"), table.cuda(), lens.cuda())
+    # B = 3 sequences x Hk = 2 kv-heads x splits: two programs per SM, then one more
+    plans = [triton_decode.plan_for(*args[:4], n) for n in (sm_count // 3, sm_count // 3 + 1)]
+    assert [plan.split.kwargs["num_warps"] for plan in plans] == [2, 1]
+    one_row = [triton_decode.plan_for(fmt, q[:1].cuda(), *args[2:4], n).merge_config
+               for n in (32, 64)]  # fmt: skip
+    assert one_row == [MergeConfig(1, 32, 1), MergeConfig(1, 64, 4)]

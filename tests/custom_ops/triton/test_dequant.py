@@ -1,0 +1,168 @@
+"""tq.dequantize (``custom_ops/triton/dequant.py`` on CUDA): the kernel against the reference,
+with and without the recent window's rings; opcheck; bad input."""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+from conftest import triton_kernels
+from helpers import (
+    IMPLS,
+    clone_cache,
+    filled_cache,
+    impl_context,
+    impl_device,
+    poisoned_cache,
+)
+from window_sequences import BATCH, CAPACITY, STEPS, WINDOW, Sequences
+
+from custom_ops import api, reference
+from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, get_format
+
+
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_kernel_matches_reference(fmt_name, head_dim, kernel_device, seeded):
+    """Dequantizing a filled, paged cache with ragged lengths (0, 1, full) and a shuffled block
+    table gives the reference's K and V (float32: up to a rotation's summation order); every
+    output element is written, zeros past each length."""
+    fmt = get_format(fmt_name)
+    num_pages, num_kv_heads, page_size, max_seq_len = 10, 2, 4, 14
+    consts = api.make_constants(fmt, head_dim, seed=5)
+    cache = filled_cache(fmt, num_pages, num_kv_heads, page_size, head_dim, consts, seeded)
+    block_table = torch.randperm(num_pages, generator=seeded).to(torch.int32).reshape(5, 2)
+    block_table = block_table.repeat(1, 2)[:4].T  # [4, 4]: rows share pages, transposed strides
+    assert block_table.stride(1) != 1
+    seq_lens = torch.tensor([14, 0, 1, 9], dtype=torch.int32)
+    expected = reference.dequantize(
+        fmt, cache, block_table, seq_lens, *consts, max_seq_len, torch.float32
+    )
+    dev = api.KVConstants(*(c.to(kernel_device) for c in consts))
+    with triton_kernels(kernel_device):
+        actual = api.dequantize(
+            fmt,
+            clone_cache(cache, kernel_device),
+            block_table.to(kernel_device),
+            seq_lens.to(kernel_device),
+            dev,
+            max_seq_len,
+            torch.float32,
+        )
+    for exp, act in zip(expected, actual, strict=True):
+        assert act.shape == (4, num_kv_heads, max_seq_len, head_dim)
+        torch.testing.assert_close(act.cpu(), exp, rtol=1e-5, atol=1e-5)
+        assert bool((act[1] == 0).all()) and bool((act[2, :, 1:] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_output_dtype(dtype, kernel_device, seeded):
+    """Any float output dtype: the float32 result rounded once to that dtype."""
+    fmt = get_format("4bit_nc")
+    consts = api.make_constants(fmt, 64)
+    cache = filled_cache(fmt, 4, 1, 8, 64, consts, seeded)
+    table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    lens = torch.tensor([20], dtype=torch.int32)
+    exp = reference.dequantize(fmt, cache, table, lens, *consts, 24, torch.float32)
+    dev = api.KVConstants(*(c.to(kernel_device) for c in consts))
+    with triton_kernels(kernel_device):
+        act = api.dequantize(
+            fmt,
+            clone_cache(cache, kernel_device),
+            table.to(kernel_device),
+            lens.to(kernel_device),
+            dev,
+            24,
+            dtype,
+        )
+    assert act[0].dtype == dtype
+    tol = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float64: 1e-5}[dtype]
+    torch.testing.assert_close(act[0].cpu(), exp[0].to(dtype), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "tq4_nc", "k2v4_nc"])
+def test_dequantize_window_kernel_matches_reference(fmt_name, kernel_device, seeded):
+    """Dequantize with the window: compressed positions decoded, the last W copied from the
+    ring, zeros past each length; the kernel equals the reference."""
+    seqs = Sequences(fmt_name, seeded, kernel_device)
+    for n_new, starts in STEPS:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+    consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
+    args = (seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(), seqs.lens, consts,
+            CAPACITY, torch.float32, seqs.k_window.cpu(), seqs.v_window.cpu())  # fmt: skip
+    expected = api.dequantize(*args)
+    d = kernel_device
+    with triton_kernels(d):
+        actual = api.dequantize(seqs.fmt, seqs.cache, seqs.block_table, seqs.lens.to(d),
+                                seqs.consts, CAPACITY, torch.float32, seqs.k_window,
+                                seqs.v_window)  # fmt: skip
+    for e, a, exact in zip(expected, actual, (seqs.keys, seqs.values), strict=True):
+        torch.testing.assert_close(a.cpu(), e, rtol=1e-5, atol=1e-5)
+        for b in range(BATCH):
+            length = int(seqs.lens[b])
+            recent = slice(max(0, length - WINDOW), length)
+            assert torch.equal(e[b, :, recent], exact[b, :, recent].float())
+            assert bool((e[b, :, length:] == 0).all())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_opcheck_dequantize(fmt_name, impl, kernel_device, seeded):
+    """opcheck for tq.dequantize, including a non-contiguous block table."""
+    device = impl_device(impl, kernel_device)
+    fmt = get_format(fmt_name)
+    consts = api.make_constants(fmt, 64)
+    cache = filled_cache(fmt, 6, 2, 4, 64, consts, seeded)
+    block_table = torch.tensor([[5, 1, 4], [0, 2, 3]], dtype=torch.int32).T.contiguous().T
+    block_table = block_table[:, :3]
+    seq_lens = torch.tensor([9, 12], dtype=torch.int32)
+    tensors = (*cache, block_table, seq_lens, *consts)
+    args = tuple(t.to(device) for t in tensors) + (fmt_name, 12, torch.bfloat16)
+    with impl_context(impl, device):
+        torch.library.opcheck(torch.ops.tq.dequantize.default, args)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_opcheck_dequantize_with_rings(impl, kernel_device, seeded):
+    """opcheck for tq.dequantize with the recent window's rings."""
+    device = impl_device(impl, kernel_device)
+    seqs = Sequences("4bit_nc", seeded, device)
+    seqs.append(11, (0, 3), seeded, use_triton=impl == "triton")
+    rings = (seqs.k_window, seqs.v_window)
+    with impl_context(impl, device):
+        lens = seqs.lens.to(device)
+        torch.library.opcheck(
+            torch.ops.tq.dequantize.default,
+            (*seqs.cache, seqs.block_table, lens, *seqs.consts, "4bit_nc", CAPACITY,
+             torch.bfloat16, *rings),
+        )  # fmt: skip
+
+
+class TestDequantizeBadInput(expecttest.TestCase):
+    def test_dequantize_rejects_bad_input(self):
+        gen = torch.Generator().manual_seed(0)
+        fmt = get_format("k8v4")
+        cache = poisoned_cache(fmt, 6, 2, 4, 128, gen)
+        consts = api.make_constants(fmt, 128)
+        table = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+        cases = {
+            "length beyond capacity": (table, torch.tensor([13], dtype=torch.int32), 12),
+            "length beyond max_seq_len": (table, torch.tensor([9], dtype=torch.int32), 8),
+            "max_seq_len beyond table": (table, torch.tensor([9], dtype=torch.int32), 16),
+            "page id out of range": (table + 4, torch.tensor([9], dtype=torch.int32), 12),
+            "int64 block table": (table.long(), torch.tensor([9], dtype=torch.int32), 12),
+        }
+        messages = []
+        for case, (bt, lens, max_len) in cases.items():
+            with self.assertRaises((ValueError, TypeError)) as ctx:
+                api.dequantize(fmt, cache, bt, lens, consts, max_len)
+            messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
+        self.assertExpectedInline(
+            "\n".join(messages),
+            """\
+length beyond capacity: ValueError: tq.dequantize: seq_lens must be in [0, 12], got a length of 13
+length beyond max_seq_len: ValueError: tq.dequantize: seq_lens must be in [0, 8], got a length of 9
+max_seq_len beyond table: ValueError: tq.dequantize: max_seq_len 16 must be in [0, 12] (block_table pages * page_size)
+page id out of range: ValueError: tq.dequantize: block_table holds page ids outside [0, 6) for positions below seq_lens
+int64 block table: TypeError: tq.dequantize: block_table must be int32, got torch.int64""",  # noqa: E501
+        )

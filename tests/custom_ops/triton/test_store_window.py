@@ -1,0 +1,159 @@
+"""tq.store_window (``custom_ops/triton/store_window.py`` on CUDA): the kernel against the
+reference, tokens quantized exactly once as they leave the window, opcheck, bad input."""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+from helpers import (
+    IMPLS,
+    assert_codes_match,
+    assert_same_cache,
+    impl_context,
+    impl_device,
+    poisoned_cache,
+    random_kv,
+    slot_rows,
+)
+from window_sequences import (
+    BATCH,
+    CAPACITY,
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    STEPS,
+    WINDOW,
+    Sequences,
+)
+
+from custom_ops import api, reference
+from custom_ops.formats import FORMATS
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
+
+
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_store_window_kernel_matches_reference(fmt_name, kernel_device, seeded):
+    """After every append (prefill longer than the window, skipped sequences, chunks crossing
+    the boundary, single tokens) the kernel's cache equals the reference's (codes up to a tie,
+    meta up to a rounding) and its rings are bit-identical."""
+    expected = Sequences(fmt_name, torch.Generator().manual_seed(7))
+    actual = Sequences(fmt_name, torch.Generator().manual_seed(7), kernel_device)
+    for n_new, starts in STEPS:
+        expected.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=False)
+        actual.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=True)
+        assert_same_cache(expected.fmt, expected.cache, actual.cache)
+        assert torch.equal(actual.k_window.cpu(), expected.k_window)
+        assert torch.equal(actual.v_window.cpu(), expected.v_window)
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc", "k2v2_nc"])
+def test_tokens_leaving_the_window_are_quantized_exactly_once(fmt_name, kernel_device, seeded):
+    """Each append changes exactly the slots of the tokens that left the window in it; a slot
+    never changes again; at the end every slot below ``len - W`` holds what a plain ``tq.store``
+    of that token writes, the window's slots are untouched, and the ring holds the last W
+    tokens."""
+    seqs = Sequences(fmt_name, seeded, kernel_device)
+    before = torch.cat(slot_rows(seqs.cache), dim=1)
+    quantized = torch.zeros(before.shape[0], dtype=torch.bool)
+    for n_new, starts in STEPS:
+        old_lens = seqs.lens.clone()
+        seqs.append(n_new, starts, seeded, use_triton=True)
+        leaving = torch.zeros_like(quantized)
+        for b in range(BATCH):
+            first, last = max(0, int(old_lens[b]) - WINDOW), max(0, int(seqs.lens[b]) - WINDOW)
+            leaving[seqs.slots_of(b, torch.arange(first, last))] = True
+        after = torch.cat(slot_rows(seqs.cache), dim=1)
+        changed = (after != before).any(dim=1)
+        assert torch.equal(changed, leaving), "slots written other than the leaving tokens'"
+        assert not (leaving & quantized).any(), "a token was quantized twice"
+        quantized |= leaving
+        before = after
+
+    direct = poisoned_cache(seqs.fmt, *seqs.cache.k_codes.shape[:3], HEAD_DIM, seeded)
+    consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
+    for b in range(BATCH):
+        length = int(seqs.lens[b])
+        old = torch.arange(length - WINDOW)
+        rows = (seqs.keys[b, :, old].transpose(0, 1), seqs.values[b, :, old].transpose(0, 1))
+        reference.store(seqs.fmt, *rows, direct, seqs.slots_of(b, old).to(torch.int32), *consts)
+        recent = torch.arange(length - WINDOW, length)
+        assert torch.equal(seqs.k_window.cpu()[b][:, recent % WINDOW], seqs.keys[b][:, recent])
+        assert torch.equal(seqs.v_window.cpu()[b][:, recent % WINDOW], seqs.values[b][:, recent])
+
+    # The quantized slots hold the tokens' codes, plane by plane ([slots, Hk, bytes]).
+    def slot_major(plane):
+        return plane.cpu().permute(0, 2, 1, 3).reshape(-1, plane.shape[1], plane.shape[3])
+
+    planes = ((seqs.fmt.key, "k_codes"), (seqs.fmt.value, "value_rows"))
+    for codec, name in planes:
+        expected = slot_major(getattr(direct, name))[quantized]
+        assert_codes_match(codec, expected, slot_major(getattr(seqs.cache, name))[quantized])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_opcheck_store_window(impl, kernel_device, seeded):
+    """opcheck (schema, fake tensors, aot dispatch) for store_window."""
+    device = impl_device(impl, kernel_device)
+    seqs = Sequences("4bit_nc", seeded, device)
+    seqs.append(11, (0, 3), seeded, use_triton=impl == "triton")
+    key, value = random_kv(BATCH * 2, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, seeded)
+    key = key.reshape(BATCH, NUM_KV_HEADS, 2, HEAD_DIM).to(device)
+    value = value.reshape(BATCH, NUM_KV_HEADS, 2, HEAD_DIM).to(device)
+    start = seqs.lens.to(device)
+    rings = (seqs.k_window, seqs.v_window)
+    with impl_context(impl, device):
+        torch.library.opcheck(
+            torch.ops.tq.store_window.default,
+            (key, value, *seqs.cache, *rings, seqs.block_table, start, *seqs.consts, "4bit_nc"),
+        )
+
+
+class TestStoreWindowBadInput(expecttest.TestCase):
+    def test_errors_leave_cache_and_rings_untouched(self):
+        """Bad input raises a clear error before any kernel runs; cache and rings unchanged."""
+        gen = torch.Generator().manual_seed(3)
+        seqs = Sequences("4bit_nc", gen)
+        seqs.append(11, (0, 0), gen, use_triton=False)  # 3 tokens left the window
+        key = torch.randn(BATCH, NUM_KV_HEADS, 2, HEAD_DIM).to(torch.bfloat16)
+        start = seqs.lens.clone()
+        rings = (seqs.k_window, seqs.v_window)
+        snapshot = [t.clone() for t in (*seqs.cache, *rings)]
+
+        def call(key=key, value=key, rings=rings, table=seqs.block_table, start=start):
+            torch.ops.tq.store_window(key, value, *seqs.cache, *rings, table, start,
+                                      *seqs.consts, "4bit_nc")  # fmt: skip
+
+        cases = {
+            "float32 tokens": dict(key=key.float(), value=key.float()),
+            "3-D tokens": dict(key=key[:, :, 0], value=key[:, :, 0]),
+            "ring of another head dim": dict(rings=(rings[0][..., :32], rings[1][..., :32])),
+            "float32 ring": dict(rings=(rings[0].float(), rings[1].float())),
+            "ring dtypes differ": dict(rings=(rings[0], rings[1].half())),
+            "int64 start": dict(start=start.long()),
+            "past capacity": dict(start=torch.tensor([CAPACITY - 1, 0], dtype=torch.int32)),
+            "block table too short": dict(table=seqs.block_table[:1]),
+            "page id out of range": dict(
+                table=seqs.block_table.index_fill(1, torch.tensor([1]), 99)
+            ),
+        }
+        messages = []
+        for label, kwargs in cases.items():
+            with self.assertRaises((TypeError, ValueError)) as ctx:
+                call(**kwargs)
+            messages.append(f"{label}: {type(ctx.exception).__name__}: {ctx.exception}")
+            for before, after in zip(snapshot, (*seqs.cache, *rings), strict=True):
+                assert torch.equal(before, after), label
+        self.assertExpectedInline(
+            "\n".join(messages),
+            """\
+float32 tokens: TypeError: tq.store_window: key must be bfloat16 or float16, got torch.float32
+3-D tokens: ValueError: tq.store_window: key must be [B, Hk, T, D], got shape (2, 2, 64)
+ring of another head dim: ValueError: tq.store_window: k_window and v_window must be [>= 2, 2, W >= 1, 64] (batch, kv-heads, window, head dim), got (2, 2, 8, 32) and (2, 2, 8, 32)
+float32 ring: TypeError: tq.store_window: k_window and v_window must be bfloat16 or float16 of one dtype, got torch.float32 and torch.float32
+ring dtypes differ: TypeError: tq.store_window: k_window and v_window must be bfloat16 or float16 of one dtype, got torch.bfloat16 and torch.float16
+int64 start: TypeError: tq.store_window: start_pos must be int32, got torch.int64
+past capacity: ValueError: tq.store_window: tokens up to position 36 do not fit a sequence's capacity of 36 positions (block_table pages * page_size + window)
+block table too short: ValueError: tq.store_window: block_table must be int32 [>= 2, max_pages], got torch.int32 (1, 7)
+page id out of range: ValueError: tq.store_window: block_table holds page ids outside [0, 16) for positions below 5""",  # noqa: E501
+        )

@@ -1,0 +1,76 @@
+"""examples/generate.py: generates with bf16 and TurboQuant caches and reports speed, bytes and
+next-token agreement."""
+
+from __future__ import annotations
+
+import re
+
+from helpers import run_example
+
+from custom_ops.formats import get_format
+from examples.model import ModelArgs
+
+BATCH, PROMPT_LEN, NEW_TOKENS = 2, 16, 8
+WINDOW, PAGE_SIZE = 16, 16  # generate.py's --window default, TurboQuantKVConfig's page size
+# Next-token agreement (2 x 8 predictions) of 4bit_nc with the bf16 cache: 0.875-1.0 over
+# generate.py's seeds 0-7 (this test runs seed 0: 0.938); an all-zero attention output gives
+# 0.125, a random one 0.062.
+AGREEMENT_FLOOR = 0.75
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def _kv_ratio(fmt_name: str, max_seq: int, head_dim: int) -> float:
+    """TurboQuant cache bytes over bf16 cache bytes per (layer, sequence, kv-head): whole pages
+    of the format's bytes per token-head for the positions that leave the window, and bf16 K
+    and V rings of the window, against bf16 K and V of every position."""
+    pages = -(-(max_seq - WINDOW) // PAGE_SIZE)
+    ring = 2 * WINDOW * head_dim * 2
+    tq = pages * PAGE_SIZE * get_format(fmt_name).bytes_per_token_head(head_dim) + ring
+    return tq / (2 * max_seq * head_dim * 2)
+
+
+def test_generate_runs_and_reports():
+    """``examples/generate.py`` (the main job) runs the tiny model on the CPU with a compiled
+    decode step: it reports every decode step of both caches, positive tokens/s (and their
+    ratio), the KV-cache bytes and ratio to bf16 that 4bit_nc and the window imply, and a
+    next-token agreement with the bf16 cache above the floor."""
+    sizes = {"--batch": BATCH, "--prompt-len": PROMPT_LEN, "--new-tokens": NEW_TOKENS}
+    args = [str(a) for item in sizes.items() for a in item]
+    out = run_example("examples/generate.py", "--device", "cpu", *args)
+    tiny = ModelArgs.from_name("tiny")
+    assert (f"tiny model ({tiny.n_layer} layers, Hq={tiny.n_head}, Hk={tiny.n_local_heads}, "
+            f"D={tiny.head_dim}) on cpu; batch {BATCH}, prompt {PROMPT_LEN}, "
+            f"{NEW_TOKENS} new tokens") in out  # fmt: skip
+    rates = {}
+    for label in ("bf16", "4bit_nc"):
+        steps = re.findall(rf"{label} decode: (\d+)/{NEW_TOKENS} tokens", out)
+        assert sorted(map(int, steps)) == list(range(1, NEW_TOKENS + 1)), out
+        (rate,) = re.findall(rf"{label} decode: {NEW_TOKENS} tokens, ([\d,]+) tokens/s", out)
+        rates[label] = _number(rate)
+        assert rates[label] > 0
+
+    speed = re.search(r"decode tokens/s: bf16 ([\d,]+), 4bit_nc ([\d,]+) \(([\d.]+)x\)", out)
+    assert speed, out
+    assert (_number(speed[1]), _number(speed[2])) == (rates["bf16"], rates["4bit_nc"])
+    assert abs(float(speed[3]) - rates["4bit_nc"] / rates["bf16"]) <= 0.01
+
+    kv = re.search(r"KV cache: ([\d.]+) MB vs bf16 ([\d.]+) MB \(([\d.]+)x; the last (\d+) tokens",
+                   out)  # fmt: skip
+    assert kv, out
+    max_seq = PROMPT_LEN + NEW_TOKENS + 1
+    ratio = _kv_ratio("4bit_nc", max_seq, tiny.head_dim)
+    dense = tiny.n_layer * BATCH * tiny.n_local_heads * 2 * max_seq * tiny.head_dim * 2
+    assert int(kv[4]) == WINDOW
+    assert abs(float(kv[3]) - ratio) <= 5e-4, (kv[3], ratio)
+    assert float(kv[2]) == round(dense / 1e6, 2)
+    assert float(kv[1]) == round(ratio * dense / 1e6, 2)
+
+    agreement = re.search(r"next-token agreement with the bf16 cache: ([\d.]+)%", out)
+    assert agreement, out
+    agreement = float(agreement[1]) / 100
+    predictions = BATCH * NEW_TOKENS
+    assert abs(agreement * predictions - round(agreement * predictions)) < 0.01  # k / 16
+    assert AGREEMENT_FLOOR <= agreement <= 1, agreement

@@ -1,0 +1,120 @@
+"""Compile every kernel for sm_90 without a GPU (run without TRITON_INTERPRET, in a subprocess
+of tests/custom_ops/triton/test_sm90_compile.py): the interpreter that runs the kernels in the
+CPU tests accepts programs that the compiler rejects. Prints one line per kernel; exits 1 if any
+fails to compile."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from custom_ops import api
+from custom_ops.formats import get_format
+from custom_ops.triton import decode, dequant, store, store_window
+from custom_ops.triton.decode.softmax import LOG2E
+from custom_ops.triton.decode.split import split_arguments
+from custom_ops.triton.offline import compile_offline
+from custom_ops.triton.paged import plane_arguments, ring_arguments, table_arguments
+from custom_ops.triton.store import side_params
+
+HEAD_DIM, HEADS, GROUP, PAGE, PAGES, WINDOW = 128, 2, 4, 16, 8, 16
+
+
+def kernels(name: str) -> dict:
+    """``{kernel: zero-argument compile}`` for one format (launch options as the launchers'
+    defaults; the decode kernels through their plan, long splits and short, with and without
+    the inline PTX, with a ring)."""
+    fmt = get_format(name)
+    d = HEAD_DIM
+    cache = fmt.allocate(PAGES, HEADS, PAGE, d)
+    rot = api.make_constants(fmt, d).rotation
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    lens = torch.zeros(2, dtype=torch.int32)
+    ring = torch.empty(2, HEADS, WINDOW, d, dtype=torch.bfloat16)
+    rows = torch.empty(4, HEADS, d, dtype=torch.bfloat16)
+    new = torch.empty(2, HEADS, 1, d, dtype=torch.bfloat16)
+    dense = torch.empty(2, HEADS, 64, d)
+    kp, vp = side_params(fmt, cache, d)
+    inv = 1 / math.sqrt(d)
+    jobs = {
+        "store": lambda: compile_offline(
+            store.store_kernel, (1,), rows, rows, *rows.stride(), *rows.stride(),
+            plane_arguments(cache), lens, rot, 8, HEADS, PAGE, PAGES * PAGE, D=d, INV_SQRT_D=inv,
+            BLOCK_R=32, K=kp, V=vp, num_warps=4),
+        "store_window": lambda: compile_offline(
+            store_window.store_window_kernel, (1,), new, new, *new.stride(), *new.stride(),
+            ring_arguments(ring, ring), plane_arguments(cache), table_arguments(table), lens, rot,
+            4, HEADS, 1, 1, WINDOW, PAGE, 4, D=d, D_PAD=d, INV_SQRT_D=inv, BLOCK_R=32, K=kp,
+            V=vp, num_warps=4),
+        "dequant": lambda: compile_offline(
+            dequant.dequant_kernel, (4, 2), plane_arguments(cache), table_arguments(table), lens,
+            rot, dense, dense, ring_arguments(ring, ring), WINDOW, HEADS, PAGE, 4, 64,
+            HAS_WINDOW=True, D=d, D_PAD=d, INV_SQRT_D=inv, BLOCK_S=32, K=kp, V=vp, num_warps=4),
+    }  # fmt: skip
+    q = torch.zeros(2, HEADS * GROUP, d, dtype=torch.bfloat16)
+    long_table = torch.zeros(2, 64, dtype=torch.int32)
+    for fast in (True, False):
+        for label, block_table in (("short", table), ("long", long_table)):
+            plan = decode.plan_for(fmt, q, cache, block_table, 2, None, ring, fast)
+            q_code = torch.empty(2, HEADS * GROUP, max(1, plan.q_code_columns),
+                                 dtype=torch.float16)  # fmt: skip
+            part_out = torch.empty(2, HEADS * GROUP, plan.num_partials, d)
+            part_lse = torch.empty(2, HEADS * GROUP, plan.num_partials)
+            mask_args = (lens, 0, 0, 0)
+            split_args = split_arguments(q, q_code, LOG2E, rot, cache, block_table, lens,
+                                         mask_args, ring, ring, plan.ring_in_split, part_out,
+                                         part_lse)  # fmt: skip
+            launches = {
+                "split": (plan.split, split_args),
+                "merge": (plan.merge, (part_out, part_lse, rot, q, 2 * HEADS * GROUP)),
+            }
+            if plan.prep is not None:
+                launches["prep"] = (
+                    plan.prep,
+                    (q, *q.stride()[:2], rot, q_code, 2 * HEADS * GROUP, HEADS * GROUP, LOG2E),
+                )
+            if plan.ring is not None:
+                launches["ring"] = (
+                    plan.ring,
+                    (
+                        q,
+                        *q.stride()[:2],
+                        LOG2E,
+                        ring_arguments(ring, ring),
+                        WINDOW,
+                        lens,
+                        64,
+                        mask_args,
+                        part_out,
+                        part_lse,
+                        HEADS,
+                    ),
+                )
+            for kernel, (launch, args) in launches.items():
+                jobs[f"{kernel} ({label} splits, fast={fast})"] = _compile_job(launch, args)
+    return jobs
+
+
+def _compile_job(launch, args):
+    """A zero-argument compile of one of a plan's launches."""
+    return lambda: compile_offline(launch.launcher.kernel, launch.grid, *args, **launch.kwargs)
+
+
+def main(names: list[str]) -> int:
+    failed = 0
+    for name in names:
+        for kernel, compile_it in kernels(name).items():
+            try:
+                compile_it()
+                print(f"{name} {kernel}: ok", flush=True)
+            except Exception as err:  # a compile error: report it and go on
+                failed += 1
+                lines = [line for line in str(err).splitlines() if line.strip()]
+                print(f"{name} {kernel}: FAILED {' | '.join(lines[-3:])}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,84 @@
+"""The recent window's test fixture: two sequences appended to a paged cache and its rings,
+step by step, through ``tq.store_window`` (shared by the store_window, dequantize and decode
+tests)."""
+
+from __future__ import annotations
+
+import torch
+from conftest import triton_kernels
+from helpers import clone_cache, poisoned_cache, random_kv
+
+from custom_ops import api
+from custom_ops.formats import get_format
+
+BATCH, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, WINDOW, PAGES_PER_SEQ = 2, 2, 64, 4, 8, 7
+# A sequence holds its table's positions plus the window: only the oldest len - W need pages.
+CAPACITY = PAGE_SIZE * PAGES_PER_SEQ + WINDOW
+
+# (T, start of each sequence): a prefill longer than the window, a skipped sequence (-1), short
+# chunks, single tokens, a chunk that crosses the window boundary of sequence 1, and one that
+# takes sequence 0 past its block table's 28 positions (into the ring).
+STEPS = [(11, (0, -1)), (3, (11, 0)), (1, (14, 3)), (6, (15, 4)), (1, (21, 10)), (2, (22, 11)),
+         (9, (24, 13))]  # fmt: skip
+
+
+class Sequences:
+    """Two sequences in a paged cache with a shuffled block table, their rings and every token
+    appended so far (bf16 ``[B, Hk, S, D]``)."""
+
+    def __init__(self, fmt_name, gen, device="cpu", dtype=torch.bfloat16, window=WINDOW):
+        self.fmt = get_format(fmt_name)
+        self.window = window
+        self.capacity = PAGE_SIZE * PAGES_PER_SEQ + window
+        self.consts = api.make_constants(self.fmt, HEAD_DIM, seed=5)
+        num_pages = BATCH * PAGES_PER_SEQ + 2
+        self.cache = poisoned_cache(self.fmt, num_pages, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM, gen)
+        pages = torch.randperm(num_pages, generator=gen)[: BATCH * PAGES_PER_SEQ]
+        self.block_table = pages.to(torch.int32).reshape(BATCH, PAGES_PER_SEQ)
+        shape = (BATCH, NUM_KV_HEADS, window, HEAD_DIM)
+        self.k_window = torch.randn(shape, generator=gen).to(dtype)  # poison: never read
+        self.v_window = torch.randn(shape, generator=gen).to(dtype)
+        self.keys = torch.zeros(BATCH, NUM_KV_HEADS, self.capacity, HEAD_DIM, dtype=torch.bfloat16)
+        self.values = torch.zeros_like(self.keys)
+        self.lens = torch.zeros(BATCH, dtype=torch.int32)
+        self.device = device
+        self.to(device)
+
+    def to(self, device):
+        self.cache = clone_cache(self.cache, device)
+        self.consts = api.KVConstants(*(c.to(device) for c in self.consts))
+        for name in ("block_table", "k_window", "v_window"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.device = device
+        return self
+
+    def append(self, n_new, starts, gen, use_triton):
+        """Append ``n_new`` random tokens at ``starts`` (a negative start skips the sequence)."""
+        key, value = random_kv(BATCH * n_new, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, gen)
+        key = key.reshape(BATCH, n_new, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)  # strided
+        value = value.reshape(BATCH, n_new, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+        start_pos = torch.tensor(starts, dtype=torch.int32)
+        for b, start in enumerate(starts):
+            if start >= 0:
+                self.keys[b, :, start : start + n_new] = key[b]
+                self.values[b, :, start : start + n_new] = value[b]
+                self.lens[b] = start + n_new
+        d = self.device
+        with triton_kernels(d) if use_triton else torch.no_grad():
+            api.store_window(self.fmt, self.cache, key.to(d), value.to(d), self.k_window,
+                             self.v_window, self.block_table, start_pos.to(d),
+                             self.consts)  # fmt: skip
+
+    def decode(self, q, num_splits, mask=None):
+        """``tq.decode`` of ``q`` over the cache and the rings by the Triton kernels on this
+        device (query and mask moved there), returned on the CPU."""
+        d = self.device
+        with triton_kernels(d):
+            return api.decode(self.fmt, q.to(d), self.cache, self.block_table, self.lens.to(d),
+                              self.consts, num_splits=num_splits,
+                              mask=None if mask is None else mask.to(d), k_window=self.k_window,
+                              v_window=self.v_window).cpu()  # fmt: skip
+
+    def slots_of(self, b, positions):
+        pages = self.block_table.cpu()[b, positions // PAGE_SIZE].to(torch.int64)
+        return pages * PAGE_SIZE + positions % PAGE_SIZE
