@@ -19,6 +19,12 @@ from triton import knobs
 __all__ = ["Launcher", "KernelLaunch"]
 
 
+def _hooked() -> bool:
+    """Whether a launch hook is installed (Triton's hooks are chains, empty by default)."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _signature(args: tuple) -> tuple:
     """What Triton specializes a kernel on, for the arguments ``args`` (tuples flattened):
     a tensor's dtype and 16-byte alignment, an integer's value; other values not at all."""
@@ -56,7 +62,7 @@ class Launcher:
 
     def __call__(self, grid: tuple[int, ...], *args) -> None:
         """Launch on ``grid`` with the runtime arguments ``args`` (positional, in order)."""
-        if knobs.runtime.interpret or knobs.runtime.launch_enter_hook is not None:
+        if knobs.runtime.interpret or _hooked():
             self.kernel[grid](*args, **self.kwargs)
             return
         device = torch.cuda.current_device()

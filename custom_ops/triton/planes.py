@@ -13,6 +13,7 @@ token-minor value rows (see :mod:`custom_ops.formats`).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import triton
@@ -87,6 +88,7 @@ def codec_levels(codec: Codec, head_dim: int) -> tuple[float, ...]:
     return signed_level_values(codec.bits, head_dim)
 
 
+@functools.lru_cache(maxsize=512)
 def codec_params(fmt: KVFormat, side: str, head_dim: int, byte_stride: int) -> CodecParams:
     """The :class:`CodecParams` of side ``"k"`` or ``"v"`` of ``fmt`` for rows of ``head_dim``
     elements whose bytes are ``byte_stride`` apart."""
