@@ -23,6 +23,7 @@ __all__ = [
     "require_cuda",
     "gpu_name",
     "copy_bandwidth",
+    "capture",
     "bench",
     "print_table",
     "write_json",
@@ -74,6 +75,21 @@ def copy_bandwidth(
     return 2 * nbytes / (median_ms * 1e-3)
 
 
+def capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one call of ``fn``, after three warm-up calls on a side stream (kernel
+    compilation, allocator warm-up); ``fn`` must be capturable (no host syncs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def bench(
     fn: Callable[[], Any], *, warmup_ms: int = 25, rep_ms: int = 100, cuda_graph: bool = False
 ) -> float:
@@ -86,18 +102,7 @@ def bench(
     graph and each call replays it, which leaves only the GPU's own time; ``fn`` must then be
     capturable (no host syncs) and is run a few times on a side stream before capture.
     """
-    run = fn
-    if cuda_graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        run = graph.replay
+    run = capture(fn).replay if cuda_graph else fn
     ms = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     return ms * 1e3
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import gpu_name, print_table, require_cuda, write_json  # noqa: E402
+from common import capture, gpu_name, print_table, require_cuda, write_json  # noqa: E402
 
 from custom_ops.formats import PagedKVCache, get_format  # noqa: E402
 from custom_ops.triton import store_window as triton_store_window  # noqa: E402
@@ -183,16 +183,12 @@ def host_cpu_us(call, n: int = 200) -> float:
 
 def graph_gpu_us(call, n: int = 50) -> float:
     """GPU microseconds per call of ``call``, from a CUDA graph of ``n`` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def calls() -> None:
         for _ in range(n):
             call()
+
+    graph = capture(calls)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
