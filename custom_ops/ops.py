@@ -13,7 +13,8 @@ dispatch, functionalization and ``opcheck`` support, for a fraction of the per-c
 * ``tq.store(key, value, k_codes!, v_codes!, meta!, slot_mapping, rotation, fmt)``: quantize
   ``key``/``value [N, Hk, D]`` (bf16/fp16, any strides) into the cache planes (see
   :mod:`custom_ops.formats`) at ``slot_mapping [N] int32`` (``page * page_size + offset``;
-  negative slots are padding and skipped). Returns nothing.
+  negative slots are padding and skipped; two tokens of one call with the same slot leave one
+  of them there, which one unspecified on CUDA, the last on the CPU). Returns nothing.
 * ``tq.store_window(key, value, k_codes!, v_codes!, meta!, k_window!, v_window!, block_table,
   start_pos, rotation, fmt)``: append ``key``/``value [B, Hk, T, D]`` at positions
   ``start_pos[b] ..`` (``[B] int32``, the current length; negative skips the sequence) to

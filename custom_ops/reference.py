@@ -284,18 +284,23 @@ def overlay_window(
     return torch.where(in_window[:, None, :, None], ring_rows, dense)
 
 
-def gather_rows(cache: PagedKVCache, block_table: torch.Tensor, max_seq_len: int) -> PagedKVCache:
+def gather_rows(
+    cache: PagedKVCache, block_table: torch.Tensor, max_seq_len: int, paged_lens: torch.Tensor
+) -> PagedKVCache:
     """Gather each sequence's rows from the pages into a cache of one page per sequence.
 
     Page ``b`` of the result holds positions ``0 .. max_seq_len - 1`` of sequence ``b``, in the
     layout of every cache: ``k_codes`` and ``meta`` ``[B, Hk, max_seq_len, ...]``, ``v_codes
-    [B, Hk, value_code_bytes, max_seq_len]`` (rows through ``value_rows``). Positions whose page
-    index is out of the table read page 0 (callers mask them by length).
+    [B, Hk, value_code_bytes, max_seq_len]`` (rows through ``value_rows``). Only the block-table
+    entries of positions below ``paged_lens [B]`` are followed (the kernels' contract: entries
+    past a sequence's pages may hold anything); the other positions read page 0, and callers
+    mask them by length.
     """
     page_size = cache.k_codes.shape[2]
     positions = torch.arange(max_seq_len, device=block_table.device)
     page_index = (positions // page_size).clamp_max(block_table.shape[1] - 1)
-    pages = block_table.to(torch.int64)[:, page_index].clamp_min(0)  # [B, S]
+    followed = positions[None, :] < paged_lens.to(block_table.device, torch.int64)[:, None]
+    pages = torch.where(followed, block_table.to(torch.int64)[:, page_index], 0)  # [B, S]
     offsets = (positions % page_size)[None, :]
 
     def gather(rows: torch.Tensor) -> torch.Tensor:  # [num_pages, Hk, page_size, W]
@@ -323,7 +328,8 @@ def dequantize(
     come from it. float64 ``dtype`` computes in float64 (the oracle); anything else computes in
     float32 and casts at the end.
     """
-    rows = gather_rows(cache, block_table, max_seq_len)
+    window = 0 if k_window is None else k_window.shape[2]
+    rows = gather_rows(cache, block_table, max_seq_len, (seq_lens - window).clamp_min(0))
     batch, num_kv_heads, seq, _ = rows.k_codes.shape
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     k_meta, v_meta = _split_meta(fmt, rows.meta.reshape(-1, rows.meta.shape[-1]))
@@ -356,8 +362,8 @@ def attention(
 
     Keys at positions ``>= seq_lens[b]`` are masked, and so are those a boolean ``mask``
     ``[B or 1, Hq or 1, M]`` sets False (an additive mask is added to the scores; positions
-    ``>= M`` are masked). A row with no key left gives zeros. Computed in the dtype of ``k``;
-    returns ``[B, Hq, D]`` in that dtype.
+    ``>= M`` are masked). A row with no key left gives zeros; NaN in a score gives NaN.
+    Computed in the dtype of ``k``; returns ``[B, Hq, D]`` in that dtype.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, seq = k.shape[1], k.shape[2]
@@ -378,7 +384,10 @@ def attention(
             bias = bias[..., :seq]
         bias = bias.to(k.device).expand(batch, num_q_heads, seq)
         scores = scores + bias.reshape(batch, num_kv_heads, group, seq)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    # a row with no key left gives zeros; NaN in a score (a NaN key, query or mask) stays NaN,
+    # as in dense SDPA and the kernels
+    no_key = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores, dim=-1).masked_fill(no_key, 0.0)
     out = torch.einsum("bhgs,bhsd->bhgd", probs, v)
     return out.reshape(batch, num_q_heads, head_dim)
 

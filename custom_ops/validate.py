@@ -229,9 +229,10 @@ def check_store_window(args: StoreWindowArgs) -> KVFormat:
                 f"{capacity} positions (block_table pages * page_size + window)",
             )
         # every live sequence's pages up to the last position that can leave the ring
-        quantized = max(end - window, 0)
-        written = torch.where(start_pos >= 0, quantized, 0)
-        check_page_ids(op, cache, block_table[:batch], written, f"positions below {quantized}")
+        # each live sequence's pages up to the last of its positions that can leave the ring:
+        # a short sequence's table may end in padding that a longer one's end would reach
+        written = torch.where(start_pos >= 0, (start_pos + n_new - window).clamp_min(0), 0)
+        check_page_ids(op, cache, block_table[:batch], written, "start_pos + T - window")
     return fmt
 
 
@@ -313,7 +314,7 @@ def check_block_table(
             f"{longest if longest > bound else int(seq_lens.min())}",
         )
     paged = (seq_lens - window).clamp_min(0) if window else seq_lens
-    what = "positions below seq_lens - window" if window else "positions below seq_lens"
+    what = "seq_lens - window" if window else "seq_lens"
     check_page_ids(op, cache, block_table, paged, what)
 
 
@@ -321,12 +322,17 @@ def check_page_ids(
     op: str, cache: PagedKVCache, block_table: torch.Tensor, lengths: torch.Tensor, what: str
 ) -> None:
     """The page ids of ``block_table [B, P]`` that hold positions below ``lengths [B]`` must
-    name pages of the cache (``what`` describes those positions in the error)."""
+    name pages of the cache; each sequence is checked up to its own length (``what`` names
+    those lengths in the error). Entries past them may hold anything."""
     num_pages, _, page_size = cache.k_codes.shape[:3]
     first_position = torch.arange(block_table.shape[1], device=lengths.device) * page_size
-    pages = block_table[first_position[None, :] < lengths[:, None]]
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
-        _fail(op, f"block_table holds page ids outside [0, {num_pages}) for {what}")
+    needed = first_position[None, :] < lengths[:, None]
+    bad = needed & ((block_table < 0) | (block_table >= num_pages))
+    if bad.any():
+        b, p = (int(i) for i in bad.nonzero()[0])
+        _fail(op, f"block_table[{b}, {p}] = {int(block_table[b, p])} is not a page id in [0, "
+                  f"{num_pages}), but sequence {b} keeps its positions below {what} = "
+                  f"{int(lengths[b])} in pages")  # fmt: skip
 
 
 def check_dequantize(args: DequantizeArgs) -> tuple[KVFormat, int]:

@@ -23,12 +23,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from custom_ops import api
+from custom_ops import api, splits, validate
 from custom_ops.formats import PagedKVCache, get_format
 from tq_compile.kv_tensor import TurboQuantKVTensor
 
 __all__ = ["TurboQuantKVCache", "kv_cache_nbytes"]
-
 
 
 class TurboQuantKVCache(nn.Module):
@@ -75,9 +74,18 @@ class TurboQuantKVCache(nn.Module):
         super().__init__()
         if dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"dtype must be the model's bfloat16 or float16, got {dtype}")
-        if window < 0:
-            raise ValueError(f"window must be >= 0, got {window}")
+        for arg, value, least in (("max_batch_size", max_batch_size, 1), ("n_heads", n_heads, 1),
+                                  ("max_seq_length", max_seq_length, 1),
+                                  ("page_size", page_size, 1), ("window", window, 0)):  # fmt: skip
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{arg} must be an integer >= {least}, got {value!r}")
+        if num_splits is not None and not splits.is_valid_num_splits(num_splits):
+            raise ValueError(
+                f"num_splits must be None (chosen per device) or a power of two in "
+                f"[1, {splits.MAX_SPLITS}], got {num_splits!r}"
+            )
         self.kv_format = get_format(fmt)
+        self.seed = seed
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.page_size, self.model_dtype = page_size, dtype
         self._requested_splits = num_splits
@@ -113,9 +121,62 @@ class TurboQuantKVCache(nn.Module):
             moved = fn(t)
             return moved if moved.dtype == t.dtype else t.to(moved.device)
 
+        was_meta = self.rotation.device.type == "meta"
         module = super()._apply(keep_dtype, recurse)
+        if was_meta and self.rotation.device.type != "meta":
+            # materialized from the meta device (to_empty): the constants hold garbage now
+            self._fill_constants()
         self.num_splits = self._choose_splits()  # the device may have changed
         return module
+
+    @torch.no_grad()
+    def _fill_constants(self) -> None:
+        """(Re)write the rotation and the identity block table (after ``to_empty``)."""
+        head_dim = self.rotation.shape[0]
+        rotation = api.make_constants(self.kv_format, head_dim, self.seed).rotation
+        self.rotation.copy_(rotation)
+        pages = torch.arange(self.block_table.numel(), dtype=torch.int32)
+        self.block_table.copy_(pages.reshape(self.block_table.shape))
+
+    def _check_update(self, input_pos: torch.Tensor, k_val: torch.Tensor, v_val: torch.Tensor):
+        """Shapes always; position values where they can be read without a host sync (CPU, or
+        ``TQ_CHECK_VALUES=1``): before anything is written."""
+        where = "TurboQuantKVCache.update"
+        if (
+            not isinstance(input_pos, torch.Tensor)
+            or input_pos.dim() != 1
+            or (input_pos.dtype.is_floating_point or input_pos.dtype == torch.bool)
+        ):
+            got = (f"{input_pos.dtype} of shape {tuple(input_pos.shape)}"
+                   if isinstance(input_pos, torch.Tensor) else repr(input_pos))  # fmt: skip
+            raise TypeError(f"{where}: input_pos must be a 1-D integer tensor [T], got {got}")
+        heads, head_dim = self.k_codes.shape[1], self.rotation.shape[0]
+        if k_val.dim() != 4 or v_val.shape != k_val.shape:
+            raise ValueError(f"{where}: k_val and v_val must be [B, Hk, T, D] of one shape, got "
+                             f"{tuple(k_val.shape)} and {tuple(v_val.shape)}")  # fmt: skip
+        batch, num_kv_heads, n_new, dim = k_val.shape
+        if not 1 <= batch <= self.max_batch_size:
+            raise ValueError(f"{where}: batch {batch} (k_val.shape[0]) must be in [1, "
+                             f"{self.max_batch_size}] (the cache's max_batch_size)")  # fmt: skip
+        if (num_kv_heads, dim) != (heads, head_dim):
+            raise ValueError(f"{where}: k_val has {num_kv_heads} kv-heads of dim {dim}; the "
+                             f"cache holds {heads} of dim {head_dim}")  # fmt: skip
+        if n_new < 1 or input_pos.shape[0] != n_new:
+            raise ValueError(f"{where}: input_pos has {input_pos.shape[0]} positions for "
+                             f"{n_new} new tokens (k_val.shape[2]); expected T >= 1 of "
+                             "each")  # fmt: skip
+        if torch.compiler.is_compiling() or not validate.checks_values(input_pos):
+            return  # traced: no values to read (the ops' own checks still run)
+        low, high = int(input_pos.min()), int(input_pos.max())
+        if low < 0 or high >= self.max_seq_length:
+            bad = low if low < 0 else high
+            raise ValueError(f"{where}: input_pos holds position {bad}; expected positions in "
+                             f"[0, {self.max_seq_length}) (max_seq_length)")  # fmt: skip
+        if self.window and not torch.equal(input_pos - low, torch.arange(
+                n_new, device=input_pos.device, dtype=input_pos.dtype)):  # fmt: skip
+            raise ValueError(f"{where}: with a recent window (window={self.window}) new tokens "
+                             f"are appended: input_pos must be start .. start + T - 1, got "
+                             f"{input_pos.tolist()[:8]}")  # fmt: skip
 
     def update(
         self, input_pos: torch.Tensor, k_val: torch.Tensor, v_val: torch.Tensor
@@ -133,6 +194,7 @@ class TurboQuantKVCache(nn.Module):
         Returns:
             ``(k, v)``: :class:`TurboQuantKVTensor` of logical shape ``[B, Hk, S_max, D]``.
         """
+        self._check_update(input_pos, k_val, v_val)
         batch, num_kv_heads, _, head_dim = k_val.shape
         pos = input_pos.to(torch.int64)
         table = self.block_table[:batch]

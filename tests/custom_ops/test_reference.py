@@ -99,3 +99,56 @@ def test_error_against_unquantized_attention(fmt_name, seeded):
     assert rel_error(out, exact) < QUANTIZATION_ERROR[fmt_name]
     norm_ratio = (out.double().norm() / exact.norm()).item()
     assert NORM_RATIO[0] < norm_ratio < NORM_RATIO[1], norm_ratio
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_block_table_past_the_length_is_not_followed(window, seeded):
+    """The CPU implementation keeps the kernels' contract: block-table entries past a sequence's
+    pages may hold anything, here page ids far beyond the cache (they raised an IndexError on the
+    CPU while CUDA ignored them). tq.dequantize and tq.decode on the CPU give what they give with
+    those entries pointing at real pages."""
+    fmt = get_format("4bit_nc")
+    consts = api.make_constants(fmt, 64)
+    cache = fmt.allocate(12, 2, 4, 64)
+    key, value = random_kv(48, 2, 64, torch.bfloat16, seeded)
+    api.store(fmt, cache, key, value, torch.arange(48, dtype=torch.int32), consts)
+    lens = torch.tensor([9, 14], dtype=torch.int32)
+    clean = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], dtype=torch.int32)
+    paged = (lens - window).clamp_min(0)
+    stale = clean.clone()
+    stale[torch.arange(5)[None, :] * 4 >= paged[:, None]] = 2**30
+    assert (stale == 2**30).any()
+    rings = {}
+    if window:
+        ring_k, ring_v = random_kv(2 * window, 2, 64, torch.bfloat16, seeded)
+        as_ring = lambda x: x.reshape(2, window, 2, 64).transpose(1, 2).contiguous()  # noqa: E731
+        rings = dict(k_window=as_ring(ring_k), v_window=as_ring(ring_v))
+    q = torch.randn(2, 8, 64, generator=seeded).to(torch.bfloat16)
+    outputs = []
+    for table in (clean, stale):
+        dense = api.dequantize(fmt, cache, table, lens, consts, 20, torch.float32, **rings)
+        attended = api.decode(fmt, q, cache, table, lens, consts, num_splits=1, **rings)
+        outputs.append((*dense, attended))
+    for with_stale, with_clean in zip(outputs[1], outputs[0], strict=True):
+        torch.testing.assert_close(with_stale, with_clean, rtol=0, atol=0)
+
+
+def test_nan_in_nan_out_and_masked_rows_zero(seeded):
+    """Attention on the CPU: a NaN in an additive mask makes that query head's output NaN (as
+    dense SDPA and the GPU kernels do; the CPU turned it into zeros), the other heads stay
+    finite, and a head whose keys are all masked out gives zeros."""
+    fmt = get_format("4bit_nc")
+    consts = api.make_constants(fmt, 64)
+    cache = fmt.allocate(4, 2, 4, 64)
+    key, value = random_kv(12, 2, 64, torch.bfloat16, seeded)
+    api.store(fmt, cache, key, value, torch.arange(12, dtype=torch.int32), consts)
+    table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    lens = torch.tensor([12], dtype=torch.int32)
+    q = torch.randn(1, 4, 64, generator=seeded).to(torch.bfloat16)
+    mask = torch.zeros(1, 4, 12)
+    mask[0, 1, 5] = float("nan")
+    mask[0, 2] = float("-inf")
+    out = api.decode(fmt, q, cache, table, lens, consts, num_splits=1, mask=mask)
+    assert out[0, 1].isnan().all()
+    assert bool((out[0, 2] == 0).all())
+    assert out[0, [0, 3]].isfinite().all() and bool((out[0, [0, 3]] != 0).any())

@@ -334,3 +334,96 @@ def test_kv_bytes_4bit_at_head_dim_128():
     cache = windowed
     new_kv = torch.randn(4, 8, 3, 128).bfloat16()
     assert isinstance(cache.update(torch.arange(3), new_kv, new_kv)[0], TurboQuantKVTensor)
+
+
+class TestUpdateBadInput(expecttest.TestCase):
+    def test_errors_name_the_argument_and_leave_the_cache_untouched(self):
+        """Positions, batch, token count and construction arguments that the cache cannot hold
+        raise a clear error before anything is written (they wrapped around, raised raw
+        IndexErrors or deferred the error to a later prefill); the buffers stay byte for byte
+        the same."""
+        for window in (0, 8):
+            cache = TurboQuantKVCache(2, 2, 100, 64, window=window)
+            new = torch.randn(2, 2, 1, 64).bfloat16()
+            cache.update(torch.arange(20), *[torch.randn(2, 2, 20, 64).bfloat16()] * 2)
+            before = [b.clone() for b in cache.buffers()]
+            cases = {
+                "negative position": (torch.tensor([-1]), new),
+                "position = max_seq_length": (torch.tensor([100]), new),
+                "inside the last page, past max_seq_length": (torch.tensor([103]), new),
+                "no new token": (torch.tensor([], dtype=torch.int64), new[:, :, :0]),
+                "batch larger than the cache": (torch.tensor([20]), new.repeat(2, 1, 1, 1)),
+                "float positions": (torch.tensor([20.0]), new),
+                "positions and tokens disagree": (torch.tensor([20, 21]), new),
+            }
+            if window:
+                cases["a gap in appended positions"] = (
+                    torch.tensor([20, 22]),
+                    torch.randn(2, 2, 2, 64).bfloat16(),
+                )
+            messages = []
+            for case, (pos, kv) in cases.items():
+                with self.assertRaises((ValueError, TypeError)) as ctx:
+                    cache.update(pos, kv, kv)
+                messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
+                for expected, actual in zip(before, cache.buffers(), strict=True):
+                    self.assertTrue(torch.equal(expected, actual), case)
+            if window == 0:
+                self.assertExpectedInline(
+                    "\n".join(messages),
+                    """\
+negative position: ValueError: TurboQuantKVCache.update: input_pos holds position -1; expected positions in [0, 100) (max_seq_length)
+position = max_seq_length: ValueError: TurboQuantKVCache.update: input_pos holds position 100; expected positions in [0, 100) (max_seq_length)
+inside the last page, past max_seq_length: ValueError: TurboQuantKVCache.update: input_pos holds position 103; expected positions in [0, 100) (max_seq_length)
+no new token: ValueError: TurboQuantKVCache.update: input_pos has 0 positions for 0 new tokens (k_val.shape[2]); expected T >= 1 of each
+batch larger than the cache: ValueError: TurboQuantKVCache.update: batch 4 (k_val.shape[0]) must be in [1, 2] (the cache's max_batch_size)
+float positions: TypeError: TurboQuantKVCache.update: input_pos must be a 1-D integer tensor [T], got torch.float32 of shape (1,)
+positions and tokens disagree: ValueError: TurboQuantKVCache.update: input_pos has 2 positions for 1 new tokens (k_val.shape[2]); expected T >= 1 of each""",  # noqa: E501
+                )
+            else:
+                gap = ("a gap in appended positions: ValueError: TurboQuantKVCache.update: with a "
+                       "recent window (window=8) new tokens are appended: input_pos must be start "
+                       ".. start + T - 1, got [20, 22]")  # fmt: skip
+                self.assertEqual(messages[-1], gap)
+
+    def test_construction_arguments(self):
+        """Sizes, page size and split count are checked when the cache is built."""
+        cases = {
+            "page_size=0": dict(page_size=0),
+            "num_splits=3": dict(num_splits=3),
+            "window=-1": dict(window=-1),
+            "max_seq_length=0": dict(max_seq_length=0),
+        }
+        messages = []
+        for case, override in cases.items():
+            args = dict(max_batch_size=1, n_heads=2, max_seq_length=32, head_dim=64) | override
+            with self.assertRaises(ValueError) as ctx:
+                TurboQuantKVCache(**args)
+            messages.append(f"{case}: {ctx.exception}")
+        self.assertExpectedInline(
+            "\n".join(messages),
+            """\
+page_size=0: page_size must be an integer >= 1, got 0
+num_splits=3: num_splits must be None (chosen per device) or a power of two in [1, 512], got 3
+window=-1: window must be an integer >= 0, got -1
+max_seq_length=0: max_seq_length must be an integer >= 1, got 0""",
+        )
+
+
+def test_built_on_the_meta_device_then_materialized():
+    """A cache built on the meta device and materialized with to_empty() (how large models are
+    set up) rebuilds its constants: the rotation and the identity block table hold what a cache
+    built in place holds (they held uninitialized memory), and attention over it matches."""
+    with torch.device("meta"):
+        lazy = TurboQuantKVCache(2, 2, 48, 64, window=8, seed=3)
+    lazy.to_empty(device="cpu")
+    eager = TurboQuantKVCache(2, 2, 48, 64, window=8, seed=3)
+    assert torch.equal(lazy.rotation, eager.rotation)
+    assert torch.equal(lazy.block_table, eager.block_table)
+    k_new = torch.randn(2, 2, 30, 64).bfloat16()
+    q = torch.randn(2, 8, 1, 64).bfloat16()
+    outs = []
+    for cache in (lazy, eager):
+        k, v = cache.update(torch.arange(30), k_new, k_new)
+        outs.append(F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

@@ -163,6 +163,6 @@ class TestDequantizeBadInput(expecttest.TestCase):
 length beyond capacity: ValueError: tq.dequantize: seq_lens must be in [0, 12], got a length of 13
 length beyond max_seq_len: ValueError: tq.dequantize: seq_lens must be in [0, 8], got a length of 9
 max_seq_len beyond table: ValueError: tq.dequantize: max_seq_len 16 must be in [0, 12] (block_table pages * page_size)
-page id out of range: ValueError: tq.dequantize: block_table holds page ids outside [0, 6) for positions below seq_lens
+page id out of range: ValueError: tq.dequantize: block_table[0, 2] = 6 is not a page id in [0, 6), but sequence 0 keeps its positions below seq_lens = 9 in pages
 int64 block table: TypeError: tq.dequantize: block_table must be int32, got torch.int64""",  # noqa: E501
         )

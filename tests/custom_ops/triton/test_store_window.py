@@ -6,6 +6,7 @@ from __future__ import annotations
 import expecttest
 import pytest
 import torch
+from conftest import triton_kernels
 from helpers import (
     IMPLS,
     assert_codes_match,
@@ -27,7 +28,7 @@ from window_sequences import (
 )
 
 from custom_ops import api, reference
-from custom_ops.formats import FORMATS
+from custom_ops.formats import FORMATS, get_format
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
 
@@ -155,5 +156,33 @@ ring dtypes differ: TypeError: tq.store_window: k_window and v_window must be bf
 int64 start: TypeError: tq.store_window: start_pos must be int32, got torch.int64
 past capacity: ValueError: tq.store_window: tokens up to position 36 do not fit a sequence's capacity of 36 positions (block_table pages * page_size + window)
 block table too short: ValueError: tq.store_window: block_table must be int32 [>= 2, max_pages], got torch.int32 (1, 7)
-page id out of range: ValueError: tq.store_window: block_table holds page ids outside [0, 16) for positions below 5""",  # noqa: E501
+page id out of range: ValueError: tq.store_window: block_table[0, 1] = 99 is not a page id in [0, 16), but sequence 0 keeps its positions below start_pos + T - window = 5 in pages""",  # noqa: E501
         )
+
+
+def test_short_sequence_table_may_end_in_padding(kernel_device, seeded):
+    """Each sequence's block table needs pages only up to its own last position that leaves the
+    ring (window 4, page 4, 12 new tokens): sequence 0 (positions 0..11) needs 2 pages and its
+    row ends in -1 padding, sequence 1 (positions 1..12) needs 3. That is valid (the page check
+    once applied the longest sequence's end to every row), and the append equals the same one
+    through a table without padding."""
+    fmt = get_format("4bit_nc")
+    rotation = api.make_constants(fmt, 64).rotation.to(kernel_device)
+    window, page, n_new = 4, 4, 12
+    key, value = random_kv(2 * n_new, 2, 64, torch.bfloat16, seeded)
+    key = key.reshape(2, n_new, 2, 64).transpose(1, 2).to(kernel_device)
+    value = value.reshape(2, n_new, 2, 64).transpose(1, 2).to(kernel_device)
+    starts = torch.tensor([0, 1], dtype=torch.int32, device=kernel_device)
+    padded = torch.tensor([[0, 1, -1, -1], [2, 3, 4, -1]], dtype=torch.int32)
+    full = torch.tensor([[0, 1, 5, 6], [2, 3, 4, 7]], dtype=torch.int32)
+    results = []
+    for block_table in (padded, full):
+        cache = fmt.allocate(8, 2, page, 64, kernel_device)
+        rings = [torch.zeros(2, 2, window, 64, dtype=torch.bfloat16, device=kernel_device)
+                 for _ in range(2)]  # fmt: skip
+        with triton_kernels(kernel_device):
+            api.store_window(fmt, cache, key, value, *rings, block_table.to(kernel_device),
+                             starts, api.KVConstants(rotation))  # fmt: skip
+        results.append([p.cpu() for p in (*cache, *rings)])
+    for with_padding, without in zip(*results, strict=True):
+        assert torch.equal(with_padding, without)
