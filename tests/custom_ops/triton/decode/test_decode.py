@@ -28,7 +28,9 @@ from custom_ops.triton.decode import MergeConfig, SplitConfig
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
 
 
-def _kernel_decode(fmt, q, cache, block_table, seq_lens, consts, device, num_splits=2):
+def _kernel_decode(fmt, q, cache, block_table, seq_lens, consts, device, num_splits=2,
+                   scale=None, mask=None):  # fmt: skip
+    """``api.decode`` by the Triton kernels on ``device`` (inputs moved there), on the CPU."""
     dev = api.KVConstants(*(c.to(device) for c in consts))
     with triton_kernels(device):
         out = api.decode(
@@ -39,6 +41,8 @@ def _kernel_decode(fmt, q, cache, block_table, seq_lens, consts, device, num_spl
             seq_lens.to(device),
             dev,
             num_splits=num_splits,
+            scale=scale,
+            mask=None if mask is None else mask.to(device),
         )
     return out.cpu()
 
@@ -207,19 +211,8 @@ def test_kernel_mask(fmt_name, kind, kernel_device, seeded):
     else:
         mask = torch.randn(3, 1, 12, generator=seeded) * 2
     expected = reference.decode(fmt, q, cache, table, lens, *consts, 0.125, torch.float64, mask)
-    dev = api.KVConstants(*(c.to(kernel_device) for c in consts))
-    with triton_kernels(kernel_device):
-        actual = api.decode(
-            fmt,
-            q.to(kernel_device),
-            clone_cache(cache, kernel_device),
-            table.to(kernel_device),
-            lens.to(kernel_device),
-            dev,
-            num_splits=4,
-            scale=0.125,
-            mask=mask.to(kernel_device),
-        ).cpu()
+    actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device, num_splits=4,
+                            scale=0.125, mask=mask)  # fmt: skip
     assert not actual.isnan().any()
     if kind == "bool":
         assert bool((actual[0, 1] == 0).all())
