@@ -29,6 +29,10 @@ REQUIREMENTS=(
     "numpy<2.4"
     "pytest"
     "expecttest==0.3.0"
+    # the [hf] extra: tq_compile.hf, the real model, the main job
+    "transformers==5.23.0"
+    "gguf==0.19.0"
+    "accelerate==1.15.0"
 )
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"

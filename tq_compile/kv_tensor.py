@@ -6,10 +6,13 @@ those ``k`` and ``v`` are ``TurboQuantKVTensor`` views of the paged, quantized c
 the dense cache's logical shape ``[B, H, S_max, D]`` and the model's dtype, hold the packed
 planes as inner tensors, and intercept SDPA in ``__torch_function__``:
 
-* one query token (decode): ``torch.ops.tq.decode`` over the compressed bytes, the attention
-  mask passed through;
-* several query tokens (prefill): dequantize the cache (``torch.ops.tq.dequantize``) and run
-  SDPA on it, with positions past each sequence's length masked out.
+* queries that all see the same positions (one decode token; or Hugging Face's ``pack_gqa``
+  layout, a head group as query rows under one mask row): ``torch.ops.tq.decode`` over the
+  compressed bytes, the attention mask passed through;
+* otherwise (prefill, a causal or per-query mask): dequantize the cache
+  (``torch.ops.tq.dequantize``) and run SDPA on it, with positions past each sequence's length
+  masked out. ``k[:, :, :n]`` (Hugging Face trims a static cache so before a causal prefill)
+  keeps the first ``n`` positions.
 
 With a recent window both read the last ``W`` tokens from the full-precision ring and the older
 ones from the compressed pages, in the same pass.
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torchao.utils import TorchAOBaseTensor
 
 import custom_ops  # noqa: F401  (registers torch.ops.tq)
-from custom_ops.formats import PagedKVCache
+from custom_ops.formats import PagedKVCache, sequence_capacity
 
 __all__ = ["TurboQuantKVTensor"]
 
@@ -62,16 +65,19 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         split_heads: whether the view is 5-D ``[B, Hk, group, S_max, D]``.
         num_splits: the decode kernel's fixed split count for this cache.
         model_dtype: the logical dtype (bf16 / fp16).
+        truncated: the view was sliced to its first ``max_seq_len`` positions (``k[:, :, :n]``,
+            as Hugging Face's SDPA does before a causal prefill); attention over it always reads
+            the dequantized prefix, since the decode kernel reads each sequence to its length.
     """
 
     tensor_data_names = ["k_codes", "v_codes", "meta", "block_table", "seq_lens", "rotation"]
     tensor_attribute_names = ["fmt", "side", "max_seq_len", "group", "split_heads",
-                              "num_splits", "model_dtype"]  # fmt: skip
+                              "num_splits", "model_dtype", "truncated"]  # fmt: skip
     optional_tensor_data_names = ["k_window", "v_window"]
 
     def __new__(cls, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
-                max_seq_len, group, split_heads, num_splits, model_dtype, k_window=None,
-                v_window=None):  # fmt: skip
+                max_seq_len, group, split_heads, num_splits, model_dtype, truncated,
+                k_window=None, v_window=None):  # fmt: skip
         batch, num_kv_heads, head_dim = block_table.shape[0], k_codes.shape[1], rotation.shape[0]
         if split_heads:
             shape = (batch, num_kv_heads, group, max_seq_len, head_dim)
@@ -82,8 +88,8 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         )
 
     def __init__(self, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
-                 max_seq_len, group, split_heads, num_splits, model_dtype, k_window=None,
-                 v_window=None):  # fmt: skip
+                 max_seq_len, group, split_heads, num_splits, model_dtype, truncated,
+                 k_window=None, v_window=None):  # fmt: skip
         super().__init__()
         if side not in _SIDES:
             raise ValueError(f"side must be one of {_SIDES}, got {side!r}")
@@ -93,6 +99,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         self.fmt, self.side, self.max_seq_len = fmt, side, max_seq_len
         self.group, self.split_heads = group, split_heads
         self.num_splits, self.model_dtype = num_splits, model_dtype
+        self.truncated = truncated
         self.k_window, self.v_window = k_window, v_window
 
     # ---- construction helpers -------------------------------------------------------------
@@ -127,7 +134,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             k_window, v_window: the recent-window rings ``[B, Hk, W, D]``, or None.
         """
         return cls(*cache, block_table, seq_lens, rotation, fmt, side, max_seq_len, 1, False,
-                   num_splits, model_dtype, k_window, v_window)  # fmt: skip
+                   num_splits, model_dtype, False, k_window, v_window)  # fmt: skip
 
     def _with(self, **changes) -> TurboQuantKVTensor:
         """The same cache with some non-tensor attributes changed (no data is copied)."""
@@ -149,10 +156,14 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense ``[B, H, S_max, D]`` (this view's logical shape) in ``dtype`` (default: the
         model's); positions past each sequence's length are zero."""
+        length = self.max_seq_len
+        if self.truncated:  # sequences may run past the prefix: dequantize all, keep the prefix
+            window = 0 if self.k_window is None else self.k_window.shape[2]
+            length = sequence_capacity(self.block_table.shape[1], self.k_codes.shape[2], window)
         k, v = torch.ops.tq.dequantize(*self.planes, self.block_table, self.seq_lens,
-                                       self.rotation, self.fmt, self.max_seq_len,
+                                       self.rotation, self.fmt, length,
                                        dtype or self.model_dtype, *self.rings)  # fmt: skip
-        dense = k if self.side == "key" else v
+        dense = (k if self.side == "key" else v)[:, :, : self.max_seq_len]
         if self.split_heads:
             return dense[:, :, None].expand(self.shape)
         return dense.repeat_interleave(self.group, dim=1) if self.group > 1 else dense
@@ -194,7 +205,8 @@ aten = torch.ops.aten
 
 def _unsupported_view(name: str, t: TurboQuantKVTensor, detail: str) -> TypeError:
     return TypeError(
-        f"TurboQuantKVTensor.{name}: only head repetition for GQA is supported lazily "
+        f"TurboQuantKVTensor.{name}: only head repetition for GQA and a prefix of the "
+        f"positions (k[:, :, :n]) are supported lazily "
         f"(got {detail} on shape {tuple(t.shape)}); call .dequantize() for a dense tensor"
     )
 
@@ -216,16 +228,30 @@ def _unsqueeze(func, types, args, kwargs):
     return t._with(split_heads=True)
 
 
+def _is_prefix(index) -> bool:
+    """Whether ``index`` is ``slice(None or 0, n)`` with ``0 <= n``: the first positions."""
+    return (
+        isinstance(index, slice)
+        and index.start in (None, 0)
+        and index.step in (None, 1)
+        and isinstance(index.stop, int)
+        and 0 <= index.stop
+    )
+
+
 @implements_torch_function(torch.Tensor.__getitem__)
 def _getitem(func, types, args, kwargs):
     t, index = args
     full = slice(None)
-    if (
-        isinstance(index, tuple)
-        and index[:3] == (full, full, None)
-        and all(i == full or i is Ellipsis for i in index[3:])
-    ):
+    if not isinstance(index, tuple) or index[:2] != (full, full):
+        raise _unsupported_view("__getitem__", t, f"index {index!r}")
+    rest_full = all(i == full or i is Ellipsis for i in index[3:])
+    if len(index) >= 3 and index[2] is None and rest_full:
         return _unsqueeze(func, types, (t, 2), {})
+    if len(index) >= 3 and not t.split_heads and _is_prefix(index[2]) and rest_full:
+        # k[:, :, :n]: Hugging Face's SDPA trims a static cache to the prompt before a causal
+        # prefill; the view keeps the first n positions
+        return t._with(max_seq_len=min(index[2].stop, t.max_seq_len), truncated=True)
     raise _unsupported_view("__getitem__", t, f"index {index!r}")
 
 
@@ -312,6 +338,23 @@ def _mask_4d(attn_mask: torch.Tensor) -> torch.Tensor:
     return attn_mask
 
 
+def _decode(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float) -> torch.Tensor:
+    """Attention of queries ``[B, Hq, L, D]`` that all see the same cached positions (one
+    decode token, or Hugging Face's ``pack_gqa`` layout ``[B, Hk, group, D]``) through
+    ``tq.decode``: the L queries of head ``h`` become query heads ``h * L .. h * L + L - 1``,
+    which read the same kv-head as ``h``."""
+    batch, q_heads, q_len, head_dim = q.shape
+    mask = None
+    if attn_mask is not None:
+        mask = _mask_4d(attn_mask)[:, :, 0, :]  # [B or 1, Hq or 1, S]
+        if mask.shape[1] > 1 and q_len > 1:
+            mask = mask.repeat_interleave(q_len, dim=1)
+    out = torch.ops.tq.decode(q.reshape(batch, q_heads * q_len, head_dim), *k.planes,
+                              k.block_table, k.seq_lens, k.rotation, k.fmt, k.num_splits,
+                              scale, mask, *k.rings)  # fmt: skip
+    return out.reshape(batch, q_heads, q_len, head_dim)
+
+
 @implements_torch_function(F.scaled_dot_product_attention)
 def _scaled_dot_product_attention(func, types, args, kwargs):
     a = _sdpa_arguments(args, kwargs)
@@ -319,14 +362,9 @@ def _scaled_dot_product_attention(func, types, args, kwargs):
     _check_sdpa(q, k, v, a["dropout_p"], a["enable_gqa"])
     head_dim = q.shape[-1]
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(head_dim)
-    if q.shape[2] == 1 and not a["is_causal"]:
-        mask = None
-        if attn_mask is not None:
-            mask = _mask_4d(attn_mask)[:, :, 0, :]  # [B or 1, Hq or 1, S]
-        out = torch.ops.tq.decode(q[:, :, 0, :], *k.planes, k.block_table, k.seq_lens,
-                                  k.rotation, k.fmt, k.num_splits, scale, mask,
-                                  *k.rings)  # fmt: skip
-        return out[:, :, None, :]
+    shared_row = attn_mask is None or _mask_4d(attn_mask).shape[2] == 1
+    if not a["is_causal"] and shared_row and not k.truncated:
+        return _decode(q, k, attn_mask, scale)
     # Prefill (or a causal mask on a cache): attention over the dequantized cache, with every
     # position past a sequence's length masked out.
     keys, values = k.dequantize(q.dtype), v.dequantize(q.dtype)

@@ -103,6 +103,48 @@ def test_prefill_sdpa_with_causal_mask_and_is_causal():
     assert rel_error(out_causal, expected) < 4e-3
 
 
+def test_hf_pack_gqa_layout_decodes_in_one_pass():
+    """Hugging Face's eager decode packs a head group as query rows ([B, Hk, group, D] under one
+    mask row): the same result as one query token per query head, through tq.decode."""
+    _, keys, values = filled_tq_cache(length=37)
+    q = _query()
+    mask = (torch.arange(S_MAX) < 30)[None, None, None, :].expand(B, 1, 1, S_MAX)
+    packed = q.reshape(B, HK, GROUP, D)  # HF's pack_gqa
+    out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask)
+    reference = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    assert torch.equal(out.reshape(B, HK * GROUP, 1, D), reference)
+    expected = _dense_sdpa(q, keys.repeat_interleave(GROUP, 1), values.repeat_interleave(GROUP, 1),
+                           attn_mask=mask)  # fmt: skip
+    assert rel_error(reference, expected) < 4e-3
+
+
+@pytest.mark.parametrize("window", [0, WINDOW])
+def test_prefix_slice_before_causal_prefill(window):
+    """k[:, :, :n] (Hugging Face's trim before a causal prefill on an empty static cache) keeps
+    the first n positions: is_causal attention over it equals dense causal attention over the
+    dequantized prompt; one query over a trimmed view reads the prefix too."""
+    length = 20
+    cache = TurboQuantKVCache(B, HK, S_MAX, D, fmt="4bit_nc", window=window)
+    gen = torch.Generator().manual_seed(6)
+    k = torch.randn(B, HK, length, D, generator=gen).bfloat16()
+    v = torch.randn(B, HK, length, D, generator=gen).bfloat16()
+    keys, values = cache.update(torch.arange(length), k, v)
+    k_prompt, v_prompt = keys[:, :, :length], values[:, :, :length, :]
+    assert isinstance(k_prompt, TurboQuantKVTensor) and k_prompt.shape == (B, HK, length, D)
+    q = _query(length=length)
+    out = F.scaled_dot_product_attention(q, k_prompt, v_prompt, is_causal=True, enable_gqa=True)
+    dense_k = keys.dequantize(torch.float64)[:, :, :length].repeat_interleave(GROUP, 1)
+    dense_v = values.dequantize(torch.float64)[:, :, :length].repeat_interleave(GROUP, 1)
+    expected = F.scaled_dot_product_attention(q.double(), dense_k, dense_v, is_causal=True)
+    assert rel_error(out, expected) < 4e-3
+    short = 7  # one query over the first 7 positions only
+    out = F.scaled_dot_product_attention(q[:, :, -1:], keys[:, :, :short], values[:, :, :short],
+                                         enable_gqa=True)  # fmt: skip
+    expected = F.scaled_dot_product_attention(q[:, :, -1:].double(), dense_k[:, :, :short],
+                                              dense_v[:, :, :short])  # fmt: skip
+    assert rel_error(out, expected) < 4e-3
+
+
 def test_flatten_unflatten_roundtrip():
     _, keys, _ = filled_tq_cache()
     names, attrs = keys.__tensor_flatten__()
@@ -144,7 +186,7 @@ class TestKVTensorMessages(expecttest.TestCase):
         cases = {
             "add": lambda: keys + 1,
             "matmul": lambda: q @ keys.transpose(-1, -2),
-            "slice positions": lambda: keys[:, :, :10],
+            "slice positions": lambda: keys[:, :, 5:10],
             "float cast": lambda: keys.float(),
             "dropout": lambda: F.scaled_dot_product_attention(
                 q, keys, values, dropout_p=0.1, enable_gqa=True
@@ -164,7 +206,7 @@ class TestKVTensorMessages(expecttest.TestCase):
             """\
 add: NotImplementedError: TurboQuantKVTensor (a compressed KV cache) does not support aten.add.Tensor: it supports F.scaled_dot_product_attention, repeat_interleave / unsqueeze / expand / reshape of the head dim (GQA), .to(device), detach, clone and .dequantize() (a dense copy).
 matmul: NotImplementedError: TurboQuantKVTensor (a compressed KV cache) does not support aten.transpose.int: it supports F.scaled_dot_product_attention, repeat_interleave / unsqueeze / expand / reshape of the head dim (GQA), .to(device), detach, clone and .dequantize() (a dense copy).
-slice positions: TypeError: TurboQuantKVTensor.__getitem__: only head repetition for GQA is supported lazily (got index (slice(None, None, None), slice(None, None, None), slice(None, 10, None)) on shape (2, 2, 48, 64)); call .dequantize() for a dense tensor
+slice positions: TypeError: TurboQuantKVTensor.__getitem__: only head repetition for GQA and a prefix of the positions (k[:, :, :n]) are supported lazily (got index (slice(None, None, None), slice(None, None, None), slice(5, 10, None)) on shape (2, 2, 48, 64)); call .dequantize() for a dense tensor
 float cast: TypeError: TurboQuantKVTensor's dtype is the model's (bf16 or fp16), got torch.float32; call .dequantize(dtype) for a dense copy
 dropout: ValueError: dropout_p must be 0 with a TurboQuantKVTensor (inference only)
 heads mismatch: ValueError: query has 8 heads and key 2: repeat the key/value heads or pass enable_gqa=True (as for dense SDPA)

@@ -1,0 +1,294 @@
+"""TurboQuantCache (``tq_compile/hf.py``) on tiny random-weight transformers models: Llama,
+Qwen2 (q/k/v biases) and Mistral (sliding-window layers), against transformers' StaticCache."""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+from conftest import triton_kernels
+
+transformers = pytest.importorskip("transformers")
+
+from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
+from transformers import StaticCache  # noqa: E402
+
+from tq_compile.hf import TurboQuantCache, TurboQuantLayer  # noqa: E402
+from tq_compile.kv_tensor import TurboQuantKVTensor  # noqa: E402
+
+PROMPT, NEW, CAPACITY = 12, 32, 64
+_COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+               max_position_embeddings=256, attn_implementation="sdpa")  # fmt: skip
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    # sliding layers (window 24 < the 44 tokens generated) are served as full layers
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}),
+}
+
+# Relative logit error bounds, teacher forced (measured on these models: int8 0.9%, a window
+# holding every token 0.55% = bf16 rounding, 4-bit vs dense attention over the same dequantized
+# cache 0.6%); a broken kernel (zeros, wrong rows) gives 30% or more.
+INT8_BOUND = 0.02
+SAME_QUANTIZATION_BOUND = 0.02
+
+
+def tiny_model(arch: str, seed: int = 0):
+    config_name, model_name, extra = ARCHS[arch]
+    config = getattr(transformers, config_name)(**_COMMON, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(torch.bfloat16).eval()
+    return config, model
+
+
+def prompt_batch(seed: int = 0, left_pad: int = 4):
+    """Two prompts of PROMPT tokens, the second left-padded by ``left_pad``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (2, PROMPT), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :left_pad] = 0
+    return ids, mask
+
+
+@torch.no_grad()
+def teacher_forced_logits(model, cache, ids, mask, tokens, step=None):
+    """Float32 logits ``[T + 1, B, V]`` of the prompt's last position and of each of ``tokens
+    [B, T]`` fed one at a time, with left-padding-aware positions (as generate computes them).
+    ``step`` (default: the model) runs the one-token forwards, with a 2-D mask of fixed width
+    CAPACITY (the causal mask hides the positions not written yet), so shapes stay static."""
+    step = step or model
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+    logits = [out.logits[:, -1].float()]
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], CAPACITY - mask.shape[1])], dim=1)
+    positions = positions[:, -1:]
+    for token in tokens.unbind(1):
+        positions = positions + 1
+        out = step(token[:, None], attention_mask=full_mask, position_ids=positions,
+                   past_key_values=cache)  # fmt: skip
+        logits.append(out.logits[:, -1].float())
+    return torch.stack(logits)
+
+
+def rel_error(got, want) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+def static_run(model, config, ids, mask):
+    """StaticCache greedy tokens ``[B, NEW]`` and their teacher-forced logits."""
+    out = model.generate(ids, attention_mask=mask, past_key_values=StaticCache(config, CAPACITY),
+                         max_new_tokens=NEW, do_sample=False)  # fmt: skip
+    tokens = out[:, PROMPT:]
+    logits = teacher_forced_logits(model, StaticCache(config, CAPACITY), ids, mask, tokens[:, :-1])
+    return tokens, logits
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_int8_generation_matches_static_cache(arch):
+    """Greedy generate with an int8 TurboQuantCache (every token quantized) equals StaticCache's
+    wherever its logits are not near-tied, left padding included; logits within int8's bound."""
+    config, model = tiny_model(arch)
+    ids, mask = prompt_batch()
+    tokens, static_logits = static_run(model, config, ids, mask)
+    cache = TurboQuantCache(config, CAPACITY, preset="int8", window=0)
+    tq_logits = teacher_forced_logits(model, cache, ids, mask, tokens[:, :-1])
+    assert rel_error(tq_logits, static_logits) < INT8_BOUND
+    bound = 2 * (tq_logits - static_logits).abs().amax()
+    top2 = static_logits.topk(2, dim=-1).values
+    decided = (top2[..., 0] - top2[..., 1]) > bound  # [T, B]: not near-tied
+    assert decided.sum() >= 16, "the test model's logits are too flat to decide anything"
+    assert torch.equal(tq_logits.argmax(-1)[decided], static_logits.argmax(-1)[decided])
+    # and generate() itself: the same tokens up to the first near-tie
+    cache = TurboQuantCache(config, CAPACITY, preset="int8", window=0)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW,
+                         do_sample=False)  # fmt: skip
+    for row in range(ids.shape[0]):
+        ties = (~decided[:, row]).nonzero()
+        agree = NEW if ties.numel() == 0 else int(ties[0])
+        assert torch.equal(out[row, PROMPT : PROMPT + agree], tokens[row, :agree])
+
+
+class _DequantizedLayer(TurboQuantLayer):
+    """Reference: the same quantized cache, read back as dense tensors for plain SDPA."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states)
+        return keys.dequantize(), values.dequantize()
+
+
+def _reference_cache(config, preset: str, window: int) -> TurboQuantCache:
+    cache = TurboQuantCache(config, CAPACITY, preset=preset, window=window)
+    cache.layers = [_DequantizedLayer(CAPACITY, preset=preset, window=window)
+                    for _ in cache.layers]  # fmt: skip
+    return cache
+
+
+@pytest.mark.parametrize(("preset", "window"), [("4bit_nc", 0), ("4bit_nc", 8), ("k8v4", 0),
+                                                ("3bit_nc", 8)])  # fmt: skip
+def test_quantized_logits_match_dense_attention_over_the_same_codes(preset, window):
+    """4- and 3-bit caches: logits equal (to bf16 rounding) those of dense SDPA over the same
+    cache dequantized, so the decode path adds no error of its own; and they differ from the
+    unquantized model by the format's error, not more."""
+    config, model = tiny_model("llama")
+    ids, mask = prompt_batch(seed=1)
+    tokens, static_logits = static_run(model, config, ids, mask)
+    cache = TurboQuantCache(config, CAPACITY, preset=preset, window=window)
+    tq = teacher_forced_logits(model, cache, ids, mask, tokens[:, :-1])
+    reference = teacher_forced_logits(model, _reference_cache(config, preset, window), ids, mask,
+                                      tokens[:, :-1])  # fmt: skip
+    assert rel_error(tq, reference) < SAME_QUANTIZATION_BOUND
+    assert rel_error(tq, static_logits) < 0.3  # 3-bit: 20%; zeros would be 100%
+
+
+def test_window_holding_every_token_is_exact():
+    """A window as long as the sequence keeps every token in bf16: logits equal StaticCache's to
+    bf16 rounding."""
+    config, model = tiny_model("qwen2")
+    ids, mask = prompt_batch(seed=2)
+    tokens, static_logits = static_run(model, config, ids, mask)
+    cache = TurboQuantCache(config, CAPACITY, preset="3bit_nc", window=CAPACITY)
+    tq = teacher_forced_logits(model, cache, ids, mask, tokens[:, :-1])
+    assert rel_error(tq, static_logits) < 0.01
+
+
+def test_compiled_decode_fullgraph_no_recompile():
+    """torch.compile(model.forward, fullgraph=True) over 32 decode steps: one graph (no break,
+    no recompile), the same logits as eager."""
+    config, model = tiny_model("llama")
+    ids, mask = prompt_batch(seed=3, left_pad=0)
+    tokens, _ = static_run(model, config, ids, mask)
+    eager = teacher_forced_logits(model, TurboQuantCache(config, CAPACITY, window=8), ids, mask,
+                                  tokens[:, :-1])  # fmt: skip
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model.forward, backend=counter, fullgraph=True)
+    got = teacher_forced_logits(model, TurboQuantCache(config, CAPACITY, window=8), ids, mask,
+                                tokens[:, :-1], step=compiled)  # fmt: skip
+    assert counter.frame_count == 1
+    assert rel_error(got, eager) < 0.01
+
+
+def test_triton_kernels_match_reference_path():
+    """The same generation through the Triton kernels (interpreter on CPU, CUDA on a GPU)
+    gives the reference path's logits."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config, model = tiny_model("mistral")
+    model = model.to(device)
+    ids, mask = (t.to(device) for t in prompt_batch(seed=4))
+    tokens = torch.randint(3, 256, (2, 4), generator=torch.Generator().manual_seed(4)).to(device)
+    cache = TurboQuantCache(config, CAPACITY, preset="4bit_nc", window=8)
+    with triton_kernels(device):
+        kernels = teacher_forced_logits(model, cache, ids, mask, tokens)
+    reference = teacher_forced_logits(model.cpu(), TurboQuantCache(config, CAPACITY, window=8),
+                                      ids.cpu(), mask.cpu(), tokens.cpu())  # fmt: skip
+    assert rel_error(kernels.cpu(), reference) < SAME_QUANTIZATION_BOUND
+
+
+def test_views_reach_the_decode_op(monkeypatch):
+    """update() returns TurboQuantKVTensor views [B, Hk, max_cache_len, D]; a decode step calls
+    tq.decode once per layer and never dequantizes."""
+    config, model = tiny_model("llama")
+    ids, mask = prompt_batch(seed=5, left_pad=0)
+    cache = TurboQuantCache(config, CAPACITY)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+    calls, views = [], []
+    for name in ("decode", "dequantize"):
+        op = getattr(torch.ops.tq, name)
+        monkeypatch.setattr(torch.ops.tq, name, lambda *a, _op=op, _n=name, **k: (
+            calls.append(_n), _op(*a, **k))[1])  # fmt: skip
+    update = TurboQuantLayer.update
+    monkeypatch.setattr(TurboQuantLayer, "update", lambda *a, **k: (
+        views.append(update(*a, **k)), views[-1])[1])  # fmt: skip
+    with torch.no_grad():
+        model(ids[:, :1], attention_mask=torch.cat([mask, mask[:, :1]], 1), past_key_values=cache)
+    assert calls == ["decode"] * config.num_hidden_layers
+    assert all(isinstance(t, TurboQuantKVTensor) and t.shape == (2, 2, CAPACITY, 64)
+               for pair in views for t in pair)  # fmt: skip
+
+
+def test_reset_reorder_crop():
+    """reset() empties the cache (a second generate gives the same tokens); reorder_cache swaps
+    sequences (beam search); crop() rolls back a window-0 cache exactly."""
+    config, model = tiny_model("llama")
+    ids, mask = prompt_batch(seed=6, left_pad=0)
+    cache = TurboQuantCache(config, CAPACITY, preset="4bit_nc", window=0)
+    first = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    cache.reset()
+    again = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    assert torch.equal(first, again)
+    assert int(cache.get_seq_length()) == PROMPT + 7
+
+    tokens = first[:, PROMPT:]
+    swapped = TurboQuantCache(config, CAPACITY, preset="4bit_nc", window=0)
+    plain_cache = TurboQuantCache(config, CAPACITY, preset="4bit_nc", window=0)
+    plain = teacher_forced_logits(model, plain_cache, ids, mask, tokens[:, :2])
+    with torch.no_grad():
+        model(ids.flip(0), past_key_values=swapped)
+    swapped.reorder_cache(torch.tensor([1, 0]))
+    with torch.no_grad():
+        out = model(tokens[:, :1], past_key_values=swapped)
+    assert torch.allclose(out.logits[:, -1].float(), plain[1], atol=1e-2)
+
+    cropped = TurboQuantCache(config, CAPACITY, preset="4bit_nc", window=0)
+    teacher_forced_logits(model, cropped, ids, mask, tokens[:, :4])
+    cropped.crop(4)
+    assert int(cropped.get_seq_length()) == PROMPT
+    with torch.no_grad():
+        out = model(tokens[:, :1], past_key_values=cropped)
+    assert torch.allclose(out.logits[:, -1].float(), plain[1], atol=1e-2)
+
+
+def test_nbytes_and_kept_layers():
+    """keep_first / keep_last layers are StaticLayers; nbytes counts both kinds after the first
+    forward; a 4bit_nc cache with window 0 takes under a third of StaticCache's bytes."""
+    config, model = tiny_model("llama")
+    ids, _ = prompt_batch(left_pad=0)
+    cache = TurboQuantCache(config, CAPACITY, keep_first=1)
+    assert [type(layer).__name__ for layer in cache.layers] == ["StaticLayer", "TurboQuantLayer"]
+    assert cache.is_compileable
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    dense_layer = 2 * 2 * 2 * CAPACITY * 64 * 2  # K+V, B, Hk, S, D, bf16
+    assert cache.dense_nbytes() == 2 * dense_layer
+    compact = TurboQuantCache(config, CAPACITY, window=0)
+    with torch.no_grad():
+        model(ids, past_key_values=compact)
+    assert compact.nbytes() * 3 < compact.dense_nbytes()
+
+
+class TestMessages(expecttest.TestCase):
+    def test_bad_arguments_raise_before_allocating(self):
+        config, model = tiny_model("llama")
+        ids, _ = prompt_batch(left_pad=0)
+        lines = []
+        for build in (
+            lambda: TurboQuantCache(config, CAPACITY, preset="5bit"),
+            lambda: TurboQuantCache(config, 0),
+            lambda: TurboQuantCache(config, CAPACITY, window=-1),
+            lambda: TurboQuantCache(config, CAPACITY, max_batch_size=0),
+        ):
+            with self.assertRaises((ValueError, TypeError)) as ctx:
+                build()
+            lines.append(f"{type(ctx.exception).__name__}: {ctx.exception}")
+        small = TurboQuantCache(config, CAPACITY, max_batch_size=1)
+        with self.assertRaises(ValueError) as ctx, torch.no_grad():
+            model(ids, past_key_values=small)
+        lines.append(f"{type(ctx.exception).__name__}: {ctx.exception}")
+        windowed = TurboQuantCache(config, CAPACITY, window=8)
+        with torch.no_grad():
+            model(ids, past_key_values=windowed)
+        with self.assertRaises(NotImplementedError) as ctx:
+            windowed.crop(1)
+        lines.append(f"{type(ctx.exception).__name__}: {ctx.exception}")
+        self.assertExpectedInline(
+            "\n".join(lines),
+            """\
+ValueError: unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq4_nc']
+ValueError: max_cache_len must be an integer >= 1, got 0
+ValueError: window must be an integer >= 0, got -1
+ValueError: max_batch_size must be None or an integer >= 1, got 0
+ValueError: TurboQuantCache: batch 2 exceeds max_batch_size=1
+NotImplementedError: TurboQuantCache.crop needs window=0 (this cache has window=8): tokens that left the window were quantized and cannot be restored""",  # noqa: E501
+        )

@@ -1,0 +1,282 @@
+"""``TurboQuantCache``: a Hugging Face transformers ``Cache`` that keeps the KV cache quantized.
+
+A drop-in for transformers' ``StaticCache``, compileable and CUDA-graph safe the same way::
+
+    cache = TurboQuantCache(model.config, max_cache_len=4096, max_batch_size=8, preset="4bit_nc")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+
+Each attention layer is a :class:`TurboQuantLayer` (transformers' ``CacheLayerMixin``
+contract) owning one :class:`~tq_compile.cache.TurboQuantKVCache`: paged codes, the recent
+window ring, all static buffers allocated at the first ``update`` and marked static for
+``torch.compile``. ``update`` stores the new tokens (``torch.ops.tq.store`` /
+``store_window``) and returns :class:`~tq_compile.kv_tensor.TurboQuantKVTensor` views of shape
+``[B, Hk, max_cache_len, D]``; transformers' ``sdpa`` attention then reaches ``tq.decode``
+through them (its ``repeat_kv`` and ``pack_gqa`` stay lazy), so no full-precision copy of the
+cache is ever made while decoding. The cached length is a device tensor, as in
+``StaticLayer``, so a compiled decode step has static shapes and no host sync.
+
+Layers of other kinds than attention over the whole past are refused at construction, except
+sliding-window and chunked layers, which are served as full layers (every token is kept; the
+model's mask still limits what each query sees) at the cost of their unused capacity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from transformers.cache_utils import (
+        Cache,
+        CacheLayerMixin,
+        StaticLayer,
+        get_layer_types_and_kwargs,
+    )
+    from transformers.configuration_utils import PreTrainedConfig
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "tq_compile.hf needs Hugging Face transformers: pip install 'tq-compile[hf]'"
+    ) from error
+
+from custom_ops.formats import get_format
+from tq_compile.cache import TurboQuantKVCache
+from tq_compile.kv_tensor import TurboQuantKVTensor
+
+__all__ = ["TurboQuantCache", "TurboQuantLayer"]
+
+# Layer kinds a full TurboQuant layer serves: the mask, built by the model from its config,
+# restricts sliding and chunked layers; the cache keeps every token.
+_SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+class TurboQuantLayer(CacheLayerMixin):
+    """One attention layer's quantized cache, following transformers' ``StaticLayer``.
+
+    Args:
+        max_cache_len: S_max, tokens each sequence can hold (prompt + generated).
+        preset: format name (``custom_ops.FORMATS``).
+        window: W, most recent tokens kept in the model's dtype (0: every token quantized).
+        max_batch_size: sequences to allocate for (default: the first ``update``'s batch);
+            later calls may use a smaller batch.
+        page_size, seed, num_splits: as for :class:`~tq_compile.cache.TurboQuantKVCache`.
+    """
+
+    is_compileable = True
+    is_sliding = False
+    cumulative_length: torch.Tensor
+
+    def __init__(
+        self,
+        max_cache_len: int,
+        *,
+        preset: str = "4bit_nc",
+        window: int = 128,
+        max_batch_size: int | None = None,
+        page_size: int = 16,
+        seed: int = 0,
+        num_splits: int | None = None,
+    ):
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.preset, self.window, self.max_batch_size = preset, window, max_batch_size
+        self.page_size, self.seed, self.num_splits = page_size, seed, num_splits
+        self.kv: TurboQuantKVCache | None = None
+        # a tensor, as in StaticLayer: positions derived from it do not recompile each step
+        self.cumulative_length = torch.tensor(0, dtype=torch.int64)
+
+    @property
+    def is_croppable(self) -> bool:
+        """Rollback (``crop``) is exact only without a window: a cropped token may have pushed
+        an older one out of the ring into the quantized pages."""
+        return self.window == 0
+
+    def __repr__(self) -> str:
+        return f"TurboQuantLayer({self.preset}, window={self.window})"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate the cache for the batch, heads, head dim, dtype and device of the first
+        ``[B, Hk, T, D]`` states, and mark its buffers static for ``torch.compile``."""
+        batch, num_kv_heads, _, head_dim = key_states.shape
+        if value_states.shape[-1] != head_dim:
+            raise ValueError(
+                f"TurboQuantCache needs keys and values of one head dim, got {head_dim} and "
+                f"{value_states.shape[-1]}"
+            )
+        capacity = batch if self.max_batch_size is None else self.max_batch_size
+        if batch > capacity:
+            raise ValueError(f"TurboQuantCache: batch {batch} exceeds max_batch_size={capacity}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads = capacity, num_kv_heads
+        self.k_head_dim = self.v_head_dim = head_dim
+        self.kv = TurboQuantKVCache(capacity, num_kv_heads, self.max_cache_len, head_dim,
+                                    key_states.dtype, fmt=self.preset, page_size=self.page_size,
+                                    seed=self.seed, num_splits=self.num_splits,
+                                    window=self.window, device=key_states.device)  # fmt: skip
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        # as StaticLayer: static addresses keep compiled graphs and CUDA graphs valid across
+        # the in-place writes (not allowed while tracing; prefill is not compiled)
+        if not torch.compiler.is_compiling():
+            for buffer in (*self.kv.buffers(), self.cumulative_length):
+                torch._dynamo.mark_static_address(buffer)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[TurboQuantKVTensor, TurboQuantKVTensor]:
+        """Append ``[B, Hk, T, D]`` states after the cached ones; return key and value views
+        ``[B, Hk, max_cache_len, D]`` of the whole cache."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new_tokens = key_states.shape[-2]
+        positions = torch.arange(new_tokens, device=self.device) + self.cumulative_length
+        keys, values = self.kv.update(positions, key_states, value_states)
+        self.cumulative_length.add_(new_tokens)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the mask: the views span the whole capacity."""
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Tokens cached (a 0-d device tensor once initialized, as in ``StaticLayer``)."""
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        """Empty the cache. Only the length is cleared: positions at or past it are never read,
+        and the window ring restarts with the next sequence."""
+        self.cumulative_length.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``tokens_to_remove`` tokens (window 0 only; see ``is_croppable``)."""
+        if not self.is_croppable:
+            raise NotImplementedError(
+                f"TurboQuantCache.crop needs window=0 (this cache has window={self.window}): "
+                "tokens that left the window were quantized and cannot be restored"
+            )
+        if not isinstance(tokens_to_remove, int) or tokens_to_remove < 0:
+            raise ValueError(f"tokens_to_remove must be an integer >= 0, got {tokens_to_remove!r}")
+        if self.is_initialized:
+            self.cumulative_length.sub_(tokens_to_remove).clamp_(min=0)
+
+    @torch.no_grad()
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the sequences (beam search): sequence ``b`` becomes sequence
+        ``beam_idx[b]``. The block table is the identity, so each sequence's pages move whole."""
+        if not self.is_initialized:
+            return
+        beam_idx = beam_idx.to(self.device)
+        batch = beam_idx.shape[0]
+        sequences = [self.kv.k_codes, self.kv.v_codes, self.kv.meta]
+        per_seq = [t.view(self.batch_size, -1, *t.shape[1:]) for t in sequences]
+        if self.kv.window:
+            per_seq += [self.kv.k_window, self.kv.v_window]
+        for tensor in per_seq:
+            tensor[:batch] = tensor[:batch].index_select(0, beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(
+            "TurboQuantCache has a fixed batch: allocate it with max_batch_size for the "
+            "expanded batch and let generate() fill it (as for StaticCache)"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("TurboQuantCache has a fixed batch: it cannot drop sequences")
+
+    def offload(self):
+        raise NotImplementedError("TurboQuantCache does not offload layers to the CPU")
+
+    def prefetch(self):
+        raise NotImplementedError("TurboQuantCache does not offload layers to the CPU")
+
+    def nbytes(self) -> int:
+        """Bytes held (codes, meta and window rings); 0 before the first ``update``."""
+        return self.kv.nbytes() if self.kv is not None else 0
+
+    def dense_nbytes(self) -> int:
+        """Bytes a ``StaticLayer`` of the same capacity and dtype holds."""
+        return self.kv.dense_nbytes() if self.kv is not None else 0
+
+
+class TurboQuantCache(Cache):
+    """A transformers ``Cache`` of :class:`TurboQuantLayer` (``StaticLayer`` for the layers
+    kept in full precision), one per decoder layer of ``config``.
+
+    Args:
+        config: the model's config (``model.config``).
+        max_cache_len: tokens each sequence can hold (prompt + generated).
+        max_batch_size: sequences to allocate for (default: the first forward's batch).
+        preset: format name, one of ``custom_ops.FORMATS`` (vLLM's ``k8v4``, ``4bit_nc``,
+            ``k3v4_nc``, ``3bit_nc``, and ``int8``, ``fp8``, ``tq4_nc``, ``k2v4_nc``,
+            ``k2v2_nc``).
+        window: the most recent tokens of each sequence kept in the model's dtype (default 128;
+            0: every token is quantized when written).
+        keep_first, keep_last: leading / trailing layers kept in full precision (vLLM keeps
+            2 + 2 for its aggressive presets).
+        page_size, seed, num_splits: as for :class:`~tq_compile.cache.TurboQuantKVCache`.
+
+    Raises:
+        ValueError: an unknown preset, a negative size, or a layer kind this cache cannot serve
+            (linear attention, shared KV, ...).
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        max_cache_len: int,
+        *,
+        max_batch_size: int | None = None,
+        preset: str = "4bit_nc",
+        window: int = 128,
+        keep_first: int = 0,
+        keep_last: int = 0,
+        page_size: int = 16,
+        seed: int = 0,
+        num_splits: int | None = None,
+    ):
+        get_format(preset)  # a clear error for an unknown preset, now
+        for name, value, least in (("max_cache_len", max_cache_len, 1),
+                                   ("window", window, 0), ("keep_first", keep_first, 0),
+                                   ("keep_last", keep_last, 0)):  # fmt: skip
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if max_batch_size is not None and (not isinstance(max_batch_size, int)
+                                           or max_batch_size < 1):  # fmt: skip
+            raise ValueError(f"max_batch_size must be None or an integer >= 1, "
+                             f"got {max_batch_size!r}")  # fmt: skip
+        layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        unserved = sorted(set(layer_types) - set(_SERVED_LAYER_TYPES))
+        if unserved:
+            raise ValueError(
+                f"TurboQuantCache serves attention layers {_SERVED_LAYER_TYPES}; this model "
+                f"also has {unserved} layers"
+            )
+        count = len(layer_types)
+        kept = set(range(keep_first)) | set(range(count - keep_last, count))
+        self.preset, self.window = preset, window
+        layers = [
+            StaticLayer(max_cache_len) if index in kept else TurboQuantLayer(
+                max_cache_len, preset=preset, window=window, max_batch_size=max_batch_size,
+                page_size=page_size, seed=seed, num_splits=num_splits)
+            for index in range(count)
+        ]  # fmt: skip
+        super().__init__(layers=layers)
+
+    def nbytes(self) -> int:
+        """Bytes held by every layer (TurboQuant planes and rings, dense layers' K and V)."""
+        return sum(_layer_nbytes(layer, dense=False) for layer in self.layers)
+
+    def dense_nbytes(self) -> int:
+        """Bytes a ``StaticCache`` of the same capacity and dtype holds."""
+        return sum(_layer_nbytes(layer, dense=True) for layer in self.layers)
+
+
+def _layer_nbytes(layer: CacheLayerMixin, dense: bool) -> int:
+    """Bytes of one layer: a TurboQuant layer's own (or its dense equivalent's), a
+    ``StaticLayer``'s K and V; 0 before the first forward."""
+    if isinstance(layer, TurboQuantLayer):
+        return layer.dense_nbytes() if dense else layer.nbytes()
+    if not layer.is_initialized:
+        return 0
+    return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
