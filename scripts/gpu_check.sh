@@ -5,6 +5,7 @@
 #   bench  - benchmarks/store.py and benchmarks/decode.py
 #   sweep  - the decode kernel's tuning sweep
 #   e2e    - benchmarks/e2e.py with $E2E_ARGS
+#   hf     - benchmarks/hf_generate.py with $HF_ARGS (carry the transformers 5.23 wheel)
 #   quality - benchmarks/quality.py with $QUALITY_ARGS (trains the byte model once per machine)
 #   compare - benchmarks/compare_decode.py: this tree's decode vs the tree at $COMPARE_BASE
 #             (default .ab/base, a carried export of the base commit) with $COMPARE_ARGS
@@ -34,6 +35,9 @@ for stage in "${@:-tests bench}"; do
       ;;
     e2e)
       python3 benchmarks/e2e.py ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -30
+      ;;
+    hf)
+      python3 benchmarks/hf_generate.py ${HF_ARGS:-} 2>&1 | tee "$OUT/hf.log" | tail -30
       ;;
     quality)
       python3 benchmarks/quality.py ${QUALITY_ARGS:-} 2>&1 | tee "$OUT/quality.log" | tail -40

@@ -1,0 +1,184 @@
+"""Hugging Face ``generate`` decode speed: TurboQuantCache vs transformers' StaticCache.
+
+Two Llama architectures with random weights (speed does not depend on them): SmolLM2-135M's
+(``smollm2``: 30 layers, 9 query / 3 kv heads of dim 64) and the example model's ``1b-shape``
+(16 layers, 32 / 8 heads of dim 128). Each cache serves ``model.generate`` on ``--batch``
+sequences whose prompts fill the cache to ``--context`` tokens minus the generated ones, greedy,
+with the decode forward compiled the way transformers does for static caches
+(``CompileConfig(mode=...)``; ``eager`` disables it). The prompt is prefilled in chunks of
+``--prefill-chunk`` tokens (transformers' ``prefill_chunk_size``), for both caches.
+
+Decode speed: a logits processor records the time of every step (after a synchronization);
+tokens/s is ``batch x steps / time`` over the steps after the first ``--skip`` (compilation and
+CUDA-graph recording happen in the first ones). KV bytes: what each cache holds.
+
+    python benchmarks/hf_generate.py                                   # B=32, 8k, both models
+    python benchmarks/hf_generate.py --models smollm2 --batch 4 --context 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import gpu_name, print_table, require_cuda, write_json  # noqa: E402
+
+from tq_compile.hf import TurboQuantCache  # noqa: E402
+from tq_compile.smollm2 import smollm2_config  # noqa: E402
+
+BASELINE = "static"
+MODES = ("reduce-overhead", "default", "eager")
+
+
+def model_config(name: str):
+    """The ``transformers`` config of ``name``: ``smollm2`` or ``1b-shape``."""
+    from transformers import LlamaConfig
+
+    if name == "smollm2":
+        return smollm2_config()
+    if name == "1b-shape":  # examples/model.py's 1b-shape
+        return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                           num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=128, max_position_embeddings=32768, rope_theta=500000.0,
+                           attn_implementation="sdpa", bos_token_id=1, eos_token_id=2,
+                           pad_token_id=2)  # fmt: skip
+    raise ValueError(f"unknown model {name!r}: expected smollm2 or 1b-shape")
+
+
+class StepTimer:
+    """A logits processor that records the wall-clock time of every decode step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def time_generate(model, cache, prompt, new_tokens: int, mode: str, chunk: int, skip: int):
+    """Tokens/s of the steps after ``skip`` of one ``generate`` (and the step time in ms)."""
+    from transformers import CompileConfig, GenerationConfig
+
+    timer = StepTimer()
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, prefill_chunk_size=chunk,
+                              disable_compile=mode == "eager", pad_token_id=2,
+                              compile_config=None if mode == "eager"
+                              else CompileConfig(mode=None if mode == "default" else mode,
+                                                 fullgraph=True))  # fmt: skip
+    model.generate(prompt, past_key_values=cache, generation_config=config,
+                   logits_processor=[timer])  # fmt: skip
+    steps = timer.times[skip:]
+    seconds = (steps[-1] - steps[0]) / (len(steps) - 1)
+    return prompt.shape[0] / seconds, seconds * 1e3
+
+
+def run(args) -> list[dict]:
+    from transformers import LlamaForCausalLM, StaticCache
+
+    rows = []
+    for name in args.models:
+        config = model_config(name)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        prompt = torch.randint(3, config.vocab_size, (args.batch, args.context - args.new_tokens),
+                               device="cuda", generator=gen)  # fmt: skip
+        for mode in args.modes:
+            baseline = None
+            for cache_name in [BASELINE, *args.presets]:
+                if cache_name == BASELINE:
+                    cache = StaticCache(config, max_cache_len=args.context)
+                else:
+                    cache = TurboQuantCache(config, args.context, preset=cache_name,
+                                            window=args.window)  # fmt: skip
+                torch._dynamo.reset()
+                try:
+                    tok_s, ms = time_generate(model, cache, prompt, args.new_tokens, mode,
+                                              args.prefill_chunk, args.skip)  # fmt: skip
+                except torch.OutOfMemoryError:
+                    tok_s = ms = None
+                kv_bytes = cache.nbytes() if cache_name != BASELINE else sum(
+                    layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)  # fmt: skip
+                if cache_name == BASELINE:
+                    baseline = tok_s
+                rows.append(dict(model=name, mode=mode, batch=args.batch, context=args.context,
+                                 cache=cache_name, tok_s=tok_s, ms=ms, kv_gb=kv_bytes / 1e9,
+                                 speedup=tok_s / baseline if tok_s and baseline else None))  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+                del cache
+                torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(payload: dict, path: Path) -> None:
+    """Tokens/s per cache, one panel per model and mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r["model"], r["mode"]) for r in payload["rows"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4), squeeze=False)
+    for ax, (model, mode) in zip(axes[0], panels, strict=True):
+        rows = [r for r in payload["rows"] if (r["model"], r["mode"]) == (model, mode)]
+        bars = ax.bar([r["cache"] for r in rows], [r["tok_s"] or 0 for r in rows])
+        ax.bar_label(bars, [f"{r['speedup'] or 0:.2f}x" for r in rows], fontsize=7)
+        ax.set_title(f"{model}, {mode}")
+        ax.set_ylabel("decode tokens/s")
+    fig.suptitle(f"generate, B={payload['batch']}, {payload['context']} tokens, on "
+                 f"{payload['gpu']}")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["smollm2", "1b-shape"])
+    parser.add_argument("--presets", nargs="+", default=["4bit_nc", "k8v4"])
+    parser.add_argument("--modes", nargs="+", default=["reduce-overhead"], choices=MODES)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--skip", type=int, default=16, help="steps left out of the timing")
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--prefill-chunk", type=int, default=1024)
+    parser.add_argument("--out", default="hf_generate.json")
+    parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
+    args = parser.parse_args()
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
+    require_cuda("benchmarks/hf_generate.py")
+    if args.new_tokens <= args.skip + 1:
+        parser.error(f"--new-tokens ({args.new_tokens}) must exceed --skip + 1 ({args.skip + 1})")
+    payload = dict(gpu=gpu_name(), batch=args.batch, context=args.context, window=args.window,
+                   rows=run(args))  # fmt: skip
+    print(f"{payload['gpu']}: generate, B={args.batch}, context {args.context}, window "
+          f"{args.window}; speed-up over StaticCache in the same mode")  # fmt: skip
+    print_table(payload["rows"], dict(model="", mode="", cache="", tok_s=".0f", ms=".2f",
+                                      speedup=".2f", kv_gb=".2f"))  # fmt: skip
+    path = write_json(args.out, payload)
+    print(f"wrote {path}")
+    try:
+        plot(payload, path.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib not installed: no PNG (python benchmarks/hf_generate.py --plot JSON)")
+
+
+if __name__ == "__main__":
+    main()
