@@ -113,9 +113,10 @@ def run(args) -> list[dict]:
                     layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)  # fmt: skip
                 if cache_name == BASELINE:
                     baseline = tok_s
+                speedup = tok_s / baseline if tok_s and baseline else None
                 rows.append(dict(model=name, mode=mode, batch=args.batch, context=args.context,
                                  cache=cache_name, tok_s=tok_s, ms=ms, kv_gb=kv_bytes / 1e9,
-                                 speedup=tok_s / baseline if tok_s and baseline else None))  # fmt: skip
+                                 speedup=speedup))  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
                 del cache
                 torch.cuda.empty_cache()
@@ -170,8 +171,11 @@ def main() -> None:
                    rows=run(args))  # fmt: skip
     print(f"{payload['gpu']}: generate, B={args.batch}, context {args.context}, window "
           f"{args.window}; speed-up over StaticCache in the same mode")  # fmt: skip
-    print_table(payload["rows"], dict(model="", mode="", cache="", tok_s=".0f", ms=".2f",
-                                      speedup=".2f", kv_gb=".2f"))  # fmt: skip
+    specs = dict(tok_s=".0f", ms=".2f", speedup=".2f", kv_gb=".2f")
+    printable = [{**row, **{key: "oom" if row[key] is None else format(row[key], spec)
+                            for key, spec in specs.items()}} for row in payload["rows"]]  # fmt: skip
+    print_table(printable, dict(model="", mode="", cache="", tok_s="", ms="", speedup="",
+                                kv_gb=""))  # fmt: skip
     path = write_json(args.out, payload)
     print(f"wrote {path}")
     try:
