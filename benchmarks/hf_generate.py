@@ -172,8 +172,11 @@ def main() -> None:
     print(f"{payload['gpu']}: generate, B={args.batch}, context {args.context}, window "
           f"{args.window}; speed-up over StaticCache in the same mode")  # fmt: skip
     specs = dict(tok_s=".0f", ms=".2f", speedup=".2f", kv_gb=".2f")
-    printable = [{**row, **{key: "oom" if row[key] is None else format(row[key], spec)
-                            for key, spec in specs.items()}} for row in payload["rows"]]  # fmt: skip
+    printable = [
+        {**row, **{key: "oom" if row[key] is None else format(row[key], spec)
+                   for key, spec in specs.items()}}
+        for row in payload["rows"]
+    ]  # fmt: skip
     print_table(printable, dict(model="", mode="", cache="", tok_s="", ms="", speedup="",
                                 kv_gb=""))  # fmt: skip
     path = write_json(args.out, payload)
