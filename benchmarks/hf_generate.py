@@ -5,8 +5,8 @@ Two Llama architectures with random weights (speed does not depend on them): Smo
 (16 layers, 32 / 8 heads of dim 128). Each cache serves ``model.generate`` on ``--batch``
 sequences whose prompts fill the cache to ``--context`` tokens minus the generated ones, greedy,
 with the decode forward compiled the way transformers does for static caches
-(``CompileConfig(mode=...)``; ``eager`` disables it). The prompt is prefilled in chunks of
-``--prefill-chunk`` tokens (transformers' ``prefill_chunk_size``), for both caches.
+(``CompileConfig(mode=...)``; ``eager`` disables it). The prompt is prefilled in one forward
+(``--prefill-chunk``: transformers' ``prefill_chunk_size``, for both caches).
 
 Decode speed: a logits processor records the time of every step (after a synchronization);
 tokens/s is ``batch x steps / time`` over the steps after the first ``--skip`` (compilation and
@@ -157,7 +157,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--skip", type=int, default=16, help="steps left out of the timing")
     parser.add_argument("--window", type=int, default=128)
-    parser.add_argument("--prefill-chunk", type=int, default=1024)
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="transformers' prefill_chunk_size (default: one prefill)")  # fmt: skip
     parser.add_argument("--out", default="hf_generate.json")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
     args = parser.parse_args()
