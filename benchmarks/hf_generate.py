@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=16, help="steps left out of the timing")
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--prefill-chunk", type=int, default=None,
-                        help="transformers' prefill_chunk_size (default: one prefill)")  # fmt: skip
+                        help="transformers' prefill_chunk_size (default: none)")  # fmt: skip
     parser.add_argument("--out", default="hf_generate.json")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
     args = parser.parse_args()
