@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import gpu_name, print_table, require_cuda, write_json  # noqa: E402
 
+from examples.hf_eval import StepTimer  # noqa: E402
 from tq_compile.hf import TurboQuantCache  # noqa: E402
 from tq_compile.smollm2 import smollm2_config  # noqa: E402
 
@@ -53,18 +53,6 @@ def model_config(name: str):
     raise ValueError(f"unknown model {name!r}: expected smollm2 or 1b-shape")
 
 
-class StepTimer:
-    """A logits processor that records the wall-clock time of every decode step."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-        return scores
-
-
 def time_generate(model, cache, prompt, new_tokens: int, mode: str, chunk: int, skip: int):
     """Tokens/s of the steps after ``skip`` of one ``generate`` (and the step time in ms)."""
     from transformers import CompileConfig, GenerationConfig
@@ -78,9 +66,8 @@ def time_generate(model, cache, prompt, new_tokens: int, mode: str, chunk: int, 
                                                  fullgraph=True))  # fmt: skip
     model.generate(prompt, past_key_values=cache, generation_config=config,
                    logits_processor=[timer])  # fmt: skip
-    steps = timer.times[skip:]
-    seconds = (steps[-1] - steps[0]) / (len(steps) - 1)
-    return prompt.shape[0] / seconds, seconds * 1e3
+    tok_s = timer.tokens_per_second(prompt.shape[0], skip)
+    return tok_s, prompt.shape[0] / tok_s * 1e3
 
 
 def run(args) -> list[dict]:

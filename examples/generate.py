@@ -47,7 +47,7 @@ def decode(model, step_fn, prompt, n, device, label, inputs=None):
     """Prefill ``prompt``, then ``n`` decode steps: greedy, or fed ``inputs [B, n]``.
 
     Returns the tokens fed ``[B, n]`` (the prefill's prediction first), the predictions
-    ``[B, n]`` and decode tokens/s (after 2 warm-up steps).
+    ``[B, n]`` and decode tokens/s after the first 2 steps (None when ``n <= 2``).
     """
     batch, prompt_len = prompt.shape
     token, _ = prefill(model, prompt, torch.arange(prompt_len, device=device))
@@ -65,8 +65,9 @@ def decode(model, step_fn, prompt, n, device, label, inputs=None):
         if (i + 1) % max(1, n // 8) == 0 or i + 1 == n:
             print(f"\r  {label}: {i + 1}/{n} tokens", end="", flush=True)
     sync(device)
-    rate = batch * (n - 2) / (time.perf_counter() - start)
-    print(f"\r  {label}: {n} tokens, {rate:,.0f} tokens/s" + " " * 20)
+    rate = batch * (n - 2) / (time.perf_counter() - start) if start is not None else None
+    shown = f"{rate:,.0f} tokens/s" if rate else "too few steps to time"
+    print(f"\r  {label}: {n} tokens, {shown}" + " " * 20)
     return torch.cat(fed, dim=1), torch.cat(predicted, dim=1), rate
 
 
@@ -86,6 +87,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-compile", action="store_true", help="eager decode steps")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    for name in ("batch", "prompt_len", "new_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.window < args.prompt_len + args.new_tokens:
+        parser.error(f"--window must be in [0, {args.prompt_len + args.new_tokens}) (prompt "
+                     f"+ new tokens; longer quantizes nothing), got {args.window}")  # fmt: skip
     device = args.device
     preset = args.preset or ("1b-shape" if device == "cuda" else "tiny")
     cfg = ModelArgs.from_name(preset)
@@ -101,28 +110,37 @@ def main() -> None:
 
     mode = "reduce-overhead" if device == "cuda" else "default"
 
-    def compiled():
-        if args.no_compile:
-            return decode_one_token
-        torch._dynamo.reset()
-        return torch.compile(decode_one_token, mode=mode, fullgraph=True)
+    steps = args.new_tokens
+
+    def run(label: str, quantized: bool, inputs=None):
+        """Decode with fresh caches twice through one compiled step: an untimed warm-up (the
+        compilation and first-call costs), then the timed pass. Returns ``decode``'s result
+        and the caches' bytes."""
+        step = decode_one_token
+        if not args.no_compile:
+            torch._dynamo.reset()
+            step = torch.compile(decode_one_token, mode=mode, fullgraph=True)
+        for timed in (False, True):
+            model.setup_caches(args.batch, max_seq)
+            if quantized:
+                quantize_(model, TurboQuantKVConfig(args.format, window=args.window))
+            n = steps if timed else min(4, steps)
+            feed = inputs if inputs is None or timed else inputs[:, :n]
+            result = decode(model, step, prompt, n, device, label if timed else "warm-up", feed)
+        return result, kv_cache_nbytes(model)
 
     print("bf16 cache (reference):")
-    model.setup_caches(args.batch, max_seq)
-    dense_bytes = kv_cache_nbytes(model)
-    steps = args.new_tokens
-    fed, reference, bf16_rate = decode(model, compiled(), prompt, steps, device, "bf16 decode")
-
+    (fed, reference, bf16_rate), dense_bytes = run("bf16 decode", quantized=False)
     print(f"TurboQuant {args.format} cache:")
-    model.setup_caches(args.batch, max_seq)
-    quantize_(model, TurboQuantKVConfig(args.format, window=args.window))
-    tq_bytes = kv_cache_nbytes(model)
-    label = f"{args.format} decode"
-    _, predicted, tq_rate = decode(model, compiled(), prompt, steps, device, label, inputs=fed)
+    (_, predicted, tq_rate), tq_bytes = run(f"{args.format} decode", True, inputs=fed)
     agreement = (predicted == reference).float().mean().item()
 
-    print(f"\ndecode tokens/s: bf16 {bf16_rate:,.0f}, {args.format} {tq_rate:,.0f} "
-          f"({tq_rate / bf16_rate:.2f}x)")  # fmt: skip
+    if bf16_rate and tq_rate:
+        print(f"\ndecode tokens/s: bf16 {bf16_rate:,.0f}, {args.format} {tq_rate:,.0f} "
+              f"({tq_rate / bf16_rate:.2f}x)")  # fmt: skip
+        if device == "cpu":
+            print("  (CPU: the reference kernels and a tiny model; these rates vary with the "
+                  "machine's load and say nothing about GPU speed)")  # fmt: skip
     print(f"KV cache: {tq_bytes / 1e6:,.2f} MB vs bf16 {dense_bytes / 1e6:,.2f} MB "
           f"({tq_bytes / dense_bytes:.3f}x; the last {args.window} tokens of each sequence "
           "in bf16)")  # fmt: skip

@@ -124,7 +124,7 @@ def smollm2_config():
         num_key_value_heads=3,
         head_dim=64,
         max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
+        rms_norm_eps=9.999999747378752e-06,  # 1e-5 as the GGUF stores it (float32)
         rope_theta=100000.0,
         tie_word_embeddings=True,
         bos_token_id=1,

