@@ -37,9 +37,9 @@ def _kv_ratio(fmt_name: str, max_seq: int, head_dim: int) -> float:
 
 def test_generate_runs_and_reports():
     """``examples/generate.py`` (the random-weight example) runs the tiny model on the CPU with
-    a compiled decode step: it reports every decode step of both caches, positive tokens/s (and their
-    ratio), the KV-cache bytes and ratio to bf16 that 4bit_nc and the window imply, and a
-    next-token agreement with the bf16 cache above the floor."""
+    a compiled decode step: it reports every decode step of both caches, positive tokens/s (and
+    their ratio), the KV-cache bytes and ratio to bf16 that 4bit_nc and the window imply, and
+    a next-token agreement with the bf16 cache above the floor."""
     sizes = {"--batch": BATCH, "--prompt-len": PROMPT_LEN, "--new-tokens": NEW_TOKENS}
     args = [str(a) for item in sizes.items() for a in item]
     out = run_example("examples/generate.py", "--device", "cpu", *args)
