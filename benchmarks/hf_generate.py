@@ -8,6 +8,10 @@ with the decode forward compiled the way transformers does for static caches
 (``CompileConfig(mode=...)``; ``eager`` disables it). The prompt is prefilled in one forward
 (``--prefill-chunk``: transformers' ``prefill_chunk_size``, for both caches).
 
+``static-gqa`` is StaticCache with ``TRANSFORMERS_SDPA_FORCE_GQA=1``: transformers' switch that
+makes its ``sdpa`` attention pass ``enable_gqa=True`` with a mask instead of copying K and V to
+every query head (``repeat_kv``), what a careful user of a static cache can still turn on.
+
 Decode speed: a logits processor records the time of every step (after a synchronization);
 tokens/s is ``batch x steps / time`` over the steps after the first ``--skip`` (compilation and
 CUDA-graph recording happen in the first ones). KV bytes: what each cache holds.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +40,8 @@ from tq_compile.hf import TurboQuantCache  # noqa: E402
 from tq_compile.smollm2 import smollm2_config  # noqa: E402
 
 BASELINE = "static"
+# StaticCache variants timed besides the baseline
+DENSE_VARIANTS = ("static-gqa",)
 MODES = ("reduce-overhead", "default", "eager")
 
 
@@ -84,19 +91,24 @@ def run(args) -> list[dict]:
                                device="cuda", generator=gen)  # fmt: skip
         for mode in args.modes:
             baseline = None
-            for cache_name in [BASELINE, *args.presets]:
-                if cache_name == BASELINE:
+            for cache_name in [BASELINE, *args.dense, *args.presets]:
+                dense = cache_name in (BASELINE, *DENSE_VARIANTS)
+                if dense:
                     cache = StaticCache(config, max_cache_len=args.context)
                 else:
                     cache = TurboQuantCache(config, args.context, preset=cache_name,
                                             window=args.window)  # fmt: skip
                 torch._dynamo.reset()
+                # static-gqa: transformers' switch for SDPA with enable_gqa despite the mask
+                force_gqa = "1" if cache_name == "static-gqa" else "0"
+                os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = force_gqa
                 try:
                     tok_s, ms = time_generate(model, cache, prompt, args.new_tokens, mode,
                                               args.prefill_chunk, args.skip)  # fmt: skip
                 except torch.OutOfMemoryError:
                     tok_s = ms = None
-                kv_bytes = cache.nbytes() if cache_name != BASELINE else sum(
+                os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "0"
+                kv_bytes = cache.nbytes() if not dense else sum(
                     layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)  # fmt: skip
                 if cache_name == BASELINE:
                     baseline = tok_s
@@ -138,6 +150,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "1b-shape"])
     parser.add_argument("--presets", nargs="+", default=["4bit_nc", "k8v4"])
+    parser.add_argument("--dense", nargs="*", default=list(DENSE_VARIANTS),
+                        choices=DENSE_VARIANTS, help="StaticCache variants besides the "
+                        "baseline (static-gqa: TRANSFORMERS_SDPA_FORCE_GQA=1)")  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=["reduce-overhead"], choices=MODES)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=8192)
