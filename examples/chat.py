@@ -146,7 +146,7 @@ def main() -> None:
         print(f"decode {title}: {shown}; KV cache {results[kind]['kv_bytes'] / 1e6:.2f} MB")
     if args.device == "cpu":
         print("  (CPU: the TurboQuant ops run their pure-torch reference, which dequantizes the "
-              "whole cache every step: correct, not fast; GPU speed is in the README)")  # fmt: skip
+              "whole cache every step: correct, not fast; GPU speed: README)")  # fmt: skip
     ratio = tq["kv_bytes"] / bf16["kv_bytes"]
     print(f"KV bytes: {ratio:.3f}x bf16's ({1 / ratio:.1f}x more tokens per byte at this length; "
           f"the last {args.window} tokens of each sequence are in bf16)")  # fmt: skip
