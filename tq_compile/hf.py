@@ -149,16 +149,21 @@ class TurboQuantLayer(CacheLayerMixin):
         self.cumulative_length.zero_()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``tokens_to_remove`` tokens (window 0 only; see ``is_croppable``)."""
+        """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative
+        count; 0 does nothing). Exact with window 0 only; see ``is_croppable``."""
+        if not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ValueError(
+                f"TurboQuantCache.crop takes a negative count of tokens to remove (or 0), as "
+                f"transformers' caches do, got {tokens_to_remove!r}"
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
         if not self.is_croppable:
             raise NotImplementedError(
                 f"TurboQuantCache.crop needs window=0 (this cache has window={self.window}): "
                 "tokens that left the window were quantized and cannot be restored"
             )
-        if not isinstance(tokens_to_remove, int) or tokens_to_remove < 0:
-            raise ValueError(f"tokens_to_remove must be an integer >= 0, got {tokens_to_remove!r}")
-        if self.is_initialized:
-            self.cumulative_length.sub_(tokens_to_remove).clamp_(min=0)
+        self.cumulative_length.add_(tokens_to_remove).clamp_(min=0)
 
     @torch.no_grad()
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

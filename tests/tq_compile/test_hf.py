@@ -233,7 +233,7 @@ def test_reset_reorder_crop():
 
     cropped = TurboQuantCache(config, CAPACITY, preset="4bit_nc", window=0)
     teacher_forced_logits(model, cropped, ids, mask, tokens[:, :4])
-    cropped.crop(4)
+    cropped.crop(-4)  # transformers' convention: minus the tokens removed
     assert int(cropped.get_seq_length()) == PROMPT
     with torch.no_grad():
         out = model(tokens[:, :1], past_key_values=cropped)
@@ -280,7 +280,11 @@ class TestMessages(expecttest.TestCase):
         with torch.no_grad():
             model(ids, past_key_values=windowed)
         with self.assertRaises(NotImplementedError) as ctx:
-            windowed.crop(1)
+            windowed.crop(-1)
+        lines.append(f"{type(ctx.exception).__name__}: {ctx.exception}")
+        windowed.crop(0)  # a no-op, as transformers calls it every step on some devices
+        with self.assertRaises(ValueError) as ctx:
+            windowed.crop(2)
         lines.append(f"{type(ctx.exception).__name__}: {ctx.exception}")
         self.assertExpectedInline(
             "\n".join(lines),
@@ -290,5 +294,6 @@ ValueError: max_cache_len must be an integer >= 1, got 0
 ValueError: window must be an integer >= 0, got -1
 ValueError: max_batch_size must be None or an integer >= 1, got 0
 ValueError: TurboQuantCache: batch 2 exceeds max_batch_size=1
-NotImplementedError: TurboQuantCache.crop needs window=0 (this cache has window=8): tokens that left the window were quantized and cannot be restored""",  # noqa: E501
+NotImplementedError: TurboQuantCache.crop needs window=0 (this cache has window=8): tokens that left the window were quantized and cannot be restored
+ValueError: TurboQuantCache.crop takes a negative count of tokens to remove (or 0), as transformers' caches do, got 2""",  # noqa: E501
         )
