@@ -286,6 +286,10 @@ def _reshape(func, types, args, kwargs):
 # ---- attention ----------------------------------------------------------------------------
 
 
+# Largest query-heads-per-kv-head group that several query tokens are folded into for tq.decode
+# (the GQA groups of real models: up to 16).
+MAX_FOLDED_GROUP = 16
+
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")  # fmt: skip
 _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
@@ -363,7 +367,11 @@ def _scaled_dot_product_attention(func, types, args, kwargs):
     head_dim = q.shape[-1]
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(head_dim)
     shared_row = attn_mask is None or _mask_4d(attn_mask).shape[2] == 1
-    if not a["is_causal"] and shared_row and not k.truncated:
+    # the folded queries become query heads of one decode: only a decode-sized group of them
+    # (a single token, or HF's pack_gqa head group), not a prefill's worth
+    folded_group = q.shape[1] * q.shape[2] // k.k_codes.shape[1]
+    decode_sized = q.shape[2] == 1 or folded_group <= MAX_FOLDED_GROUP
+    if not a["is_causal"] and shared_row and decode_sized and not k.truncated:
         return _decode(q, k, attn_mask, scale)
     # Prefill (or a causal mask on a cache): attention over the dequantized cache, with every
     # position past a sequence's length masked out.

@@ -118,6 +118,22 @@ def test_hf_pack_gqa_layout_decodes_in_one_pass():
     assert rel_error(reference, expected) < 4e-3
 
 
+@pytest.mark.parametrize("length", [2, 20])
+def test_queries_sharing_all_positions(length, monkeypatch):
+    """Several non-causal queries without a mask all see every cached position: a few (a
+    decode-sized group) go through tq.decode, many through the dequantized cache; both equal
+    dense attention."""
+    _, keys, values = filled_tq_cache(length=37)
+    q = _query(length=length)
+    calls = []
+    decode = torch.ops.tq.decode
+    monkeypatch.setattr(torch.ops.tq, "decode", lambda *a: (calls.append(1), decode(*a))[1])
+    out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+    assert bool(calls) == (HK * GROUP * length // HK <= 16)
+    expected = _dense_sdpa(q, keys.repeat_interleave(GROUP, 1), values.repeat_interleave(GROUP, 1))
+    assert rel_error(out, expected) < 4e-3
+
+
 @pytest.mark.parametrize("window", [0, WINDOW])
 def test_prefix_slice_before_causal_prefill(window):
     """k[:, :, :n] (Hugging Face's trim before a causal prefill on an empty static cache) keeps
