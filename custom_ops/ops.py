@@ -102,21 +102,28 @@ def _cache(args) -> PagedKVCache:
 
 
 def _store(a: StoreArgs) -> None:
-    kv_format = validate.checked(validate.check_store, a)
-    impl = triton_store.store if _use_triton(a.key.device) else reference.store
-    impl(kv_format, a.key, a.value, _cache(a), a.slot_mapping, a.rotation)
+    key = validate.launch_key(a)
+    kv_format = validate.checked(validate.check_store, a, key)
+    if _use_triton(a.key.device):
+        triton_store.store(kv_format, a.key, a.value, _cache(a), a.slot_mapping, a.rotation,
+                           launch_key=key)  # fmt: skip
+    else:
+        reference.store(kv_format, a.key, a.value, _cache(a), a.slot_mapping, a.rotation)
 
 
 def _store_window(a: StoreWindowArgs) -> None:
-    kv_format = validate.checked(validate.check_store_window, a)
-    use_triton = _use_triton(a.key.device)
-    impl = triton_store_window.store_window if use_triton else reference.store_window
-    impl(kv_format, a.key, a.value, _cache(a), a.k_window, a.v_window, a.block_table, a.start_pos,
-         a.rotation)  # fmt: skip
+    key = validate.launch_key(a)
+    kv_format = validate.checked(validate.check_store_window, a, key)
+    args = (kv_format, a.key, a.value, _cache(a), a.k_window, a.v_window, a.block_table,
+            a.start_pos, a.rotation)  # fmt: skip
+    if _use_triton(a.key.device):
+        triton_store_window.store_window(*args, launch_key=key)
+    else:
+        reference.store_window(*args)
 
 
 def _dequantize(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    kv_format, _ = validate.checked(validate.check_dequantize, a)
+    kv_format, _ = validate.checked(validate.check_dequantize, a, validate.launch_key(a))
     impl = triton_dequant.dequantize if _use_triton(a.k_codes.device) else reference.dequantize
     return impl(kv_format, _cache(a), a.block_table, a.seq_lens, a.rotation, a.max_seq_len,
                 a.dtype, a.k_window, a.v_window)  # fmt: skip
@@ -129,10 +136,12 @@ def _dequantize_fake(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _decode(a: DecodeArgs) -> torch.Tensor:
-    kv_format = validate.checked(validate.check_decode, a)
+    key = validate.launch_key(a)
+    kv_format = validate.checked(validate.check_decode, a, key)
     if _use_triton(a.q.device):
         return triton_decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
-                             a.num_splits, a.scale, a.mask, a.k_window, a.v_window)  # fmt: skip
+                             a.num_splits, a.scale, a.mask, a.k_window, a.v_window,
+                             launch_key=key)  # fmt: skip
     return reference.decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
                             a.scale, torch.float32, a.mask, a.k_window, a.v_window)  # fmt: skip
 

@@ -37,30 +37,53 @@ def checks_values(t: torch.Tensor) -> bool:
         return False
     if t.device.type == "cpu":
         return True
+    return _check_values_env()
+
+
+def _check_values_env() -> bool:
+    """``TQ_CHECK_VALUES=1`` and no CUDA graph being captured."""
     if os.environ.get("TQ_CHECK_VALUES") != "1":
         return False
-    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    return not torch.cuda.is_current_stream_capturing()
 
 
 # Results of checks that looked at metadata only, by the metadata of their arguments.
 _CHECKED: dict = {}
 
 
-def _metadata(value):
-    if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.stride(), value.dtype, value.device)
-    return value
+def launch_key(args: tuple) -> tuple | None:
+    """The metadata of an op's arguments ``args`` (per tensor: shape, strides, dtype, device
+    index and 16-byte alignment; other values as they are), or None where the checks read
+    tensor values (see :func:`checks_values`) or a tensor is not a plain CUDA tensor (fake and
+    functional tensors, CPU, subclasses).
 
-
-def checked(check, args: tuple):
-    """``check(args)``, or its result for earlier arguments of the same metadata (shapes,
-    strides, dtypes, devices, other values) when no tensor values would be read: CUDA tensors
-    without ``TQ_CHECK_VALUES=1``. Metadata checks are a function of the metadata alone, so an
-    eager decode step pays for them once, not per call (a few microseconds instead of ~100)."""
+    Everything an op's checks, launch plan and kernel specializations depend on is a function
+    of this key: the ops remember the checks' result by it (:func:`checked`), and their
+    launchers the compiled kernels (:class:`custom_ops.triton.launch.Launcher`). An eager
+    decode step computes it once per op call, so it is written for speed."""
     first = args[0]
-    if first.device.type != "cuda" or checks_values(first) or is_fake(first):
+    if type(first) is not torch.Tensor or not first.is_cuda or _check_values_env():
+        return None
+    key = []
+    for value in args:
+        if type(value) is torch.Tensor:
+            # the alignment is what Triton specializes a pointer on
+            key += (value.shape, value.stride(), value.dtype, value.get_device(),
+                    value.data_ptr() & 15 == 0)  # fmt: skip
+        elif isinstance(value, torch.Tensor):
+            return None  # a subclass (a Parameter...): checked every call
+        else:
+            key.append(value)  # None or a plain value
+    return tuple(key)
+
+
+def checked(check, args: tuple, key: tuple | None):
+    """``check(args)``, or its result for earlier arguments of the same :func:`launch_key`
+    ``key`` (None: always check). Metadata checks are a function of the metadata alone, so an
+    eager decode step pays for them once, not per call (a few microseconds instead of ~100)."""
+    if key is None:
         return check(args)
-    key = (check, *map(_metadata, args))
+    key = (check, key)
     result = _CHECKED.get(key)
     if result is None:
         result = check(args)
@@ -139,6 +162,8 @@ def check_int32_vector(op: str, name: str, t: torch.Tensor, length: int | None =
     if t.dim() != 1 or (length is not None and t.shape[0] != length):
         want = f"[{length}]" if length is not None else "1-D"
         _fail(op, f"{name} must have shape {want}, got {_shape(t)}")
+    if t.shape[0] > 1 and t.stride(0) != 1:  # the kernels read entry b at b
+        _fail(op, f"{name} must be contiguous, got stride {t.stride(0)}")
 
 
 def check_new_tokens(

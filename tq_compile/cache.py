@@ -195,17 +195,22 @@ class TurboQuantKVCache(nn.Module):
             ``(k, v)``: :class:`TurboQuantKVTensor` of logical shape ``[B, Hk, S_max, D]``.
         """
         self._check_update(input_pos, k_val, v_val)
-        batch, num_kv_heads, _, head_dim = k_val.shape
-        pos = input_pos.to(torch.int64)
-        table = self.block_table[:batch]
+        batch, num_kv_heads, n_new, head_dim = k_val.shape
+        # (eager steps pay per small op: each line below is at most one kernel, and none where
+        # a view does)
+        table = self.block_table if batch == self.max_batch_size else self.block_table[:batch]
         name = self.kv_format.name
         planes = (self.k_codes, self.v_codes, self.meta)
         rings = (self.k_window, self.v_window) if self.window else (None, None)
         if self.window:
-            start = pos[:1].to(torch.int32).expand(batch).contiguous()
+            # appended: positions start .. start + T - 1, the new length start + T
+            start = input_pos[:1].expand(batch)  # [B] int32, contiguous, one kernel
+            start = start.to(torch.int32) if start.dtype != torch.int32 else start.contiguous()
             torch.ops.tq.store_window(k_val, v_val, *planes, *rings, table, start, self.rotation,
                                       name)  # fmt: skip
+            seq_lens = start + n_new
         else:
+            pos = input_pos.to(torch.int64)
             pages = table[:, pos // self.page_size]  # [B, T]
             slots = pages * self.page_size + (pos % self.page_size).to(torch.int32)
             # [B, Hk, T, D] -> [B * T, Hk, D] rows in (sequence, token) order, like the slots
@@ -213,7 +218,7 @@ class TurboQuantKVCache(nn.Module):
             values = v_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
             torch.ops.tq.store(keys, values, *planes, slots.reshape(-1).to(torch.int32),
                                self.rotation, name)  # fmt: skip
-        seq_lens = (pos.max() + 1).to(torch.int32).expand(batch).contiguous()
+            seq_lens = (pos.max() + 1).expand(batch).to(torch.int32)
         return tuple(
             TurboQuantKVTensor.from_cache(side, name, PagedKVCache(*planes), table, seq_lens,
                                           self.rotation, self.max_seq_length, self.num_splits,

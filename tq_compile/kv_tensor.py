@@ -361,7 +361,14 @@ def _decode(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float) -> 
 
 @implements_torch_function(F.scaled_dot_product_attention)
 def _scaled_dot_product_attention(func, types, args, kwargs):
-    a = _sdpa_arguments(args, kwargs)
+    # every k.shape of a subclass would go through __torch_function__ again (an eager step
+    # pays several microseconds each)
+    with torch._C.DisableTorchFunctionSubclass():
+        return _attention(_sdpa_arguments(args, kwargs))
+
+
+def _attention(a: dict) -> torch.Tensor:
+    """SDPA of the bound arguments ``a`` (:func:`_sdpa_arguments`) over a TurboQuant cache."""
     q, k, v, attn_mask = a["query"], a["key"], a["value"], a["attn_mask"]
     _check_sdpa(q, k, v, a["dropout_p"], a["enable_gqa"])
     head_dim = q.shape[-1]

@@ -5,8 +5,11 @@ builds the compilation key and looks the kernel up on each call: tens of microse
 decode kernels' dozens of arguments, which is most of an eager decode step's host time. A
 :class:`Launcher` makes that call once per *specialization* of the arguments (the tensors'
 dtypes and 16-byte alignment, the integers' values) and then calls the compiled kernel's own
-launcher directly, with the same arguments. Under Triton's interpreter, or while a launch hook
-(a profiler) is installed, it always takes the ordinary path.
+launcher directly, with the same arguments. The ops give it their arguments' metadata key
+(:func:`custom_ops.validate.launch_key`), which determines every specialization of the
+arguments they derive from them, so a launch does not even look at its arguments. Under
+Triton's interpreter, or while a launch hook (a profiler) is installed, it always takes the
+ordinary path.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from triton import knobs
 
-__all__ = ["Launcher", "KernelLaunch"]
+__all__ = ["Launcher", "KernelLaunch", "KeyedMemo"]
 
 
 def _hooked() -> bool:
@@ -60,13 +63,17 @@ class Launcher:
             if len(self._constexprs) != sum(p.is_constexpr for p in params):
                 raise TypeError(f"{kernel.__name__}: every constexpr must be given")
 
-    def __call__(self, grid: tuple[int, ...], *args) -> None:
-        """Launch on ``grid`` with the runtime arguments ``args`` (positional, in order)."""
+    def __call__(self, grid: tuple[int, ...], *args, key: tuple | None = None) -> None:
+        """Launch on ``grid`` with the runtime arguments ``args`` (positional, in order).
+
+        ``key``: a hashable that determines Triton's specialization of ``args`` (the metadata
+        key of the op's arguments that ``args`` are derived from), or None to compute it from
+        ``args``."""
         if knobs.runtime.interpret or _hooked():
             self.kernel[grid](*args, **self.kwargs)
             return
         device = torch.cuda.current_device()
-        key = (device, _signature(args))
+        key = (device, _signature(args) if key is None else key)
         compiled = self._compiled.get(key)
         if compiled is None:  # compiles, or finds the kernel in Triton's cache, and launches
             self._compiled[key] = self.kernel[grid](*args, **self.kwargs)
@@ -91,5 +98,26 @@ class KernelLaunch:
         """The constexprs and launch options (read-only)."""
         return self.launcher.kwargs
 
-    def __call__(self, *args) -> None:
-        self.launcher(self.grid, *args)
+    def __call__(self, *args, key: tuple | None = None) -> None:
+        self.launcher(self.grid, *args, key=key)
+
+
+class KeyedMemo:
+    """Values computed once per launch key (an op's launch plan, its launcher and grid), so a
+    call with known metadata does no host-side policy work; bounded, as shapes rarely vary."""
+
+    def __init__(self, bound: int = 4096):
+        self._values: dict = {}
+        self._bound = bound
+
+    def get(self, key: tuple | None, make):
+        """The value remembered for ``key``, or ``make()`` (remembered unless ``key`` is None:
+        arguments without a key, such as interpreted or value-checked calls)."""
+        if key is None:
+            return make()
+        value = self._values.get(key)
+        if value is None:
+            if len(self._values) >= self._bound:
+                self._values.clear()
+            value = self._values[key] = make()
+        return value

@@ -92,8 +92,11 @@ def store(
     rotation: torch.Tensor,
     block_rows: int = 32,
     num_warps: int = 4,
+    launch_key: tuple | None = None,
 ) -> None:
-    """Launch the store kernel (inputs already validated; see ``torch.ops.tq.store``)."""
+    """Launch the store kernel (inputs already validated; see ``torch.ops.tq.store``;
+    ``launch_key``: the launcher's specialization key, see
+    :class:`~custom_ops.triton.launch.Launcher`)."""
     n_tokens, num_kv_heads, head_dim = key.shape
     num_rows = n_tokens * num_kv_heads
     if num_rows == 0:
@@ -102,4 +105,4 @@ def store(
     launcher = _launcher(fmt, *side_params(fmt, cache, head_dim), head_dim, block_rows, num_warps)
     launcher((triton.cdiv(num_rows, block_rows),), key, value, *key.stride(), *value.stride(),
              plane_arguments(cache), slot_mapping, rotation, num_rows, num_kv_heads, page_size,
-             num_pages * page_size)  # fmt: skip
+             num_pages * page_size, key=launch_key)  # fmt: skip

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import decode_case
 
-from custom_ops import api
+from custom_ops import api, validate
 
 
 @pytest.mark.gpu
@@ -28,3 +29,32 @@ def test_remembered_checks_still_reject_other_metadata(seeded):
     bad_rotation = api.KVConstants(consts.rotation.cuda().t())  # not contiguous
     with pytest.raises(ValueError, match="rotation must be a contiguous"):
         api.decode(fmt, q.cuda(), *args[:3], bad_rotation, num_splits=2)
+
+
+@pytest.mark.gpu
+def test_remembered_launches_follow_device_and_alignment(seeded):
+    """The launch key of a call covers every tensor's device and 16-byte alignment: after good
+    calls, a rotation on another device still fails the device check, and a query 2 bytes off
+    alignment (a view into a larger buffer) gets a kernel specialized for it, with the same
+    output as the aligned query."""
+    fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 64, 4, seeded)
+    cache = type(cache)(*(p.cuda() for p in cache))
+    args = (cache, table.cuda(), lens.cuda(), api.KVConstants(consts.rotation.cuda()))
+    q = q.cuda()
+    for _ in range(3):
+        aligned = api.decode(fmt, q, *args, num_splits=2)
+    with pytest.raises(ValueError, match="rotation is on cpu but the cache is on cuda"):
+        api.decode(fmt, q, *args[:3], api.KVConstants(consts.rotation), num_splits=2)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape)
+    shifted.copy_(q)
+    assert shifted.data_ptr() % 16 != 0
+    torch.testing.assert_close(api.decode(fmt, shifted, *args, num_splits=2), aligned,
+                               rtol=0, atol=0)  # fmt: skip
+
+
+def test_launch_key_only_for_plain_cuda_tensors():
+    """Arguments whose checks read values (CPU) or that are not plain tensors get no key: their
+    checks run on every call."""
+    cpu = torch.zeros(4)
+    assert validate.launch_key((cpu, 1, "4bit_nc")) is None
+    assert validate.launch_key((torch.nn.Parameter(cpu), 1)) is None

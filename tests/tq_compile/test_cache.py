@@ -40,6 +40,22 @@ def test_update_returns_views_of_the_whole_cache():
     assert keys.k_codes.data_ptr() == cache.k_codes.data_ptr()  # a view, no copy
 
 
+def test_update_takes_int32_and_int64_positions():
+    """Positions of either integer dtype write the same cache (an int32 start is broadcast to
+    the batch as a contiguous vector, as the kernels read it)."""
+    caches = []
+    for dtype in (torch.int64, torch.int32):
+        torch.manual_seed(0)
+        cache = TurboQuantKVCache(B, HK, S_MAX, D, window=8)
+        for start, n in ((0, 11), (11, 1), (12, 1)):
+            kv = torch.randn(B, HK, n, D, dtype=torch.bfloat16)
+            keys, _ = cache.update(torch.arange(start, start + n, dtype=dtype), kv, kv)
+        assert keys.seq_lens.tolist() == [13] * B
+        caches.append(cache)
+    for (name, a), b in zip(caches[0].named_buffers(), caches[1].buffers(), strict=True):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_update_then_attend_sees_the_new_token(backend):
     """Stale-read guard: in one compiled graph, update() writes a token and SDPA on the returned

@@ -31,6 +31,7 @@ from custom_ops.triton.decode.prep import launch_prep
 from custom_ops.triton.decode.ring import launch_ring
 from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.decode.split import compile_split, launch_split, split_arguments
+from custom_ops.triton.launch import KeyedMemo
 
 __all__ = [
     "DecodePlan",
@@ -65,6 +66,11 @@ def plan_for(
     return plan_decode(fmt, batch, num_q_heads, num_kv_heads, head_dim, page_size,
                        block_table.shape[1], window, q.dtype, ring_dtype, mask_kind, num_splits,
                        q.device, fast, split_config, merge_config)  # fmt: skip
+
+
+# Plans of op calls by their arguments' metadata key (plan_decode's own cache is keyed by the
+# plan's inputs, which take longer to gather than the key).
+_PLANS = KeyedMemo()
 
 
 def _mask_arguments(mask, batch, num_q_heads, placeholder):
@@ -110,37 +116,43 @@ def decode(
     fast: bool | None = None,
     split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
+    launch_key: tuple | None = None,
 ) -> torch.Tensor:
     """Launch the decode kernels (inputs validated; see ``torch.ops.tq.decode``).
 
     Returns ``[B, Hq, D]`` in q's dtype. ``fast`` selects the inline-PTX decoding and
     programmatic dependent launch (default: on CUDA; the interpreter cannot run them);
     ``split_config`` and ``merge_config`` override the plan's kernel configurations (sweeps,
-    tests).
+    tests). ``launch_key``: the op arguments' metadata key
+    (:func:`custom_ops.validate.launch_key`), which determines the plan and the kernels'
+    specializations: both are then looked up by it.
     """
     batch, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    plan = plan_for(fmt, q, cache, block_table, num_splits, mask, k_window, fast, split_config,
-                    merge_config)  # fmt: skip
+    overridden = fast is not None or split_config is not None or merge_config is not None
+    key = None if overridden else launch_key
+    plan = _PLANS.get(key, lambda: plan_for(
+        fmt, q, cache, block_table, num_splits, mask, k_window, fast, split_config, merge_config,
+    ))  # fmt: skip
     mask_args = _mask_arguments(mask, batch, num_q_heads, seq_lens)
     q_scale = scale * LOG2E
     q_code, part_out, part_lse = _buffers(plan, q)
     # The first kernel is launched normally, after everything before it; the ones after it
     # with programmatic dependent launch where the plan says so.
     if plan.prep is not None:
-        launch_prep(plan.prep, q, rotation, q_code, q_scale)
+        launch_prep(plan.prep, q, rotation, q_code, q_scale, key)
     launch_split(plan.split, split_arguments(
         q, q_code, q_scale, rotation, cache, block_table, seq_lens, mask_args, k_window,
         v_window, plan.ring_in_split, part_out, part_lse,
-    ))  # fmt: skip
+    ), key)  # fmt: skip
     if plan.ring is not None:
         capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
                                      k_window.shape[2])  # fmt: skip
         launch_ring(plan.ring, q, q_scale, k_window, v_window, seq_lens, capacity, mask_args,
-                    part_out, part_lse)  # fmt: skip
-    launch_merge(plan.merge, part_out, part_lse, rotation, out)
+                    part_out, part_lse, key)  # fmt: skip
+    launch_merge(plan.merge, part_out, part_lse, rotation, out, key)
     return out
 
 

@@ -150,7 +150,8 @@ def merge_kernel(
 
 
 def launch_merge(launch, part_out: torch.Tensor, part_lse: torch.Tensor, rotation: torch.Tensor,
-                 out: torch.Tensor) -> None:  # fmt: skip
+                 out: torch.Tensor, key: tuple | None = None) -> None:  # fmt: skip
     """Merge ``part_out [B, Hq, partials, D]`` / ``part_lse`` into ``out [B, Hq, D]``
-    (``launch``: the plan's launch of this kernel)."""
-    launch(part_out, part_lse, rotation, out, out.shape[0] * out.shape[1])
+    (``launch``: the plan's launch of this kernel; ``key``: the launcher's specialization
+    key)."""
+    launch(part_out, part_lse, rotation, out, out.shape[0] * out.shape[1], key=key)

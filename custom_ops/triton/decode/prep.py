@@ -64,9 +64,10 @@ def prep_query_kernel(
 
 
 def launch_prep(launch, q: torch.Tensor, rotation: torch.Tensor, q_code: torch.Tensor,
-                q_scale: float) -> None:  # fmt: skip
+                q_scale: float, key: tuple | None = None) -> None:  # fmt: skip
     """Write ``q_code [B, Hq, PARTS * PC_PAD] fp16`` from ``q [B, Hq, D]`` (``launch``: the
-    plan's :class:`~custom_ops.triton.launch.KernelLaunch` of this kernel)."""
+    plan's :class:`~custom_ops.triton.launch.KernelLaunch` of this kernel; ``key``: the
+    launcher's specialization key, see :class:`~custom_ops.triton.launch.Launcher`)."""
     batch, num_q_heads, _ = q.shape
     num_rows = batch * num_q_heads
-    launch(q, q.stride(0), q.stride(1), rotation, q_code, num_rows, num_q_heads, q_scale)
+    launch(q, q.stride(0), q.stride(1), rotation, q_code, num_rows, num_q_heads, q_scale, key=key)

@@ -129,10 +129,12 @@ def ring_partials_kernel(
 
 def launch_ring(launch, q: torch.Tensor, q_scale: float, k_window: torch.Tensor,
                 v_window: torch.Tensor, seq_lens: torch.Tensor, capacity: int, mask_args: tuple,
-                part_out: torch.Tensor, part_lse: torch.Tensor) -> None:  # fmt: skip
+                part_out: torch.Tensor, part_lse: torch.Tensor,
+                key: tuple | None = None) -> None:  # fmt: skip
     """Write the ring's partials of ``q [B, Hq, D]`` into ``part_out``/``part_lse`` after the
     splits' (``launch``: the plan's launch of this kernel; ``capacity``: positions a sequence
-    holds; ``mask_args``: ``(mask, stride_b, stride_h, mask_len)``)."""
+    holds; ``mask_args``: ``(mask, stride_b, stride_h, mask_len)``; ``key``: the launcher's
+    specialization key)."""
     launch(q, q.stride(0), q.stride(1), q_scale, ring_arguments(k_window, v_window),
            k_window.shape[2], seq_lens, capacity, mask_args, part_out, part_lse,
-           k_window.shape[1])  # fmt: skip
+           k_window.shape[1], key=key)  # fmt: skip

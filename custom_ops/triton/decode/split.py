@@ -265,9 +265,10 @@ def split_arguments(q, q_code, q_scale, rotation, cache: PagedKVCache, block_tab
     )  # fmt: skip
 
 
-def launch_split(launch, arguments: tuple) -> None:
-    """Launch the split kernel with :func:`split_arguments` (``launch``: the plan's launch)."""
-    launch(*arguments)
+def launch_split(launch, arguments: tuple, key: tuple | None = None) -> None:
+    """Launch the split kernel with :func:`split_arguments` (``launch``: the plan's launch;
+    ``key``: the launcher's specialization key)."""
+    launch(*arguments, key=key)
 
 
 def compile_split(launch, arguments: tuple, compile_fn, **options):

@@ -132,6 +132,7 @@ class TestStoreWindowBadInput(expecttest.TestCase):
             "float32 ring": dict(rings=(rings[0].float(), rings[1].float())),
             "ring dtypes differ": dict(rings=(rings[0], rings[1].half())),
             "int64 start": dict(start=start.long()),
+            "broadcast start": dict(start=start[:1].expand(2)),
             "past capacity": dict(start=torch.tensor([CAPACITY - 1, 0], dtype=torch.int32)),
             "block table too short": dict(table=seqs.block_table[:1]),
             "page id out of range": dict(
@@ -154,6 +155,7 @@ ring of another head dim: ValueError: tq.store_window: k_window and v_window mus
 float32 ring: TypeError: tq.store_window: k_window and v_window must be bfloat16 or float16 of one dtype, got torch.float32 and torch.float32
 ring dtypes differ: TypeError: tq.store_window: k_window and v_window must be bfloat16 or float16 of one dtype, got torch.bfloat16 and torch.float16
 int64 start: TypeError: tq.store_window: start_pos must be int32, got torch.int64
+broadcast start: ValueError: tq.store_window: start_pos must be contiguous, got stride 0
 past capacity: ValueError: tq.store_window: tokens up to position 36 do not fit a sequence's capacity of 36 positions (block_table pages * page_size + window)
 block table too short: ValueError: tq.store_window: block_table must be int32 [>= 2, max_pages], got torch.int32 (1, 7)
 page id out of range: ValueError: tq.store_window: block_table[0, 1] = 99 is not a page id in [0, 16), but sequence 0 keeps its positions below start_pos + T - window = 5 in pages""",  # noqa: E501
