@@ -46,6 +46,7 @@ from common import capture, gpu_name, print_table, require_cuda, write_json  # n
 
 from custom_ops.formats import PagedKVCache, get_format  # noqa: E402
 from custom_ops.triton import store_window as triton_store_window  # noqa: E402
+from examples.generate import sync  # noqa: E402
 from examples.model import (  # noqa: E402
     KVCache,
     ModelArgs,
@@ -63,16 +64,17 @@ MODES = ("reduce-overhead", "default", "eager")
 
 @torch.no_grad()
 def fill_caches(model: Transformer, batch: int, context: int, gen: torch.Generator) -> None:
-    """Put ``context`` random tokens in every layer's cache (what a prefill would leave)."""
-    cfg = model.config
+    """Put ``context`` random tokens in every layer's cache (what a prefill would leave);
+    ``gen`` is on the model's device."""
+    cfg, device = model.config, model.output.weight.device
     for layer in model.layers:
         cache = layer.attention.kv_cache
         for start in range(0, context, FILL_CHUNK):
             n = min(FILL_CHUNK, context - start)
             shape = (batch, cfg.n_local_heads, n, cfg.head_dim)
-            k = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
-            v = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
-            cache.update(torch.arange(start, start + n, device="cuda"), k, v)
+            k = torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
+            v = torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
+            cache.update(torch.arange(start, start + n, device=device), k, v)
 
 
 def step_function(mode: str):
@@ -86,18 +88,20 @@ def step_function(mode: str):
 
 @torch.no_grad()
 def time_decode(model: Transformer, step, batch: int, position: int, steps: int) -> float:
-    """Milliseconds per decode step at positions ``position, position + 1, ...``."""
-    token = torch.zeros(batch, 1, dtype=torch.int64, device="cuda")
-    positions = [torch.tensor([position + i], device="cuda") for i in range(steps + 3)]
+    """Milliseconds per decode step at positions ``position, position + 1, ...`` (on the
+    model's device: the CPU too, for benchmarks/tp.py's gloo runs)."""
+    device = model.output.weight.device
+    token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+    positions = [torch.tensor([position + i], device=device) for i in range(steps + 3)]
     for pos in positions[:3]:  # compile, record the CUDA graph, replay
         token, _ = step(model, token, pos)
         token = token.clone()
-    torch.cuda.synchronize()
+    sync(device.type)
     start = time.perf_counter()
     for pos in positions[3:]:
         token, _ = step(model, token, pos)
         token = token.clone()
-    torch.cuda.synchronize()
+    sync(device.type)
     return (time.perf_counter() - start) / steps * 1e3
 
 
@@ -123,7 +127,8 @@ def run_cells(model: Transformer, args) -> list[dict]:
                     try:
                         set_caches(model, cache, batch, context)
                         filled = context - args.steps - 4
-                        fill_caches(model, batch, filled, torch.Generator("cuda").manual_seed(1))
+                        gen = torch.Generator(model.output.weight.device).manual_seed(1)
+                        fill_caches(model, batch, filled, gen)
                         ms = time_decode(model, step_function(mode), batch, filled, args.steps)
                     except torch.cuda.OutOfMemoryError:
                         ms = None
@@ -264,8 +269,17 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
     return rows
 
 
-def plot(payload: dict, path: Path) -> None:
-    """Speed-up over bf16 (enable_gqa) per cell, one panel per mode, one bar per cache."""
+def _batch_context(row: dict) -> tuple[int, int]:
+    return row["batch"], row["context"]
+
+
+def _batch_context_label(cell: tuple[int, int]) -> str:
+    return f"B={cell[0]}\n{cell[1] // 1024}K"
+
+
+def plot(payload: dict, path: Path, cell=_batch_context, label=_batch_context_label) -> None:
+    """Speed-up over bf16 (enable_gqa) per cell, one panel per mode, one bar per cache; a
+    row's cell is ``cell(row)`` (hashable), its tick ``label(cell)``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,18 +289,17 @@ def plot(payload: dict, path: Path) -> None:
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
-        cells = list(dict.fromkeys((r["batch"], r["context"]) for r in rows if r["mode"] == mode))
+        cells = list(dict.fromkeys(cell(r) for r in rows if r["mode"] == mode))
         caches = list(dict.fromkeys(r["cache"] for r in rows if r["mode"] == mode))
         width = 0.8 / len(caches)
         for i, cache in enumerate(caches):
-            speed = {(r["batch"], r["context"]): r["speedup"] or 0 for r in rows
+            speed = {cell(r): r["speedup"] or 0 for r in rows
                      if r["mode"] == mode and r["cache"] == cache}  # fmt: skip
             xs = [j + i * width for j in range(len(cells))]
             bars = ax.bar(xs, [speed.get(c, 0) for c in cells], width, label=cache)
             ax.bar_label(bars, [f"{speed.get(c, 0):.2f}" for c in cells], fontsize=6)
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))],
-                      [f"B={b}\n{c // 1024}K" for b, c in cells])  # fmt: skip
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))], [label(c) for c in cells])
         ax.set_title(mode)
         ax.set_ylabel("speed-up vs bf16 SDPA (enable_gqa)")
         ax.legend(fontsize=7)
