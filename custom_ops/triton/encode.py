@@ -10,6 +10,9 @@ It reproduces :func:`custom_ops.reference.encode_rows` operation by operation:
 * Uniform: fp16 scale ``(max - min) / (2^b - 1)`` and zero ``min``; codes from those rounded
   values: ``floor((x - zero) / scale + 0.5)``, clamped.
 * FP8 / absmax: saturating e4m3 casts, ``floor(x / scale + 0.5)`` for int8.
+
+A row holding a NaN stores a NaN norm or scale (Lloyd-Max norms propagate it by themselves;
+scales from min / max get it explicitly), so it reads back as NaN on every path.
 """
 
 from __future__ import annotations
@@ -42,6 +45,14 @@ def _reciprocal_or_zero(x):
         tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), tl.where(positive, x, 1.0)),
         0.0,
     )
+
+
+@triton.jit
+def _nan_if_any_nan(scalar, x):
+    """``scalar [BLOCK_R]``, NaN for rows of ``x [BLOCK_R, G, C_PAD]`` holding a NaN: the GPU's
+    min and max skip NaN (the interpreter's do not), so a scale from them would hide it; a NaN
+    scale makes the row decode to NaN, as dense attention over it would."""
+    return tl.where(_row_sum((x != x).to(tl.float32)) > 0, float("nan"), scalar)
 
 
 @triton.jit
@@ -115,7 +126,8 @@ def encode_side(
         QMAX: tl.constexpr = (1 << P.BITS) - 1
         lo = tl.min(tl.min(tl.where(e_mask, x, float("inf")), axis=2), axis=1)
         hi = tl.max(tl.max(tl.where(e_mask, x, float("-inf")), axis=2), axis=1)
-        scale16 = tl.math.div_rn(hi - lo, tl.full([BLOCK_R], QMAX, tl.float32)).to(tl.float16)
+        scale16 = tl.math.div_rn(hi - lo, tl.full([BLOCK_R], QMAX, tl.float32))
+        scale16 = _nan_if_any_nan(scale16, x).to(tl.float16)
         zero16 = lo.to(tl.float16)
         scale = scale16.to(tl.float32)
         zero = zero16.to(tl.float32)[:, None, None]
@@ -132,6 +144,7 @@ def encode_side(
             QMAX_ABS: tl.constexpr = _FP8_MAX if P.KIND == FP8_ABSMAX else _INT8_MAX
             absmax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
             scale = tl.math.div_rn(absmax, tl.full([BLOCK_R], QMAX_ABS, tl.float32))
+            scale = _nan_if_any_nan(scale, x)
             tl.store(meta_ptr + P.META, scale.to(meta_ty), mask=ok)
             scaled = x * _reciprocal_or_zero(scale)[:, None, None]
         if P.KIND == INT8_ABSMAX:

@@ -59,6 +59,36 @@ def test_kernel_matches_reference(fmt_name, head_dim, dtype, kernel_device, seed
     assert_same_cache(fmt, expected, actual)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_nan_in_nan_out(fmt_name, impl, kernel_device, seeded):
+    """A NaN in one element of a stored key (kv-head 0) or value (kv-head 1) makes the
+    attention of that kv-head's query heads NaN, on the reference and the kernels alike (the
+    GPU's min / max skip NaN: scales from them hid it and the row came back finite); kv-head 2
+    stays finite, and so does the rest of the NaN rows' page."""
+    fmt = get_format(fmt_name)
+    device = impl_device(impl, kernel_device)
+    consts = api.KVConstants(*(c.to(device) for c in api.make_constants(fmt, 64)))
+    key, value = random_kv(12, 3, 64, torch.bfloat16, seeded)
+    key[5, 0, 17] = float("nan")
+    value[9, 1, 40] = float("nan")
+    cache = PagedKVCache(*(p.to(device) for p in fmt.allocate(3, 3, 4, 64)))
+    table = torch.tensor([[0, 1, 2]], dtype=torch.int32, device=device)
+    lens = torch.tensor([12], dtype=torch.int32, device=device)
+    q = torch.randn(1, 6, 64, generator=seeded).to(torch.bfloat16).to(device)  # group 2
+    with impl_context(impl, device):
+        api.store(fmt, cache, key.to(device), value.to(device),
+                  torch.arange(12, dtype=torch.int32, device=device), consts)  # fmt: skip
+        out = api.decode(fmt, q, cache, table, lens, consts, num_splits=2).cpu()
+        k_deq, v_deq = api.dequantize(fmt, cache, table, lens, consts, 12, torch.float32)
+    assert out[0, :4].isnan().all(), "kv-heads 0 and 1: NaN"
+    assert out[0, 4:].isfinite().all(), "kv-head 2: finite"
+    assert k_deq[0, 0, 5].isnan().any() and v_deq[0, 1, 9].isnan().any()  # fp8: the element
+    others = torch.ones(12, dtype=torch.bool)
+    others[[5, 9]] = False
+    assert k_deq[0, :, others].isfinite().all() and v_deq[0, :, others].isfinite().all()
+
+
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k8v4", "int8"])
 def test_kernel_takes_permuted_strides(fmt_name, kernel_device, seeded):
     """Non-contiguous key/value views (token and head dims swapped in memory) store the same

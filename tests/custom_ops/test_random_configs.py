@@ -1,0 +1,245 @@
+"""Seeded random configurations of every op against the float64 oracle.
+
+Each run draws new configurations (format, head dim, page size, kv-heads, GQA group, batch,
+window, ragged lengths at 0 / 1 / page and window boundaries / capacity, mask kind, query dtype,
+split count), writes random tokens in random chunks through the Triton kernels (on the kernel
+device: CUDA, or the CPU through the interpreter) and through the CPU reference, and checks:
+
+* the kernels' cache dequantizes to what the reference's does (codes may sit one level apart
+  where float32 summation order tips a value over a decision boundary: a small error bound),
+  and its quantization error is the reference's;
+* ``tq.dequantize`` by the kernels equals the reference's dequantization of the same cache;
+* ``tq.decode`` by the kernels equals float64 attention over the same cache (fp16 query and
+  probabilities on the tensor cores: 1e-3, 4e-3 for bf16 queries), fully masked queries giving
+  zeros.
+
+The seed is printed on failure; ``TQ_TEST_SEED=<seed>`` replays a run. The CPU draws a few
+small configurations (the interpreter is slow), CUDA many.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import CUDA, triton_kernels
+from helpers import clone_cache, poisoned_cache, random_kv, rel_error
+
+from custom_ops import api, reference
+from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, get_format
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
+
+CONFIGS = 8 if CUDA else 12
+
+
+@dataclass(frozen=True)
+class Config:
+    """One drawn configuration (its repr is the failure message's context)."""
+
+    fmt: str
+    head_dim: int
+    page_size: int
+    num_kv_heads: int
+    group: int
+    window: int
+    pages_per_seq: int
+    lens: tuple[int, ...]
+    mask: str
+    q_dtype: torch.dtype
+    num_splits: int
+
+    @property
+    def capacity(self) -> int:
+        return self.pages_per_seq * self.page_size + self.window
+
+
+def _pick(options, gen: torch.Generator):
+    return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+
+def draw(gen: torch.Generator, small: bool) -> Config:
+    """A random configuration; ``small`` keeps it cheap for the interpreter."""
+    head_dim = _pick((64, 128) if small else SUPPORTED_HEAD_DIMS, gen)
+    page_size = _pick((4, 8) if small else (1, 4, 8, 16, 32), gen)
+    window = _pick((0, 4, 8) if small else (0, 1, 8, 16, 64, 128), gen)
+    pages_per_seq = _pick((2, 3) if small else (1, 2, 5, 12), gen)
+    capacity = pages_per_seq * page_size + window
+    # lengths at the edges: empty, one token, around a page and the window, full
+    edges = [0, 1, page_size - 1, page_size, page_size + 1, window, window + 1, capacity - 1,
+             capacity, int(torch.randint(capacity + 1, (1,), generator=gen))]  # fmt: skip
+    edges = [n for n in edges if 0 <= n <= capacity]
+    batch = _pick((1, 2) if small else (1, 2, 3), gen)
+    lens = tuple(_pick(edges, gen) for _ in range(batch))
+    return Config(
+        fmt=_pick(sorted(FORMATS), gen), head_dim=head_dim, page_size=page_size,
+        num_kv_heads=_pick((1, 2) if small else (1, 2, 4), gen),
+        group=_pick((1, 4) if small else (1, 2, 4, 5, 8), gen), window=window,
+        pages_per_seq=pages_per_seq, lens=lens, mask=_pick(("none", "bool", "additive"), gen),
+        q_dtype=_pick((torch.float16, torch.bfloat16), gen),
+        num_splits=_pick((1, 2, 4) if small else (1, 2, 8, 32), gen),
+    )  # fmt: skip
+
+
+class Case:
+    """A configuration's caches, written the same way on two paths: ``"kernel"`` (the Triton
+    kernels on ``device``) and ``"reference"`` (the CPU reference)."""
+
+    def __init__(self, cfg: Config, gen: torch.Generator, device: str):
+        self.cfg, self.device = cfg, device
+        self.fmt = get_format(cfg.fmt)
+        batch = len(cfg.lens)
+        self.rotation = api.make_constants(self.fmt, cfg.head_dim, seed=7).rotation
+        num_pages = batch * cfg.pages_per_seq + 1
+        cache = poisoned_cache(self.fmt, num_pages, cfg.num_kv_heads, cfg.page_size,
+                               cfg.head_dim, gen)  # fmt: skip
+        pages = torch.randperm(num_pages, generator=gen)[: batch * cfg.pages_per_seq]
+        self.block_table = pages.to(torch.int32).reshape(batch, cfg.pages_per_seq)
+        ring_shape = (batch, cfg.num_kv_heads, max(cfg.window, 1), cfg.head_dim)
+        rings = (torch.randn(ring_shape, generator=gen).to(torch.bfloat16),
+                 torch.randn(ring_shape, generator=gen).to(torch.bfloat16))  # fmt: skip
+        self.caches = {"kernel": clone_cache(cache, device), "reference": clone_cache(cache)}
+        self.rings = {"kernel": tuple(r.clone().to(device) for r in rings), "reference": rings}
+        self.keys = torch.zeros(batch, cfg.num_kv_heads, cfg.capacity, cfg.head_dim,
+                                dtype=torch.bfloat16)  # fmt: skip
+        self.values = torch.zeros_like(self.keys)
+        self._write(gen)
+
+    @property
+    def lens(self) -> torch.Tensor:
+        return torch.tensor(self.cfg.lens, dtype=torch.int32)
+
+    def _write(self, gen: torch.Generator) -> None:
+        """Every sequence's tokens in random chunks (sequences whose turn it is not skipped)."""
+        cfg, batch = self.cfg, len(self.cfg.lens)
+        written = [0] * batch
+        while written != list(cfg.lens):
+            chunk = int(torch.randint(1, 2 * cfg.page_size + 3, (1,), generator=gen))
+            n_new = min(chunk, max(n - w for n, w in zip(cfg.lens, written, strict=True)))
+            key, value = random_kv(batch * n_new, cfg.num_kv_heads, cfg.head_dim,
+                                   torch.bfloat16, gen)  # fmt: skip
+            key = key.reshape(batch, n_new, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+            value = value.reshape(batch, n_new, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+            starts = [w if w + n_new <= n else -1
+                      for n, w in zip(cfg.lens, written, strict=True)]  # fmt: skip
+            if all(s < 0 for s in starts):  # the remaining sequences need shorter chunks
+                continue
+            for b, start in enumerate(starts):
+                if start >= 0:
+                    self.keys[b, :, start : start + n_new] = key[b]
+                    self.values[b, :, start : start + n_new] = value[b]
+                    written[b] += n_new
+            for path in ("kernel", "reference"):
+                self._store(path, key, value, torch.tensor(starts, dtype=torch.int32))
+
+    def _store(self, path: str, key, value, starts: torch.Tensor) -> None:
+        device = self.device if path == "kernel" else "cpu"
+        cache, table = self.caches[path], self.block_table.to(device)
+        rotation = self.rotation.to(device)
+        with triton_kernels(device) if path == "kernel" else torch.no_grad():
+            if self.cfg.window:
+                torch.ops.tq.store_window(key.to(device), value.to(device), *cache,
+                                          *self.rings[path], table, starts.to(device), rotation,
+                                          self.cfg.fmt)  # fmt: skip
+                return
+            # no window: slots of positions start .. start + T - 1 of the live sequences
+            n_new, page = key.shape[2], self.cfg.page_size
+            positions = starts[:, None].long() + torch.arange(n_new)
+            slots = self.block_table.long().gather(1, (positions // page).clamp(0)) * page
+            slots = torch.where(starts[:, None] >= 0, slots + positions % page, -1)
+            rows = key.transpose(1, 2).reshape(-1, *key.shape[1::2])
+            value_rows = value.transpose(1, 2).reshape(-1, *value.shape[1::2])
+            torch.ops.tq.store(rows.to(device), value_rows.to(device), *cache,
+                               slots.reshape(-1).to(torch.int32).to(device), rotation,
+                               self.cfg.fmt)  # fmt: skip
+
+    def reference_dequantized(self, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 ``(K, V) [B, Hk, capacity, D]`` of ``path``'s cache by the reference."""
+        rings = self.rings[path] if self.cfg.window else (None, None)
+        return reference.dequantize(
+            self.fmt, clone_cache(self.caches[path]), self.block_table, self.lens,
+            self.rotation, self.cfg.capacity, torch.float64,
+            *(None if r is None else r.cpu() for r in rings),
+        )  # fmt: skip
+
+
+def _seed() -> int:
+    return int(os.environ.get("TQ_TEST_SEED", time.time_ns() % 2**31))
+
+
+def _mask(cfg: Config, num_q_heads: int, gen: torch.Generator) -> torch.Tensor | None:
+    """``[B or 1, Hq or 1, M]`` over the first ``M`` positions (the rest masked out)."""
+    if cfg.mask == "none":
+        return None
+    batch = len(cfg.lens)
+    shape = (_pick((1, batch), gen), _pick((1, num_q_heads), gen),
+             int(torch.randint(1, cfg.capacity + 1, (1,), generator=gen)))  # fmt: skip
+    if cfg.mask == "bool":
+        return torch.rand(shape, generator=gen) > 0.3
+    return torch.randn(shape, generator=gen) * 2
+
+
+def _check(cfg: Config, gen: torch.Generator, device: str) -> None:
+    case = Case(cfg, gen, device)
+    ref_k, ref_v = case.reference_dequantized("reference")
+    kernel_k, kernel_v = case.reference_dequantized("kernel")
+    written = torch.arange(cfg.capacity)[None, None, :, None] < case.lens[:, None, None, None]
+    for side, ref, kernel, original in (("keys", ref_k, kernel_k, case.keys),
+                                        ("values", ref_v, kernel_v, case.values)):  # fmt: skip
+        if not written.any():
+            break
+        ref, kernel = ref.masked_fill(~written, 0), kernel.masked_fill(~written, 0)
+        original = original.double().masked_fill(~written, 0)
+        # the same codes up to one level for a few elements: far below a format step
+        assert rel_error(kernel, ref) < 2e-2, f"{side}: the kernels' store"
+        assert rel_error(kernel, original) <= rel_error(ref, original) * 1.05 + 1e-4, side
+
+    rings = case.rings["kernel"] if cfg.window else (None, None)
+    table, lens = case.block_table.to(device), case.lens.to(device)
+    rotation = case.rotation.to(device)
+    with triton_kernels(device):
+        k_deq, v_deq = torch.ops.tq.dequantize(*case.caches["kernel"], table, lens, rotation,
+                                               cfg.fmt, cfg.capacity, torch.float32,
+                                               *rings)  # fmt: skip
+    torch.testing.assert_close(k_deq.cpu().double(), kernel_k.masked_fill(~written, 0),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(v_deq.cpu().double(), kernel_v.masked_fill(~written, 0),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+    num_q_heads = cfg.num_kv_heads * cfg.group
+    q = torch.randn(len(cfg.lens), num_q_heads, cfg.head_dim, generator=gen).to(cfg.q_dtype)
+    mask = _mask(cfg, num_q_heads, gen)
+    scale = cfg.head_dim**-0.5
+    cpu_rings = tuple(None if r is None else r.cpu() for r in rings)
+    expected = reference.decode(case.fmt, q, clone_cache(case.caches["kernel"]),
+                                case.block_table, case.lens, case.rotation, scale,
+                                torch.float64, mask, *cpu_rings)  # fmt: skip
+    with triton_kernels(device):
+        actual = torch.ops.tq.decode(q.to(device), *case.caches["kernel"], table, lens,
+                                     rotation, cfg.fmt, cfg.num_splits, scale,
+                                     None if mask is None else mask.to(device),
+                                     *rings).cpu()  # fmt: skip
+    assert not actual.isnan().any()
+    seen = expected.abs().amax(dim=-1) > 0  # queries with at least one visible key
+    assert bool((actual[~seen] == 0).all()), "a query that sees nothing gets zeros"
+    if seen.any():
+        tolerance = 1e-3 if cfg.q_dtype == torch.float16 else 4e-3
+        assert rel_error(actual[seen], expected[seen]) < tolerance, "decode"
+
+
+def test_random_configurations(kernel_device):
+    """:data:`CONFIGS` random configurations per run, every op against the oracle."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(CONFIGS):
+        cfg = draw(gen, small=kernel_device == "cpu")
+        try:
+            _check(cfg, gen, kernel_device)
+        except AssertionError as err:
+            raise AssertionError(
+                f"configuration {i} of seed {seed} (TQ_TEST_SEED={seed} replays it): {cfg}: "
+                f"{err}"
+            ) from err
