@@ -359,6 +359,9 @@ def generate(
     input_pos = torch.tensor([seqlen], device=prompt.device)
     for _ in range(max_new_tokens - 1):
         next_token, _ = decode_fn(model, next_token, input_pos)
+        # a CUDA graph's output is overwritten by its next replay: neither kept nor fed back
+        # (two TP ranks failed recording a graph whose input was the previous step's token)
+        next_token = next_token.clone()
         input_pos += 1
-        new_tokens.append(next_token.clone())  # CUDA-graph outputs are overwritten next step
+        new_tokens.append(next_token)
     return torch.cat([prompt, *new_tokens], dim=1)

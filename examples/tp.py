@@ -35,6 +35,7 @@ Shapes: B batch, Hq / Hk query / kv heads of the whole model, N ranks, D head di
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -58,7 +59,7 @@ from examples.model import (  # noqa: E402
 )
 from tq_compile import TurboQuantKVConfig, kv_cache_nbytes, quantize_  # noqa: E402
 
-__all__ = ["init_distributed", "shard_config", "apply_tp", "parallelize_dtensor"]
+__all__ = ["init_distributed", "process_group", "shard_config", "apply_tp", "parallelize_dtensor"]
 
 ROUTES = ("funcol", "dtensor")
 # DTensor plans for one TransformerBlock: the five linears gpt-fast shards.
@@ -92,6 +93,17 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
         rank_device = torch.device("cpu")
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), rank_device
+
+
+@contextlib.contextmanager
+def process_group(device: str):
+    """:func:`init_distributed` for the ``with`` block (yields its result); the group is
+    destroyed when the block ends normally. A rank whose block raises leaves the group as it is
+    and exits with the error: NCCL's teardown would wait for peers still inside a collective
+    (a two-GPU test hung there instead of reporting a failed rank)."""
+    joined = init_distributed(device)
+    yield joined
+    dist.destroy_process_group()
 
 
 def shard_config(config: ModelArgs, world_size: int) -> ModelArgs:
@@ -256,9 +268,8 @@ def main() -> None:
     for name in ("batch", "prompt_len", "new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    rank, world_size, device = init_distributed(args.device)
-    say = print if rank == 0 else (lambda *a, **k: None)
-    try:
+    with process_group(args.device) as (rank, world_size, device):
+        say = print if rank == 0 else (lambda *a, **k: None)
         preset = args.preset or ("1b-shape" if device.type == "cuda" else "tiny")
         cfg = ModelArgs.from_name(preset)
         say(f"{preset} model (Hq={cfg.n_head}, Hk={cfg.n_local_heads}, D={cfg.head_dim}) on "
@@ -297,8 +308,6 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         say(f"{args.batch * args.new_tokens / elapsed:,.0f} tokens/s (prefill included); first "
             f"sequence's new tokens: {tokens[0, args.prompt_len:].tolist()}")  # fmt: skip
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

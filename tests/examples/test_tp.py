@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo.testing
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import ROOT
 
@@ -33,7 +32,7 @@ from examples.model import (
     prefill,
     transformer_configs,
 )
-from examples.tp import apply_tp, init_distributed, parallelize_dtensor, shard_config
+from examples.tp import apply_tp, parallelize_dtensor, process_group, shard_config
 from tq_compile import TurboQuantKVCache, TurboQuantKVConfig, kv_cache_nbytes, quantize_
 
 # tiny's layers with 8 query / 4 kv heads, so that 4 ranks hold one kv-head each.
@@ -92,9 +91,8 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """One gloo rank: decode :func:`_tokens` with every variant of ``world_size``; save each
     one's logits, compiled frame count and per-layer cache heads and bytes to
     ``out_dir/rank{rank}.pt``."""
-    _join(rank, world_size, port, "cpu")
     torch.set_num_threads(1)  # world_size ranks share CI's 2 cores
-    try:
+    with _joined(rank, world_size, port, "cpu"):
         results = {}
         for route, cache, backend in VARIANTS[world_size]:
             model = _model()
@@ -115,8 +113,6 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 logits=logits, frames=counter and counter.frame_count, caches=_cache_sizes(model)
             )
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def _cache_sizes(model: Transformer) -> list[tuple[int, int]]:
@@ -129,11 +125,12 @@ def _cache_sizes(model: Transformer) -> list[tuple[int, int]]:
     return sizes
 
 
-def _join(rank: int, world_size: int, port: int, device: str) -> None:
-    """Join a ``world_size`` process group the way ``torchrun`` would set it up."""
+def _joined(rank: int, world_size: int, port: int, device: str):
+    """The ``world_size`` process group set up the way ``torchrun`` would, for a ``with`` block
+    (:func:`examples.tp.process_group`: a failing rank exits instead of waiting for peers)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))  # fmt: skip
-    init_distributed(device)
+    return process_group(device)
 
 
 def _free_port() -> int:
@@ -264,8 +261,7 @@ def _gpu_rank_main(rank: int, world_size: int, port: int, steps: int) -> None:
     from torch._dynamo.utils import counters
     from torch._inductor.cudagraph_trees import get_manager
 
-    _join(rank, world_size, port, "cuda")
-    try:
+    with _joined(rank, world_size, port, "cuda"):
         prompt_len, tol = 16, 2e-2
         tiny = transformer_configs["tiny"]
         # init_weights' default std, as tests/tq_compile/test_cache.py's one-GPU test
@@ -293,8 +289,6 @@ def _gpu_rank_main(rank: int, world_size: int, port: int, steps: int) -> None:
         assert counters["inductor"]["cudagraph_skips"] == 0
         manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
         assert manager is not None and any(manager.roots.values()), "no CUDA graph recorded"
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu
