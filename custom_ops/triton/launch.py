@@ -55,7 +55,7 @@ class Launcher:
 
     def __init__(self, kernel, kwargs: dict):
         self.kernel, self.kwargs = kernel, kwargs
-        self._compiled: dict = {}
+        self._compiled = KeyedMemo()  # compiled kernels by (device, specialization key)
         params = getattr(kernel, "params", None)  # None: an interpreted kernel
         if params is not None:
             # the constexpr values in parameter order, after the positional runtime arguments
@@ -74,9 +74,9 @@ class Launcher:
             return
         device = torch.cuda.current_device()
         key = (device, _signature(args) if key is None else key)
-        compiled = self._compiled.get(key)
+        compiled = self._compiled.peek(key)
         if compiled is None:  # compiles, or finds the kernel in Triton's cache, and launches
-            self._compiled[key] = self.kernel[grid](*args, **self.kwargs)
+            self._compiled.put(key, self.kernel[grid](*args, **self.kwargs))
             return
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
@@ -103,12 +103,23 @@ class KernelLaunch:
 
 
 class KeyedMemo:
-    """Values computed once per launch key (an op's launch plan, its launcher and grid), so a
-    call with known metadata does no host-side policy work; bounded, as shapes rarely vary."""
+    """Values computed once per launch key (an op's launch plan, its launcher and grid, a
+    launcher's compiled kernels), so a call with known metadata does no host-side policy work;
+    bounded, since every new shape (a prefill's length) adds a key."""
 
     def __init__(self, bound: int = 4096):
         self._values: dict = {}
         self._bound = bound
+
+    def peek(self, key: tuple):
+        """The value remembered for ``key``, or None."""
+        return self._values.get(key)
+
+    def put(self, key: tuple, value) -> None:
+        """Remember ``value`` for ``key`` (everything is forgotten at the bound)."""
+        if len(self._values) >= self._bound:
+            self._values.clear()
+        self._values[key] = value
 
     def get(self, key: tuple | None, make):
         """The value remembered for ``key``, or ``make()`` (remembered unless ``key`` is None:
@@ -117,7 +128,6 @@ class KeyedMemo:
             return make()
         value = self._values.get(key)
         if value is None:
-            if len(self._values) >= self._bound:
-                self._values.clear()
-            value = self._values[key] = make()
+            value = make()
+            self.put(key, value)
         return value

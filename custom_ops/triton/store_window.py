@@ -32,6 +32,7 @@ __all__ = ["store_window_kernel", "store_window", "APPEND_ROWS", "APPEND_MAX_ROW
 # "End to end"), 32 otherwise (prefill chunks).
 APPEND_ROWS = 16
 APPEND_MAX_ROWS = 4096
+_DEFAULT_WARPS = 4
 
 
 @triton.jit
@@ -144,7 +145,7 @@ def store_window(
     start_pos: torch.Tensor,
     rotation: torch.Tensor,
     block_rows: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = _DEFAULT_WARPS,
     launch_key: tuple | None = None,
 ) -> None:
     """Launch the window store (inputs validated; see ``torch.ops.tq.store_window``).
@@ -173,7 +174,9 @@ def store_window(
               rotation, launch_key=launch_key)  # fmt: skip
     num_chains = min(n_new, window)
     num_rows = batch * num_chains * num_kv_heads
-    launcher, grid = _LAUNCHES.get(launch_key, lambda: _launch(
+    # the memo holds the default launch shape's launches only
+    defaults = block_rows is None and num_warps == _DEFAULT_WARPS
+    launcher, grid = _LAUNCHES.get(launch_key if defaults else None, lambda: _launch(
         fmt, cache, head_dim, num_rows, block_rows, num_warps))  # fmt: skip
     launcher(
         grid, key, value, *key.stride(), *value.stride(),
