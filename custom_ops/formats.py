@@ -8,8 +8,10 @@ A paged cache is three tensors (planes), all indexed ``[page, kv_head, ...]``:
   byte ``j`` of the value-code row of the token in slot ``s`` is ``v_codes[page, head, j, s]``
   (:attr:`PagedKVCache.value_rows` is the token-major ``[..., page_size, value_code_bytes]``
   view of those rows).
-* ``meta [num_pages, Hk, page_size, num_meta] float16 | float32``: the per-token-head scalars
-  (key norm or scale, value scale / zero / norm) in one record, keys' fields first.
+* ``meta [num_pages, Hk, page_size, num_meta] bfloat16 | float32``: the per-token-head scalars
+  (key norm or scale, value scale / zero / norm) in one record, keys' fields first. bfloat16
+  has float32's exponent range, so every finite bf16 / fp16 input has a finite, non-zero
+  record (fp16 overflowed at 65504 and flushed scales below 6e-8 to zero).
 
 Head-major inside a page keeps one kv-head's ``page_size`` rows contiguous, which is what the
 decode kernel (one program per (sequence, kv-head, split)) streams. Value codes are token-minor
@@ -40,7 +42,6 @@ import torch
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
-    "TINY_NORM",
     "FP8_MAX",
     "INT8_MAX",
     "Kind",
@@ -57,7 +58,6 @@ __all__ = [
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 
 # Numbers every encoder (the reference and the kernels) must agree on.
-TINY_NORM = 1e-30  # Lloyd-Max: rows with a smaller norm are zero vectors (codes +0, norm 0)
 FP8_MAX = 448.0  # largest finite e4m3 value: fp8 absmax scale = absmax / FP8_MAX
 INT8_MAX = 127.0  # int8 absmax scale = absmax / INT8_MAX
 
@@ -66,8 +66,7 @@ class Kind(enum.IntEnum):
     """How a codec turns a vector into codes (the integer is what kernels see as constexpr)."""
 
     LLOYD_MAX = 0  # rotate, store Lloyd-Max sign-magnitude codes + one (norm-corrected) norm
-    UNIFORM = 1  # asymmetric uniform codes + fp16 scale and zero (min)
-    FP8 = 2  # plain e4m3 cast per element (saturating), no scalar
+    UNIFORM = 1  # asymmetric uniform codes + a scale and zero (min)
     FP8_ABSMAX = 3  # e4m3 of x / scale with scale = absmax / 448, per token-head
     INT8_ABSMAX = 4  # int8 of x / scale with scale = absmax / 127, per token-head
 
@@ -75,12 +74,11 @@ class Kind(enum.IntEnum):
 _META_FIELDS = {
     Kind.LLOYD_MAX: ("norm",),
     Kind.UNIFORM: ("scale", "zero"),
-    Kind.FP8: (),
     Kind.FP8_ABSMAX: ("scale",),
     Kind.INT8_ABSMAX: ("scale",),
 }
 
-_BITS = {Kind.FP8: (8,), Kind.FP8_ABSMAX: (8,), Kind.INT8_ABSMAX: (8,)}
+_BITS = {Kind.FP8_ABSMAX: (8,), Kind.INT8_ABSMAX: (8,)}
 
 
 @dataclass(frozen=True)
@@ -249,26 +247,27 @@ def check_head_dim(head_dim: int) -> None:
         raise ValueError(f"unsupported head dim {head_dim}: expected one of {SUPPORTED_HEAD_DIMS}")
 
 
-_F16 = torch.float16
+_BF16 = torch.bfloat16
 _LM = Kind.LLOYD_MAX
 
 FORMATS: dict[str, KVFormat] = {
     f.name: f
     for f in (
-        # vLLM's presets, same names and semantics.
-        KVFormat("k8v4", Codec(Kind.FP8, 8), Codec(Kind.UNIFORM, 4), _F16),
-        KVFormat("4bit_nc", Codec(_LM, 4, True), Codec(Kind.UNIFORM, 4), _F16),
-        KVFormat("k3v4_nc", Codec(_LM, 3, True), Codec(Kind.UNIFORM, 4), _F16),
-        KVFormat("3bit_nc", Codec(_LM, 3, True), Codec(Kind.UNIFORM, 3), _F16),
+        # vLLM's presets, same names and semantics; k8v4's fp8 keys carry a per-token-head
+        # scale (vLLM casts them plainly, which saturates at +-448 and flushes |k| < 2^-9).
+        KVFormat("k8v4", Codec(Kind.FP8_ABSMAX, 8), Codec(Kind.UNIFORM, 4), _BF16),
+        KVFormat("4bit_nc", Codec(_LM, 4, True), Codec(Kind.UNIFORM, 4), _BF16),
+        KVFormat("k3v4_nc", Codec(_LM, 3, True), Codec(Kind.UNIFORM, 4), _BF16),
+        KVFormat("3bit_nc", Codec(_LM, 3, True), Codec(Kind.UNIFORM, 3), _BF16),
         # Per-token-head absmax formats (vLLM's per_token_head INT8 / FP8), float32 scales.
         KVFormat("int8", Codec(Kind.INT8_ABSMAX, 8), Codec(Kind.INT8_ABSMAX, 8), torch.float32),
         KVFormat("fp8", Codec(Kind.FP8_ABSMAX, 8), Codec(Kind.FP8_ABSMAX, 8), torch.float32),
         # turboquant-vllm's TQ4: Lloyd-Max keys and rotated Lloyd-Max values, 4 bits each.
-        KVFormat("tq4_nc", Codec(_LM, 4, True), Codec(_LM, 4, True), _F16),
+        KVFormat("tq4_nc", Codec(_LM, 4, True), Codec(_LM, 4, True), _BF16),
         # 2-bit Lloyd-Max keys (sign + one magnitude bit) with 2- or 4-bit uniform values: too
         # lossy alone, usable with a full-precision recent window (see TurboQuantKVCache).
-        KVFormat("k2v2_nc", Codec(_LM, 2, True), Codec(Kind.UNIFORM, 2), _F16),
-        KVFormat("k2v4_nc", Codec(_LM, 2, True), Codec(Kind.UNIFORM, 4), _F16),
+        KVFormat("k2v2_nc", Codec(_LM, 2, True), Codec(Kind.UNIFORM, 2), _BF16),
+        KVFormat("k2v4_nc", Codec(_LM, 2, True), Codec(Kind.UNIFORM, 4), _BF16),
     )
 }
 

@@ -15,7 +15,7 @@ import math
 import torch
 
 from custom_ops.codebook import signed_levels
-from custom_ops.formats import FP8_MAX, INT8_MAX, TINY_NORM, Codec, Kind, KVFormat, PagedKVCache
+from custom_ops.formats import FP8_MAX, INT8_MAX, Codec, Kind, KVFormat, PagedKVCache
 
 __all__ = [
     "encode_rows",
@@ -74,52 +74,78 @@ def _magnitude_midpoints(levels: torch.Tensor, bits: int) -> torch.Tensor:
     return (mags[1:] + mags[:-1]) * 0.5
 
 
+def _reciprocal_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """``1 / x`` where ``x > 0``, else 0 (one division per row, multiplies per element)."""
+    return torch.where(x > 0, 1.0 / x, torch.zeros_like(x))
+
+
+def _power_of_two_floor(x: torch.Tensor) -> torch.Tensor:
+    """The power of two at or below ``x >= 0`` (float32, from its exponent bits), capped at
+    2^126 so that its reciprocal is a normal number; 0 for zero and subnormal ``x``."""
+    exponent = x.to(torch.float32).view(torch.int32) & 0x7F800000
+    return exponent.clamp_max(0x7E800000).view(torch.float32)
+
+
+def _stored(x: torch.Tensor, meta_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to the meta record's dtype, back in float32: codes are computed against
+    the scalars that are stored, not the float32 ones."""
+    return x.to(meta_dtype).to(torch.float32)
+
+
 def _encode_lloyd_max(
     codec: Codec, x: torch.Tensor, rotation: torch.Tensor
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     head_dim = x.shape[1]
     levels = signed_levels(codec.bits, head_dim).to(x.device)
-    norm = torch.sqrt((x * x).sum(dim=1))
+    # Divided by a power of two near its absmax (exact), the row's squares and rotated sums
+    # stay in float32's range for any finite bf16 row; the codes are those of the unscaled row.
+    pow2 = _power_of_two_floor(x.abs().amax(dim=1))
+    x = x * _reciprocal_or_zero(pow2)[:, None]
+    norm = torch.sqrt((x * x).sum(dim=1))  # of the scaled row: 0 for zero rows, else >= 1
     inv_sqrt_d = torch.tensor(1.0 / math.sqrt(head_dim), dtype=torch.float32)
-    y = (x @ rotation) * (inv_sqrt_d / norm.clamp_min(TINY_NORM))[:, None]
+    inv = torch.where(norm > 0, inv_sqrt_d / torch.where(norm > 0, norm, 1.0), 0.0)
+    y = (x @ rotation) * inv[:, None]
     magnitude = torch.bucketize(y.abs(), _magnitude_midpoints(levels, codec.bits))
     sign = (y < 0).to(torch.int32)
     codes = (sign << (codec.bits - 1)) | magnitude.to(torch.int32)
-    stored = norm
     if codec.norm_correction:
         recon = levels[codes]
-        stored = norm / torch.sqrt((recon * recon).sum(dim=1))
-    return codes, [stored]
+        norm = norm / torch.sqrt((recon * recon).sum(dim=1))
+    return codes, [norm * pow2]
 
 
-def _encode_uniform(codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _encode_uniform(
+    codec: Codec, x: torch.Tensor, meta_dtype: torch.dtype
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     qmax = (1 << codec.bits) - 1
     lo = x.amin(dim=1)
     hi = x.amax(dim=1)
-    # Quantize against the fp16 scale and zero that are stored, not the fp32 ones.
-    scale = ((hi - lo) / qmax).to(torch.float16).to(torch.float32)
-    zero = lo.to(torch.float16).to(torch.float32)
-    # One division per row, then a multiply per element (what the kernels do too).
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.floor((x - zero[:, None]) * inv[:, None] + 0.5)
+    # Differences of halves: hi - lo and x - lo would overflow float32 for rows spanning
+    # +-bf16 max; halving is exact, so the codes are those of the plain differences.
+    scale = _stored((hi * 0.5 - lo * 0.5) / (qmax * 0.5), meta_dtype)
+    zero = _stored(lo, meta_dtype)
+    inv = _reciprocal_or_zero(scale)
+    q = torch.floor((x * 0.5 - zero[:, None] * 0.5) * inv[:, None] * 2.0 + 0.5)
     q = q.clamp(0, qmax)
     return q.to(torch.int32), [scale, zero]
 
 
-def _encode_absmax(codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _encode_absmax(
+    codec: Codec, x: torch.Tensor, meta_dtype: torch.dtype
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     qmax = FP8_MAX if codec.kind == Kind.FP8_ABSMAX else INT8_MAX
-    scale = x.abs().amax(dim=1) / qmax
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    scaled = x * inv[:, None]
+    scale = _stored(x.abs().amax(dim=1) / qmax, meta_dtype)
+    scaled = x * _reciprocal_or_zero(scale)[:, None]
     if codec.kind == Kind.FP8_ABSMAX:
-        codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+        # the stored scale may round below absmax / 448: saturate (torch's cast does too)
+        codes = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     else:
         codes = torch.floor(scaled + 0.5).clamp(-128, 127).to(torch.int8).view(torch.uint8)
     return codes.to(torch.int32), [scale]
 
 
 def encode_rows(
-    codec: Codec, x: torch.Tensor, rotation: torch.Tensor
+    codec: Codec, x: torch.Tensor, rotation: torch.Tensor, meta_dtype: torch.dtype
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Encode token-head rows with one codec.
 
@@ -128,6 +154,8 @@ def encode_rows(
         x: ``[R, D]`` rows (any float dtype; computed in float32).
         rotation: ``[D, D]`` +-1 rotation matrix (used by Lloyd-Max codecs, whose levels are
             :func:`custom_ops.codebook.signed_levels` of the codec's bits and ``D``).
+        meta_dtype: the format's meta dtype: scales and zeros are rounded to it before the
+            codes are computed against them.
 
     Returns:
         ``(packed [R, code_bytes] uint8, meta)`` with one ``[R] float32`` per meta field.
@@ -136,11 +164,9 @@ def encode_rows(
     if codec.kind == Kind.LLOYD_MAX:
         codes, meta = _encode_lloyd_max(codec, x, rotation.to(x.device))
     elif codec.kind == Kind.UNIFORM:
-        codes, meta = _encode_uniform(codec, x)
-    elif codec.kind == Kind.FP8:
-        codes, meta = x.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32), []
+        codes, meta = _encode_uniform(codec, x, meta_dtype)
     else:
-        codes, meta = _encode_absmax(codec, x)
+        codes, meta = _encode_absmax(codec, x, meta_dtype)
     return pack_codes(codec, codes), meta
 
 
@@ -164,10 +190,9 @@ def decode_rows(
         ``[R, D]`` in ``dtype``.
     """
     meta = [m.to(dtype) for m in meta]
-    if codec.kind in (Kind.FP8, Kind.FP8_ABSMAX, Kind.INT8_ABSMAX):
-        raw = packed.view(torch.float8_e4m3fn if codec.kind != Kind.INT8_ABSMAX else torch.int8)
-        values = raw.to(dtype)
-        return values if codec.kind == Kind.FP8 else values * meta[0][:, None]
+    if codec.kind in (Kind.FP8_ABSMAX, Kind.INT8_ABSMAX):
+        raw = packed.view(torch.float8_e4m3fn if codec.kind == Kind.FP8_ABSMAX else torch.int8)
+        return raw.to(dtype) * meta[0][:, None]
     codes = unpack_codes(codec, packed)
     if codec.kind == Kind.UNIFORM:
         return codes.to(dtype) * meta[0][:, None] + meta[1][:, None]
@@ -200,8 +225,9 @@ def store(
     """
     n_tokens, num_kv_heads, head_dim = key.shape
     page_size = cache.k_codes.shape[2]
-    k_packed, k_meta = encode_rows(fmt.key, key.reshape(-1, head_dim), rotation)
-    v_packed, v_meta = encode_rows(fmt.value, value.reshape(-1, head_dim), rotation)
+    k_packed, k_meta = encode_rows(fmt.key, key.reshape(-1, head_dim), rotation, fmt.meta_dtype)
+    v_packed, v_meta = encode_rows(fmt.value, value.reshape(-1, head_dim), rotation,
+                                   fmt.meta_dtype)  # fmt: skip
     meta = torch.stack(k_meta + v_meta, dim=1).to(fmt.meta_dtype)
 
     slots = slot_mapping.to(torch.int64)

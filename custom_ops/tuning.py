@@ -24,13 +24,10 @@ class DecodeTuning:
         subtiles_long: the same for longer splits. Two independent 16-token tiles keep more
             loads in flight, which pays where the kernel waits on memory and the format's
             registers allow it (NOTES "Decode v4", "Decode v9").
-        cap_registers: cap the long-split kernel at 128 registers, restoring 16 one-warp
-            programs per SM where ptxas would give the loop more (NOTES "Register cap").
     """
 
     subtiles_short: int = 1
     subtiles_long: int = 1
-    cap_registers: bool = False
 
 
 DECODE_TUNING: dict[str, DecodeTuning] = {
@@ -39,8 +36,8 @@ DECODE_TUNING: dict[str, DecodeTuning] = {
     "k3v4_nc": DecodeTuning(subtiles_long=2),
     "3bit_nc": DecodeTuning(),
     "int8": DecodeTuning(subtiles_short=2, subtiles_long=2),
-    "fp8": DecodeTuning(subtiles_short=2, subtiles_long=2, cap_registers=True),
-    "tq4_nc": DecodeTuning(cap_registers=True),
+    "fp8": DecodeTuning(subtiles_short=2, subtiles_long=2),
+    "tq4_nc": DecodeTuning(),
     "k2v2_nc": DecodeTuning(),
     "k2v4_nc": DecodeTuning(subtiles_long=2),
 }

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.formats import KVFormat, PagedKVCache
-from custom_ops.triton.kinds import FP8, INT8_ABSMAX, LLOYD_MAX, UNIFORM
+from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX, UNIFORM
 from custom_ops.triton.launch import Launcher
 from custom_ops.triton.paged import plane_arguments, ring_arguments, row_pointers, table_arguments
 from custom_ops.triton.planes import (
@@ -84,9 +84,8 @@ def _decode_side(
             x = byte.to(tl.int8, bitcast=True).to(tl.float32)
         else:
             x = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if P.KIND != FP8:
-            scale = tl.load(meta_row + P.META, mask=valid, other=0.0).to(tl.float32)
-            x = x * scale[:, None, None]
+        scale = tl.load(meta_row + P.META, mask=valid, other=0.0).to(tl.float32)
+        x = x * scale[:, None, None]
     x = tl.where(valid[:, None, None], x, 0.0)
     tl.store(out_ptr[:, None, None] + e, x.to(out_ty), mask=out_mask)
 

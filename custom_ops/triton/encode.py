@@ -3,13 +3,18 @@ kernels (:mod:`custom_ops.triton.store`, :mod:`custom_ops.triton.store_window`).
 
 It reproduces :func:`custom_ops.reference.encode_rows` operation by operation:
 
-* Lloyd-Max: ``norm = ||x||``; ``y = (x @ R) * (1/sqrt(D) / norm)`` with the +-1 rotation R on
-  the tensor cores (tf32 is exact here: bf16 and fp16 inputs and +-1 fit in tf32's mantissa);
-  magnitude index = number of magnitude midpoints below ``|y|``; sign-magnitude code; with norm
-  correction the stored norm is ``norm / ||levels[codes]||``.
-* Uniform: fp16 scale ``(max - min) / (2^b - 1)`` and zero ``min``; codes from those rounded
-  values: ``floor((x - zero) / scale + 0.5)``, clamped.
-* FP8 / absmax: saturating e4m3 casts, ``floor(x / scale + 0.5)`` for int8.
+* Lloyd-Max: the row ``x`` divided by ``p``, the power of two at or below its absmax (exact, and
+  neither the squares nor the rotated sums can overflow float32 for any finite bf16 row),
+  ``s = ||x / p||``; ``y = (x / p @ R) * (1/sqrt(D) / s)`` with the +-1 rotation R on the tensor
+  cores (tf32 is exact here: bf16 and fp16 inputs, their power-of-two multiples and +-1 fit in
+  tf32's mantissa); magnitude index = number of magnitude midpoints below ``|y|``;
+  sign-magnitude code; the stored norm is ``s * p``, with norm correction
+  ``s / ||levels[codes]|| * p``.
+* Uniform: scale ``(max - min) / (2^b - 1)`` and zero ``min`` rounded to the meta dtype; codes
+  from those rounded values: ``floor((x - zero) / scale + 0.5)``, clamped (differences taken
+  of halves, which is exact and cannot overflow).
+* Absmax: scale ``absmax / 448`` (fp8) or ``/ 127`` (int8) rounded to the meta dtype; saturated
+  e4m3 casts of ``x / scale``, ``floor(x / scale + 0.5)`` for int8.
 
 A row holding a NaN stores a NaN norm or scale (Lloyd-Max norms propagate it by themselves;
 scales from min / max get it explicitly), so it reads back as NaN on every path.
@@ -20,13 +25,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from custom_ops.formats import FP8_MAX, INT8_MAX, TINY_NORM
-from custom_ops.triton.kinds import FP8, FP8_ABSMAX, INT8_ABSMAX, LLOYD_MAX, UNIFORM
+from custom_ops.formats import FP8_MAX, INT8_MAX
+from custom_ops.triton.kinds import FP8_ABSMAX, INT8_ABSMAX, LLOYD_MAX, UNIFORM
 from custom_ops.triton.planes import rotation_slice, store_codes, tile_offsets
 
 __all__ = ["encode_side"]
 
-_TINY = tl.constexpr(TINY_NORM)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _INT8_MAX = tl.constexpr(INT8_MAX)
 
@@ -45,6 +49,14 @@ def _reciprocal_or_zero(x):
         tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), tl.where(positive, x, 1.0)),
         0.0,
     )
+
+
+@triton.jit
+def power_of_two_floor(x):
+    """The power of two at or below ``x >= 0`` (float32, from its exponent bits), capped at
+    2^126 so that its reciprocal is a normal number; 0 for zero and subnormal ``x``."""
+    exponent = x.to(tl.int32, bitcast=True) & 0x7F800000
+    return tl.minimum(exponent, 0x7E800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -88,8 +100,14 @@ def encode_side(
     if P.KIND == LLOYD_MAX:
         BITS: tl.constexpr = P.BITS
         RC: tl.constexpr = P.RC
-        norm = tl.sqrt_rn(_row_sum(x * x))
-        inv = tl.math.div_rn(tl.full([BLOCK_R], INV_SQRT_D, tl.float32), tl.maximum(norm, _TINY))
+        # divided by a power of two near its absmax (exact), the row's squares and rotated sums
+        # stay in float32's range; the codes are those of the unscaled row
+        pow2 = power_of_two_floor(tl.max(tl.max(tl.abs(x), axis=2), axis=1))
+        inv_pow2 = _reciprocal_or_zero(pow2)
+        x = x * inv_pow2[:, None, None]
+        norm = tl.sqrt_rn(_row_sum(x * x))  # of the scaled row: 0 for zero rows, else >= 1
+        inv = tl.where(norm > 0, tl.math.div_rn(tl.full([BLOCK_R], INV_SQRT_D, tl.float32),
+                                                tl.where(norm > 0, norm, 1.0)), 0.0)  # fmt: skip
         recon_sq = tl.zeros([BLOCK_R], tl.float32)
         # y = x @ R / sqrt(D) / norm: RC output columns per group at a time, contracting KC
         # tile positions at a time (x re-read from L1), so no rotation block needs > 32 KiB.
@@ -102,6 +120,7 @@ def encode_side(
                 x_offs = x_rows[:, None] + i_elem * stride_xd
                 x_mask = ok[:, None] & ((i % C_PAD) < C)[None, :]
                 x_k = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+                x_k = x_k * inv_pow2[:, None]
                 rot = rotation_slice(rot_ptr, D, G, C, C_PAD, k0, KC, col0, RC, False)
                 y = tl.dot(x_k, rot, y, input_precision="tf32")
             y = tl.reshape(y, (BLOCK_R, G, RC)) * inv[:, None, None]
@@ -118,39 +137,35 @@ def encode_side(
                 col_ok = (col0 + tl.arange(0, RC))[None, None, :] < C
                 recon_sq += _row_sum(tl.where(col_ok, level * level, 0.0))
             store_codes(codes, code_ptr, ok, P, BLOCK_R, col0, RC)
-        stored = norm
         if P.NC:
-            stored = tl.math.div_rn(norm, tl.sqrt_rn(recon_sq))
-        tl.store(meta_ptr + P.META, stored.to(meta_ty), mask=ok)
+            norm = tl.math.div_rn(norm, tl.sqrt_rn(recon_sq))
+        tl.store(meta_ptr + P.META, (norm * pow2).to(meta_ty), mask=ok)
     elif P.KIND == UNIFORM:
         QMAX: tl.constexpr = (1 << P.BITS) - 1
         lo = tl.min(tl.min(tl.where(e_mask, x, float("inf")), axis=2), axis=1)
         hi = tl.max(tl.max(tl.where(e_mask, x, float("-inf")), axis=2), axis=1)
-        scale16 = tl.math.div_rn(hi - lo, tl.full([BLOCK_R], QMAX, tl.float32))
-        scale16 = _nan_if_any_nan(scale16, x).to(tl.float16)
-        zero16 = lo.to(tl.float16)
-        scale = scale16.to(tl.float32)
-        zero = zero16.to(tl.float32)[:, None, None]
+        scale = tl.math.div_rn(hi * 0.5 - lo * 0.5, tl.full([BLOCK_R], QMAX * 0.5, tl.float32))
+        scale = _nan_if_any_nan(scale, x).to(meta_ty).to(tl.float32)
+        zero = lo.to(meta_ty).to(tl.float32)
         inv = _reciprocal_or_zero(scale)[:, None, None]
-        q = tl.floor((x - zero) * inv + 0.5)
+        q = tl.floor((x * 0.5 - zero[:, None, None] * 0.5) * inv * 2.0 + 0.5)
         q = tl.minimum(tl.maximum(q, 0.0), QMAX)
-        tl.store(meta_ptr + P.META, scale16.to(meta_ty), mask=ok)
-        tl.store(meta_ptr + P.META + 1, zero16.to(meta_ty), mask=ok)
+        tl.store(meta_ptr + P.META, scale.to(meta_ty), mask=ok)
+        tl.store(meta_ptr + P.META + 1, zero.to(meta_ty), mask=ok)
         store_codes(q.to(tl.int32), code_ptr, ok, P, BLOCK_R, 0, C_PAD)
     else:
-        if P.KIND == FP8:
-            scaled = x
-        else:
-            QMAX_ABS: tl.constexpr = _FP8_MAX if P.KIND == FP8_ABSMAX else _INT8_MAX
-            absmax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
-            scale = tl.math.div_rn(absmax, tl.full([BLOCK_R], QMAX_ABS, tl.float32))
-            scale = _nan_if_any_nan(scale, x)
-            tl.store(meta_ptr + P.META, scale.to(meta_ty), mask=ok)
-            scaled = x * _reciprocal_or_zero(scale)[:, None, None]
+        QMAX_ABS: tl.constexpr = _FP8_MAX if P.KIND == FP8_ABSMAX else _INT8_MAX
+        absmax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+        scale = tl.math.div_rn(absmax, tl.full([BLOCK_R], QMAX_ABS, tl.float32))
+        scale = _nan_if_any_nan(scale, x).to(meta_ty).to(tl.float32)
+        tl.store(meta_ptr + P.META, scale.to(meta_ty), mask=ok)
+        scaled = x * _reciprocal_or_zero(scale)[:, None, None]
         if P.KIND == INT8_ABSMAX:
             q = tl.minimum(tl.maximum(tl.floor(scaled + 0.5), -128.0), 127.0)
             byte = q.to(tl.int8).to(tl.uint8, bitcast=True)
         else:
+            # the stored scale may round below absmax / 448: saturate
+            scaled = tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX)
             byte = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         # 8-bit codes: one plane, G == 1, element e at byte e.
         tl.store(code_ptr[:, None, None] + e * P.BYTE_STRIDE, byte, mask=mask)

@@ -7,6 +7,5 @@ from custom_ops.formats import Kind
 
 LLOYD_MAX = tl.constexpr(int(Kind.LLOYD_MAX))
 UNIFORM = tl.constexpr(int(Kind.UNIFORM))
-FP8 = tl.constexpr(int(Kind.FP8))
 FP8_ABSMAX = tl.constexpr(int(Kind.FP8_ABSMAX))
 INT8_ABSMAX = tl.constexpr(int(Kind.INT8_ABSMAX))

@@ -26,7 +26,7 @@ class TestLayout(expecttest.TestCase):
             _bytes_table(),
             """\
 format       64    80    96   128   256
-k8v4        100   124   148   196   388
+k8v4        102   126   150   198   390
 4bit_nc      70    86   102   134   262
 k3v4_nc      62    76    90   118   230
 3bit_nc      54    66    78   102   198
@@ -49,15 +49,15 @@ k2v4_nc      54    66    78   102   198""",
         self.assertExpectedInline(
             "\n".join(lines),
             """\
-k8v4: ['v_scale', 'v_zero'] torch.float16 k:0+128@8b; v:0+64@4b
-4bit_nc: ['k_norm', 'v_scale', 'v_zero'] torch.float16 k:0+64@4b; v:0+64@4b
-k3v4_nc: ['k_norm', 'v_scale', 'v_zero'] torch.float16 k:0+32@2b,32+16@1b; v:0+64@4b
-3bit_nc: ['k_norm', 'v_scale', 'v_zero'] torch.float16 k:0+32@2b,32+16@1b; v:0+32@2b,32+16@1b
+k8v4: ['k_scale', 'v_scale', 'v_zero'] torch.bfloat16 k:0+128@8b; v:0+64@4b
+4bit_nc: ['k_norm', 'v_scale', 'v_zero'] torch.bfloat16 k:0+64@4b; v:0+64@4b
+k3v4_nc: ['k_norm', 'v_scale', 'v_zero'] torch.bfloat16 k:0+32@2b,32+16@1b; v:0+64@4b
+3bit_nc: ['k_norm', 'v_scale', 'v_zero'] torch.bfloat16 k:0+32@2b,32+16@1b; v:0+32@2b,32+16@1b
 int8: ['k_scale', 'v_scale'] torch.float32 k:0+128@8b; v:0+128@8b
 fp8: ['k_scale', 'v_scale'] torch.float32 k:0+128@8b; v:0+128@8b
-tq4_nc: ['k_norm', 'v_norm'] torch.float16 k:0+64@4b; v:0+64@4b
-k2v2_nc: ['k_norm', 'v_scale', 'v_zero'] torch.float16 k:0+32@2b; v:0+32@2b
-k2v4_nc: ['k_norm', 'v_scale', 'v_zero'] torch.float16 k:0+32@2b; v:0+64@4b""",
+tq4_nc: ['k_norm', 'v_norm'] torch.bfloat16 k:0+64@4b; v:0+64@4b
+k2v2_nc: ['k_norm', 'v_scale', 'v_zero'] torch.bfloat16 k:0+32@2b; v:0+32@2b
+k2v4_nc: ['k_norm', 'v_scale', 'v_zero'] torch.bfloat16 k:0+32@2b; v:0+64@4b""",
         )
 
     def test_plane_shapes(self):
@@ -68,7 +68,7 @@ k2v4_nc: ['k_norm', 'v_scale', 'v_zero'] torch.float16 k:0+32@2b; v:0+64@4b""",
             """\
 k_codes: (3, 2, 16, 48) torch.uint8
 v_codes: (3, 2, 64, 16) torch.uint8
-meta: (3, 2, 16, 3) torch.float16""",
+meta: (3, 2, 16, 3) torch.bfloat16""",
         )
 
     def test_unknown_format_error(self):

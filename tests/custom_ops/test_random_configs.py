@@ -240,6 +240,5 @@ def test_random_configurations(kernel_device):
             _check(cfg, gen, kernel_device)
         except AssertionError as err:
             raise AssertionError(
-                f"configuration {i} of seed {seed} (TQ_TEST_SEED={seed} replays it): {cfg}: "
-                f"{err}"
+                f"configuration {i} of seed {seed} (TQ_TEST_SEED={seed} replays it): {cfg}: {err}"
             ) from err

@@ -88,7 +88,7 @@ def test_model_dtype_cast_keeps_the_cache_intact():
     cache, keys, _ = filled_tq_cache()
     before = keys.dequantize(torch.float32)
     cache.half()
-    assert cache.meta.dtype == torch.float16 and cache.rotation.dtype == torch.float32
+    assert cache.meta.dtype == torch.bfloat16 and cache.rotation.dtype == torch.float32
     assert cache.k_window.dtype == torch.bfloat16
     keys_after, _ = cache.update(torch.tensor([37]), *[torch.randn(B, HK, 1, D).bfloat16()] * 2)
     after = keys_after.dequantize(torch.float32)

@@ -81,9 +81,6 @@ def test_4bit_answer_follows_bf16(smollm2, prompt):
         assert margin < NEAR_TIE
     else:
         assert len(tokens) == len(reference)
-    # the first prompt is not near-tied anywhere: the whole answer is the same
-    if prompt == PROMPTS[0]:
-        assert differs.numel() == 0 and len(reference) == NEW
 
 
 def test_triton_kernels_match_the_reference_path(smollm2):

@@ -44,7 +44,7 @@ DEFAULT_STAGES = 2
 # Ring tokens per tile when the split kernel reads the window itself: 16 keeps the ring loop's
 # two pipeline stages within the compressed loop's shared memory class.
 RING_BLOCK = 16
-# Register cap of the long-split kernel (tuning.cap_registers, or a ring read in the split):
+# Register cap of the long-split kernel:
 # 16 one-warp programs per SM, which the split count assumes.
 SPLIT_MAX_REGISTERS = 128
 # Rotated keys get their queries rotated inside the split kernel (one launch fewer) when a split
@@ -199,9 +199,10 @@ def plan_decode(
         num_warps = 2 if cuda and math.prod(split_grid) <= 2 * sm_count else DEFAULT_WARPS
     num_stages = split_config.num_stages or DEFAULT_STAGES
     launch_options = dict(num_warps=num_warps, num_stages=num_stages)
-    if (tuning.cap_registers or ring_in_split) and not one_tile:
-        # Splits of one tile keep their registers: occupancy does not matter there, and
-        # capped, tq4_nc's query rotation spills.
+    if not one_tile:
+        # The rarely taken second pass (values beyond fp16's range) would otherwise raise the
+        # loop's registers past 128. Splits of one tile keep theirs: occupancy does not matter
+        # there, and capped, tq4_nc's query rotation spills.
         launch_options["maxnreg"] = SPLIT_MAX_REGISTERS
     if pdl and query == QueryMode.PREPARED:
         # without the preparation, what runs before the split kernel is not ours: launch it

@@ -18,6 +18,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from custom_ops.triton.decode.query import original_query
 from custom_ops.triton.decode.softmax import mask_scores, partial_normalizer, softmax_rescale
+from custom_ops.triton.decode.tiles import ring_product, split_probabilities
 from custom_ops.triton.paged import ring_arguments
 
 __all__ = ["BLOCK_W", "NUM_WARPS", "window_parts", "ring_partials_kernel", "launch_ring"]
@@ -73,9 +74,11 @@ def ring_partials_kernel(
     The ring holds a sequence's last ``window_len = min(len, W)`` positions, from ``first =
     len - window_len``; slot ``r`` holds the one that is ``r`` mod ``W``. ``S^T = K @ Q^T``
     against the original query in the ring's dtype (tf32, exact for 16-bit inputs, when the
-    query's dtype differs), ``O^T += V^T @ P^T`` in fp16 like the compressed tiles, float32
-    accumulation; all float32 under the interpreter, which cannot run 16-bit dots. With PDL it
-    waits for the split kernel at its end, so the merge, which waits for this kernel, sees both.
+    query's dtype differs), ``O^T += V^T @ P^T`` with the values in the ring's dtype and ``P``
+    split into two terms of it (:func:`~custom_ops.triton.decode.tiles.ring_product`: bf16 values
+    beyond fp16's range stay finite), float32 accumulation; all float32 under the interpreter,
+    which cannot run 16-bit dots. With PDL it waits for the split kernel at its end, so the
+    merge, which waits for this kernel, sees both.
     """
     part = tl.program_id(0)
     head = tl.program_id(1)
@@ -111,13 +114,10 @@ def ring_partials_kernel(
         m_w, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_w)
         p = tl.math.exp2(scores - m_sub[None, :])
         l_w = l_w * alpha + tl.sum(p, axis=0)
-        if WINDOW_F32:
-            pv = p
-        else:
-            pv = p.to(tl.float16)
+        p_hi, p_lo = split_probabilities(p, v_window_ptr.dtype.element_ty, WINDOW_F32)
         v_t = tl.load(v_window_ptr + rows[None, :] + d[:, None],
                       mask=in_window[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
-        acc_w = tl.dot(v_t.to(pv.dtype), pv, acc_w * alpha[None, :])
+        acc_w = ring_product(v_t, p_hi, p_lo, acc_w * alpha[None, :], WINDOW_F32)
     lse, inv_l = partial_normalizer(m_w, l_w)
     part_rows = q_rows * NUM_PARTIALS + NUM_SPLITS + part
     out_ptrs = part_out_ptr + part_rows[None, :] * D + d[:, None]

@@ -9,9 +9,12 @@ not to 16 rows). A program is one warp, so the softmax reduces over tokens insid
 feeds the next product without leaving it; where the grid leaves SMs idle (short contexts) it
 is two warps, each decoding half of a tile. The codecs' scalars are folded in: the key
 norm/scale multiplies the scores, the value scale multiplies the probabilities before ``V^T @
-P^T`` and the value zero enters through a running ``sum(p * zero)``. Value codes are stored
-token-minor (:mod:`custom_ops.formats`), so the A operand ``V^T`` (4 consecutive tokens of one
-byte column per register) is one aligned 32-bit load.
+P^T`` and the value zero enters through a running ``sum(p * zero)``. Values whose
+scales would overflow fp16 in ``p * scale`` (or lose its precision) are redone in units of the
+largest scale, so values of any magnitude (scales from 1e-38 to 3e38 in the bf16 meta record)
+come out right. Value
+codes are stored token-minor (:mod:`custom_ops.formats`), so the A operand ``V^T`` (4
+consecutive tokens of one byte column per register) is one aligned 32-bit load.
 
 With a recent window the splits cover the compressed positions ``[0, len - W)``; for values in
 the original space the kernel also reads the ring (``RING``): its ``RING_BLOCK``-slot tiles go
@@ -34,6 +37,7 @@ from custom_ops.triton.decode.tiles import (
     ring_scores,
     ring_values,
     table_entries,
+    value_multipliers,
 )
 from custom_ops.triton.paged import plane_arguments, ring_arguments, table_arguments
 
@@ -44,6 +48,75 @@ __all__ = ["split_kernel", "split_arguments", "launch_split", "compile_split"]
 QUERY_SCALED = tl.constexpr(0)
 QUERY_PREPARED = tl.constexpr(1)
 QUERY_ROTATED_HERE = tl.constexpr(2)
+
+
+# The largest value scale (or norm) whose products p * v_scale the split pass takes as they are.
+_UNIT_MAX = tl.constexpr(2.0**15)
+_UNIT_MIN = tl.constexpr(2.0**-10)
+
+
+@triton.jit
+def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     TOKEN_RUN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SUBTILES: tl.constexpr, ONE_TILE: tl.constexpr,
+                     K: tl.constexpr, V: tl.constexpr):  # fmt: skip
+    """The online softmax over the compressed tokens ``[start, end)`` of ``tiles``: ``(m, l,
+    acc0..3, zero_acc, v_top)``, the value products accumulated in units of ``1 / inv_unit``
+    and ``v_top`` the largest value scale seen."""
+    start, end, early_a, early_b, b, table, k_plane, meta_plane, v_plane, qs, mask_args, \
+        q_head, row_ok = tiles  # fmt: skip
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    # O^T = V^T @ P^T per value part: [V_PC_PAD, G_PAD] float32
+    V_PC_PAD: tl.constexpr = V.PC_PAD
+    acc0 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
+    acc1 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
+    acc2 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
+    acc3 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
+    zero_acc = tl.zeros([G_PAD], tl.float32)
+    v_seen = tl.zeros([BLOCK_N], tl.float32)  # per lane: no cross-lane step in the loop
+    # Each iteration streams SUBTILES tiles of BLOCK_N tokens that share one softmax update
+    # (running max, rescale of the accumulators), which amortizes its cross-lane reductions
+    # while the codes are still decoded BLOCK_N tokens at a time.
+    for tile_start in range(start, end, SUBTILES * BLOCK_N):
+        n_a = tile_start + tl.arange(0, BLOCK_N)
+        scores_a, page_a, slot_a, m_row_a, valid_a = compressed_scores(
+            n_a, end, early_a, b, table, k_plane, meta_plane, qs, mask_args, q_head, row_ok,
+            MASK, PAGE_SIZE, D, K, ONE_TILE,
+        )  # fmt: skip
+        tile_max = scores_a
+        if SUBTILES == 2:
+            scores_b, page_b, slot_b, m_row_b, valid_b = compressed_scores(
+                n_a + BLOCK_N, end, early_b, b, table, k_plane, meta_plane, qs, mask_args,
+                q_head, row_ok, MASK, PAGE_SIZE, D, K, ONE_TILE,
+            )  # fmt: skip
+            tile_max = tl.maximum(scores_a, scores_b)
+        m_i, m_sub, alpha = softmax_rescale(tl.max(tile_max, axis=0), m_i)
+        p_a = tl.math.exp2(scores_a - m_sub[None, :])
+        p_sum = p_a
+        if SUBTILES == 2:
+            p_b = tl.math.exp2(scores_b - m_sub[None, :])
+            p_sum = p_a + p_b
+        l_i = l_i * alpha + tl.sum(p_sum, axis=0)
+        zero_acc *= alpha
+        acc0 *= alpha[None, :]
+        acc1 *= alpha[None, :]
+        acc2 *= alpha[None, :]
+        acc3 *= alpha[None, :]
+        v_mul_a = value_multipliers(m_row_a, valid_a, V)
+        v_seen = tl.maximum(v_seen, v_mul_a)
+        acc0, acc1, acc2, acc3, zero_acc = compressed_values(
+            p_a, v_mul_a * inv_unit, page_a, slot_a, m_row_a, valid_a, acc0, acc1, acc2, acc3,
+            zero_acc, v_plane, PAGE_SIZE, TOKEN_RUN, D, V,
+        )  # fmt: skip
+        if SUBTILES == 2:
+            v_mul_b = value_multipliers(m_row_b, valid_b, V)
+            v_seen = tl.maximum(v_seen, v_mul_b)
+            acc0, acc1, acc2, acc3, zero_acc = compressed_values(
+                p_b, v_mul_b * inv_unit, page_b, slot_b, m_row_b, valid_b, acc0, acc1, acc2,
+                acc3, zero_acc, v_plane, PAGE_SIZE, TOKEN_RUN, D, V,
+            )  # fmt: skip
+    return m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, tl.max(v_seen, axis=0)
 
 
 @triton.jit
@@ -156,53 +229,27 @@ def split_kernel(
         )
     qs = (q0, q1, q2, q3)
 
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    # O^T = V^T @ P^T per value part: [V_PC_PAD, G_PAD] float32
-    V_PC_PAD: tl.constexpr = V.PC_PAD
-    acc0 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
-    acc1 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
-    acc2 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
-    acc3 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
-    zero_acc = tl.zeros([G_PAD], tl.float32)
     k_plane, v_plane, meta_plane = head_planes(planes, head.to(tl.int64))
-    # Each iteration streams SUBTILES tiles of BLOCK_N tokens that share one softmax update
-    # (running max, rescale of the accumulators), which amortizes its cross-lane reductions
-    # while the codes are still decoded BLOCK_N tokens at a time.
-    for tile_start in range(start, end, SUBTILES * BLOCK_N):
-        n_a = tile_start + tl.arange(0, BLOCK_N)
-        scores_a, page_a, slot_a, m_row_a, valid_a = compressed_scores(
-            n_a, end, early_a, b, table, k_plane, meta_plane, qs, mask_args, q_head, row_ok,
-            MASK, PAGE_SIZE, D, K, ONE_TILE,
+    tiles = (start, end, early_a, early_b, b, table, k_plane, meta_plane, v_plane, qs, mask_args,
+             q_head, row_ok)  # fmt: skip
+    # The value products' fp16 operands are p * v_scale <= v_scale: where the largest scale
+    # could overflow fp16 or sit where its rounding is coarse, the pass runs again in units of
+    # it (operands <= 1). Values of ordinary size take one pass. (A while loop around one copy
+    # of the pass kept the registers but lost the loop's speed; the plan caps the registers.)
+    m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, v_top = _compressed_pass(
+        1.0, tiles, MASK, PAGE_SIZE, TOKEN_RUN, D, G_PAD, BLOCK_N, SUBTILES, ONE_TILE, K, V
+    )
+    unit = tl.full([], 1.0, tl.float32)
+    if ((v_top > _UNIT_MAX) | (v_top < _UNIT_MIN)) & (v_top > 0):
+        unit = v_top
+        m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, v_top = _compressed_pass(
+            1.0 / unit, tiles, MASK, PAGE_SIZE, TOKEN_RUN, D, G_PAD, BLOCK_N, SUBTILES,
+            ONE_TILE, K, V,
         )  # fmt: skip
-        tile_max = scores_a
-        if SUBTILES == 2:
-            scores_b, page_b, slot_b, m_row_b, valid_b = compressed_scores(
-                n_a + BLOCK_N, end, early_b, b, table, k_plane, meta_plane, qs, mask_args,
-                q_head, row_ok, MASK, PAGE_SIZE, D, K, ONE_TILE,
-            )  # fmt: skip
-            tile_max = tl.maximum(scores_a, scores_b)
-        m_i, m_sub, alpha = softmax_rescale(tl.max(tile_max, axis=0), m_i)
-        p_a = tl.math.exp2(scores_a - m_sub[None, :])
-        p_sum = p_a
-        if SUBTILES == 2:
-            p_b = tl.math.exp2(scores_b - m_sub[None, :])
-            p_sum = p_a + p_b
-        l_i = l_i * alpha + tl.sum(p_sum, axis=0)
-        zero_acc *= alpha
-        acc0 *= alpha[None, :]
-        acc1 *= alpha[None, :]
-        acc2 *= alpha[None, :]
-        acc3 *= alpha[None, :]
-        acc0, acc1, acc2, acc3, zero_acc = compressed_values(
-            p_a, page_a, slot_a, m_row_a, valid_a, acc0, acc1, acc2, acc3, zero_acc, v_plane,
-            PAGE_SIZE, TOKEN_RUN, D, V,
-        )  # fmt: skip
-        if SUBTILES == 2:
-            acc0, acc1, acc2, acc3, zero_acc = compressed_values(
-                p_b, page_b, slot_b, m_row_b, valid_b, acc0, acc1, acc2, acc3, zero_acc, v_plane,
-                PAGE_SIZE, TOKEN_RUN, D, V,
-            )  # fmt: skip
+    acc0 *= unit
+    acc1 *= unit
+    acc2 *= unit
+    acc3 *= unit
 
     if RING:
         # The ring's RING_BLOCK-slot tiles, round robin over the splits from the last one (which
@@ -236,7 +283,7 @@ def split_kernel(
     # This split's partial, normalized, in natural element order; lse in the log2 domain.
     lse, inv_l = partial_normalizer(m_i, l_i)
     part_rows = q_rows * NUM_PARTIALS + split
-    j = tl.arange(0, V_PC_PAD)[:, None]
+    j = tl.arange(0, V.PC_PAD)[:, None]
     out_ptrs = part_out_ptr + part_rows[None, :] * D + j
     ok = row_ok[None, :] & (j < V.PC)
     scale = inv_l[None, :]

@@ -16,15 +16,18 @@ import triton.language as tl
 
 from custom_ops.triton.decode.codes import decode_tile
 from custom_ops.triton.decode.softmax import mask_scores
-from custom_ops.triton.kinds import FP8, UNIFORM
+from custom_ops.triton.kinds import UNIFORM
 
 __all__ = [
     "head_planes",
     "table_entries",
     "compressed_scores",
+    "value_multipliers",
     "compressed_values",
     "ring_scores",
     "ring_values",
+    "split_probabilities",
+    "ring_product",
 ]
 
 
@@ -83,19 +86,27 @@ def compressed_scores(n, end, early, b, table, k_plane, meta_plane, qs, mask_arg
         scores = tl.dot(k2, q2, scores)
         scores = tl.dot(k3, q3, scores)
     m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
-    if K.KIND != FP8:
-        k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
-        scores = scores * k_mul[:, None]
+    k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
+    scores = scores * k_mul[:, None]
     scores = mask_scores(scores, n, mask_args, b, q_head, row_ok, MASK)
     return tl.where(valid[:, None], scores, float("-inf")), page, slot, m_row, valid
 
 
 @triton.jit
-def compressed_values(p, page, slot, m_row, valid, acc0, acc1, acc2, acc3, zero_acc, v_plane,
-                      PAGE_SIZE: tl.constexpr, TOKEN_RUN: tl.constexpr, D: tl.constexpr,
-                      V: tl.constexpr):  # fmt: skip
-    """Add one tile's ``O^T += V^T @ (p * v_scale)^T`` per value part (``p [BLOCK_N, G_PAD]``),
-    and ``sum(p * v_zero)`` to ``zero_acc`` for uniform values.
+def value_multipliers(m_row, valid, V: tl.constexpr):
+    """The value scale (or norm) of each token of a tile, ``[BLOCK_N] float32`` (0 where not
+    ``valid``)."""
+    return tl.load(m_row + V.META, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def compressed_values(p, v_rel, page, slot, m_row, valid, acc0, acc1, acc2, acc3, zero_acc,
+                      v_plane, PAGE_SIZE: tl.constexpr, TOKEN_RUN: tl.constexpr,
+                      D: tl.constexpr, V: tl.constexpr):  # fmt: skip
+    """Add one tile's ``O^T += V^T @ (p * v_rel)^T`` per value part (``p [BLOCK_N, G_PAD]``;
+    ``v_rel [BLOCK_N]`` the tokens' value multipliers relative to the accumulators' unit, at
+    most 1, so that the fp16 products neither overflow nor flush to zero whatever the values'
+    magnitude), and ``sum(p * v_zero)`` (absolute) to ``zero_acc`` for uniform values.
 
     Value codes of tokens past the end enter the product with zero probability, which is only
     safe for codes that decode to finite numbers: fp8 bytes there (stale or never written) can
@@ -107,11 +118,10 @@ def compressed_values(p, page, slot, m_row, valid, acc0, acc1, acc2, acc3, zero_
         v_codes_ptr, (page * stride_vc_page + v_head + slot)[None, :], v_byte, v_byte < V.PC, V,
         D, PAGE_SIZE, TOKEN_RUN, FINITE=True,
     )  # fmt: skip
-    v_mul = tl.load(m_row + V.META, mask=valid, other=0.0).to(tl.float32)
     if V.KIND == UNIFORM:
         v_zero = tl.load(m_row + V.META + 1, mask=valid, other=0.0).to(tl.float32)
         zero_acc += tl.sum(p * v_zero[:, None], axis=0)
-    pv = (p * v_mul[:, None]).to(tl.float16)
+    pv = (p * v_rel[:, None]).to(tl.float16)
     acc0 = tl.dot(v0, pv, acc0)
     if V.PARTS > 1:
         acc1 = tl.dot(v1, pv, acc1)
@@ -140,9 +150,23 @@ def ring_scores(k_rows, in_ring, rqs, D: tl.constexpr):
 
 
 @triton.jit
-def _ring_part(v_t, p_hi, p_lo, acc, F32: tl.constexpr):
-    """``acc + v_t @ (p_hi + p_lo)`` for a ring value part ``v_t [V_PC_PAD, RING_BLOCK]``
-    (:func:`ring_values`): one float32 product with ``F32`` (``p_lo`` is ``p_hi`` there)."""
+def split_probabilities(p, dtype: tl.constexpr, F32: tl.constexpr):
+    """``(p_hi, p_lo)``: ``p`` as two terms of the ring's 16-bit ``dtype``, ``p = hi + lo`` to
+    ``2^-16`` relative for bf16 (both ``p`` itself with ``F32``), for :func:`ring_product`."""
+    if F32:
+        p_hi = p
+        p_lo = p
+    else:
+        p_hi = p.to(dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(dtype)
+    return p_hi, p_lo
+
+
+@triton.jit
+def ring_product(v_t, p_hi, p_lo, acc, F32: tl.constexpr):
+    """``acc + v_t @ (p_hi + p_lo)`` for ring values ``v_t [rows, RING_BLOCK]`` in their own
+    16-bit dtype (:func:`split_probabilities`): one float32 product with ``F32`` (``p_lo`` is
+    ``p_hi`` there)."""
     # one return: the compiler would otherwise type-check the second product for float32 too
     if F32:
         acc = tl.dot(v_t.to(tl.float32), p_hi, acc)
@@ -164,18 +188,13 @@ def ring_values(p, v_rows, in_ring, acc0, acc1, acc2, acc3, V: tl.constexpr, F32
     V_PC: tl.constexpr = V.PC
     j = tl.arange(0, V.PC_PAD)[:, None]
     ok = in_ring[None, :] & (j < V_PC)
-    if F32:
-        p_hi = p
-        p_lo = p
-    else:
-        p_hi = p.to(v_rows.dtype.element_ty)
-        p_lo = (p - p_hi.to(tl.float32)).to(v_rows.dtype.element_ty)
-    acc0 = _ring_part(tl.load(v_rows + j, mask=ok, other=0.0), p_hi, p_lo, acc0, F32)
+    p_hi, p_lo = split_probabilities(p, v_rows.dtype.element_ty, F32)
+    acc0 = ring_product(tl.load(v_rows + j, mask=ok, other=0.0), p_hi, p_lo, acc0, F32)
     if V.PARTS > 1:
-        acc1 = _ring_part(tl.load(v_rows + V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc1, F32)
+        acc1 = ring_product(tl.load(v_rows + V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc1, F32)
     if V.PARTS > 2:
-        acc2 = _ring_part(tl.load(v_rows + 2 * V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc2,
+        acc2 = ring_product(tl.load(v_rows + 2 * V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc2,
                           F32)  # fmt: skip
-        acc3 = _ring_part(tl.load(v_rows + 3 * V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc3,
+        acc3 = ring_product(tl.load(v_rows + 3 * V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc3,
                           F32)  # fmt: skip
     return acc0, acc1, acc2, acc3
