@@ -58,7 +58,11 @@ def test_generate_runs_and_reports():
     speed = re.search(r"decode tokens/s: bf16 ([\d,]+), 4bit_nc ([\d,]+) \(([\d.]+)x\)", out)
     assert speed, out
     assert (_number(speed[1]), _number(speed[2])) == (rates["bf16"], rates["4bit_nc"])
-    assert abs(float(speed[3]) - rates["4bit_nc"] / rates["bf16"]) <= 0.01
+    # the rates are printed rounded to whole tokens/s, the ratio from the unrounded ones (to
+    # 0.01): on a slow machine (a few tokens/s) the rounding alone moves the ratio by > 0.01
+    tq, bf16 = rates["4bit_nc"], rates["bf16"]
+    low, high = (tq - 0.5) / (bf16 + 0.5), (tq + 0.5) / max(bf16 - 0.5, 0.5)
+    assert low - 0.005 <= float(speed[3]) <= high + 0.005, (speed[0], low, high)
 
     kv = re.search(r"KV cache: ([\d.]+) MB vs bf16 ([\d.]+) MB \(([\d.]+)x; the last (\d+) tokens",
                    out)  # fmt: skip

@@ -9,12 +9,11 @@ not to 16 rows). A program is one warp, so the softmax reduces over tokens insid
 feeds the next product without leaving it; where the grid leaves SMs idle (short contexts) it
 is two warps, each decoding half of a tile. The codecs' scalars are folded in: the key
 norm/scale multiplies the scores, the value scale multiplies the probabilities before ``V^T @
-P^T`` and the value zero enters through a running ``sum(p * zero)``. Values whose
-scales would overflow fp16 in ``p * scale`` (or lose its precision) are redone in units of the
-largest scale, so values of any magnitude (scales from 1e-38 to 3e38 in the bf16 meta record)
-come out right. Value
-codes are stored token-minor (:mod:`custom_ops.formats`), so the A operand ``V^T`` (4
-consecutive tokens of one byte column per register) is one aligned 32-bit load.
+P^T`` and the value zero enters through a running ``sum(p * zero)``. Values whose scales would
+overflow fp16 in ``p * scale`` (or lose its precision) are redone in units of the largest scale,
+so values of any magnitude come out right. Value codes are stored token-minor
+(:mod:`custom_ops.formats`), so the A operand ``V^T`` (4 consecutive tokens of one byte column
+per register) is one aligned 32-bit load.
 
 With a recent window the splits cover the compressed positions ``[0, len - W)``; for values in
 the original space the kernel also reads the ring (``RING``): its ``RING_BLOCK``-slot tiles go
