@@ -67,7 +67,8 @@ def launch_key(args: tuple) -> tuple | None:
     key = []
     for value in args:
         if type(value) is torch.Tensor:
-            # the alignment is what Triton specializes a pointer on
+            # the alignment is what Triton specializes a pointer on; get_device() is -1 for
+            # CPU and meta tensors, which the same-device checks reject before a key is kept
             key += (value.shape, value.stride(), value.dtype, value.get_device(),
                     value.data_ptr() & 15 == 0)  # fmt: skip
         elif isinstance(value, torch.Tensor):

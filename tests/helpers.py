@@ -80,8 +80,9 @@ def assert_same_cache(fmt: KVFormat, expected: PagedKVCache, actual: PagedKVCach
     """Two caches hold the same codes (up to :func:`assert_codes_match`) and meta records."""
     assert_codes_match(fmt.key, expected.k_codes, actual.k_codes)
     assert_codes_match(fmt.value, expected.value_rows, actual.value_rows)
-    # fp16 meta: one rounding step (a norm's float32 summation order may differ).
-    torch.testing.assert_close(actual.meta.cpu(), expected.meta.cpu(), rtol=2e-3, atol=0)
+    # one rounding step of the meta dtype (a norm's float32 summation order may differ)
+    step = torch.finfo(fmt.meta_dtype).eps
+    torch.testing.assert_close(actual.meta.cpu(), expected.meta.cpu(), rtol=step, atol=0)
 
 
 def filled_cache(

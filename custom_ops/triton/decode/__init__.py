@@ -128,7 +128,7 @@ def decode(
     specializations: both are then looked up by it.
     """
     batch, num_q_heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous whatever q's strides: the merge writes row b*Hq+h
     if batch == 0:
         return out
     overridden = fast is not None or split_config is not None or merge_config is not None

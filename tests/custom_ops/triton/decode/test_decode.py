@@ -134,6 +134,31 @@ def test_opcheck_decode(fmt_name, impl, kernel_device, seeded):
         torch.library.opcheck(torch.ops.tq.decode.default, args)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_query(impl, kernel_device, seeded):
+    """A query that is a view (batch and heads permuted, rows padded: what a model's transposes
+    and slices hand over) gives the contiguous query's output, bit for bit, in a contiguous
+    ``[B, Hq, D]`` tensor (the merge writes rows in that order), and opcheck agrees (the fake
+    gives the same strides)."""
+    device = impl_device(impl, kernel_device)
+    fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 64, 4, seeded)
+    batch, num_q_heads, head_dim = q.shape
+    views = {
+        "batch and heads permuted": q.transpose(0, 1).contiguous().transpose(0, 1),
+        "padded rows": torch.nn.functional.pad(q, (0, 8))[..., :head_dim],
+    }
+    args = tuple(t.to(device) for t in (*cache, table, lens, *consts))
+    with impl_context(impl, device):
+        expected = torch.ops.tq.decode(q.to(device), *args, "4bit_nc", 2, 0.125)
+        for name, view in views.items():
+            assert not view.is_contiguous()
+            actual = torch.ops.tq.decode(view.to(device), *args, "4bit_nc", 2, 0.125)
+            assert actual.is_contiguous(), name
+            assert torch.equal(actual, expected), name
+            torch.library.opcheck(torch.ops.tq.decode.default,
+                                  (view.to(device), *args, "4bit_nc", 2, 0.125))  # fmt: skip
+
+
 class TestDecodeBadInput(expecttest.TestCase):
     def test_rejects_bad_input(self):
         gen = torch.Generator().manual_seed(0)
