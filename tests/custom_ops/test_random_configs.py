@@ -7,7 +7,8 @@ device: CUDA, or the CPU through the interpreter) and through the CPU reference,
 
 * the kernels' cache dequantizes to what the reference's does (codes may sit one level apart
   where float32 summation order tips a value over a decision boundary: a small error bound),
-  and every written token-head row's quantization error is the reference's for that row;
+  every written token-head row's quantization error is the reference's for that row, its meta
+  record the reference's up to one rounding step, the rings the reference's bit for bit;
   slots and ring rows that hold no position keep their (poisoned) bytes on both paths;
 * ``tq.dequantize`` by the kernels equals the reference's dequantization of the same cache;
 * ``tq.decode`` by the kernels equals float64 attention over the same cache, per query within
@@ -233,6 +234,13 @@ def _decode_budget(q, k, v, expected, lens, scale, mask, q_dtype) -> torch.Tenso
     return tolerance * mass + weighted
 
 
+def _slot_meta(cache) -> torch.Tensor:
+    """The meta records ``[num_pages * page_size, Hk, num_meta]`` on the CPU, one row per slot
+    (the slot order of :func:`helpers.slot_rows`)."""
+    meta = cache.meta.cpu()
+    return meta.permute(0, 2, 1, 3).reshape(-1, *meta.shape[1:2], meta.shape[3])
+
+
 def _check(cfg: Config, gen: torch.Generator, device: str) -> None:
     case = Case(cfg, gen, device)
     ref_k, ref_v = case.reference_dequantized("reference")
@@ -259,6 +267,13 @@ def _check(cfg: Config, gen: torch.Generator, device: str) -> None:
             f"kernels, {float(ref_err[worst]):.3g} through the reference"
         )
     page_slots, ring_rows = case.unwritten_slots()
+    # Written slots: the same meta record up to one rounding step (a row error 5% above the
+    # reference's is a low-bit format's noise; a scale 3% off is not), the same ring rows.
+    kernel_meta, ref_meta = (_slot_meta(case.caches[path]) for path in ("kernel", "reference"))
+    torch.testing.assert_close(kernel_meta[~page_slots], ref_meta[~page_slots], rtol=meta_step,
+                               atol=0, msg=lambda m: f"written meta records: {m}")  # fmt: skip
+    for kernel_ring, ref_ring in zip(case.rings["kernel"], case.rings["reference"], strict=True):
+        assert torch.equal(kernel_ring.cpu(), ref_ring), "ring rows"
     for path in ("kernel", "reference"):
         for name, now, before in zip(("k_codes", "value codes", "meta"),
                                      slot_rows(case.caches[path]),
