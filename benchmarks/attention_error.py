@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, pyplot, save_figure, write_json  # noqa: E402
 
 from custom_ops import api, reference  # noqa: E402
 from custom_ops.formats import FORMATS, get_format  # noqa: E402
@@ -110,10 +110,7 @@ def measure(captured, fmt_name: str, record: torch.dtype, window: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [f"{r['format']}\n{r['record']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4))
@@ -123,9 +120,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("||O_q - O|| / ||O||")
     ax.set_title(f"SmolLM2 attention-output error, window {rows[0]['window']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

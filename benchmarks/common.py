@@ -27,6 +27,8 @@ __all__ = [
     "bench",
     "print_table",
     "write_json",
+    "pyplot",
+    "save_figure",
 ]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -141,3 +143,21 @@ def write_json(path: str | Path, payload: Any) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")
     return out
+
+
+def pyplot():
+    """matplotlib's ``pyplot`` on the file-only Agg backend, imported when a plot is drawn
+    (matplotlib is optional)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Lay ``fig`` out, write it to ``path`` at 120 dpi and print where."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")

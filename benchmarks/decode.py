@@ -31,7 +31,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, gpu_name, print_table, require_cuda, write_json  # noqa: E402
+from common import (  # noqa: E402
+    copy_bandwidth,
+    gpu_name,
+    print_table,
+    pyplot,
+    require_cuda,
+    save_figure,
+    write_json,
+)
 
 from custom_ops import api  # noqa: E402
 from custom_ops.formats import FORMATS, get_format  # noqa: E402
@@ -276,10 +284,7 @@ def _config_label(config: dict) -> str:
 
 
 def plot(payload: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [
         r
@@ -300,9 +305,7 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_ylabel("speed-up vs bf16 SDPA")
     ax.set_title(f"tq.decode on {payload['gpu']}")
     ax.legend(ncol=4, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -42,7 +42,15 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import capture, gpu_name, print_table, require_cuda, write_json  # noqa: E402
+from common import (  # noqa: E402
+    capture,
+    gpu_name,
+    print_table,
+    pyplot,
+    require_cuda,
+    save_figure,
+    write_json,
+)
 
 from custom_ops.formats import PagedKVCache, get_format  # noqa: E402
 from custom_ops.triton import store_window as triton_store_window  # noqa: E402
@@ -280,10 +288,7 @@ def _batch_context_label(cell: tuple[int, int]) -> str:
 def plot(payload: dict, path: Path, cell=_batch_context, label=_batch_context_label) -> None:
     """Speed-up over bf16 (enable_gqa) per cell, one panel per mode, one bar per cache; a
     row's cell is ``cell(row)`` (hashable), its tick ``label(cell)``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in payload["rows"] if r["cache"] != BASELINE]
     modes = list(dict.fromkeys(r["mode"] for r in rows))
@@ -304,9 +309,7 @@ def plot(payload: dict, path: Path, cell=_batch_context, label=_batch_context_la
         ax.set_ylabel("speed-up vs bf16 SDPA (enable_gqa)")
         ax.legend(fontsize=7)
     fig.suptitle(f"{payload['preset']} decode step on {payload['gpu']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

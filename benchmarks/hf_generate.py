@@ -33,7 +33,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import gpu_name, print_table, require_cuda, write_json  # noqa: E402
+from common import (  # noqa: E402
+    gpu_name,
+    print_table,
+    pyplot,
+    require_cuda,
+    save_figure,
+    write_json,
+)
 
 from examples.hf_eval import StepTimer  # noqa: E402
 from tq_compile.hf import TurboQuantCache  # noqa: E402
@@ -126,10 +133,7 @@ def run(args) -> list[dict]:
 
 def plot(payload: dict, path: Path) -> None:
     """Tokens/s per cache, one panel per model and mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = list(dict.fromkeys((r["model"], r["mode"]) for r in payload["rows"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4), squeeze=False)
@@ -141,9 +145,7 @@ def plot(payload: dict, path: Path) -> None:
         ax.set_ylabel("decode tokens/s")
     fig.suptitle(f"generate, B={payload['batch']}, {payload['context']} tokens, on "
                  f"{payload['gpu']}")  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

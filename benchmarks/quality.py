@@ -59,7 +59,7 @@ from torch import Tensor
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import gpu_name, print_table, write_json  # noqa: E402
+from common import gpu_name, print_table, pyplot, save_figure, write_json  # noqa: E402
 
 from custom_ops.formats import FORMATS, get_format  # noqa: E402
 from examples.model import ModelArgs, Transformer, decode_one_token, init_weights  # noqa: E402
@@ -482,10 +482,7 @@ def run_smollm2(args) -> dict:
 
 def plot(payload: dict, path: Path) -> None:
     """Perplexity increase over bf16 against KV bytes per token-head, one marker per window."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = payload["rows"]
     fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -517,9 +514,7 @@ def plot(payload: dict, path: Path) -> None:
                  f"{payload['device']}", fontsize=9)  # fmt: skip
     ax.grid(True, which="both", linewidth=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:
