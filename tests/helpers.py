@@ -40,14 +40,18 @@ def clone_cache(cache: PagedKVCache, device="cpu") -> PagedKVCache:
     return PagedKVCache(*(p.clone().to(device) for p in cache))
 
 
+def by_slot(plane: torch.Tensor) -> torch.Tensor:
+    """A plane ``[num_pages, Hk, page_size, C]`` on the CPU as ``[num_pages * page_size, Hk,
+    C]``, one row per slot (slot = page * page_size + offset)."""
+    plane = plane.cpu()
+    return plane.transpose(1, 2).reshape(-1, plane.shape[1], plane.shape[3])
+
+
 def slot_rows(cache: PagedKVCache) -> list[torch.Tensor]:
     """Each plane's raw bytes on the CPU as ``[num_pages * page_size, Hk * bytes] uint8``, one
     row per slot (value codes through :attr:`PagedKVCache.value_rows`)."""
-    rows = []
-    for plane in (cache.k_codes, cache.value_rows, cache.meta):
-        raw = plane.cpu().view(torch.uint8)
-        rows.append(raw.permute(0, 2, 1, 3).reshape(raw.shape[0] * raw.shape[2], -1))
-    return rows
+    planes = (cache.k_codes, cache.value_rows, cache.meta)
+    return [by_slot(plane.view(torch.uint8)).flatten(1) for plane in planes]
 
 
 def _rank(codec: Codec, codes: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import CUDA, triton_kernels
-from helpers import clone_cache, poisoned_cache, random_kv, rel_error, slot_rows
+from helpers import by_slot, clone_cache, poisoned_cache, random_kv, rel_error, slot_rows
 
 from custom_ops import api, reference
 from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, get_format
@@ -234,13 +234,6 @@ def _decode_budget(q, k, v, expected, lens, scale, mask, q_dtype) -> torch.Tenso
     return tolerance * mass + weighted
 
 
-def _slot_meta(cache) -> torch.Tensor:
-    """The meta records ``[num_pages * page_size, Hk, num_meta]`` on the CPU, one row per slot
-    (the slot order of :func:`helpers.slot_rows`)."""
-    meta = cache.meta.cpu()
-    return meta.permute(0, 2, 1, 3).reshape(-1, *meta.shape[1:2], meta.shape[3])
-
-
 def _check(cfg: Config, gen: torch.Generator, device: str) -> None:
     case = Case(cfg, gen, device)
     ref_k, ref_v = case.reference_dequantized("reference")
@@ -269,7 +262,7 @@ def _check(cfg: Config, gen: torch.Generator, device: str) -> None:
     page_slots, ring_rows = case.unwritten_slots()
     # Written slots: the same meta record up to one rounding step (a row error 5% above the
     # reference's is a low-bit format's noise; a scale 3% off is not), the same ring rows.
-    kernel_meta, ref_meta = (_slot_meta(case.caches[path]) for path in ("kernel", "reference"))
+    kernel_meta, ref_meta = (by_slot(case.caches[path].meta) for path in ("kernel", "reference"))
     torch.testing.assert_close(kernel_meta[~page_slots], ref_meta[~page_slots], rtol=meta_step,
                                atol=0, msg=lambda m: f"written meta records: {m}")  # fmt: skip
     for kernel_ring, ref_ring in zip(case.rings["kernel"], case.rings["reference"], strict=True):
