@@ -7,6 +7,10 @@ bandwidth measured in the same run, and the speed-up over
 ``F.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` on bf16 K/V of the same shape.
 Each format is also timed with a recent window (``--windows``, default 0 and 128: the last W of
 the S tokens read from bf16 rings), and ``vs_window0`` is window 0's time over this one's.
+``--tokens 4 8`` also times a speculative-decoding verify step: each sequence's last T tokens
+as queries ``[B, Hq, T, D]``, causal among themselves, against bf16 SDPA with the same queries
+and a lower-right causal mask (``torch.nn.attention.bias.causal_lower_right``); ``vs_t1`` is
+this time over the one-token decode's.
 
 Timing: each op is captured in a CUDA graph that calls it on R different copies of its inputs
 (R chosen so the copies total >= 256 MiB, several times the L2), and one replay's time is divided
@@ -16,6 +20,7 @@ A format's windows are replayed in alternating rounds and each keeps its fastest
 
     python benchmarks/decode.py                      # all shapes and formats
     python benchmarks/decode.py --formats 4bit_nc --sweep    # tuning sweep of the split kernel
+    python benchmarks/decode.py --formats 4bit_nc --shapes 1x32768 16x8192 --tokens 1 4 8
     python benchmarks/decode.py --plot results/decode.json   # PNG from a saved run
 """
 
@@ -29,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -103,16 +109,19 @@ def replicas(nbytes: int) -> int:
     return max(1, min(64, -(-COLD_BYTES // nbytes)))
 
 
-def sdpa_time(batch: int, seq: int) -> float:
+def sdpa_time(batch: int, seq: int, tokens: int = 1) -> float:
+    """bf16 SDPA of ``tokens`` queries per sequence (the last ones: a lower-right causal mask
+    when several) over ``seq`` cached tokens."""
     kv_bytes = 2 * batch * NUM_KV_HEADS * seq * HEAD_DIM * 2
+    mask = causal_lower_right(tokens, seq) if tokens > 1 else None
     calls = []
     for _ in range(replicas(kv_bytes)):
-        q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(batch, NUM_Q_HEADS, tokens, HEAD_DIM, device="cuda",
+                        dtype=torch.bfloat16)  # fmt: skip
         k = torch.randn(batch, NUM_KV_HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        calls.append(
-            lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        )
+        calls.append(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=True))  # fmt: skip
     return time_graph(calls)
 
 
@@ -133,25 +142,29 @@ def filled_cache(fmt, batch: int, seq: int):
     return cache, consts, table, lens
 
 
-def tq_inputs(fmt, batch: int, seq: int) -> list:
-    """R replicas (enough to defeat L2) of (q, cache, constants, block table, lengths)."""
+def tq_inputs(fmt, batch: int, seq: int, tokens: int = 1) -> list:
+    """R replicas (enough to defeat L2) of (q, cache, constants, block table, lengths); ``q [B,
+    Hq, D]``, or ``[B, Hq, T, D]`` for several query tokens."""
     cache_bytes = batch * seq * NUM_KV_HEADS * fmt.bytes_per_token_head(HEAD_DIM)
     inputs = []
     for _ in range(replicas(cache_bytes)):
         cache, consts, table, lens = filled_cache(fmt, batch, seq)
-        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        q_shape = (batch, NUM_Q_HEADS, *((tokens,) if tokens > 1 else ()), HEAD_DIM)
+        q = torch.randn(q_shape, device="cuda", dtype=torch.bfloat16)
         inputs.append((q, cache, consts, table, lens))
     return inputs
 
 
 def window_rings(inputs, window: int) -> list:
-    """Per replica: ``(k_window, v_window)`` bf16 ``[B, Hk, W, D]`` rings (``(None, None)``
-    for window 0). The cache's last ``W`` positions are then read from them instead."""
+    """Per replica: ``(k_window, v_window, window_pos)``, bf16 ``[B, Hk, W, D]`` rings and their
+    slots' positions (``(None, None, None)`` for window 0). The cache's last ``W`` positions are
+    then read from them instead."""
     rings = []
-    for q, *_ in inputs:
+    for q, *_, lens in inputs:
         shape = (q.shape[0], NUM_KV_HEADS, window, HEAD_DIM)
         ring = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-        rings.append(tuple(ring) if window else (None, None))
+        positions = api.appended_window_positions(lens, NUM_KV_HEADS, window)
+        rings.append((*ring, positions) if window else (None, None, None))
     return rings
 
 
@@ -174,6 +187,7 @@ def tq_calls(fmt, inputs, rings, num_splits: int, **kernel_args) -> list:
             scale=HEAD_DIM**-0.5,
             k_window=r[0],
             v_window=r[1],
+            window_pos=r[2],
             **kernel_args,
         )
         for (q, cache, consts, table, lens), ring in zip(inputs, rings, strict=True)
@@ -190,36 +204,33 @@ SWEEP = [
     (16, 1, 2, 2),
     (32, 2, 2, 2),
     (64, 2, 2, 1),
+    (32, 4, 2, 1),
+    (32, 4, 2, 2),
 ]
 SPLIT_FACTORS = (0.5, 2, 4)
 
 
-def run(formats, shapes, sweep: bool, windows=(0,)) -> dict:
+def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,)) -> dict:
     copy_bw = copy_bandwidth()
     print(f"{gpu_name()}: copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
     rows = []
-    for batch, seq in shapes:
-        base_us = sdpa_time(batch, seq)
+    one_token_us = {}  # (shape, format, window, config) -> us of the one-token decode
+    for (batch, seq), tokens in ((shape, t) for shape in shapes for t in token_counts):
+        shape = f"{batch}x{seq}"
+        base_us = sdpa_time(batch, seq, tokens)
         bf16_bytes = 2 * batch * NUM_KV_HEADS * seq * HEAD_DIM * 2
-        rows.append(
-            dict(
-                shape=f"{batch}x{seq}",
-                format="bf16 sdpa",
-                us=base_us,
-                tb_s=bf16_bytes / base_us / 1e6,
-                copy_pct=100 * bf16_bytes / base_us / 1e-6 / copy_bw,
-                speedup=1.0,
-                window=0,
-                vs_window0=1.0,
-                splits=0,
-                config="",
-            )
-        )
+        one_token_us.setdefault((shape, "bf16 sdpa", 0, ""), base_us)
+        rows.append(dict(
+            shape=shape, tokens=tokens, format="bf16 sdpa", us=base_us,
+            tb_s=bf16_bytes / base_us / 1e6, copy_pct=100 * bf16_bytes / base_us / 1e-6 / copy_bw,
+            speedup=1.0, window=0, vs_window0=1.0,
+            vs_t1=base_us / one_token_us[shape, "bf16 sdpa", 0, ""], splits=0, config="",
+        ))  # fmt: skip
         splits_default = default_splits(batch, seq)
         for name in formats:
             fmt = get_format(name)
             nbytes = batch * seq * NUM_KV_HEADS * fmt.bytes_per_token_head(HEAD_DIM)
-            inputs = tq_inputs(fmt, batch, seq)
+            inputs = tq_inputs(fmt, batch, seq, tokens)
             configs = [({}, splits_default)]
             if sweep:
                 configs = [
@@ -240,38 +251,21 @@ def run(formats, shapes, sweep: bool, windows=(0,)) -> dict:
                     continue
                 times = time_windows(graphs, len(inputs))
                 del graphs
+                label = _config_label(config)
                 for window, us in times.items():
-                    rows.append(
-                        dict(
-                            shape=f"{batch}x{seq}",
-                            format=name,
-                            us=us,
-                            tb_s=nbytes / us / 1e6,
-                            copy_pct=100 * nbytes / us / 1e-6 / copy_bw,
-                            speedup=base_us / us,
-                            window=window,
-                            vs_window0=times.get(0, float("nan")) / us,
-                            splits=splits,
-                            config=_config_label(config),
-                        )
-                    )
+                    t1 = one_token_us.setdefault((shape, name, window, label), us)
+                    rows.append(dict(
+                        shape=shape, tokens=tokens, format=name, us=us, tb_s=nbytes / us / 1e6,
+                        copy_pct=100 * nbytes / us / 1e-6 / copy_bw, speedup=base_us / us,
+                        window=window, vs_window0=times.get(0, float("nan")) / us,
+                        vs_t1=us / t1, splits=splits, config=label,
+                    ))  # fmt: skip
             del inputs
             torch.cuda.empty_cache()
-    print_table(
-        rows,
-        dict(
-            shape="",
-            format="",
-            us=".1f",
-            tb_s=".2f",
-            copy_pct=".1f",
-            speedup=".2f",
-            window="d",
-            vs_window0=".3f",
-            splits="d",
-            config="",
-        ),
-    )
+    print_table(rows, dict(
+        shape="", tokens="d", format="", us=".1f", tb_s=".2f", copy_pct=".1f", speedup=".2f",
+        window="d", vs_window0=".3f", vs_t1=".2f", splits="d", config="",
+    ))  # fmt: skip
     return dict(gpu=gpu_name(), copy_bandwidth=copy_bw, rows=rows)
 
 
@@ -289,8 +283,14 @@ def plot(payload: dict, path: Path) -> None:
     rows = [
         r
         for r in payload["rows"]
-        if r["format"] != "bf16 sdpa" and not r["config"] and not r.get("window")
+        if r["format"] != "bf16 sdpa"
+        and not r["config"]
+        and not r.get("window")
+        and r.get("tokens", 1) == 1
     ]
+    if not rows:
+        print("no one-token rows without a window: no PNG")
+        return
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     formats = list(dict.fromkeys(r["format"] for r in rows))
     fig, ax = plt.subplots(figsize=(10, 4.5))
@@ -317,6 +317,10 @@ def main() -> None:
         "--windows", nargs="*", type=int, default=[0, 128],
         help="recent-window sizes to time (tokens in bf16 rings; 0: none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tokens", nargs="*", type=int, default=[1],
+        help="query tokens per sequence to time (several: a speculative-decoding verify step)",
+    )  # fmt: skip
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
     parser.add_argument("--out", default="decode.json")
     args = parser.parse_args()
@@ -327,7 +331,7 @@ def main() -> None:
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
-    payload = run(args.formats, shapes, args.sweep, args.windows)
+    payload = run(args.formats, shapes, args.sweep, args.windows, args.tokens)
     path = write_json(args.out, payload)
     print(f"wrote {path}")
     try:

@@ -245,7 +245,7 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
         cache.update(torch.arange(start, start + n, device="cuda"), chunk, chunk)
     k_tq, v_tq = cache.update(pos, k_new, k_new)
     planes, table = (cache.k_codes, cache.v_codes, cache.meta), cache.block_table
-    rings = (cache.k_window, cache.v_window)
+    rings = (cache.k_window, cache.v_window, cache.window_pos)
     seq_lens = torch.full((1,), context - 7, dtype=torch.int32, device="cuda")
     start_pos = torch.full((1,), context - 8, dtype=torch.int32, device="cuda")
     calls = {
@@ -266,12 +266,13 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
     start16 = torch.full((batch,), context - 8, dtype=torch.int32, device="cuda")
     append = graph_gpu_us(lambda: torch.ops.tq.store_window(
         k16, k16, big.k_codes, big.v_codes, big.meta, big.k_window, big.v_window,
-        big.block_table, start16, big.rotation, fmt))  # fmt: skip
+        big.window_pos, big.block_table, start16, big.rotation, fmt))  # fmt: skip
     rows.append(dict(cache=fmt, call="tq.store_window B=16, T=1: GPU us", cpu_us=append))
     for block_rows, num_warps in ((16, 4), (16, 2), (8, 1)):  # the append's launch shape
         us = graph_gpu_us(lambda r=block_rows, w=num_warps: triton_store_window.store_window(
             get_format(fmt), k16, k16, PagedKVCache(big.k_codes, big.v_codes, big.meta),
-            big.k_window, big.v_window, big.block_table, start16, big.rotation, r, w))  # fmt: skip
+            big.k_window, big.v_window, big.window_pos, big.block_table, start16, big.rotation, r,
+            w))  # fmt: skip
         rows.append(dict(cache=fmt, call=f"  with {block_rows} rows x {num_warps} warps: GPU us",
                          cpu_us=us))  # fmt: skip
     return rows

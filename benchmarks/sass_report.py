@@ -132,12 +132,13 @@ def main() -> None:
     table = torch.zeros(batch, pages, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
     ring = torch.zeros(batch, hk, args.window, args.head_dim, dtype=torch.bfloat16)
-    rings = (ring, ring) if args.window else (None, None)
+    ring_pos = torch.full(ring.shape[:3], -1, dtype=torch.int32)
+    rings = (ring, ring, ring_pos) if args.window else (None, None, None)
     config = decode.SplitConfig(args.block_n, args.subtiles, args.warps, args.stages)
     plan = decode.plan_for(fmt, q, cache, table, args.splits, None, rings[0], True, config)
     compiled = decode.compile_split_kernel(
         fmt, q, cache, table, lens, consts.rotation, args.splits, compile_offline,
-        split_config=config, k_window=rings[0], v_window=rings[1],
+        split_config=config, k_window=rings[0], v_window=rings[1], window_pos=rings[2],
         **({"maxnreg": args.maxnreg} if args.maxnreg else {}),
     )  # fmt: skip
     if args.dump:

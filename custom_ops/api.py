@@ -24,6 +24,7 @@ __all__ = [
     "dequantize",
     "decode",
     "default_num_splits",
+    "appended_window_positions",
 ]
 
 
@@ -66,16 +67,32 @@ def store_window(
     value: torch.Tensor,
     k_window: torch.Tensor,
     v_window: torch.Tensor,
+    window_pos: torch.Tensor,
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     constants: KVConstants,
 ) -> None:
-    """Append ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos [B] int32 ..`` to
-    sequences whose last ``W`` tokens live in the rings ``k_window``/``v_window [B, Hk, W, D]``
-    (see ``torch.ops.tq.store_window``)."""
-    args = StoreWindowArgs(key, value, *cache, k_window, v_window, block_table, start_pos,
-                           constants.rotation, get_format(fmt).name)  # fmt: skip
+    """Write ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos [B] int32 ..`` (at
+    most each sequence's length) to sequences whose latest tokens live in the rings
+    ``k_window``/``v_window [B, Hk, W, D]``, ``window_pos [B, Hk, W] int32`` the position of each
+    slot (see ``torch.ops.tq.store_window``)."""
+    args = StoreWindowArgs(key, value, *cache, k_window, v_window, window_pos, block_table,
+                           start_pos, constants.rotation, get_format(fmt).name)  # fmt: skip
     torch.ops.tq.store_window(*args)
+
+
+def appended_window_positions(
+    seq_lens: torch.Tensor, num_kv_heads: int, window: int
+) -> torch.Tensor:
+    """``window_pos [B, Hk, W] int32`` of rings that hold the last ``min(len, W)`` positions of
+    sequences of lengths ``seq_lens [B]`` (position ``p`` at slot ``p % W``, -1 in the other
+    slots): what appending up to those lengths leaves, for rings filled by other means (a
+    benchmark's random rings, a cache restored from elsewhere)."""
+    slots = torch.arange(window, device=seq_lens.device)[None, :]
+    lens = seq_lens.to(torch.int64)[:, None]
+    newest = lens - 1 - (lens - 1 - slots) % window  # the last position below len at each slot
+    held = torch.where(newest >= 0, newest, -1).to(torch.int32)
+    return held[:, None, :].expand(-1, num_kv_heads, -1).contiguous()
 
 
 def dequantize(
@@ -88,11 +105,12 @@ def dequantize(
     dtype: torch.dtype = torch.bfloat16,
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
+    window_pos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K and V ``[B, Hk, max_seq_len, D]`` of every sequence (zeros past its length; the
-    last ``W`` positions from the rings when given)."""
+    ring runs from the rings when given)."""
     args = DequantizeArgs(*cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
-                          max_seq_len, dtype, k_window, v_window)  # fmt: skip
+                          max_seq_len, dtype, k_window, v_window, window_pos)  # fmt: skip
     return torch.ops.tq.dequantize(*args)
 
 
@@ -123,11 +141,13 @@ def decode(
     mask: torch.Tensor | None = None,
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
+    window_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` (one token per sequence) over the cache: ``[B, Hq, D]``.
 
     ``num_splits`` defaults to :func:`default_num_splits`; ``scale`` to ``1 / sqrt(D)``;
-    ``k_window``/``v_window`` are the recent-window rings, if any.
+    ``k_window``/``v_window``/``window_pos`` are the recent-window rings and their slots'
+    positions, if any.
     """
     if num_splits is None:
         window = 0 if k_window is None else k_window.shape[2]
@@ -136,5 +156,5 @@ def decode(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     args = DecodeArgs(q, *cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
-                      num_splits, scale, mask, k_window, v_window)  # fmt: skip
+                      num_splits, scale, mask, k_window, v_window, window_pos)  # fmt: skip
     return torch.ops.tq.decode(*args)

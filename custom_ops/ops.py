@@ -15,28 +15,34 @@ dispatch, functionalization and ``opcheck`` support, for a fraction of the per-c
   :mod:`custom_ops.formats`) at ``slot_mapping [N] int32`` (``page * page_size + offset``;
   negative slots are padding and skipped; two tokens of one call with the same slot leave one
   of them there, which one unspecified on CUDA, the last on the CPU). Returns nothing.
-* ``tq.store_window(key, value, k_codes!, v_codes!, meta!, k_window!, v_window!, block_table,
-  start_pos, rotation, fmt)``: append ``key``/``value [B, Hk, T, D]`` at positions
-  ``start_pos[b] ..`` (``[B] int32``, the current length; negative skips the sequence) to
-  sequences whose last ``min(len, W)`` tokens live in the rings ``k_window``/``v_window [>= B,
-  Hk, W, D]`` (contiguous bf16/fp16, position ``p`` at slot ``p % W``). Tokens that leave the
-  ring are quantized into their pages exactly once (:func:`custom_ops.reference.store_window`);
-  pages are needed only below ``len - W``, so a sequence of ``block_table [>= B, max_pages]``
-  holds ``max_pages * page_size + W`` positions.
+* ``tq.store_window(key, value, k_codes!, v_codes!, meta!, k_window!, v_window!, window_pos!,
+  block_table, start_pos, rotation, fmt)``: write ``key``/``value [B, Hk, T, D]`` at positions
+  ``start_pos[b] ..`` (``[B] int32``, at most the current length: appends, rollbacks and
+  restarts alike; negative skips the sequence) to sequences whose latest positions (a run of at
+  most ``W``) live in the rings ``k_window``/``v_window [>= B, Hk, W, D]`` (contiguous
+  bf16/fp16, position ``p`` at slot ``p % W``), ``window_pos [>= B, Hk, W] int32`` recording
+  each slot's position (-1: none; a new cache fills it with -1). A token that leaves the ring
+  while still part of its sequence is quantized into its page exactly once
+  (:func:`custom_ops.reference.store_window`); pages are needed only below ``len - W``, so a
+  sequence of ``block_table [>= B, max_pages]`` holds ``max_pages * page_size + W`` positions.
 * ``tq.dequantize(k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, max_seq_len,
-  dtype, k_window=None, v_window=None) -> (K, V)``: dense ``[B, Hk, max_seq_len, D]`` of
-  ``dtype`` (bf16, fp16, fp32 or fp64) for ``block_table [B, max_pages] int32`` and ``seq_lens
-  [B] int32``; zeros at and past each length; with the rings, each sequence's last ``min(len,
-  W)`` positions are copied from them. ``max_seq_len`` is at most the sequence capacity.
+  dtype, k_window=None, v_window=None, window_pos=None) -> (K, V)``: dense ``[B, Hk,
+  max_seq_len, D]`` of ``dtype`` (bf16, fp16, fp32 or fp64) for ``block_table [B, max_pages]
+  int32`` and ``seq_lens [B] int32``; zeros at and past each length; with the rings, each
+  sequence-head's ring run (:func:`custom_ops.reference.ring_start` .. len) is copied from them.
+  ``max_seq_len`` is at most the sequence capacity.
 * ``tq.decode(q, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, num_splits,
-  scale, mask=None, k_window=None, v_window=None) -> out``: attention of ``q [B, Hq, D]``
-  (bf16/fp16, ``Hq`` a multiple of ``Hk``) over each sequence's cache, ``[B, Hq, D]`` in q's
-  dtype. Block-table entries past a sequence's pages may hold anything (short contexts read them
-  early but never follow them); a sequence of length 0 gives zeros. ``num_splits`` is the fixed
+  scale, mask=None, k_window=None, v_window=None, window_pos=None) -> out``: attention of ``q
+  [B, Hq, D]`` (bf16/fp16, ``Hq`` a multiple of ``Hk``) over each sequence's cache, ``[B, Hq,
+  D]`` in q's dtype; or of ``q [B, Hq, T, D]``, ``T <= 16``, the sequence's last ``T`` tokens
+  (a speculative-decoding verify step), token ``t`` seeing the positions below ``len - T + t +
+  1``, ``[B, Hq, T, D]`` (``mask`` then also ``[B or 1, Hq or 1, T, M]``, per token).
+  Block-table entries past a sequence's pages may hold anything (short contexts read them early
+  but never follow them); a sequence of length 0 gives zeros. ``num_splits`` is the fixed
   split count (a power of two, :mod:`custom_ops.splits`), ``scale`` the softmax scale, ``mask``
   an optional ``[B or 1, Hq or 1, M]`` bool (False masks out) or additive float mask over cache
   positions (positions ``>= M`` masked out; a query with no visible key gets zeros). With the
-  rings, the last ``min(len, W)`` positions are read from them in full precision.
+  rings, each sequence-head's ring run is read from them in full precision.
 
 ``rotation`` (``[D, D] float32``, entries +-1) must be :func:`custom_ops.codebook.rotation_matrix`
 (for a power-of-two D the CUDA decode kernels use its Walsh-Hadamard structure, ``R = diag(s) @
@@ -114,8 +120,8 @@ def _store(a: StoreArgs) -> None:
 def _store_window(a: StoreWindowArgs) -> None:
     key = validate.launch_key(a)
     kv_format = validate.checked(validate.check_store_window, a, key)
-    args = (kv_format, a.key, a.value, _cache(a), a.k_window, a.v_window, a.block_table,
-            a.start_pos, a.rotation)  # fmt: skip
+    args = (kv_format, a.key, a.value, _cache(a), a.k_window, a.v_window, a.window_pos,
+            a.block_table, a.start_pos, a.rotation)  # fmt: skip
     if _use_triton(a.key.device):
         triton_store_window.store_window(*args, launch_key=key)
     else:
@@ -126,7 +132,7 @@ def _dequantize(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
     kv_format, _ = validate.checked(validate.check_dequantize, a, validate.launch_key(a))
     impl = triton_dequant.dequantize if _use_triton(a.k_codes.device) else reference.dequantize
     return impl(kv_format, _cache(a), a.block_table, a.seq_lens, a.rotation, a.max_seq_len,
-                a.dtype, a.k_window, a.v_window)  # fmt: skip
+                a.dtype, a.k_window, a.v_window, a.window_pos)  # fmt: skip
 
 
 def _dequantize_fake(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,9 +147,10 @@ def _decode(a: DecodeArgs) -> torch.Tensor:
     if _use_triton(a.q.device):
         return triton_decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
                              a.num_splits, a.scale, a.mask, a.k_window, a.v_window,
-                             launch_key=key)  # fmt: skip
+                             a.window_pos, launch_key=key)  # fmt: skip
     return reference.decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
-                            a.scale, torch.float32, a.mask, a.k_window, a.v_window)  # fmt: skip
+                            a.scale, torch.float32, a.mask, a.k_window, a.v_window,
+                            a.window_pos)  # fmt: skip
 
 
 def _decode_fake(a: DecodeArgs) -> torch.Tensor:
@@ -161,6 +168,6 @@ def _store_window_fake(a: StoreWindowArgs) -> None:
 
 _define("store", StoreArgs, _store, _store_fake, mutates=("k_codes", "v_codes", "meta"))
 _define("store_window", StoreWindowArgs, _store_window, _store_window_fake,
-        mutates=("k_codes", "v_codes", "meta", "k_window", "v_window"))  # fmt: skip
+        mutates=("k_codes", "v_codes", "meta", "k_window", "v_window", "window_pos"))  # fmt: skip
 _define("dequantize", DequantizeArgs, _dequantize, _dequantize_fake, returns="(Tensor, Tensor)")
 _define("decode", DecodeArgs, _decode, _decode_fake, returns="Tensor")

@@ -24,6 +24,7 @@ __all__ = [
     "unpack_codes",
     "store",
     "store_window",
+    "ring_start",
     "overlay_window",
     "gather_rows",
     "dequantize",
@@ -220,8 +221,9 @@ def store(
 ) -> None:
     """Quantize ``key``/``value`` ``[N, Hk, D]`` and write them into the slots of a paged cache.
 
-    ``slot_mapping [N] int32`` gives each token's slot (``page * page_size + offset``); a
-    negative slot is padding and skipped. The cache planes are modified in place.
+    ``slot_mapping [N] int32`` gives each token's slot (``page * page_size + offset``), or ``[N,
+    Hk]`` each token-head's; a negative slot is padding and skipped. The cache planes are
+    modified in place.
     """
     n_tokens, num_kv_heads, head_dim = key.shape
     page_size = cache.k_codes.shape[2]
@@ -231,14 +233,14 @@ def store(
     meta = torch.stack(k_meta + v_meta, dim=1).to(fmt.meta_dtype)
 
     slots = slot_mapping.to(torch.int64)
-    keep = slots >= 0
-    tokens = torch.nonzero(keep).flatten()
-    pages = (slots[tokens] // page_size)[:, None]
-    offsets = (slots[tokens] % page_size)[:, None]
-    heads = torch.arange(num_kv_heads, device=key.device)[None, :]
+    if slots.dim() == 1:
+        slots = slots[:, None].expand(n_tokens, num_kv_heads)
+    tokens, heads = torch.nonzero(slots >= 0, as_tuple=True)
+    pages = slots[tokens, heads] // page_size
+    offsets = slots[tokens, heads] % page_size
 
     def rows_of(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(n_tokens, num_kv_heads, *t.shape[1:])[tokens]
+        return t.reshape(n_tokens, num_kv_heads, *t.shape[1:])[tokens, heads]
 
     cache.k_codes[pages, heads, offsets] = rows_of(k_packed)
     cache.value_rows[pages, heads, offsets] = rows_of(v_packed)
@@ -258,19 +260,25 @@ def store_window(
     cache: PagedKVCache,
     k_window: torch.Tensor,
     v_window: torch.Tensor,
+    window_pos: torch.Tensor,
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     rotation: torch.Tensor,
 ) -> None:
-    """Append ``key``/``value`` ``[B, Hk, T, D]`` to sequences that keep their most recent
-    ``W`` tokens in full precision.
+    """Write ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos[b] ..`` of sequences
+    that keep their most recent tokens in full precision.
 
-    Sequence ``b`` holds ``start_pos[b]`` tokens before the call (a negative start skips it):
-    positions ``[0, start - W)`` quantized in its pages, the last ``min(start, W)`` in the ring
-    ``k_window / v_window [B, Hk, W, D]`` at slot ``position % W``. The new tokens take positions
-    ``start .. start + T - 1``; afterwards the ring holds the last ``W`` positions of the
-    ``start + T``, and every token that left the ring (an old one, or a new one that never
-    entered it when ``T > W``) has been quantized into its slot, exactly once.
+    Each sequence-head keeps a run of its latest positions ``[w, len)`` (at most ``W``) in the
+    ring ``k_window / v_window [B, Hk, W, D]``, position ``p`` at slot ``p % W``, and the
+    positions below ``w`` quantized in its pages; ``window_pos [B, Hk, W] int32`` records the
+    position each slot holds (-1: none; :func:`ring_start` finds ``w``). The new tokens take
+    positions ``start .. start + T - 1`` (a negative start skips the sequence), for any start
+    up to the current length: everything from ``start`` on is new (a rollback, a re-run step,
+    rejected drafts, a new sequence from 0). A slot's old position leaves for its page only if it
+    is below ``start`` (still part of the sequence); new tokens that do not fit the ring go
+    straight to their pages. Afterwards the ring holds the last ``min(W, start + T - w)``
+    positions, and every position below the new ``w`` is in its page: written once if it left
+    the ring in this call or an earlier one.
     """
     n_new = key.shape[2]
     window = k_window.shape[2]
@@ -279,35 +287,52 @@ def store_window(
         start = int(start_pos[b])
         if start < 0:
             continue
-        keep_from = start + n_new - window  # positions >= keep_from end up in the ring
-        first_leaving = max(0, start - window)
-        leaving = torch.arange(first_leaving, max(first_leaving, min(start, keep_from)))
+        keep_from = start + n_new - window  # new positions >= keep_from end up in the ring
+        ring_slots = (start + torch.arange(min(n_new, window))) % window  # the slots written
+        held = window_pos[b][:, ring_slots].to(torch.int64)  # [Hk, C] their old positions
+        leaves = (held >= 0) & (held < start)
+        leaving = torch.where(leaves, held, 0)  # (a stale position may lie past the pages)
+        old_slots = torch.where(leaves, _slots_of(leaving, block_table[b], page_size), -1)
         new_pos = start + torch.arange(n_new)
         direct = new_pos < keep_from
-        # [n, Hk, D] rows: old tokens from the ring, then new ones that skip it
-        k_rows = torch.cat([k_window[b][:, leaving % window], key[b][:, direct]], dim=1)
-        v_rows = torch.cat([v_window[b][:, leaving % window], value[b][:, direct]], dim=1)
-        positions = torch.cat([leaving, new_pos[direct]])
-        slots = _slots_of(positions, block_table[b], page_size)
+        new_slots = _slots_of(new_pos[direct], block_table[b], page_size)
+        # [n, Hk, D] rows: old tokens from the ring (slots per head), then new ones that skip it
+        k_rows = torch.cat([k_window[b][:, ring_slots], key[b][:, direct]], dim=1)
+        v_rows = torch.cat([v_window[b][:, ring_slots], value[b][:, direct]], dim=1)
+        slots = torch.cat([old_slots.T, new_slots[:, None].expand(-1, old_slots.shape[0])])
         store(fmt, k_rows.transpose(0, 1).float(), v_rows.transpose(0, 1).float(), cache, slots,
               rotation)  # fmt: skip
-        stay = ~direct
-        k_window[b][:, new_pos[stay] % window] = key[b][:, stay].to(k_window.dtype)
-        v_window[b][:, new_pos[stay] % window] = value[b][:, stay].to(v_window.dtype)
+        stay = new_pos[~direct]
+        k_window[b][:, stay % window] = key[b][:, ~direct].to(k_window.dtype)
+        v_window[b][:, stay % window] = value[b][:, ~direct].to(v_window.dtype)
+        window_pos[b][:, stay % window] = stay.to(window_pos.dtype)
+
+
+def ring_start(window_pos: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """``[B, Hk] int64``: where each sequence-head's ring run starts, the least position below
+    ``seq_lens [B]`` that its ring ``window_pos [>= B, Hk, W]`` holds (its length if none):
+    positions below it are read from the pages, the others from the ring (see
+    :func:`store_window`)."""
+    lens = seq_lens.to(torch.int64)[:, None, None]
+    held = window_pos[: seq_lens.shape[0]].to(device=lens.device, dtype=torch.int64)
+    in_run = (held >= 0) & (held < lens)
+    return torch.where(in_run, held, lens).amin(dim=2)
 
 
 def overlay_window(
-    dense: torch.Tensor, window: torch.Tensor, seq_lens: torch.Tensor
+    dense: torch.Tensor, window: torch.Tensor, window_pos: torch.Tensor, seq_lens: torch.Tensor
 ) -> torch.Tensor:
-    """``dense [B, Hk, S, D]`` with each sequence's last ``min(len, W)`` positions taken from
-    the ring ``window [>= B, Hk, W, D]`` (position ``p`` at slot ``p % W``)."""
+    """``dense [B, Hk, S, D]`` with each sequence-head's ring run (positions ``ring_start ..
+    len - 1``) taken from the ring ``window [>= B, Hk, W, D]`` (position ``p`` at slot ``p %
+    W``)."""
     batch, _, seq, _ = dense.shape
     ring_size = window.shape[2]
     positions = torch.arange(seq, device=dense.device)
-    lens = seq_lens.to(device=dense.device, dtype=torch.int64)[:, None]
-    in_window = (positions[None, :] >= lens - ring_size) & (positions[None, :] < lens)
+    first = ring_start(window_pos, seq_lens).to(dense.device)[:, :, None]  # [B, Hk, 1]
+    lens = seq_lens.to(device=dense.device, dtype=torch.int64)[:, None, None]
+    in_window = (positions >= first) & (positions < lens)  # [B, Hk, S]
     ring_rows = window[:batch][:, :, positions % ring_size].to(dense.device, dense.dtype)
-    return torch.where(in_window[:, None, :, None], ring_rows, dense)
+    return torch.where(in_window[..., None], ring_rows, dense)
 
 
 def gather_rows(
@@ -346,16 +371,17 @@ def dequantize(
     dtype: torch.dtype,
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
+    window_pos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantize every sequence's cache to ``[B, Hk, max_seq_len, D]`` K and V in ``dtype``.
 
     Positions at or beyond ``seq_lens[b]`` are zero. With a recent window (``k_window`` /
-    ``v_window [B, Hk, W, D]``, see :func:`store_window`) the last ``min(len, W)`` positions
-    come from it. float64 ``dtype`` computes in float64 (the oracle); anything else computes in
-    float32 and casts at the end.
+    ``v_window [B, Hk, W, D]`` and ``window_pos``, see :func:`store_window`) each
+    sequence-head's ring run comes from it. float64 ``dtype`` computes in float64 (the oracle);
+    anything else computes in float32 and casts at the end.
     """
-    window = 0 if k_window is None else k_window.shape[2]
-    rows = gather_rows(cache, block_table, max_seq_len, (seq_lens - window).clamp_min(0))
+    paged_lens = seq_lens if k_window is None else ring_start(window_pos, seq_lens).amax(dim=1)
+    rows = gather_rows(cache, block_table, max_seq_len, paged_lens)
     batch, num_kv_heads, seq, _ = rows.k_codes.shape
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     k_meta, v_meta = _split_meta(fmt, rows.meta.reshape(-1, rows.meta.shape[-1]))
@@ -371,8 +397,8 @@ def dequantize(
     k = torch.where(valid, k, torch.zeros((), dtype=compute))
     v = torch.where(valid, v, torch.zeros((), dtype=compute))
     if k_window is not None:
-        k = overlay_window(k, k_window, seq_lens)
-        v = overlay_window(v, v_window, seq_lens)
+        k = overlay_window(k, k_window, window_pos, seq_lens)
+        v = overlay_window(v, v_window, window_pos, seq_lens)
     return k.to(dtype), v.to(dtype)
 
 
@@ -430,16 +456,27 @@ def decode(
     mask: torch.Tensor | None = None,
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
+    window_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention of ``q [B, Hq, D]`` over a paged cache (and its recent window, if
-    any): dequantize, then attend (``mask`` as in :func:`attention`).
+    """Decode attention of ``q [B, Hq, D]`` (one token per sequence), or ``[B, Hq, T, D]`` (the
+    sequence's last ``T`` tokens, causal among themselves: token ``t`` sees the positions below
+    ``len - T + t + 1``), over a paged cache (and its recent window, if any): dequantize, then
+    attend (``mask`` as in :func:`attention`, or ``[B or 1, Hq or 1, T, M]`` per token).
 
-    Computed in ``dtype`` (float32 for the CPU op, float64 for oracles); returns ``[B, Hq, D]``
+    Computed in ``dtype`` (float32 for the CPU op, float64 for oracles); returns ``q``'s shape
     in the query's dtype.
     """
     max_seq_len = block_table.shape[1] * cache.k_codes.shape[2]
     if k_window is not None:
         max_seq_len += k_window.shape[2]  # the ring holds the last W positions
     k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, max_seq_len, dtype, k_window,
-                      v_window)  # fmt: skip
-    return attention(q, k, v, seq_lens, scale, mask).to(q.dtype)
+                      v_window, window_pos)  # fmt: skip
+    if q.dim() == 3:
+        return attention(q, k, v, seq_lens, scale, mask).to(q.dtype)
+    tokens = q.shape[2]
+    outputs = []
+    for t in range(tokens):
+        visible = (seq_lens.to(torch.int64) - (tokens - 1 - t)).clamp_min(0)
+        token_mask = mask if mask is None or mask.dim() == 3 else mask[:, :, t]
+        outputs.append(attention(q[:, :, t], k, v, visible, scale, token_mask))
+    return torch.stack(outputs, dim=2).to(q.dtype)

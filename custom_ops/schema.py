@@ -37,6 +37,7 @@ class StoreWindowArgs(NamedTuple):
     meta: Tensor
     k_window: Tensor
     v_window: Tensor
+    window_pos: Tensor
     block_table: Tensor
     start_pos: Tensor
     rotation: Tensor
@@ -57,6 +58,7 @@ class DequantizeArgs(NamedTuple):
     dtype: torch.dtype
     k_window: Tensor | None = None
     v_window: Tensor | None = None
+    window_pos: Tensor | None = None
 
 
 class DecodeArgs(NamedTuple):
@@ -75,6 +77,7 @@ class DecodeArgs(NamedTuple):
     mask: Tensor | None = None
     k_window: Tensor | None = None
     v_window: Tensor | None = None
+    window_pos: Tensor | None = None
 
 
 # Python annotation -> schema type (this module keeps its annotations evaluated for this).

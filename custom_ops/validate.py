@@ -15,11 +15,13 @@ import os
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from custom_ops import formats, splits
+from custom_ops import formats, reference, splits
 from custom_ops.formats import KVFormat, PagedKVCache, get_format
 from custom_ops.schema import DecodeArgs, DequantizeArgs, StoreArgs, StoreWindowArgs
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
+# Query tokens per sequence one decode attends with (a verify step of speculative decoding).
+MAX_QUERY_TOKENS = 16
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -234,7 +236,8 @@ def check_store_window(args: StoreWindowArgs) -> KVFormat:
     batch, num_kv_heads, n_new, head_dim = key.shape
     device = cache.k_codes.device
     check_same_device(op, device, key=key, value=args.value, start_pos=start_pos)
-    check_window(op, args.k_window, args.v_window, batch, num_kv_heads, head_dim, device)
+    check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads, head_dim,
+                 device)  # fmt: skip
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < batch:
         _fail(
             op,
@@ -266,14 +269,16 @@ def check_window(
     op: str,
     k_window: torch.Tensor | None,
     v_window: torch.Tensor | None,
+    window_pos: torch.Tensor | None,
     batch: int,
     num_kv_heads: int,
     head_dim: int,
     device: torch.device,
 ) -> None:
-    """The recent-window ring ``k_window``, ``v_window`` ``[>= B, Hk, W, D]`` bf16/fp16."""
-    if (k_window is None) != (v_window is None):
-        _fail(op, "k_window and v_window must be given together")
+    """The recent-window rings ``k_window``, ``v_window`` ``[>= B, Hk, W, D]`` bf16/fp16 and
+    their slots' positions ``window_pos [same B, Hk, W] int32``, all contiguous."""
+    if not (k_window is None) == (v_window is None) == (window_pos is None):
+        _fail(op, "k_window, v_window and window_pos must be given together")
     if k_window is None:
         return
     if k_window.dtype not in MODEL_DTYPES or v_window.dtype != k_window.dtype:
@@ -299,7 +304,16 @@ def check_window(
         )
     if not (k_window.is_contiguous() and v_window.is_contiguous()):
         _fail(op, "k_window and v_window must be contiguous")
-    check_same_device(op, device, k_window=k_window, v_window=v_window)
+    if window_pos.dtype != torch.int32:
+        _fail(op, f"window_pos must be int32, got {window_pos.dtype}", TypeError)
+    if _shape(window_pos) != shape[:3] or not window_pos.is_contiguous():
+        _fail(
+            op,
+            f"window_pos must be a contiguous {list(shape[:3])} (the rings' batch, kv-heads and "
+            f"window), got {_shape(window_pos)}"
+            f"{'' if window_pos.is_contiguous() else ' with strides ' + str(window_pos.stride())}",
+        )
+    check_same_device(op, device, k_window=k_window, v_window=v_window, window_pos=window_pos)
 
 
 def check_block_table(
@@ -308,13 +322,15 @@ def check_block_table(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int | None = None,
-    window: int = 0,
+    k_window: torch.Tensor | None = None,
+    window_pos: torch.Tensor | None = None,
 ) -> None:
     """``block_table [B, P] int32`` and ``seq_lens [B] int32`` against the cache's pages.
 
     With a recent window of ``W`` tokens a sequence holds ``P * page_size + W`` positions: only
-    those below ``len - W`` live in pages.
+    those below its ring run (:func:`custom_ops.reference.ring_start`) live in pages.
     """
+    window = 0 if k_window is None else k_window.shape[2]
     if block_table.dtype != torch.int32:
         _fail(op, f"block_table must be int32, got {block_table.dtype}", TypeError)
     if block_table.dim() != 2:
@@ -339,9 +355,11 @@ def check_block_table(
             f"seq_lens must be in [0, {bound}], got a length of "
             f"{longest if longest > bound else int(seq_lens.min())}",
         )
-    paged = (seq_lens - window).clamp_min(0) if window else seq_lens
-    what = "seq_lens - window" if window else "seq_lens"
-    check_page_ids(op, cache, block_table, paged, what)
+    if not window:
+        check_page_ids(op, cache, block_table, seq_lens, "seq_lens")
+        return
+    paged = reference.ring_start(window_pos, seq_lens).amax(dim=1)
+    check_page_ids(op, cache, block_table, paged, "the start of its window run")
 
 
 def check_page_ids(
@@ -375,9 +393,10 @@ def check_dequantize(args: DequantizeArgs) -> tuple[KVFormat, int]:
     block_table = args.block_table
     batch = block_table.shape[0] if block_table.dim() == 2 else 0
     num_kv_heads = cache.k_codes.shape[1]
-    check_window(op, args.k_window, args.v_window, batch, num_kv_heads, head_dim, device)
-    window = 0 if args.k_window is None else args.k_window.shape[2]
-    check_block_table(op, cache, block_table, args.seq_lens, args.max_seq_len, window)
+    check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads, head_dim,
+                 device)  # fmt: skip
+    check_block_table(op, cache, block_table, args.seq_lens, args.max_seq_len, args.k_window,
+                      args.window_pos)  # fmt: skip
     if args.dtype not in OUTPUT_DTYPES:
         _fail(op, f"dtype must be one of {OUTPUT_DTYPES}, got {args.dtype}", TypeError)
     return kv_format, head_dim
@@ -388,11 +407,13 @@ def check_decode(args: DecodeArgs) -> KVFormat:
     op = "decode"
     fmt = check_format(op, args.fmt)
     q, mask = args.q, args.mask
-    if q.dim() != 3:
-        _fail(op, f"q must be [B, Hq, D] (one query token per sequence), got shape {_shape(q)}")
+    if q.dim() not in (3, 4) or (q.dim() == 4 and not 1 <= q.shape[2] <= MAX_QUERY_TOKENS):
+        _fail(op, f"q must be [B, Hq, D] (one query token per sequence) or [B, Hq, T, D] with "
+                  f"1 <= T <= {MAX_QUERY_TOKENS} (each sequence's last T tokens), got shape "
+                  f"{_shape(q)}")  # fmt: skip
     if q.dtype not in MODEL_DTYPES:
         _fail(op, f"q must be bfloat16 or float16, got {q.dtype}", TypeError)
-    batch, num_q_heads, head_dim = q.shape
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
     check_head_dim(op, head_dim)
     cache = PagedKVCache(args.k_codes, args.v_codes, args.meta)
     device = cache.k_codes.device
@@ -404,9 +425,10 @@ def check_decode(args: DecodeArgs) -> KVFormat:
         )
     check_same_device(op, device, q=q)
     check_rotation(op, args.rotation, head_dim, device)
-    check_window(op, args.k_window, args.v_window, batch, num_kv_heads, head_dim, device)
-    window = 0 if args.k_window is None else args.k_window.shape[2]
-    check_block_table(op, cache, args.block_table, args.seq_lens, window=window)
+    check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads, head_dim,
+                 device)  # fmt: skip
+    check_block_table(op, cache, args.block_table, args.seq_lens, None, args.k_window,
+                      args.window_pos)  # fmt: skip
     if args.block_table.shape[0] != batch:
         _fail(
             op, f"block_table has {args.block_table.shape[0]} rows for a batch of {batch} queries"
@@ -424,11 +446,15 @@ def check_decode(args: DecodeArgs) -> KVFormat:
         check_same_device(op, device, mask=mask)
         if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
             _fail(op, f"mask must be bool or floating point, got {mask.dtype}", TypeError)
-        heads_ok = mask.dim() == 3 and mask.shape[1] in (1, num_q_heads)
-        if not heads_ok or mask.shape[0] not in (1, batch):
+        tokens_ok = mask.dim() == 3 or (q.dim() == 4 and mask.dim() == 4
+                                         and mask.shape[2] == q.shape[2])  # fmt: skip
+        heads_ok = mask.dim() >= 3 and mask.shape[1] in (1, num_q_heads)
+        if not (tokens_ok and heads_ok) or mask.shape[0] not in (1, batch):
+            per_token = f" or [{batch} or 1, {num_q_heads} or 1, {q.shape[2]}, M]"
             _fail(
                 op,
                 f"mask must be [B or 1, Hq or 1, positions] = [{batch} or 1, "
-                f"{num_q_heads} or 1, M], got shape {_shape(mask)}",
+                f"{num_q_heads} or 1, M]{per_token if q.dim() == 4 else ''}, got shape "
+                f"{_shape(mask)}",
             )
     return fmt

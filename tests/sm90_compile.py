@@ -33,6 +33,7 @@ def kernels(name: str) -> dict:
     table = torch.zeros(2, 4, dtype=torch.int32)
     lens = torch.zeros(2, dtype=torch.int32)
     ring = torch.empty(2, HEADS, WINDOW, d, dtype=torch.bfloat16)
+    ring_pos = torch.empty(2, HEADS, WINDOW, dtype=torch.int32)
     rows = torch.empty(4, HEADS, d, dtype=torch.bfloat16)
     new = torch.empty(2, HEADS, 1, d, dtype=torch.bfloat16)
     dense = torch.empty(2, HEADS, 64, d)
@@ -45,12 +46,12 @@ def kernels(name: str) -> dict:
             BLOCK_R=32, K=kp, V=vp, num_warps=4),
         "store_window": lambda: compile_offline(
             store_window.store_window_kernel, (1,), new, new, *new.stride(), *new.stride(),
-            ring_arguments(ring, ring), plane_arguments(cache), table_arguments(table), lens, rot,
-            4, HEADS, 1, 1, WINDOW, PAGE, 4, D=d, D_PAD=d, INV_SQRT_D=inv, BLOCK_R=32, K=kp,
-            V=vp, num_warps=4),
+            ring_arguments(ring, ring, ring_pos), plane_arguments(cache), table_arguments(table),
+            lens, rot, 4, HEADS, 1, 1, WINDOW, PAGE, 4, D=d, D_PAD=d, INV_SQRT_D=inv, BLOCK_R=32,
+            K=kp, V=vp, num_warps=4),
         "dequant": lambda: compile_offline(
             dequant.dequant_kernel, (4, 2), plane_arguments(cache), table_arguments(table), lens,
-            rot, dense, dense, ring_arguments(ring, ring), WINDOW, HEADS, PAGE, 4, 64,
+            rot, dense, dense, ring_arguments(ring, ring, ring_pos), WINDOW, HEADS, PAGE, 4, 64,
             HAS_WINDOW=True, D=d, D_PAD=d, INV_SQRT_D=inv, BLOCK_S=32, K=kp, V=vp, num_warps=4),
     }  # fmt: skip
     q = torch.zeros(2, HEADS * GROUP, d, dtype=torch.bfloat16)
@@ -62,9 +63,9 @@ def kernels(name: str) -> dict:
                                  dtype=torch.float16)  # fmt: skip
             part_out = torch.empty(2, HEADS * GROUP, plan.num_partials, d)
             part_lse = torch.empty(2, HEADS * GROUP, plan.num_partials)
-            mask_args = (lens, 0, 0, 0)
+            mask_args = (lens, 0, 0, 0, 0)
             split_args = split_arguments(q, q_code, LOG2E, rot, cache, block_table, lens,
-                                         mask_args, ring, ring, plan.ring_in_split, part_out,
+                                         mask_args, ring, ring, ring_pos, part_out,
                                          part_lse)  # fmt: skip
             launches = {
                 "split": (plan.split, split_args),
@@ -82,7 +83,7 @@ def kernels(name: str) -> dict:
                         q,
                         *q.stride()[:2],
                         LOG2E,
-                        ring_arguments(ring, ring),
+                        ring_arguments(ring, ring, ring_pos),
                         WINDOW,
                         lens,
                         64,

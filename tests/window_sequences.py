@@ -21,6 +21,13 @@ CAPACITY = PAGE_SIZE * PAGES_PER_SEQ + WINDOW
 STEPS = [(11, (0, -1)), (3, (11, 0)), (1, (14, 3)), (6, (15, 4)), (1, (21, 10)), (2, (22, 11)),
          (9, (24, 13))]  # fmt: skip
 
+# Writes that start below the length (speculative decoding, rollback, a new sequence): a rewrite
+# inside the ring (sequence 1 at 5 of 11), a rollback of 10 > W positions that crosses where the
+# ring run starts (sequence 0 from 14 to 4), a chunk longer than the window after a rollback
+# (its first tokens go straight to the pages), a restart at 0 and appends in between.
+REWRITE_STEPS = [(11, (0, 0)), (3, (11, 5)), (2, (4, 8)), (1, (6, 10)), (12, (3, 2)),
+                 (1, (0, 14)), (5, (1, -1)), (9, (6, 14))]  # fmt: skip
+
 
 class Sequences:
     """Two sequences in a paged cache with a shuffled block table, their rings and every token
@@ -38,46 +45,57 @@ class Sequences:
         shape = (BATCH, NUM_KV_HEADS, window, HEAD_DIM)
         self.k_window = torch.randn(shape, generator=gen).to(dtype)  # poison: never read
         self.v_window = torch.randn(shape, generator=gen).to(dtype)
+        self.window_pos = torch.full(shape[:3], -1, dtype=torch.int32)  # no slot holds one yet
         self.keys = torch.zeros(BATCH, NUM_KV_HEADS, self.capacity, HEAD_DIM, dtype=torch.bfloat16)
         self.values = torch.zeros_like(self.keys)
         self.lens = torch.zeros(BATCH, dtype=torch.int32)
+        # where each sequence's ring run starts: positions below it are quantized
+        self.ring_from = torch.zeros(BATCH, dtype=torch.int64)
         self.device = device
         self.to(device)
 
     def to(self, device):
         self.cache = clone_cache(self.cache, device)
         self.consts = api.KVConstants(*(c.to(device) for c in self.consts))
-        for name in ("block_table", "k_window", "v_window"):
+        for name in ("block_table", "k_window", "v_window", "window_pos"):
             setattr(self, name, getattr(self, name).to(device))
         self.device = device
         return self
 
     def append(self, n_new, starts, gen, use_triton):
-        """Append ``n_new`` random tokens at ``starts`` (a negative start skips the sequence)."""
+        """Write ``n_new`` random tokens at ``starts`` (a negative start skips the sequence; a
+        start below the length rewrites from there on)."""
         key, value = random_kv(BATCH * n_new, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, gen)
         key = key.reshape(BATCH, n_new, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)  # strided
         value = value.reshape(BATCH, n_new, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
         start_pos = torch.tensor(starts, dtype=torch.int32)
         for b, start in enumerate(starts):
             if start >= 0:
+                assert start <= self.lens[b], "a write continues from at most the length"
                 self.keys[b, :, start : start + n_new] = key[b]
                 self.values[b, :, start : start + n_new] = value[b]
                 self.lens[b] = start + n_new
+                # everything from start on is new; the ring keeps at most W positions
+                from_start = min(int(self.ring_from[b]), start)
+                self.ring_from[b] = max(from_start, start + n_new - self.window)
         d = self.device
         with triton_kernels(d) if use_triton else torch.no_grad():
             api.store_window(self.fmt, self.cache, key.to(d), value.to(d), self.k_window,
-                             self.v_window, self.block_table, start_pos.to(d),
+                             self.v_window, self.window_pos, self.block_table, start_pos.to(d),
                              self.consts)  # fmt: skip
 
-    def decode(self, q, num_splits, mask=None):
+    def decode(self, q, num_splits, mask=None, lens=None):
         """``tq.decode`` of ``q`` over the cache and the rings by the Triton kernels on this
-        device (query and mask moved there), returned on the CPU."""
+        device (query and mask moved there) at the sequences' lengths (or ``lens``), returned
+        on the CPU."""
         d = self.device
+        lens = self.lens if lens is None else lens
         with triton_kernels(d):
-            return api.decode(self.fmt, q.to(d), self.cache, self.block_table, self.lens.to(d),
+            return api.decode(self.fmt, q.to(d), self.cache, self.block_table, lens.to(d),
                               self.consts, num_splits=num_splits,
                               mask=None if mask is None else mask.to(d), k_window=self.k_window,
-                              v_window=self.v_window).cpu()  # fmt: skip
+                              v_window=self.v_window,
+                              window_pos=self.window_pos).cpu()  # fmt: skip
 
     def slots_of(self, b, positions):
         pages = self.block_table.cpu()[b, positions // PAGE_SIZE].to(torch.int64)

@@ -49,9 +49,12 @@ class TurboQuantKVCache(nn.Module):
             of the capacity and the GPU, chosen again whenever the module moves to another
             device).
         window: W, the most recent tokens of each sequence kept in ``dtype`` in a ring buffer
-            (``k_window``, ``v_window [B, Hk, W, D]``) and quantized only when they leave it
-            (default 128, at most ``max_seq_length``; 0 quantizes every token when written).
-            Tokens must then be appended in order: ``input_pos`` continues each sequence.
+            (``k_window``, ``v_window [B, Hk, W, D]``, the position of each slot in
+            ``window_pos [B, Hk, W] int32``) and quantized only when they leave it (default
+            128, at most ``max_seq_length``; 0 quantizes every token when written). An update
+            may start at any position up to the current length (rollback, speculative decoding,
+            a new sequence from 0): the cache is then as if the final tokens had been written
+            once, except that positions that had already left the ring stay quantized.
         device: where to allocate (default: the current default device, so that gpt-fast's
             ``with torch.device(...)`` in ``setup_caches`` places it).
     """
@@ -101,6 +104,9 @@ class TurboQuantKVCache(nn.Module):
         ring_shape = (max_batch_size, n_heads, self.window, head_dim)
         rings = [(name, torch.zeros(ring_shape, dtype=dtype, device=device))
                  for name in ("k_window", "v_window") if self.window]  # fmt: skip
+        if self.window:  # no slot holds a position yet
+            rings.append(("window_pos", torch.full(ring_shape[:3], -1, dtype=torch.int32,
+                                                   device=device)))  # fmt: skip
         for name, tensor in (*zip(cache._fields, cache, strict=True),
                              ("block_table", table.reshape(max_batch_size, pages_per_seq)),
                              *zip(consts._fields, consts, strict=True), *rings):  # fmt: skip
@@ -131,12 +137,15 @@ class TurboQuantKVCache(nn.Module):
 
     @torch.no_grad()
     def _fill_constants(self) -> None:
-        """(Re)write the rotation and the identity block table (after ``to_empty``)."""
+        """(Re)write the rotation, the identity block table and the empty ring positions (after
+        ``to_empty``)."""
         head_dim = self.rotation.shape[0]
         rotation = api.make_constants(self.kv_format, head_dim, self.seed).rotation
         self.rotation.copy_(rotation)
         pages = torch.arange(self.block_table.numel(), dtype=torch.int32)
         self.block_table.copy_(pages.reshape(self.block_table.shape))
+        if self.window:
+            self.window_pos.fill_(-1)
 
     def _check_update(self, input_pos: torch.Tensor, k_val: torch.Tensor, v_val: torch.Tensor):
         """Shapes always; position values where they can be read without a host sync (CPU, or
@@ -175,8 +184,8 @@ class TurboQuantKVCache(nn.Module):
         if self.window and not torch.equal(input_pos - low, torch.arange(
                 n_new, device=input_pos.device, dtype=input_pos.dtype)):  # fmt: skip
             raise ValueError(f"{where}: with a recent window (window={self.window}) new tokens "
-                             f"are appended: input_pos must be start .. start + T - 1, got "
-                             f"{input_pos.tolist()[:8]}")  # fmt: skip
+                             f"take consecutive positions: input_pos must be start .. start + "
+                             f"T - 1, got {input_pos.tolist()[:8]}")  # fmt: skip
 
     def update(
         self, input_pos: torch.Tensor, k_val: torch.Tensor, v_val: torch.Tensor
@@ -186,8 +195,8 @@ class TurboQuantKVCache(nn.Module):
         Args:
             input_pos: ``[T] int64`` positions of the new tokens (the same for every sequence,
                 as in gpt-fast); the cached length becomes ``input_pos.max() + 1``. With a
-                window the new tokens are appended: ``input_pos`` is ``start .. start + T - 1``
-                with ``start`` the current length (as in prefill then decode).
+                window ``input_pos`` is ``start .. start + T - 1`` with ``start`` at most the
+                current length (appending, or rewriting from ``start`` on).
             k_val, v_val: ``[B, Hk, T, D]`` new keys (after RoPE) and values, ``B <=
                 max_batch_size``.
 
@@ -201,9 +210,9 @@ class TurboQuantKVCache(nn.Module):
         table = self.block_table if batch == self.max_batch_size else self.block_table[:batch]
         name = self.kv_format.name
         planes = (self.k_codes, self.v_codes, self.meta)
-        rings = (self.k_window, self.v_window) if self.window else (None, None)
+        rings = (self.k_window, self.v_window, self.window_pos) if self.window else (None,) * 3
         if self.window:
-            # appended: positions start .. start + T - 1, the new length start + T
+            # positions start .. start + T - 1, the new length start + T
             start = input_pos[:1].expand(batch)  # [B] int32, contiguous, one kernel
             start = start.to(torch.int32) if start.dtype != torch.int32 else start.contiguous()
             torch.ops.tq.store_window(k_val, v_val, *planes, *rings, table, start, self.rotation,
@@ -227,9 +236,10 @@ class TurboQuantKVCache(nn.Module):
         )  # fmt: skip
 
     def nbytes(self) -> int:
-        """Bytes of the cache: codes and meta of every slot, and the recent-window rings."""
+        """Bytes of the cache: codes and meta of every slot, and the recent-window rings and
+        their slots' positions."""
         held = [self.k_codes, self.v_codes, self.meta]
-        held += [self.k_window, self.v_window] if self.window else []
+        held += [self.k_window, self.v_window, self.window_pos] if self.window else []
         return sum(t.numel() * t.element_size() for t in held)
 
     def dense_nbytes(self) -> int:

@@ -85,9 +85,10 @@ class TurboQuantLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:
-        """Rollback (``crop``) is exact only without a window: a cropped token may have pushed
-        an older one out of the ring into the quantized pages."""
-        return self.window == 0
+        """Rollback (``crop``, assisted generation) is exact: the ring records its slots'
+        positions, so the tokens written after a crop replace the cropped ones (positions that
+        had left the ring before stay quantized)."""
+        return True
 
     def __repr__(self) -> str:
         return f"TurboQuantLayer({self.preset}, window={self.window})"
@@ -145,12 +146,12 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Empty the cache. Only the length is cleared: positions at or past it are never read,
-        and the window ring restarts with the next sequence."""
+        and the next sequence's tokens replace the old ones in the ring."""
         self.cumulative_length.zero_()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative
-        count; 0 does nothing). Exact with window 0 only; see ``is_croppable``."""
+        count; 0 does nothing); see ``is_croppable``."""
         if not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
             raise ValueError(
                 f"TurboQuantCache.crop takes a negative count of tokens to remove (or 0), as "
@@ -158,11 +159,6 @@ class TurboQuantLayer(CacheLayerMixin):
             )
         if tokens_to_remove == 0 or not self.is_initialized:
             return
-        if not self.is_croppable:
-            raise NotImplementedError(
-                f"TurboQuantCache.crop needs window=0 (this cache has window={self.window}): "
-                "tokens that left the window were quantized and cannot be restored"
-            )
         self.cumulative_length.add_(tokens_to_remove).clamp_(min=0)
 
     @torch.no_grad()
@@ -176,7 +172,7 @@ class TurboQuantLayer(CacheLayerMixin):
         sequences = [self.kv.k_codes, self.kv.v_codes, self.kv.meta]
         per_seq = [t.view(self.batch_size, -1, *t.shape[1:]) for t in sequences]
         if self.kv.window:
-            per_seq += [self.kv.k_window, self.kv.v_window]
+            per_seq += [self.kv.k_window, self.kv.v_window, self.kv.window_pos]
         for tensor in per_seq:
             tensor[:batch] = tensor[:batch].index_select(0, beam_idx)
 

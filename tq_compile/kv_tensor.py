@@ -9,13 +9,17 @@ planes as inner tensors, and intercept SDPA in ``__torch_function__``:
 * queries that all see the same positions (one decode token; or Hugging Face's ``pack_gqa``
   layout, a head group as query rows under one mask row): ``torch.ops.tq.decode`` over the
   compressed bytes, the attention mask passed through;
+* up to 16 query tokens with a mask per token (gpt-fast's causal-mask slice, Hugging Face's 4-D
+  mask: a speculative-decoding verify step, a short chunk): ``torch.ops.tq.decode`` of the
+  sequence's last ``T`` tokens, causal among themselves, the mask applied too. The tokens
+  must be the ones just written (the cache's last ``T`` positions), as in every such step;
 * otherwise (prefill, a causal or per-query mask): dequantize the cache
   (``torch.ops.tq.dequantize``) and run SDPA on it, with positions past each sequence's length
   masked out. ``k[:, :, :n]`` (Hugging Face trims a static cache so before a causal prefill)
   keeps the first ``n`` positions.
 
-With a recent window both read the last ``W`` tokens from the full-precision ring and the older
-ones from the compressed pages, in the same pass.
+With a recent window both read the ring run (the latest tokens, at most ``W``) from the
+full-precision ring and the older ones from the compressed pages, in the same pass.
 
 GQA call sites stay lazy: ``repeat_interleave(n, dim=1)``, and ``[:, :, None]`` /
 ``unsqueeze(2)`` + ``expand`` + ``reshape`` (Hugging Face's ``repeat_kv``), only record a head
@@ -36,6 +40,7 @@ from torchao.utils import TorchAOBaseTensor
 
 import custom_ops  # noqa: F401  (registers torch.ops.tq)
 from custom_ops.formats import PagedKVCache, sequence_capacity
+from custom_ops.validate import MAX_QUERY_TOKENS
 
 __all__ = ["TurboQuantKVTensor"]
 
@@ -55,7 +60,8 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         seq_lens: ``[B] int32`` number of cached tokens of each sequence.
         rotation: ``[D, D] float32`` +-1 rotation.
         k_window, v_window: optional ``[B, Hk, W, D]`` bf16/fp16 rings holding each sequence's
-            last ``min(len, W)`` tokens in full precision (``None``: no window).
+            latest tokens in full precision (``None``: no window).
+        window_pos: with the rings, ``[B, Hk, W] int32`` the position each ring slot holds.
 
     Non-Tensor Attributes:
         fmt: format name (``custom_ops.FORMATS``).
@@ -73,11 +79,11 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
     tensor_data_names = ["k_codes", "v_codes", "meta", "block_table", "seq_lens", "rotation"]
     tensor_attribute_names = ["fmt", "side", "max_seq_len", "group", "split_heads",
                               "num_splits", "model_dtype", "truncated"]  # fmt: skip
-    optional_tensor_data_names = ["k_window", "v_window"]
+    optional_tensor_data_names = ["k_window", "v_window", "window_pos"]
 
     def __new__(cls, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
                 max_seq_len, group, split_heads, num_splits, model_dtype, truncated,
-                k_window=None, v_window=None):  # fmt: skip
+                k_window=None, v_window=None, window_pos=None):  # fmt: skip
         batch, num_kv_heads, head_dim = block_table.shape[0], k_codes.shape[1], rotation.shape[0]
         if split_heads:
             shape = (batch, num_kv_heads, group, max_seq_len, head_dim)
@@ -89,7 +95,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
 
     def __init__(self, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
                  max_seq_len, group, split_heads, num_splits, model_dtype, truncated,
-                 k_window=None, v_window=None):  # fmt: skip
+                 k_window=None, v_window=None, window_pos=None):  # fmt: skip
         super().__init__()
         if side not in _SIDES:
             raise ValueError(f"side must be one of {_SIDES}, got {side!r}")
@@ -100,7 +106,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         self.group, self.split_heads = group, split_heads
         self.num_splits, self.model_dtype = num_splits, model_dtype
         self.truncated = truncated
-        self.k_window, self.v_window = k_window, v_window
+        self.k_window, self.v_window, self.window_pos = k_window, v_window, window_pos
 
     # ---- construction helpers -------------------------------------------------------------
 
@@ -118,6 +124,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         model_dtype: torch.dtype,
         k_window: torch.Tensor | None = None,
         v_window: torch.Tensor | None = None,
+        window_pos: torch.Tensor | None = None,
     ) -> TurboQuantKVTensor:
         """The ``side`` (``"key"`` or ``"value"``) view ``[B, Hk, max_seq_len, D]`` of a paged
         cache, before any GQA repetition.
@@ -132,9 +139,10 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             num_splits: the decode split count of this cache.
             model_dtype: bf16 or fp16.
             k_window, v_window: the recent-window rings ``[B, Hk, W, D]``, or None.
+            window_pos: their slots' positions ``[B, Hk, W] int32``, or None.
         """
         return cls(*cache, block_table, seq_lens, rotation, fmt, side, max_seq_len, 1, False,
-                   num_splits, model_dtype, False, k_window, v_window)  # fmt: skip
+                   num_splits, model_dtype, False, k_window, v_window, window_pos)  # fmt: skip
 
     def _with(self, **changes) -> TurboQuantKVTensor:
         """The same cache with some non-tensor attributes changed (no data is copied)."""
@@ -149,9 +157,10 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         return PagedKVCache(self.k_codes, self.v_codes, self.meta)
 
     @property
-    def rings(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The recent-window rings ``(k_window, v_window)``, or ``(None, None)``."""
-        return self.k_window, self.v_window
+    def rings(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The recent-window rings and their slots' positions ``(k_window, v_window,
+        window_pos)``, or ``(None, None, None)``."""
+        return self.k_window, self.v_window, self.window_pos
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense ``[B, H, S_max, D]`` (this view's logical shape) in ``dtype`` (default: the
@@ -359,6 +368,14 @@ def _decode(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float) -> 
     return out.reshape(batch, q_heads, q_len, head_dim)
 
 
+def _decode_tokens(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float):
+    """Attention of each sequence's last ``T`` tokens, queries ``[B, Hq, T, D]`` under a mask
+    with a row per token, through the multi-token ``tq.decode`` (causal among the tokens)."""
+    mask = _mask_4d(attn_mask)  # [B or 1, Hq or 1, T, S]
+    return torch.ops.tq.decode(q, *k.planes, k.block_table, k.seq_lens, k.rotation, k.fmt,
+                               k.num_splits, scale, mask, *k.rings)  # fmt: skip
+
+
 @implements_torch_function(F.scaled_dot_product_attention)
 def _scaled_dot_product_attention(func, types, args, kwargs):
     # every k.shape of a subclass would go through __torch_function__ again (an eager step
@@ -380,6 +397,9 @@ def _attention(a: dict) -> torch.Tensor:
     decode_sized = q.shape[2] == 1 or folded_group <= MAX_FOLDED_GROUP
     if not a["is_causal"] and shared_row and decode_sized and not k.truncated:
         return _decode(q, k, attn_mask, scale)
+    tokens_sized = q.shape[2] <= MAX_QUERY_TOKENS
+    if not a["is_causal"] and not shared_row and tokens_sized and not k.truncated:
+        return _decode_tokens(q, k, attn_mask, scale)
     # Prefill (or a causal mask on a cache): attention over the dequantized cache, with every
     # position past a sequence's length masked out.
     keys, values = k.dequantize(q.dtype), v.dequantize(q.dtype)

@@ -4,8 +4,8 @@ One program writes ``BLOCK_S`` positions of one (sequence, kv-head): it resolves
 page through the block table, unpacks the code planes, applies the codec's scalars and, for
 Lloyd-Max codes, rotates back with one matmul against the +-1 rotation
 (``x = (levels[codes] @ R.T) * (norm / sqrt(D))``, exact in tf32 because levels are fp16 values).
-Positions at or beyond the sequence length are written as zeros. With a recent window, the last
-``min(len, W)`` positions are copied from the full-precision ring instead.
+Positions at or beyond the sequence length are written as zeros. With a recent window, each
+sequence-head's ring run is copied from the full-precision ring instead.
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ import triton.language as tl
 from custom_ops.formats import KVFormat, PagedKVCache
 from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX, UNIFORM
 from custom_ops.triton.launch import Launcher
-from custom_ops.triton.paged import plane_arguments, ring_arguments, row_pointers, table_arguments
+from custom_ops.triton.paged import (
+    plane_arguments,
+    ring_arguments,
+    ring_start,
+    row_pointers,
+    table_arguments,
+)
 from custom_ops.triton.planes import (
     CodecParams,
     lloyd_max_levels,
@@ -122,11 +128,12 @@ def dequant_kernel(
     in_bounds = pos < max_seq_len
     valid = (pos < seq_len) & in_bounds
     if HAS_WINDOW:
-        # The last min(len, W) positions are copied from the ring (position p at slot p % W);
-        # the codes are decoded everywhere else.
-        k_window_ptr, v_window_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
-        in_window = valid & (pos >= seq_len - window)
+        # The ring run (from ring_start to the length) is copied from the ring (position p at
+        # slot p % W); the codes are decoded everywhere else.
+        k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
         ring_rows = b.to(tl.int64) * stride_w_b + head * stride_w_h
+        first = ring_start(pos_ptr + ring_rows // D, seq_len, window)
+        in_window = valid & (pos >= first)
         ring_rows += (pos % window).to(tl.int64) * stride_w_slot
         d = tl.arange(0, D_PAD)[None, :]
         copy = in_window[:, None] & (d < D)
@@ -167,6 +174,7 @@ def dequantize(
     dtype: torch.dtype,
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
+    window_pos: torch.Tensor | None = None,
     block_s: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dequantize kernel (inputs already validated; see ``torch.ops.tq.dequantize``)."""
@@ -181,9 +189,9 @@ def dequantize(
     grid = (batch * num_kv_heads, triton.cdiv(max_seq_len, block_s))
     has_window = k_window is not None
     if has_window:
-        window_args = (ring_arguments(k_window, v_window), k_window.shape[2])
+        window_args = (ring_arguments(k_window, v_window, window_pos), k_window.shape[2])
     else:
-        window_args = ((k_out, v_out, 0, 0, 0), 0)  # never read; no positions in a ring
+        window_args = ((k_out, v_out, seq_lens, 0, 0, 0), 0)  # never read; no ring
     launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, has_window, block_s)
     launcher(grid, plane_arguments(cache), table_arguments(block_table), seq_lens, rotation, k_out,
              v_out, *window_args, num_kv_heads, page_size, block_table.shape[1],

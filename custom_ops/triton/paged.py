@@ -8,8 +8,9 @@ each (Triton flattens tuples into separate kernel parameters and specializes eac
   :attr:`~custom_ops.formats.PagedKVCache.value_rows` view (slot stride 1, bytes ``page_size``
   apart);
 * ``table = (block_table, stride_b, stride_p)``;
-* ``rings = (k_window, v_window, stride_b, stride_h, stride_slot)``: the recent-window rings
-  ``[>= B, Hk, W, D]``.
+* ``rings = (k_window, v_window, window_pos, stride_b, stride_h, stride_slot)``: the
+  recent-window rings ``[>= B, Hk, W, D]`` and their slots' positions ``window_pos [>= B, Hk,
+  W] int32``, all contiguous, so a ring row's offset divided by ``D`` is its slot's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton.language as tl  # noqa: F401  (the interpreter wants it beside eve
 
 from custom_ops.formats import PagedKVCache
 
-__all__ = ["plane_arguments", "table_arguments", "ring_arguments", "row_pointers"]
+__all__ = ["plane_arguments", "table_arguments", "ring_arguments", "row_pointers", "ring_start"]
 
 
 def plane_arguments(cache: PagedKVCache) -> tuple:
@@ -34,9 +35,11 @@ def table_arguments(block_table: torch.Tensor) -> tuple:
     return (block_table, *block_table.stride())
 
 
-def ring_arguments(k_window: torch.Tensor, v_window: torch.Tensor) -> tuple:
-    """The ``rings`` tuple of ``k_window``, ``v_window [>= B, Hk, W, D]`` (same strides)."""
-    return (k_window, v_window, *k_window.stride()[:3])
+def ring_arguments(k_window: torch.Tensor, v_window: torch.Tensor,
+                   window_pos: torch.Tensor) -> tuple:  # fmt: skip
+    """The ``rings`` tuple of ``k_window``, ``v_window [>= B, Hk, W, D]`` and ``window_pos``
+    (all contiguous)."""
+    return (k_window, v_window, window_pos, *k_window.stride()[:3])
 
 
 @triton.jit
@@ -50,3 +53,18 @@ def row_pointers(planes, page, head, slot):
     v_row = v_codes + page * vc_page + head * vc_head + slot * vc_slot
     m_row = meta + page * m_page + head * m_head + slot * m_slot
     return k_row, v_row, m_row
+
+
+@triton.jit
+def ring_start(pos_ptr, seq_len, window, BLOCK: tl.constexpr = 128):
+    """Where a sequence-head's ring run starts: the least position below ``seq_len`` that its
+    ``window`` slots' positions ``pos_ptr [W] int32`` hold, ``seq_len`` if none (the kernels'
+    copy of :func:`custom_ops.reference.ring_start`). Positions below it are in the pages, the
+    run up to ``seq_len`` in the ring."""
+    first = seq_len
+    for r0 in range(0, window, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        held = tl.load(pos_ptr + r, mask=r < window, other=-1)
+        in_run = (held >= 0) & (held < seq_len)
+        first = tl.minimum(first, tl.min(tl.where(in_run, held, seq_len), axis=0))
+    return first

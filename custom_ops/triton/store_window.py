@@ -1,4 +1,4 @@
-"""``tq.store_window`` on CUDA: append tokens to sequences that keep their most recent ``W``
+"""``tq.store_window`` on CUDA: write tokens to sequences that keep their most recent ``W``
 tokens in full-precision rings, quantizing each token that leaves a ring into its page.
 
 One launch of ``store_window_kernel`` over ``B * min(T, W) * Hk`` rows moves every token that
@@ -67,8 +67,10 @@ def store_window_kernel(
     V: tl.constexpr,
 ):
     """Row ``(b, chain, head)``: ring slot ``(start + chain) % W`` of sequence ``b``. Its old
-    token (position ``start + chain - W``) leaves the window and is quantized; then the last new
-    token of the chain ``chain, chain + W, ...`` takes the slot."""
+    token is quantized into its page if still part of the sequence (its position, from
+    ``window_pos``, below ``start``); then the last new token of the chain ``chain, chain + W,
+    ...`` takes the slot. Each row owns its slot and position entry, so no row reads what
+    another writes."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < num_rows
     head = rows % num_kv_heads
@@ -78,15 +80,17 @@ def store_window_kernel(
     live = in_range & (start >= 0)
     b64 = b.to(tl.int64)
     head64 = head.to(tl.int64)
-    k_window_ptr, v_window_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
+    k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
     block_table_ptr, stride_bt_b, stride_bt_p = table
     ring_slot = (tl.maximum(start, 0) + chain) % window
     ring_rows = b64 * stride_w_b + head64 * stride_w_h + ring_slot.to(tl.int64) * stride_w_slot
+    pos_rows = ring_rows // D  # the slot's window_pos entry (contiguous planes)
 
-    # 1. quantize the token leaving the ring into its page slot
-    leaving = start + chain - window
+    # 1. quantize the token leaving the ring into its page slot: a rolled-back position (at or
+    # past start) or an empty slot (-1) leaves nothing
+    leaving = tl.load(pos_ptr + pos_rows, mask=live, other=-1)
     page_index = tl.maximum(leaving, 0) // page_size
-    evict = live & (leaving >= 0) & (page_index < max_pages)
+    evict = live & (leaving >= 0) & (leaving < start) & (page_index < max_pages)
     page_ptr = block_table_ptr + b64 * stride_bt_b + page_index * stride_bt_p
     page = tl.load(page_ptr, mask=evict, other=0).to(tl.int64)
     slot = (tl.maximum(leaving, 0) % page_size).to(tl.int64)
@@ -110,6 +114,7 @@ def store_window_kernel(
     w_dst = ring_rows[:, None] + d
     tl.store(k_window_ptr + w_dst, k_new.to(k_window_ptr.dtype.element_ty), mask=copy_mask)
     tl.store(v_window_ptr + w_dst, v_new.to(v_window_ptr.dtype.element_ty), mask=copy_mask)
+    tl.store(pos_ptr + pos_rows, start + newest, mask=live)
 
 
 @functools.lru_cache(maxsize=256)
@@ -141,6 +146,7 @@ def store_window(
     cache: PagedKVCache,
     k_window: torch.Tensor,
     v_window: torch.Tensor,
+    window_pos: torch.Tensor,
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     rotation: torch.Tensor,
@@ -180,7 +186,8 @@ def store_window(
         fmt, cache, head_dim, num_rows, block_rows, num_warps))  # fmt: skip
     launcher(
         grid, key, value, *key.stride(), *value.stride(),
-        ring_arguments(k_window, v_window), plane_arguments(cache), table_arguments(block_table),
+        ring_arguments(k_window, v_window, window_pos), plane_arguments(cache),
+        table_arguments(block_table),
         start_pos, rotation, num_rows, num_kv_heads, n_new, num_chains, window, page_size,
         block_table.shape[1], key=launch_key,
     )  # fmt: skip

@@ -103,8 +103,9 @@ def test_cuda_graph_store_and_decode(fmt_name, seeded):
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k2v4_nc"])
 def test_cuda_graph_loop_crossing_the_window(fmt_name, seeded):
     """Capture store_window-one-token + decode in a CUDA graph; replay 100 steps with new tokens
-    and positions advanced in place, from lengths below the window (32) to past it; every step
-    equals the eager ops on a twin cache bitwise, and no host sync happens."""
+    and positions advanced in place, from lengths below the window (32) to past it, rolled back
+    by 10 positions at step 60; every step equals the eager ops on a twin cache bitwise, and no
+    host sync happens."""
     fmt = get_format(fmt_name)
     batch, num_kv_heads, group, head_dim, page_size, window, max_pages = 3, 4, 4, 128, 16, 32, 8
     consts = api.make_constants(fmt, head_dim, device="cuda")
@@ -116,6 +117,7 @@ def test_cuda_graph_loop_crossing_the_window(fmt_name, seeded):
         cache = fmt.allocate(num_pages, num_kv_heads, page_size, head_dim, "cuda")
         ring = (batch, num_kv_heads, window, head_dim)
         rings = [torch.zeros(ring, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+        rings.append(torch.full(ring[:3], -1, dtype=torch.int32, device="cuda"))
         return cache, rings
 
     start = torch.tensor([0, 5, 20], dtype=torch.int32, device="cuda")  # lengths before a step
@@ -127,7 +129,7 @@ def test_cuda_graph_loop_crossing_the_window(fmt_name, seeded):
     def step(cache, rings):
         api.store_window(fmt, cache, token[:, :, 0], token[:, :, 1], *rings, table, start, consts)
         return api.decode(fmt, q, cache, table, seq_lens, consts, num_splits, k_window=rings[0],
-                          v_window=rings[1])  # fmt: skip
+                          v_window=rings[1], window_pos=rings[2])  # fmt: skip
 
     token.normal_(), q.normal_()
     side = torch.cuda.Stream()
@@ -139,7 +141,10 @@ def test_cuda_graph_loop_crossing_the_window(fmt_name, seeded):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # records only: the states stay equal (zeros)
         graph_out = step(*graph_state)
-    for _ in range(100):
+    for step_index in range(100):
+        if step_index == 60:  # roll back 10 positions (rejected drafts): the same graph replays
+            start.sub_(10)
+            seq_lens.sub_(10)
         token.normal_(), q.normal_()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -154,4 +159,4 @@ def test_cuda_graph_loop_crossing_the_window(fmt_name, seeded):
     graph_tensors, eager_tensors = (*graph_cache, *graph_rings), (*eager_cache, *eager_rings)
     for graph_t, eager_t in zip(graph_tensors, eager_tensors, strict=True):
         assert torch.equal(graph_t, eager_t)
-    assert start.tolist() == [100, 105, 120]
+    assert start.tolist() == [90, 95, 110]

@@ -102,7 +102,8 @@ class Case:
         self.block_table = pages.to(torch.int32).reshape(batch, cfg.pages_per_seq)
         ring_shape = (batch, cfg.num_kv_heads, max(cfg.window, 1), cfg.head_dim)
         rings = (torch.randn(ring_shape, generator=gen).to(torch.bfloat16),
-                 torch.randn(ring_shape, generator=gen).to(torch.bfloat16))  # fmt: skip
+                 torch.randn(ring_shape, generator=gen).to(torch.bfloat16),
+                 torch.full(ring_shape[:3], -1, dtype=torch.int32))  # fmt: skip
         self.initial_cache, self.initial_rings = cache, rings  # the poison, kept to compare
         self.caches = {"kernel": clone_cache(cache, device), "reference": clone_cache(cache)}
         self.rings = {"kernel": tuple(r.clone().to(device) for r in rings),
@@ -176,7 +177,7 @@ class Case:
 
     def reference_dequantized(self, path: str) -> tuple[torch.Tensor, torch.Tensor]:
         """float64 ``(K, V) [B, Hk, capacity, D]`` of ``path``'s cache by the reference."""
-        rings = self.rings[path] if self.cfg.window else (None, None)
+        rings = self.rings[path] if self.cfg.window else (None, None, None)
         return reference.dequantize(
             self.fmt, clone_cache(self.caches[path]), self.block_table, self.lens,
             self.rotation, self.cfg.capacity, torch.float64,
@@ -276,7 +277,7 @@ def _check(cfg: Config, gen: torch.Generator, device: str) -> None:
             unwritten = ring_rows[:, None, :].expand(now.shape[:3])
             assert torch.equal(now.cpu()[unwritten], before[unwritten]), f"{path}: ring slot"
 
-    rings = case.rings["kernel"] if cfg.window else (None, None)
+    rings = case.rings["kernel"] if cfg.window else (None, None, None)
     table, lens = case.block_table.to(device), case.lens.to(device)
     rotation = case.rotation.to(device)
     with triton_kernels(device):

@@ -22,6 +22,7 @@ def _store(fmt, key, value, device):
     consts = api.KVConstants(*(c.to(device) for c in api.make_constants(fmt, D, seed=5)))
     cache = PagedKVCache(*(p.to(device) for p in fmt.allocate(2, HK, PAGE, D)))
     rings = [torch.zeros(1, HK, W, D, dtype=key.dtype, device=device) for _ in range(2)]
+    rings.append(torch.full((1, HK, W), -1, dtype=torch.int32, device=device))
     table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
     start = torch.zeros(1, dtype=torch.int32, device=device)
     api.store_window(fmt, cache, key.to(device), value.to(device), *rings, table, start, consts)
@@ -65,8 +66,8 @@ def test_every_magnitude_is_represented(fmt_name, impl, kernel_device, seeded):
                 k_deq, v_deq = api.dequantize(fmt, cache, table, lens.to(device), consts, T,
                                               torch.float32, *rings)  # fmt: skip
                 out = api.decode(fmt, q.to(device), cache, table, lens.to(device), consts,
-                                 num_splits=2, k_window=rings[0],
-                                 v_window=rings[1]).cpu()  # fmt: skip
+                                 num_splits=2, k_window=rings[0], v_window=rings[1],
+                                 window_pos=rings[2]).cpu()  # fmt: skip
             stored = k_deq if side == "key" else v_deq
             errors[side, magnitude] = _row_errors(stored.cpu(), key if side == "key" else value)
             where = f"{fmt_name} {side}s x {magnitude:g}"

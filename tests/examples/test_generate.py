@@ -30,7 +30,7 @@ def _kv_ratio(fmt_name: str, max_seq: int, head_dim: int) -> float:
     of the format's bytes per token-head for the positions that leave the window, and bf16 K
     and V rings of the window, against bf16 K and V of every position."""
     pages = -(-(max_seq - WINDOW) // PAGE_SIZE)
-    ring = 2 * WINDOW * head_dim * 2
+    ring = 2 * WINDOW * head_dim * 2 + WINDOW * 4  # bf16 K and V, int32 slot positions
     tq = pages * PAGE_SIZE * get_format(fmt_name).bytes_per_token_head(head_dim) + ring
     return tq / (2 * max_seq * head_dim * 2)
 

@@ -195,7 +195,8 @@ def test_compiled_decode_no_graph_break_no_recompile():
     tok_compiled, _ = prefill(compiled, prompt, torch.arange(PROMPT_LEN))
     assert torch.equal(tok_eager, tok_compiled)
 
-    # explain() runs the step: on a third model, since a window's cache is append-only
+    # explain() runs the step (it writes a token): on a third model, so the two compared above
+    # stay untouched
     probe = _model("4bit_nc", dtype=torch.float16, window=MODEL_WINDOW)
     prefill(probe, prompt, torch.arange(PROMPT_LEN))
     explained = torch._dynamo.explain(decode_one_token)(
@@ -340,13 +341,13 @@ def test_reduce_overhead_cuda_graphs_200_steps():
 
 def test_kv_bytes_4bit_at_head_dim_128():
     """4bit_nc at D=128 takes <= 0.27x the bytes of the bf16 cache (134 / 512 per token-head);
-    a window of 128 keeps its tokens in bf16 rings instead of pages (+2.3% of the bf16 cache's
-    bytes at 4096 tokens)."""
+    a window of 128 keeps its tokens in bf16 rings (and their int32 positions) instead of pages
+    (+2.3% of the bf16 cache's bytes at 4096 tokens)."""
     cache = TurboQuantKVCache(4, 8, 4096, 128, fmt="4bit_nc", window=0)
     ratio = cache.nbytes() / cache.dense_nbytes()
     assert ratio == pytest.approx(134 / 512) and ratio <= 0.27
     windowed = TurboQuantKVCache(4, 8, 4096, 128, fmt="4bit_nc", window=128)
-    assert windowed.nbytes() - cache.nbytes() == 4 * 8 * 128 * (512 - 134)
+    assert windowed.nbytes() - cache.nbytes() == 4 * 8 * 128 * (512 + 4 - 134)
     cache = windowed
     new_kv = torch.randn(4, 8, 3, 128).bfloat16()
     assert isinstance(cache.update(torch.arange(3), new_kv, new_kv)[0], TurboQuantKVTensor)
@@ -373,7 +374,7 @@ class TestUpdateBadInput(expecttest.TestCase):
                 "positions and tokens disagree": (torch.tensor([20, 21]), new),
             }
             if window:
-                cases["a gap in appended positions"] = (
+                cases["a gap in the positions"] = (
                     torch.tensor([20, 22]),
                     torch.randn(2, 2, 2, 64).bfloat16(),
                 )
@@ -397,9 +398,9 @@ float positions: TypeError: TurboQuantKVCache.update: input_pos must be a 1-D in
 positions and tokens disagree: ValueError: TurboQuantKVCache.update: input_pos has 2 positions for 1 new tokens (k_val.shape[2]); expected T >= 1 of each""",  # noqa: E501
                 )
             else:
-                gap = ("a gap in appended positions: ValueError: TurboQuantKVCache.update: with a "
-                       "recent window (window=8) new tokens are appended: input_pos must be start "
-                       ".. start + T - 1, got [20, 22]")  # fmt: skip
+                gap = ("a gap in the positions: ValueError: TurboQuantKVCache.update: with a "
+                       "recent window (window=8) new tokens take consecutive positions: input_pos "
+                       "must be start .. start + T - 1, got [20, 22]")  # fmt: skip
                 self.assertEqual(messages[-1], gap)
 
     def test_construction_arguments(self):

@@ -113,7 +113,7 @@ def test_torchao_quantize_with_the_kv_filter():
 
 def test_kv_cache_nbytes_before_and_after():
     """kv_cache_nbytes counts dense k_cache/v_cache buffers, then the quantized planes (and the
-    recent window's rings)."""
+    recent window's rings and their int32 slot positions)."""
     from tq_compile import kv_cache_nbytes
 
     model = _model(layers=2)  # B=2, Hk=2, S=64, D=64, fp16 caches
@@ -122,4 +122,4 @@ def test_kv_cache_nbytes_before_and_after():
     expected = sum(layer.attention.kv_cache.nbytes() for layer in model.layers)
     assert kv_cache_nbytes(model) == expected == 2 * 2 * 2 * 64 * 70
     quantize_(model := _model(layers=2), TurboQuantKVConfig("4bit_nc", window=8))
-    assert kv_cache_nbytes(model) == 2 * 2 * 2 * (64 * 70 + 8 * 64 * 2 * 2)
+    assert kv_cache_nbytes(model) == 2 * 2 * 2 * (64 * 70 + 8 * 64 * 2 * 2 + 8 * 4)

@@ -56,16 +56,18 @@ def plan_for(
     split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
 ) -> DecodePlan:
-    """The :class:`DecodePlan` of a decode with these inputs (``fast`` default: on CUDA)."""
-    batch, num_q_heads, head_dim = q.shape
+    """The :class:`DecodePlan` of a decode with these inputs (``q [B, Hq, D]`` or ``[B, Hq, T,
+    D]``; ``fast`` default: on CUDA)."""
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
+    q_tokens = 1 if q.dim() == 3 else q.shape[2]
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
     fast = q.device.type == "cuda" if fast is None else fast
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
     window = 0 if k_window is None else k_window.shape[2]
     ring_dtype = None if k_window is None else k_window.dtype
-    return plan_decode(fmt, batch, num_q_heads, num_kv_heads, head_dim, page_size,
+    return plan_decode(fmt, batch, num_q_heads * q_tokens, num_kv_heads, head_dim, page_size,
                        block_table.shape[1], window, q.dtype, ring_dtype, mask_kind, num_splits,
-                       q.device, fast, split_config, merge_config)  # fmt: skip
+                       q.device, fast, split_config, merge_config, q_tokens)  # fmt: skip
 
 
 # Plans of op calls by their arguments' metadata key (plan_decode's own cache is keyed by the
@@ -74,21 +76,24 @@ _PLANS = KeyedMemo()
 
 
 def _mask_arguments(mask, batch, num_q_heads, placeholder):
-    """``(mask, stride_b, stride_h, mask_len)`` for the kernels: ``[B or 1, Hq or 1, M]``
-    broadcast by strides, bool read as bytes; without a mask, a placeholder never read."""
+    """``(mask, stride_b, stride_h, stride_t, mask_len)`` for the kernels: ``[B or 1, Hq or 1,
+    M]`` (every query token) or ``[B or 1, Hq or 1, T, M]`` broadcast by strides, bool read as
+    bytes; without a mask, a placeholder never read."""
     if mask is None:
-        return placeholder, 0, 0, 0
-    mask = mask.expand(batch, num_q_heads, mask.shape[-1])
+        return placeholder, 0, 0, 0, 0
+    mask = mask.expand(batch, num_q_heads, *mask.shape[2:])
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
     data = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    return data, mask.stride(0), mask.stride(1), mask.shape[-1]
+    stride_t = mask.stride(2) if mask.dim() == 4 else 0
+    return data, mask.stride(0), mask.stride(1), stride_t, mask.shape[-1]
 
 
 def _buffers(plan: DecodePlan, q: torch.Tensor):
-    """``(q_code, part_out, part_lse)``: the prepared query ``[B, Hq, q_code_columns] fp16``
-    (``q`` itself, never read, without preparation) and the partials ``[B, Hq, num_partials,
-    D]`` and their lse ``[B, Hq, num_partials]``, float32."""
+    """``(q_code, part_out, part_lse)`` of query rows ``q [B, Hq * T, D]``: the prepared query
+    ``[B, Hq * T, q_code_columns] fp16`` (``q`` itself, never read, without preparation) and the
+    partials ``[B, Hq * T, num_partials, D]`` and their lse ``[B, Hq * T, num_partials]``,
+    float32."""
     batch, num_q_heads, head_dim = q.shape
     q_code = q
     if plan.prep is not None:
@@ -113,6 +118,7 @@ def decode(
     mask: torch.Tensor | None = None,
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
+    window_pos: torch.Tensor | None = None,
     fast: bool | None = None,
     split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
@@ -120,17 +126,18 @@ def decode(
 ) -> torch.Tensor:
     """Launch the decode kernels (inputs validated; see ``torch.ops.tq.decode``).
 
-    Returns ``[B, Hq, D]`` in q's dtype. ``fast`` selects the inline-PTX decoding and
-    programmatic dependent launch (default: on CUDA; the interpreter cannot run them);
-    ``split_config`` and ``merge_config`` override the plan's kernel configurations (sweeps,
-    tests). ``launch_key``: the op arguments' metadata key
+    ``q [B, Hq, D]``, or ``[B, Hq, T, D]``: the kernels see its ``Hq * T`` query rows as the
+    heads of one query token, row ``h * T + t`` with the causal limit of token ``t``, so the
+    ``T`` tokens of a GQA group share each cache byte read. Returns q's shape in q's dtype.
+    ``fast`` selects the inline-PTX decoding and programmatic dependent launch (default: on
+    CUDA; the interpreter cannot run them); ``split_config`` and ``merge_config`` override the
+    plan's kernel configurations (sweeps, tests). ``launch_key``: the op arguments' metadata key
     (:func:`custom_ops.validate.launch_key`), which determines the plan and the kernels'
     specializations: both are then looked up by it.
     """
-    batch, num_q_heads, head_dim = q.shape
-    out = q.new_empty(q.shape)  # contiguous whatever q's strides: the merge writes row b*Hq+h
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
     if batch == 0:
-        return out
+        return q.new_empty(q.shape)
     overridden = fast is not None or split_config is not None or merge_config is not None
     key = None if overridden else launch_key
     plan = _PLANS.get(key, lambda: plan_for(
@@ -138,22 +145,25 @@ def decode(
     ))  # fmt: skip
     mask_args = _mask_arguments(mask, batch, num_q_heads, seq_lens)
     q_scale = scale * LOG2E
-    q_code, part_out, part_lse = _buffers(plan, q)
+    rows = q.reshape(batch, -1, head_dim)  # [B, Hq * T, D]: a view, or a copy of a few rows
+    # contiguous whatever q's strides: the merge writes row b * Hq * T + r
+    out = rows.new_empty(rows.shape)
+    q_code, part_out, part_lse = _buffers(plan, rows)
     # The first kernel is launched normally, after everything before it; the ones after it
     # with programmatic dependent launch where the plan says so.
     if plan.prep is not None:
-        launch_prep(plan.prep, q, rotation, q_code, q_scale, key)
+        launch_prep(plan.prep, rows, rotation, q_code, q_scale, key)
     launch_split(plan.split, split_arguments(
-        q, q_code, q_scale, rotation, cache, block_table, seq_lens, mask_args, k_window,
-        v_window, plan.ring_in_split, part_out, part_lse,
+        rows, q_code, q_scale, rotation, cache, block_table, seq_lens, mask_args, k_window,
+        v_window, window_pos, part_out, part_lse,
     ), key)  # fmt: skip
     if plan.ring is not None:
         capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
                                      k_window.shape[2])  # fmt: skip
-        launch_ring(plan.ring, q, q_scale, k_window, v_window, seq_lens, capacity, mask_args,
-                    part_out, part_lse, key)  # fmt: skip
+        launch_ring(plan.ring, rows, q_scale, k_window, v_window, window_pos, seq_lens, capacity,
+                    mask_args, part_out, part_lse, key)  # fmt: skip
     launch_merge(plan.merge, part_out, part_lse, rotation, out, key)
-    return out
+    return out.view(q.shape)
 
 
 def compile_split_kernel(
@@ -169,6 +179,7 @@ def compile_split_kernel(
     split_config: SplitConfig | None = None,
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
+    window_pos: torch.Tensor | None = None,
     **options,
 ):
     """Compile (not launch) the split kernel of this decode through ``compile_fn(kernel, grid,
@@ -178,6 +189,6 @@ def compile_split_kernel(
     mask_args = _mask_arguments(None, q.shape[0], q.shape[1], seq_lens)
     q_code, part_out, part_lse = _buffers(plan, q)
     arguments = split_arguments(q, q_code, LOG2E, rotation, cache, block_table, seq_lens,
-                                mask_args, k_window, v_window, plan.ring_in_split, part_out,
+                                mask_args, k_window, v_window, window_pos, part_out,
                                 part_lse)  # fmt: skip
     return compile_split(plan.split, arguments, compile_fn, **options)

@@ -44,6 +44,10 @@ DEFAULT_STAGES = 2
 # Ring tokens per tile when the split kernel reads the window itself: 16 keeps the ring loop's
 # two pipeline stages within the compressed loop's shared memory class.
 RING_BLOCK = 16
+# Query rows per program (padded) from which the split kernel takes one tile per softmax step
+# and more warps: 4 at 32 rows (a verify step of 8 tokens at GQA 4) ran 2.5-3x faster than one
+# warp on an H100.
+MANY_ROWS = 32
 # Register cap of the long-split kernel:
 # 16 one-warp programs per SM, which the split count assumes.
 SPLIT_MAX_REGISTERS = 128
@@ -153,12 +157,14 @@ def plan_decode(
     fast: bool,
     split_config: SplitConfig | None = None,
     merge_config: merge.MergeConfig | None = None,
+    q_tokens: int = 1,
 ) -> DecodePlan:
     """The plan of a decode over a paged cache (cached per argument tuple).
 
     Args:
         fmt: the cache's format.
-        batch, num_q_heads, num_kv_heads, head_dim: B, Hq, Hk, D.
+        batch, num_q_heads, num_kv_heads, head_dim: B, query rows (Hq times the query
+            tokens), Hk, D.
         page_size, max_pages: the cache's page size and the block table's width.
         window: W, the rings' size (0: no rings).
         q_dtype, ring_dtype: dtypes of the query and of the rings (None without rings).
@@ -168,6 +174,8 @@ def plan_decode(
         fast: inline-PTX decoding and programmatic dependent launch where available.
         split_config: overrides of the split kernel's defaults.
         merge_config: override of the merge's configuration.
+        q_tokens: T, query tokens per sequence (row ``h * T + t`` of the rows is token ``t``
+            of query head ``h``).
     """
     cuda = device.type == "cuda"
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if cuda else None
@@ -184,7 +192,11 @@ def plan_decode(
     split_config = split_config or SplitConfig()
     tuning = decode_tuning(fmt)
     short = capacity <= num_splits * TOKENS_PER_STEP
-    subtiles = split_config.subtiles or (tuning.subtiles_short if short else tuning.subtiles_long)
+    g_pad = triton.next_power_of_2(group)
+    many_rows = g_pad >= MANY_ROWS  # several query tokens per head (a verify step)
+    subtiles = split_config.subtiles or (
+        1 if many_rows else tuning.subtiles_short if short else tuning.subtiles_long
+    )
     block_n = split_config.block_n or TOKENS_PER_STEP // subtiles
     one_tile = capacity <= num_splits * subtiles * block_n
     query = _query_mode(fmt, keys, head_dim, capacity, num_splits)
@@ -193,6 +205,10 @@ def plan_decode(
     num_partials = num_splits + window_parts
     split_grid = (num_splits, num_kv_heads, batch)
     num_warps = split_config.num_warps
+    if num_warps is None and many_rows:
+        # one warp would hold [D, rows] accumulators past its registers (NOTES "Multi-token
+        # decode")
+        num_warps = min(8, g_pad // 8)
     if num_warps is None:
         # two warps where the grid leaves SMs idle (at most two programs per SM): each decodes
         # half of its tile, shortening the chain short contexts wait for (NOTES "Decode v7")
@@ -209,9 +225,10 @@ def plan_decode(
         # normally
         launch_options["launch_pdl"] = True
     split = KernelLaunch(split_grid, Launcher(split_kernel, dict(
-        MASK=mask_kind, PAGE_SIZE=page_size, TOKEN_RUN=_token_run(page_size, block_n),
+        MASK=mask_kind, Q_TOKENS=q_tokens, PAGE_SIZE=page_size,
+        TOKEN_RUN=_token_run(page_size, block_n),
         D=head_dim, D_PAD=d_pad, LOG2_D=d_pad.bit_length() - 1, GROUP=group,
-        G_PAD=triton.next_power_of_2(group), BLOCK_N=block_n, SUBTILES=subtiles,
+        G_PAD=g_pad, BLOCK_N=block_n, SUBTILES=subtiles,
         NUM_SPLITS=num_splits, NUM_PARTIALS=num_partials, ONE_TILE=one_tile, K=keys, V=values,
         QUERY=int(query), INV_SQRT_D=common["INV_SQRT_D"], RING=ring_in_split,
         RING_BLOCK=RING_BLOCK, RING_QK_F32=ring_in_split and (not fast or ring_dtype != q_dtype),
@@ -235,7 +252,7 @@ def plan_decode(
     if window_parts:
         ring_launch = KernelLaunch((window_parts, num_kv_heads, batch), Launcher(
             ring.ring_partials_kernel, dict(
-            MASK=mask_kind, D=head_dim, D_PAD=d_pad, GROUP=group,
+            MASK=mask_kind, Q_TOKENS=q_tokens, D=head_dim, D_PAD=d_pad, GROUP=group,
             G_PAD=triton.next_power_of_2(group),
             BLOCK_W=ring.BLOCK_W, SLOTS_PER_PART=slots_per_part, NUM_SPLITS=num_splits,
             NUM_PARTIALS=num_partials, WINDOW_QK_F32=not fast or ring_dtype != q_dtype,

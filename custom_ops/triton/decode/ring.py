@@ -17,9 +17,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from custom_ops.triton.decode.query import original_query
-from custom_ops.triton.decode.softmax import mask_scores, partial_normalizer, softmax_rescale
+from custom_ops.triton.decode.softmax import (
+    causal_ends,
+    mask_scores,
+    partial_normalizer,
+    softmax_rescale,
+)
 from custom_ops.triton.decode.tiles import ring_product, split_probabilities
-from custom_ops.triton.paged import ring_arguments
+from custom_ops.triton.paged import ring_arguments, ring_start
 
 __all__ = ["BLOCK_W", "NUM_WARPS", "window_parts", "ring_partials_kernel", "launch_ring"]
 
@@ -55,6 +60,7 @@ def ring_partials_kernel(
     part_lse_ptr,
     num_kv_heads,
     MASK: tl.constexpr,
+    Q_TOKENS: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -67,49 +73,51 @@ def ring_partials_kernel(
     WINDOW_F32: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Attention of a GQA group's queries over ring slots ``[part * SLOTS_PER_PART, ..)`` of
-    the recent window (grid ``(window parts, Hk, B)``), stored as the rows' partial
+    """Attention of a GQA group's queries over places ``[part * SLOTS_PER_PART, ..)`` of the
+    recent window's ring run (grid ``(window parts, Hk, B)``), stored as the rows' partial
     ``NUM_SPLITS + part`` (normalized, original space) with its lse (log2 domain).
 
-    The ring holds a sequence's last ``window_len = min(len, W)`` positions, from ``first =
-    len - window_len``; slot ``r`` holds the one that is ``r`` mod ``W``. ``S^T = K @ Q^T``
-    against the original query in the ring's dtype (tf32, exact for 16-bit inputs, when the
+    The ring run is the positions ``first .. len - 1`` (``first`` from the slots' positions,
+    :func:`~custom_ops.triton.paged.ring_start`), position ``p`` at slot ``p`` mod ``W``. ``S^T = K
+    @ Q^T`` against the original query in the ring's dtype (tf32, exact for 16-bit inputs, when the
     query's dtype differs), ``O^T += V^T @ P^T`` with the values in the ring's dtype and ``P``
     split into two terms of it (:func:`~custom_ops.triton.decode.tiles.ring_product`: bf16 values
     beyond fp16's range stay finite), float32 accumulation; all float32 under the interpreter,
-    which cannot run 16-bit dots. With PDL it waits for the split kernel at its end, so the
-    merge, which waits for this kernel, sees both.
+    which cannot run 16-bit dots. With PDL it waits for the split kernel at its end, so the merge,
+    which waits for this kernel, sees both.
     """
     part = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2)
     if PDL:
         gdc_launch_dependents()
+    k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
+    ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_len)
-    window_len = tl.minimum(seq_len, window)
-    first = seq_len - window_len
+    first = ring_start(pos_ptr + ring // D, seq_len, window)
+    window_len = seq_len - first
     g = tl.arange(0, G_PAD)
     row_ok = g < GROUP
     q_head = head * GROUP + g
     q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
+    masking = (mask_args, causal_ends(seq_len, q_head, Q_TOKENS))
     d = tl.arange(0, D_PAD)
     q_orig = original_query((q_ptr, stride_qb, stride_qh), b, q_head, row_ok, D, D_PAD,
                             WINDOW_QK_F32)  # fmt: skip
-    k_window_ptr, v_window_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
-    ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
     m_w = tl.full([G_PAD], float("-inf"), tl.float32)
     l_w = tl.zeros([G_PAD], tl.float32)
     acc_w = tl.zeros([D_PAD, G_PAD], tl.float32)  # O^T
     slot_end = tl.minimum((part + 1) * SLOTS_PER_PART, window_len)
     for r0 in range(part * SLOTS_PER_PART, slot_end, BLOCK_W):
-        r = r0 + tl.arange(0, BLOCK_W)
+        r = r0 + tl.arange(0, BLOCK_W)  # places in the run
         in_window = r < slot_end
-        positions = first + (r + window - first % window) % window
-        rows = ring + r.to(tl.int64) * stride_w_slot
+        positions = first + r
+        rows = ring + (positions % window).to(tl.int64) * stride_w_slot
         k = tl.load(k_window_ptr + rows[:, None] + d[None, :],
                     mask=in_window[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
         scores = tl.dot(k.to(q_orig.dtype), q_orig)
-        scores = mask_scores(scores * q_scale, positions, mask_args, b, q_head, row_ok, MASK)
+        scores = mask_scores(scores * q_scale, positions, masking, b, q_head, row_ok, MASK,
+                             Q_TOKENS)  # fmt: skip
         scores = tl.where(in_window[:, None], scores, float("-inf"))
         m_w, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_w)
         p = tl.math.exp2(scores - m_sub[None, :])
@@ -128,13 +136,13 @@ def ring_partials_kernel(
 
 
 def launch_ring(launch, q: torch.Tensor, q_scale: float, k_window: torch.Tensor,
-                v_window: torch.Tensor, seq_lens: torch.Tensor, capacity: int, mask_args: tuple,
-                part_out: torch.Tensor, part_lse: torch.Tensor,
+                v_window: torch.Tensor, window_pos: torch.Tensor, seq_lens: torch.Tensor,
+                capacity: int, mask_args: tuple, part_out: torch.Tensor, part_lse: torch.Tensor,
                 key: tuple | None = None) -> None:  # fmt: skip
-    """Write the ring's partials of ``q [B, Hq, D]`` into ``part_out``/``part_lse`` after the
-    splits' (``launch``: the plan's launch of this kernel; ``capacity``: positions a sequence
-    holds; ``mask_args``: ``(mask, stride_b, stride_h, mask_len)``; ``key``: the launcher's
-    specialization key)."""
-    launch(q, q.stride(0), q.stride(1), q_scale, ring_arguments(k_window, v_window),
+    """Write the ring's partials of ``q [B, Hq * T, D]`` (query rows) into
+    ``part_out``/``part_lse`` after the splits' (``launch``: the plan's launch of this kernel;
+    ``capacity``: positions a sequence holds; ``mask_args``: ``(mask, stride_b, stride_h,
+    stride_t, mask_len)``; ``key``: the launcher's specialization key)."""
+    launch(q, q.stride(0), q.stride(1), q_scale, ring_arguments(k_window, v_window, window_pos),
            k_window.shape[2], seq_lens, capacity, mask_args, part_out, part_lse,
            k_window.shape[1], key=key)  # fmt: skip

@@ -1,25 +1,41 @@
-"""The online-softmax state shared by the decode kernels (log2 domain) and the attention mask."""
+"""The online-softmax state shared by the decode kernels (log2 domain), the attention mask and
+the causal order of several query tokens."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["LOG2E", "mask_scores", "softmax_rescale", "partial_normalizer"]
+__all__ = ["LOG2E", "causal_ends", "mask_scores", "softmax_rescale", "partial_normalizer"]
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def mask_scores(scores, positions, mask_args, b, q_head, row_ok, MASK: tl.constexpr):
-    """Apply the attention mask at key ``positions [N]`` to ``scores [N, G_PAD]`` (log2 units):
-    ``MASK`` 0 none, 1 boolean (False masks out), 2 additive (natural-log units).
-    ``mask_args`` is ``(mask_ptr, stride_b, stride_h, mask_len)``."""
+def causal_ends(seq_len, q_head, Q_TOKENS: tl.constexpr):
+    """Where the positions each query row sees end: query row ``q_head`` is token ``t = q_head %
+    Q_TOKENS`` of the sequence's last ``Q_TOKENS``, which sees the positions below ``seq_len -
+    Q_TOKENS + 1 + t`` (``q_head``'s shape)."""
+    return seq_len - (Q_TOKENS - 1 - q_head % Q_TOKENS)
+
+
+@triton.jit
+def mask_scores(scores, positions, masking, b, q_head, row_ok, MASK: tl.constexpr,
+                Q_TOKENS: tl.constexpr):  # fmt: skip
+    """Apply the attention mask at key ``positions [N]`` to ``scores [N, G_PAD]`` (log2 units)
+    of the query rows ``q_head [G_PAD]`` (head ``q_head // Q_TOKENS``, token ``q_head %
+    Q_TOKENS``): ``MASK`` 0 none, 1 boolean (False masks out), 2 additive (natural-log units);
+    with several query tokens, also the causal order among them. ``masking`` is ``(mask_args,
+    row_ends)``: ``mask_args = (mask_ptr, stride_b, stride_h, stride_t, mask_len)`` and
+    ``row_ends`` from :func:`causal_ends`."""
+    mask_args, row_ends = masking
+    if Q_TOKENS > 1:
+        scores = tl.where(positions[:, None] < row_ends[None, :], scores, float("-inf"))
     if MASK != 0:
-        mask_ptr, stride_mask_b, stride_mask_h, mask_len = mask_args
-        mask_ptrs = mask_ptr + b * stride_mask_b + q_head[None, :] * stride_mask_h
-        mask_ptrs += positions[:, None]
+        mask_ptr, stride_mask_b, stride_mask_h, stride_mask_t, mask_len = mask_args
+        rows = (q_head // Q_TOKENS) * stride_mask_h + (q_head % Q_TOKENS) * stride_mask_t
+        mask_ptrs = mask_ptr + b * stride_mask_b + rows[None, :] + positions[:, None]
         in_mask = row_ok[None, :] & (positions < mask_len)[:, None]
         if MASK == 1:
             allowed = tl.load(mask_ptrs, mask=in_mask, other=0) != 0

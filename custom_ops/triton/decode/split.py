@@ -28,7 +28,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from custom_ops.formats import PagedKVCache
 from custom_ops.triton.decode.query import query_part, ring_query, rotate_query
-from custom_ops.triton.decode.softmax import mask_scores, partial_normalizer, softmax_rescale
+from custom_ops.triton.decode.softmax import (
+    causal_ends,
+    mask_scores,
+    partial_normalizer,
+    softmax_rescale,
+)
 from custom_ops.triton.decode.tiles import (
     compressed_scores,
     compressed_values,
@@ -38,7 +43,7 @@ from custom_ops.triton.decode.tiles import (
     table_entries,
     value_multipliers,
 )
-from custom_ops.triton.paged import plane_arguments, ring_arguments, table_arguments
+from custom_ops.triton.paged import plane_arguments, ring_arguments, ring_start, table_arguments
 
 __all__ = ["split_kernel", "split_arguments", "launch_split", "compile_split"]
 
@@ -55,14 +60,15 @@ _UNIT_MIN = tl.constexpr(2.0**-10)
 
 
 @triton.jit
-def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, Q_TOKENS: tl.constexpr,
+                     PAGE_SIZE: tl.constexpr,
                      TOKEN_RUN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, SUBTILES: tl.constexpr, ONE_TILE: tl.constexpr,
                      K: tl.constexpr, V: tl.constexpr):  # fmt: skip
     """The online softmax over the compressed tokens ``[start, end)`` of ``tiles``: ``(m, l,
     acc0..3, zero_acc, v_top)``, the value products accumulated in units of ``1 / inv_unit``
     and ``v_top`` the largest value scale seen."""
-    start, end, early_a, early_b, b, table, k_plane, meta_plane, v_plane, qs, mask_args, \
+    start, end, early_a, early_b, b, table, k_plane, meta_plane, v_plane, qs, masking, \
         q_head, row_ok = tiles  # fmt: skip
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -80,14 +86,14 @@ def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, PAGE_SIZE: tl.constexp
     for tile_start in range(start, end, SUBTILES * BLOCK_N):
         n_a = tile_start + tl.arange(0, BLOCK_N)
         scores_a, page_a, slot_a, m_row_a, valid_a = compressed_scores(
-            n_a, end, early_a, b, table, k_plane, meta_plane, qs, mask_args, q_head, row_ok,
-            MASK, PAGE_SIZE, D, K, ONE_TILE,
+            n_a, end, early_a, b, table, k_plane, meta_plane, qs, masking, q_head, row_ok,
+            MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE,
         )  # fmt: skip
         tile_max = scores_a
         if SUBTILES == 2:
             scores_b, page_b, slot_b, m_row_b, valid_b = compressed_scores(
-                n_a + BLOCK_N, end, early_b, b, table, k_plane, meta_plane, qs, mask_args,
-                q_head, row_ok, MASK, PAGE_SIZE, D, K, ONE_TILE,
+                n_a + BLOCK_N, end, early_b, b, table, k_plane, meta_plane, qs, masking,
+                q_head, row_ok, MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE,
             )  # fmt: skip
             tile_max = tl.maximum(scores_a, scores_b)
         m_i, m_sub, alpha = softmax_rescale(tl.max(tile_max, axis=0), m_i)
@@ -137,6 +143,7 @@ def split_kernel(
     num_kv_heads,
     max_pages,
     MASK: tl.constexpr,
+    Q_TOKENS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TOKEN_RUN: tl.constexpr,
     D: tl.constexpr,
@@ -169,11 +176,13 @@ def split_kernel(
         gdc_launch_dependents()
     query = (q_orig_ptr, stride_qb, stride_qh)
 
-    # This split's token range of the compressed positions [0, len - W), from the device-side
-    # length: [start, end). The window's min(len, W) ring tokens are read below (RING) or by
-    # the ring kernel.
+    # This split's token range of the compressed positions [0, ring start), from the
+    # device-side length and ring positions: [start, end). The ring run's tokens (from the ring
+    # start to the length) are read below (RING) or by the ring kernel.
+    k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
+    ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
-    compressed_len = seq_len - tl.minimum(seq_len, window)
+    compressed_len = ring_start(pos_ptr + ring // D, seq_len, window)
     tile_tokens: tl.constexpr = SUBTILES * BLOCK_N
     if ONE_TILE:
         # A split of at most one tile sits at a fixed place, so its block-table entries are read
@@ -229,20 +238,33 @@ def split_kernel(
     qs = (q0, q1, q2, q3)
 
     k_plane, v_plane, meta_plane = head_planes(planes, head.to(tl.int64))
-    tiles = (start, end, early_a, early_b, b, table, k_plane, meta_plane, v_plane, qs, mask_args,
+    masking = (mask_args, causal_ends(seq_len, q_head, Q_TOKENS))
+    tiles = (start, end, early_a, early_b, b, table, k_plane, meta_plane, v_plane, qs, masking,
              q_head, row_ok)  # fmt: skip
     # The value products' fp16 operands are p * v_scale <= v_scale: where the largest scale
     # could overflow fp16 or sit where its rounding is coarse, the pass runs again in units of
     # it (operands <= 1). Values of ordinary size take one pass. (A while loop around one copy
     # of the pass kept the registers but lost the loop's speed; the plan caps the registers.)
     m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, v_top = _compressed_pass(
-        1.0, tiles, MASK, PAGE_SIZE, TOKEN_RUN, D, G_PAD, BLOCK_N, SUBTILES, ONE_TILE, K, V
+        1.0,
+        tiles,
+        MASK,
+        Q_TOKENS,
+        PAGE_SIZE,
+        TOKEN_RUN,
+        D,
+        G_PAD,
+        BLOCK_N,
+        SUBTILES,
+        ONE_TILE,
+        K,
+        V,
     )
     unit = tl.full([], 1.0, tl.float32)
     if ((v_top > _UNIT_MAX) | (v_top < _UNIT_MIN)) & (v_top > 0):
         unit = v_top
         m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, v_top = _compressed_pass(
-            1.0 / unit, tiles, MASK, PAGE_SIZE, TOKEN_RUN, D, G_PAD, BLOCK_N, SUBTILES,
+            1.0 / unit, tiles, MASK, Q_TOKENS, PAGE_SIZE, TOKEN_RUN, D, G_PAD, BLOCK_N, SUBTILES,
             ONE_TILE, K, V,
         )  # fmt: skip
     acc0 *= unit
@@ -251,24 +273,21 @@ def split_kernel(
     acc3 *= unit
 
     if RING:
-        # The ring's RING_BLOCK-slot tiles, round robin over the splits from the last one (which
-        # may hold fewer compressed tiles) down: each split takes about W / NUM_SPLITS more
-        # tokens, into the same softmax state and accumulators (values not rotated). The ring
-        # holds window_len = min(len, W) positions from compressed_len, slot r the one that is r
-        # mod W, so its written slots are [0, window_len): a tile is a run of consecutive rows
-        # (no wrap), and a slot's position matters only to a mask.
+        # The ring run's RING_BLOCK-token tiles, round robin over the splits from the last one
+        # (which may hold fewer compressed tiles) down: each split takes about W / NUM_SPLITS
+        # more tokens, into the same softmax state and accumulators (values not rotated). The
+        # run is positions [compressed_len, len), position p at slot p mod W (a tile's rows may
+        # wrap around the ring's end).
         rqs = ring_query(query, b, q_head, row_ok, D, D_PAD, RING_QK_F32)
-        k_window_ptr, v_window_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
-        ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
         window_len = seq_len - compressed_len
         for r0 in tl.range((NUM_SPLITS - 1 - split) * RING_BLOCK, window_len,
                            NUM_SPLITS * RING_BLOCK, num_stages=2):  # fmt: skip
-            slot = r0 + tl.arange(0, RING_BLOCK)
-            in_ring = slot < window_len
-            rows = slot * stride_w_slot
+            run = r0 + tl.arange(0, RING_BLOCK)
+            in_ring = run < window_len
+            positions = compressed_len + run
+            rows = (positions % window) * stride_w_slot
             scores = ring_scores(k_window_ptr + ring + rows[:, None], in_ring, rqs, D) * q_scale
-            positions = compressed_len + (slot + window - compressed_len % window) % window
-            scores = mask_scores(scores, positions, mask_args, b, q_head, row_ok, MASK)
+            scores = mask_scores(scores, positions, masking, b, q_head, row_ok, MASK, Q_TOKENS)
             scores = tl.where(in_ring[:, None], scores, float("-inf"))
             m_i, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_i)
             p = tl.math.exp2(scores - m_sub[None, :])
@@ -296,14 +315,17 @@ def split_kernel(
 
 
 def split_arguments(q, q_code, q_scale, rotation, cache: PagedKVCache, block_table, seq_lens,
-                    mask_args, k_window, v_window, ring_in_split, part_out,
+                    mask_args, k_window, v_window, window_pos, part_out,
                     part_lse) -> tuple:  # fmt: skip
     """The split kernel's runtime arguments, in order (``mask_args``: ``(mask, stride_b,
-    stride_h, mask_len)``). ``k_window``/``v_window`` are the rings or None; a kernel that does
-    not read them itself (``ring_in_split`` False) gets placeholders, which it never reads, but
-    still the window's size."""
+    stride_h, stride_t, mask_len)``). ``k_window``/``v_window``/``window_pos`` are the rings
+    and their slots' positions, or None (then placeholders, never read). The kernel reads the ring
+    positions for where its compressed tokens end, and the rings only where its plan says."""
     window = 0 if k_window is None else k_window.shape[2]
-    rings = ring_arguments(k_window, v_window) if ring_in_split else (q, q, 0, 0, 0)
+    if k_window is None:
+        rings = (q, q, seq_lens, 0, 0, 0)
+    else:
+        rings = ring_arguments(k_window, v_window, window_pos)
     return (
         q_code, q, q.stride(0), q.stride(1), q_scale, rotation, plane_arguments(cache),
         table_arguments(block_table), seq_lens, mask_args, window, rings, part_out, part_lse,

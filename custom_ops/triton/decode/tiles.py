@@ -51,9 +51,10 @@ def table_entries(n, ok, b, table, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def compressed_scores(n, end, early, b, table, k_plane, meta_plane, qs, mask_args, q_head,
-                      row_ok, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
-                      K: tl.constexpr, ONE_TILE: tl.constexpr):  # fmt: skip
+def compressed_scores(n, end, early, b, table, k_plane, meta_plane, qs, masking, q_head,
+                      row_ok, MASK: tl.constexpr, Q_TOKENS: tl.constexpr,
+                      PAGE_SIZE: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+                      ONE_TILE: tl.constexpr):  # fmt: skip
     """Scores ``S^T = K @ Q^T`` of the compressed tokens at positions ``n [BLOCK_N]`` (``-inf``
     at and past ``end``): ``(scores [BLOCK_N, G_PAD] float32 in log2 units, page, slot, meta
     row pointers, valid)``.
@@ -88,7 +89,7 @@ def compressed_scores(n, end, early, b, table, k_plane, meta_plane, qs, mask_arg
     m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
     k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
     scores = scores * k_mul[:, None]
-    scores = mask_scores(scores, n, mask_args, b, q_head, row_ok, MASK)
+    scores = mask_scores(scores, n, masking, b, q_head, row_ok, MASK, Q_TOKENS)
     return tl.where(valid[:, None], scores, float("-inf")), page, slot, m_row, valid
 
 

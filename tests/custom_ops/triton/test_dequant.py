@@ -15,7 +15,7 @@ from helpers import (
     impl_device,
     poisoned_cache,
 )
-from window_sequences import BATCH, CAPACITY, STEPS, WINDOW, Sequences
+from window_sequences import BATCH, CAPACITY, REWRITE_STEPS, STEPS, WINDOW, Sequences
 
 from custom_ops import api, reference
 from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, get_format
@@ -80,27 +80,30 @@ def test_output_dtype(dtype, kernel_device, seeded):
     torch.testing.assert_close(act[0].cpu(), exp[0].to(dtype), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("steps", ["appends", "rewrites"])
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "tq4_nc", "k2v4_nc"])
-def test_dequantize_window_kernel_matches_reference(fmt_name, kernel_device, seeded):
-    """Dequantize with the window: compressed positions decoded, the last W copied from the
-    ring, zeros past each length; the kernel equals the reference."""
+def test_dequantize_window_kernel_matches_reference(fmt_name, steps, kernel_device, seeded):
+    """Dequantize with the window: compressed positions decoded, the ring run copied from the
+    ring (the last W positions when appending; after rewrites, from where the rollbacks left
+    it), zeros past each length; the kernel equals the reference."""
     seqs = Sequences(fmt_name, seeded, kernel_device)
-    for n_new, starts in STEPS:
+    for n_new, starts in STEPS if steps == "appends" else REWRITE_STEPS:
         seqs.append(n_new, starts, seeded, use_triton=False)
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
+    rings = (seqs.k_window, seqs.v_window, seqs.window_pos)
     args = (seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(), seqs.lens, consts,
-            CAPACITY, torch.float32, seqs.k_window.cpu(), seqs.v_window.cpu())  # fmt: skip
+            CAPACITY, torch.float32, *(r.cpu() for r in rings))  # fmt: skip
     expected = api.dequantize(*args)
     d = kernel_device
     with triton_kernels(d):
         actual = api.dequantize(seqs.fmt, seqs.cache, seqs.block_table, seqs.lens.to(d),
-                                seqs.consts, CAPACITY, torch.float32, seqs.k_window,
-                                seqs.v_window)  # fmt: skip
+                                seqs.consts, CAPACITY, torch.float32, *rings)  # fmt: skip
     for e, a, exact in zip(expected, actual, (seqs.keys, seqs.values), strict=True):
         torch.testing.assert_close(a.cpu(), e, rtol=1e-5, atol=1e-5)
         for b in range(BATCH):
-            length = int(seqs.lens[b])
-            recent = slice(max(0, length - WINDOW), length)
+            length, ring_from = int(seqs.lens[b]), int(seqs.ring_from[b])
+            assert length - ring_from <= WINDOW
+            recent = slice(ring_from, length)
             assert torch.equal(e[b, :, recent], exact[b, :, recent].float())
             assert bool((e[b, :, length:] == 0).all())
 
@@ -127,8 +130,8 @@ def test_opcheck_dequantize_with_rings(impl, kernel_device, seeded):
     """opcheck for tq.dequantize with the recent window's rings."""
     device = impl_device(impl, kernel_device)
     seqs = Sequences("4bit_nc", seeded, device)
-    seqs.append(11, (0, 3), seeded, use_triton=impl == "triton")
-    rings = (seqs.k_window, seqs.v_window)
+    seqs.append(11, (0, 0), seeded, use_triton=impl == "triton")
+    rings = (seqs.k_window, seqs.v_window, seqs.window_pos)
     with impl_context(impl, device):
         lens = seqs.lens.to(device)
         torch.library.opcheck(

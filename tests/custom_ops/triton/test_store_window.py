@@ -22,6 +22,7 @@ from window_sequences import (
     CAPACITY,
     HEAD_DIM,
     NUM_KV_HEADS,
+    REWRITE_STEPS,
     STEPS,
     WINDOW,
     Sequences,
@@ -33,19 +34,22 @@ from custom_ops.formats import FORMATS, get_format
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
 
 
+@pytest.mark.parametrize("steps", ["appends", "rewrites"])
 @pytest.mark.parametrize("fmt_name", sorted(FORMATS))
-def test_store_window_kernel_matches_reference(fmt_name, kernel_device, seeded):
+def test_store_window_kernel_matches_reference(fmt_name, steps, kernel_device, seeded):
     """After every append (prefill longer than the window, skipped sequences, chunks crossing
-    the boundary, single tokens) the kernel's cache equals the reference's (codes up to a tie,
-    meta up to a rounding) and its rings are bit-identical."""
+    the boundary, single tokens) and every rewrite from below the length, the kernel's cache
+    equals the reference's (codes up to a tie, meta up to a rounding) and its rings and their
+    positions are bit-identical."""
     expected = Sequences(fmt_name, torch.Generator().manual_seed(7))
     actual = Sequences(fmt_name, torch.Generator().manual_seed(7), kernel_device)
-    for n_new, starts in STEPS:
+    for n_new, starts in STEPS if steps == "appends" else REWRITE_STEPS:
         expected.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=False)
         actual.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=True)
         assert_same_cache(expected.fmt, expected.cache, actual.cache)
         assert torch.equal(actual.k_window.cpu(), expected.k_window)
         assert torch.equal(actual.v_window.cpu(), expected.v_window)
+        assert torch.equal(actual.window_pos.cpu(), expected.window_pos)
 
 
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc", "k2v2_nc"])
@@ -97,12 +101,12 @@ def test_opcheck_store_window(impl, kernel_device, seeded):
     """opcheck (schema, fake tensors, aot dispatch) for store_window."""
     device = impl_device(impl, kernel_device)
     seqs = Sequences("4bit_nc", seeded, device)
-    seqs.append(11, (0, 3), seeded, use_triton=impl == "triton")
+    seqs.append(11, (0, 0), seeded, use_triton=impl == "triton")
     key, value = random_kv(BATCH * 2, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, seeded)
     key = key.reshape(BATCH, NUM_KV_HEADS, 2, HEAD_DIM).to(device)
     value = value.reshape(BATCH, NUM_KV_HEADS, 2, HEAD_DIM).to(device)
     start = seqs.lens.to(device)
-    rings = (seqs.k_window, seqs.v_window)
+    rings = (seqs.k_window, seqs.v_window, seqs.window_pos)
     with impl_context(impl, device):
         torch.library.opcheck(
             torch.ops.tq.store_window.default,
@@ -118,7 +122,7 @@ class TestStoreWindowBadInput(expecttest.TestCase):
         seqs.append(11, (0, 0), gen, use_triton=False)  # 3 tokens left the window
         key = torch.randn(BATCH, NUM_KV_HEADS, 2, HEAD_DIM).to(torch.bfloat16)
         start = seqs.lens.clone()
-        rings = (seqs.k_window, seqs.v_window)
+        rings = (seqs.k_window, seqs.v_window, seqs.window_pos)
         snapshot = [t.clone() for t in (*seqs.cache, *rings)]
 
         def call(key=key, value=key, rings=rings, table=seqs.block_table, start=start):
@@ -128,9 +132,13 @@ class TestStoreWindowBadInput(expecttest.TestCase):
         cases = {
             "float32 tokens": dict(key=key.float(), value=key.float()),
             "3-D tokens": dict(key=key[:, :, 0], value=key[:, :, 0]),
-            "ring of another head dim": dict(rings=(rings[0][..., :32], rings[1][..., :32])),
-            "float32 ring": dict(rings=(rings[0].float(), rings[1].float())),
-            "ring dtypes differ": dict(rings=(rings[0], rings[1].half())),
+            "ring of another head dim": dict(
+                rings=(rings[0][..., :32], rings[1][..., :32], rings[2])
+            ),
+            "float32 ring": dict(rings=(rings[0].float(), rings[1].float(), rings[2])),
+            "ring dtypes differ": dict(rings=(rings[0], rings[1].half(), rings[2])),
+            "int64 ring positions": dict(rings=(*rings[:2], rings[2].long())),
+            "ring positions of another window": dict(rings=(*rings[:2], rings[2][..., :4])),
             "int64 start": dict(start=start.long()),
             "broadcast start": dict(start=start[:1].expand(2)),
             "past capacity": dict(start=torch.tensor([CAPACITY - 1, 0], dtype=torch.int32)),
@@ -154,6 +162,8 @@ float32 tokens: TypeError: tq.store_window: key must be bfloat16 or float16, got
 ring of another head dim: ValueError: tq.store_window: k_window and v_window must be [>= 2, 2, W >= 1, 64] (batch, kv-heads, window, head dim), got (2, 2, 8, 32) and (2, 2, 8, 32)
 float32 ring: TypeError: tq.store_window: k_window and v_window must be bfloat16 or float16 of one dtype, got torch.float32 and torch.float32
 ring dtypes differ: TypeError: tq.store_window: k_window and v_window must be bfloat16 or float16 of one dtype, got torch.bfloat16 and torch.float16
+int64 ring positions: TypeError: tq.store_window: window_pos must be int32, got torch.int64
+ring positions of another window: ValueError: tq.store_window: window_pos must be a contiguous [2, 2, 8] (the rings' batch, kv-heads and window), got (2, 2, 4) with strides (16, 8, 1)
 int64 start: TypeError: tq.store_window: start_pos must be int32, got torch.int64
 broadcast start: ValueError: tq.store_window: start_pos must be contiguous, got stride 0
 past capacity: ValueError: tq.store_window: tokens up to position 36 do not fit a sequence's capacity of 36 positions (block_table pages * page_size + window)
@@ -182,6 +192,7 @@ def test_short_sequence_table_may_end_in_padding(kernel_device, seeded):
         cache = fmt.allocate(8, 2, page, 64, kernel_device)
         rings = [torch.zeros(2, 2, window, 64, dtype=torch.bfloat16, device=kernel_device)
                  for _ in range(2)]  # fmt: skip
+        rings.append(torch.full((2, 2, window), -1, dtype=torch.int32, device=kernel_device))
         with triton_kernels(kernel_device):
             api.store_window(fmt, cache, key, value, *rings, block_table.to(kernel_device),
                              starts, api.KVConstants(rotation))  # fmt: skip

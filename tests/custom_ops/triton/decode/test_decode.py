@@ -18,7 +18,15 @@ from helpers import (
     rel_error,
     stale_tables,
 )
-from window_sequences import BATCH, CAPACITY, HEAD_DIM, NUM_KV_HEADS, STEPS, Sequences
+from window_sequences import (
+    BATCH,
+    CAPACITY,
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    REWRITE_STEPS,
+    STEPS,
+    Sequences,
+)
 
 from custom_ops import api, reference
 from custom_ops.formats import FORMATS
@@ -168,7 +176,7 @@ class TestDecodeBadInput(expecttest.TestCase):
             "heads not a multiple": dict(q=q[:, :7]),
             "splits not a power of two": dict(num_splits=3),
             "batch mismatch": dict(q=q[:2]),
-            "prefill-shaped query": dict(q=q[:, :, None]),
+            "a prefill's worth of query tokens": dict(q=q[:, :, None].expand(-1, -1, 17, -1)),
         }
         messages = []
         for case, override in cases.items():
@@ -185,7 +193,7 @@ float32 query: TypeError: tq.decode: q must be bfloat16 or float16, got torch.fl
 heads not a multiple: ValueError: tq.decode: q has 7 heads, not a multiple of the cache's 2 kv-heads
 splits not a power of two: ValueError: tq.decode: num_splits must be a power of two in [1, 512], got 3
 batch mismatch: ValueError: tq.decode: block_table has 3 rows for a batch of 2 queries
-prefill-shaped query: ValueError: tq.decode: q must be [B, Hq, D] (one query token per sequence), got shape (3, 8, 1, 64)""",  # noqa: E501
+a prefill's worth of query tokens: ValueError: tq.decode: q must be [B, Hq, D] (one query token per sequence) or [B, Hq, T, D] with 1 <= T <= 16 (each sequence's last T tokens), got shape (3, 8, 17, 64)""",  # noqa: E501
         )
 
 
@@ -244,28 +252,34 @@ def test_kernel_mask(fmt_name, kind, kernel_device, seeded):
     assert rel_error(actual, expected) < 1e-3
 
 
-def _expected_attention(seqs, q, dtype=torch.float64, mask=None):
-    """float64 attention over the dequantized cache for positions below ``len - W`` and the
-    exact bf16 tokens for the last ``W``."""
+def _expected_kv(seqs, dtype=torch.float64):
+    """``(K, V)``: the dequantized cache for positions below each sequence's ring run and the
+    exact bf16 tokens in it."""
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
     cache = clone_cache(seqs.cache)
     k, v = reference.dequantize(seqs.fmt, cache, seqs.block_table.cpu(), seqs.lens, *consts,
                                 seqs.capacity, dtype)  # fmt: skip
     positions = torch.arange(seqs.capacity)[None, :]
-    recent = (positions >= seqs.lens[:, None] - seqs.window)[:, None, :, None]
+    recent = (positions >= seqs.ring_from[:, None])[:, None, :, None]
     k = torch.where(recent, seqs.keys.to(dtype), k)
-    v = torch.where(recent, seqs.values.to(dtype), v)
-    return reference.attention(q, k, v, seqs.lens, HEAD_DIM**-0.5, mask)
+    return k, torch.where(recent, seqs.values.to(dtype), v)
 
 
+def _expected_attention(seqs, q, dtype=torch.float64, mask=None):
+    """float64 attention of ``q [B, Hq, D]`` over :func:`_expected_kv`."""
+    return reference.attention(q, *_expected_kv(seqs, dtype), seqs.lens, HEAD_DIM**-0.5, mask)
+
+
+@pytest.mark.parametrize("steps", ["appends", "rewrites"])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("fmt_name", sorted(FORMATS))
-def test_decode_window_contribution_is_exact(fmt_name, group, kernel_device, seeded):
+def test_decode_window_contribution_is_exact(fmt_name, group, steps, kernel_device, seeded):
     """Decode with the window equals float64 attention over the dequantized compressed tokens
     and the *unquantized* window tokens (1e-3: fp16 query and probabilities on the compressed
-    side), at lengths below, at and beyond the window."""
+    side), at lengths below, at and beyond the window, and after rewrites from below the length
+    (rollbacks within and past the ring run, a restart)."""
     seqs = Sequences(fmt_name, seeded, kernel_device)
-    for n_new, starts in STEPS:
+    for n_new, starts in STEPS if steps == "appends" else REWRITE_STEPS:
         seqs.append(n_new, starts, seeded, use_triton=False)
         # fp16 query, so the output's rounding (2^-11) stays below the bound
         q = torch.randn(BATCH, NUM_KV_HEADS * group, HEAD_DIM, generator=seeded).half()
@@ -302,7 +316,7 @@ def test_decode_ring_of_several_tiles(fmt_name, dtype, num_splits, kernel_device
     filled past its size so the ring's slots wrap, in bf16 or fp16 (with fp16 queries, whose
     dtype then matches the ring's): decode equals float64 attention within 1e-3."""
     seqs = Sequences(fmt_name, seeded, kernel_device, dtype=dtype, window=40)
-    for n_new, starts in [(45, (0, 10)), (3, (45, 55)), (10, (48, 58))]:
+    for n_new, starts in [(45, (0, 0)), (10, (-1, 45)), (3, (45, 55)), (10, (48, 58))]:
         seqs.append(n_new, starts, seeded, use_triton=False)
         q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half()
         expected = _expected_attention(seqs, q)
@@ -335,9 +349,9 @@ def test_opcheck_decode_with_rings(impl, kernel_device, seeded):
     """opcheck for tq.decode with the recent window's rings."""
     device = impl_device(impl, kernel_device)
     seqs = Sequences("4bit_nc", seeded, device)
-    seqs.append(11, (0, 3), seeded, use_triton=impl == "triton")
+    seqs.append(11, (0, 0), seeded, use_triton=impl == "triton")
     q = torch.randn(BATCH, NUM_KV_HEADS * 2, HEAD_DIM, generator=seeded).to(torch.bfloat16)
-    rings = (seqs.k_window, seqs.v_window)
+    rings = (seqs.k_window, seqs.v_window, seqs.window_pos)
     with impl_context(impl, device):
         lens = seqs.lens.to(device)
         torch.library.opcheck(
@@ -345,3 +359,53 @@ def test_opcheck_decode_with_rings(impl, kernel_device, seeded):
             (q.to(device), *seqs.cache, seqs.block_table, lens, *seqs.consts, "4bit_nc", 2,
              0.125, None, *rings),
         )  # fmt: skip
+
+
+def _multi_token_case(seqs, tokens, group, gen, mask_kind):
+    """Queries ``[B, Hk * group, T, D]`` (fp16) of each sequence's last ``T`` tokens and a mask
+    (None, a bool one per token, or an additive one shared by the tokens)."""
+    num_q_heads = NUM_KV_HEADS * group
+    q = torch.randn(BATCH, num_q_heads, tokens, HEAD_DIM, generator=gen).half()
+    if mask_kind == "bool":
+        mask = torch.rand(BATCH, num_q_heads, tokens, CAPACITY - 2, generator=gen) > 0.3
+        mask[:, :, :, 0] = True  # every query keeps one key
+    elif mask_kind == "additive":
+        mask = torch.randn(1, 1, CAPACITY, generator=gen)
+    else:
+        mask = None
+    return q, mask
+
+
+@pytest.mark.parametrize(
+    "fmt_name, tokens, group, mask_kind",
+    [(name, 2, 4, None) for name in sorted(FORMATS)]
+    + [(name, 16, 1, "bool") for name in ("4bit_nc", "k8v4", "tq4_nc", "3bit_nc")]
+    + [("4bit_nc", 4, 8, "additive"), ("k2v2_nc", 8, 4, "bool"), ("int8", 8, 1, None)],
+)
+def test_multi_token_decode(fmt_name, tokens, group, mask_kind, kernel_device, seeded):
+    """Attention of each sequence's last T tokens (a speculative-decoding verify step), causal
+    among them, in one decode: equals float64 attention with token t seeing the positions below
+    len - T + t + 1 (within 1e-3), and the T one-token decodes of the same cache at those
+    lengths (within 2e-3), at lengths whose last T tokens span pages and the window's ring (or
+    lie in it), after appends and after rewrites, with and without masks."""
+    seqs = Sequences(fmt_name, seeded, kernel_device)
+    for n_new, starts in REWRITE_STEPS:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+        lens = seqs.lens
+        if int(lens.min()) < tokens:
+            continue
+        q, mask = _multi_token_case(seqs, tokens, group, seeded, mask_kind)
+        k, v = _expected_kv(seqs)
+        expected, one_token = [], []
+        for t in range(tokens):
+            visible = lens - (tokens - 1 - t)
+            token_mask = mask if mask is None or mask.dim() == 3 else mask[:, :, t]
+            expected.append(reference.attention(q[:, :, t], k, v, visible, HEAD_DIM**-0.5,
+                                                token_mask))  # fmt: skip
+            one_token.append(seqs.decode(q[:, :, t], 2, token_mask, lens=visible))
+        expected, one_token = torch.stack(expected, 2), torch.stack(one_token, 2)
+        actual = seqs.decode(q, num_splits=2, mask=mask)
+        assert actual.shape == q.shape and not actual.isnan().any()
+        where = (n_new, starts)
+        assert rel_error(actual, expected) < 1e-3, (where, rel_error(actual, expected))
+        assert rel_error(actual, one_token) < 2e-3, (where, rel_error(actual, one_token))

@@ -1,0 +1,78 @@
+"""Writes from below the length through ``TurboQuantKVCache`` (speculative decoding's rejected
+drafts, a rolled-back or re-run step, a new sequence from position 0).
+
+The cache must then be the one that writing the final tokens once gives, except that positions
+that had left the recent window before the write stay quantized: attention over it equals
+float64 attention over the final tokens, exact from where the ring run starts and quantized
+below, and is never worse than a cache that quantizes every token. Before the ring recorded its
+slots' positions, rewriting positions 150..159 of 200 (window 128) quantized ring rows of the
+rewritten tokens into the pages of positions 22..71: 0.44 relative error against 0.04.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import IMPLS, impl_context, impl_device, random_kv
+
+from custom_ops import reference
+from tq_compile import TurboQuantKVCache
+
+HK, GROUP, D, CAPACITY = 2, 4, 64, 256
+# (start, tokens): the repro above, appends, a rollback past the ring run of every window that
+# then crosses it again, a re-run position, a restart at 0
+WRITES = [(0, 200), (150, 10), (160, 1), (161, 1), (20, 4), (24, 1), (24, 1), (25, 3), (0, 5),
+          (5, 1)]  # fmt: skip
+
+
+def _quantized_once(keys, values, length):
+    """``(K, V) [1, Hk, length, D]`` float64: the tokens written once into a window-0 cache and
+    read back (the reference path)."""
+    once = TurboQuantKVCache(1, HK, CAPACITY, D, fmt="4bit_nc", window=0, device="cpu")
+    k_view, v_view = once.update(torch.arange(length), keys[:, :, :length], values[:, :, :length])
+    return (k_view.dequantize(torch.float64)[:, :, :length],
+            v_view.dequantize(torch.float64)[:, :, :length])  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [0, 16, 128])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rewrites_equal_writing_the_final_tokens_once(window, impl, kernel_device, seeded):
+    device = impl_device(impl, kernel_device)
+    cache = TurboQuantKVCache(1, HK, CAPACITY, D, fmt="4bit_nc", window=window, device=device)
+    keys = torch.zeros(1, HK, CAPACITY, D, dtype=torch.bfloat16)
+    values = torch.zeros_like(keys)
+    ring_from = 0  # where the ring run starts: positions below it are quantized
+    for start, n_new in WRITES:
+        key, value = random_kv(n_new, HK, D, torch.bfloat16, seeded)
+        key, value = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, Hk, T, D]
+        positions = torch.arange(start, start + n_new)
+        with impl_context(impl, device):
+            k_view, v_view = cache.update(positions.to(device), key.to(device), value.to(device))
+        keys[:, :, start : start + n_new], values[:, :, start : start + n_new] = key, value
+        length = start + n_new
+        ring_from = max(min(ring_from, start), length - window)
+
+        exact_k, exact_v = keys[:, :, :length].double(), values[:, :, :length].double()
+        quant_k, quant_v = _quantized_once(keys, values, length)
+        below = (torch.arange(length) < ring_from)[None, None, :, None]
+        expected_k = torch.where(below, quant_k, exact_k)
+        expected_v = torch.where(below, quant_v, exact_v)
+
+        q = torch.randn(1, HK * GROUP, D, generator=seeded).to(torch.bfloat16)
+        lens = torch.tensor([length])
+
+        def attend(k, v, q=q, lens=lens):
+            return reference.attention(q, k, v, lens, D**-0.5)
+
+        with impl_context(impl, device):
+            out = F.scaled_dot_product_attention(q[:, :, None].to(device), k_view, v_view,
+                                                 enable_gqa=True)  # fmt: skip
+        out = out[:, :, 0].cpu().double()
+        exact = attend(exact_k, exact_v)
+        where = f"after writing {n_new} at {start}"
+        # the kernels' fp16 query and probabilities, bf16 output
+        error = (out - attend(expected_k, expected_v)).norm() / exact.norm()
+        assert error < 4e-3, f"{where}: {float(error):.3g} from the cache written once"
+        all_quantized = (attend(quant_k, quant_v) - exact).norm()
+        assert (out - exact).norm() <= all_quantized * 1.01 + 4e-3 * exact.norm(), where
