@@ -55,6 +55,7 @@ SPLIT_MAX_REGISTERS = 128
 # holds at most this many tokens of the capacity: there the preparation launch is on the
 # critical path; at longer splits it is cheaper than one rotation per program.
 ROTATE_HERE_MAX_TOKENS = 128
+ROTATE_HERE_MAX_ROWS = 8  # query rows per program (padded): one token's GQA group
 
 
 class QueryMode(enum.IntEnum):
@@ -128,13 +129,15 @@ def _token_run(page_size: int, block_n: int) -> int:
 
 
 def _query_mode(fmt: KVFormat, keys: PartParams, head_dim: int, capacity: int,
-                num_splits: int) -> QueryMode:  # fmt: skip
+                num_splits: int, g_pad: int) -> QueryMode:  # fmt: skip
     """Rotating in the split kernel needs the Walsh-Hadamard structure of R (a power-of-two head
-    dim) and parts of at least 16 elements."""
+    dim) and parts of at least 16 elements; every split program rotates its rows, so a verify
+    step's many rows are rotated once, by the preparation kernel."""
     if not fmt.key.rotated:
         return QueryMode.SCALED
     power_of_two = head_dim & (head_dim - 1) == 0
-    if power_of_two and keys.PC >= 16 and capacity <= ROTATE_HERE_MAX_TOKENS * num_splits:
+    short = capacity <= ROTATE_HERE_MAX_TOKENS * num_splits
+    if power_of_two and keys.PC >= 16 and short and g_pad <= ROTATE_HERE_MAX_ROWS:
         return QueryMode.ROTATED_HERE
     return QueryMode.PREPARED
 
@@ -199,7 +202,7 @@ def plan_decode(
     )
     block_n = split_config.block_n or TOKENS_PER_STEP // subtiles
     one_tile = capacity <= num_splits * subtiles * block_n
-    query = _query_mode(fmt, keys, head_dim, capacity, num_splits)
+    query = _query_mode(fmt, keys, head_dim, capacity, num_splits, g_pad)
     ring_in_split = window > 0 and not fmt.value.rotated
     window_parts, slots_per_part = ring.window_parts(0 if ring_in_split else window)
     num_partials = num_splits + window_parts
