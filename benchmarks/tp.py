@@ -49,7 +49,7 @@ from common import gpu_name, print_table, write_json  # noqa: E402
 from e2e import BASELINE, MODES, _printable, plot, run_cells  # noqa: E402
 
 from examples.model import ModelArgs, Transformer, init_weights  # noqa: E402
-from examples.tp import apply_tp, init_distributed  # noqa: E402
+from examples.tp import apply_tp, init_distributed, leave_process_group  # noqa: E402
 
 # preset, batch, context when not given: the GPU cell, and a CPU-sized one
 DEFAULTS = {"cuda": ("8b-shape", 16, 32768), "cpu": ("tiny", 4, 128)}
@@ -156,7 +156,7 @@ def main() -> None:
         model = apply_tp(build_model(args.preset, device))
         rows = cells(model, args, args.batch, world_size)
         del model
-    dist.destroy_process_group()
+    leave_process_group()
     if rank:
         return
     for batch in args.single_batches:

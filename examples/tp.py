@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import gc
 import os
 import sys
 import time
@@ -59,7 +60,14 @@ from examples.model import (  # noqa: E402
 )
 from tq_compile import TurboQuantKVConfig, kv_cache_nbytes, quantize_  # noqa: E402
 
-__all__ = ["init_distributed", "process_group", "shard_config", "apply_tp", "parallelize_dtensor"]
+__all__ = [
+    "init_distributed",
+    "process_group",
+    "leave_process_group",
+    "shard_config",
+    "apply_tp",
+    "parallelize_dtensor",
+]
 
 ROUTES = ("funcol", "dtensor")
 # DTensor plans for one TransformerBlock: the five linears gpt-fast shards.
@@ -103,6 +111,22 @@ def process_group(device: str):
     (a two-GPU test hung there instead of reporting a failed rank)."""
     joined = init_distributed(device)
     yield joined
+    leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Destroy the default process group after releasing every CUDA graph that
+    ``torch.compile`` recorded (``mode="reduce-overhead"``; this resets dynamo's compile caches).
+
+    A recorded graph that captured NCCL collectives makes ``destroy_process_group`` wait forever
+    (pytorch/pytorch#115388): a two-GPU run finished its 200 compiled steps and then hung there on
+    both ranks. CUDA graphs a caller recorded itself (``torch.cuda.CUDAGraph``) must be deleted
+    before this call for the same reason.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch._dynamo.reset()  # frees the cudagraph trees' graphs with the compiled code
+        gc.collect()
     dist.destroy_process_group()
 
 

@@ -298,4 +298,4 @@ def test_tp2_cuda_graphs_200_steps_equal_eager():
     CUDA graphs (reduce-overhead, all-reduces captured) equal eager TP decoding: logits to fp16
     rounding, next tokens wherever not near-tied, no cudagraph skips (as
     tests/tq_compile/test_cache.py's one-GPU test)."""
-    _spawn(_gpu_rank_main, 2, 200, timeout_s=420)
+    _spawn(_gpu_rank_main, 2, 200, timeout_s=240)
