@@ -38,6 +38,8 @@ DECODE_TUNING: dict[str, DecodeTuning] = {
     "int8": DecodeTuning(subtiles_short=2, subtiles_long=2),
     "fp8": DecodeTuning(subtiles_short=2, subtiles_long=2),
     "tq4_nc": DecodeTuning(),
+    "tq3_nc": DecodeTuning(),
+    "tq2_nc": DecodeTuning(),
     "k2v2_nc": DecodeTuning(),
     "k2v4_nc": DecodeTuning(subtiles_long=2),
 }

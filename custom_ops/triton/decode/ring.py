@@ -1,4 +1,4 @@
-"""The recent window's ring as partials of their own, for rotated values (tq4_nc).
+"""The recent window's ring as partials of their own, for rotated values (tq4_nc, tq3_nc, tq2_nc).
 
 Formats whose values are in the original space read the ring inside the split kernel
 (:mod:`custom_ops.triton.decode.split`). Rotated values accumulate in the code space, where the
