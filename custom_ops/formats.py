@@ -264,8 +264,9 @@ FORMATS: dict[str, KVFormat] = {
         KVFormat("fp8", Codec(Kind.FP8_ABSMAX, 8), Codec(Kind.FP8_ABSMAX, 8), torch.float32),
         # turboquant-vllm's TQ4: Lloyd-Max keys and rotated Lloyd-Max values, 4 bits each.
         KVFormat("tq4_nc", Codec(_LM, 4, True), Codec(_LM, 4, True), _BF16),
-        # The same at 3 and 2 bits: on a real LLM, rotated Lloyd-Max values lose less than
-        # uniform ones of the same width (NOTES "Real model").
+        # The same at 3 and 2 bits: rotated Lloyd-Max values have less error than uniform ones
+        # of the same width, which pays on SmolLM2 at 2 bits (NOTES "Lloyd-Max values at 3 and
+        # 2 bits").
         KVFormat("tq3_nc", Codec(_LM, 3, True), Codec(_LM, 3, True), _BF16),
         KVFormat("tq2_nc", Codec(_LM, 2, True), Codec(_LM, 2, True), _BF16),
         # 2-bit Lloyd-Max keys (sign + one magnitude bit) with 2- or 4-bit uniform values: too
