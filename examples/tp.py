@@ -123,7 +123,7 @@ def leave_process_group() -> None:
     both ranks. CUDA graphs a caller recorded itself (``torch.cuda.CUDAGraph``) must be deleted
     before this call for the same reason.
     """
-    if torch.cuda.is_available():
+    if dist.get_backend() == "nccl":
         torch.cuda.synchronize()
         torch._dynamo.reset()  # frees the cudagraph trees' graphs with the compiled code
         gc.collect()

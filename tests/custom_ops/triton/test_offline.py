@@ -9,7 +9,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[3] / "tests"
 ROOT = TESTS.parent
-# LM keys of 2, 3 and 4 bits; uniform values of 2, 3 and 4 bits; rotated LM values of 2, 3 and 4
+# LM keys of 2, 3 and 4 bits; uniform values of 3 and 4 bits; rotated LM values of 2, 3 and 4
 # bits (prep, ring kernels); int8 and fp8 absmax (the int8 PTX, the fp8 finite decode)
 FORMATS = ["3bit_nc", "tq4_nc", "tq3_nc", "tq2_nc", "k2v4_nc", "int8", "fp8"]
 

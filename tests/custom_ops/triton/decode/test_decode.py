@@ -201,7 +201,17 @@ a prefill's worth of query tokens: ValueError: tq.decode: q must be [B, Hq, D] (
 def test_fast_and_portable_paths_agree(seeded):
     """On the GPU, the inline-PTX decoding of the codes (4, 3, 2 bits, int8) equals the
     plain-Triton decoding."""
-    for fmt_name in ("4bit_nc", "tq4_nc", "k8v4", "3bit_nc", "k2v2_nc", "k2v4_nc", "int8"):
+    for fmt_name in (
+        "4bit_nc",
+        "tq4_nc",
+        "tq3_nc",
+        "tq2_nc",
+        "k8v4",
+        "3bit_nc",
+        "k2v2_nc",
+        "k2v4_nc",
+        "int8",
+    ):
         fmt, consts, cache, table, lens, q = decode_case(fmt_name, 128, 4, seeded)
         cuda_cache = clone_cache(cache, "cuda")
         args = (fmt, q.cuda(), cuda_cache, table.cuda(), lens.cuda(), *(c.cuda() for c in consts))
