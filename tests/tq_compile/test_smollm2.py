@@ -92,8 +92,8 @@ def test_triton_kernels_match_the_reference_path(smollm2):
     arithmetic (fp16 tensor-core operands against the reference's float32), which the bf16
     model amplifies over 30 layers: measured 0.023 relative over the 4 steps' logits together
     (the bound's measure; step by step 0, 0.035, 0.012, 0.060; numpy 2.3.5, torch 2.13 CPU)
-    against 0.065 between the reference path and the bf16
-    cache. A decode that drops or misplaces rows moves the logits by more than quantizing."""
+    against 0.065 between the reference path and the bf16 cache. A decode that drops or
+    misplaces rows moves the logits by more than quantizing."""
     model, tokenizer = smollm2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ids = chat_ids(tokenizer, PROMPTS[0])
