@@ -25,8 +25,10 @@ for stage in "${@:-tests bench}"; do
   case "$stage" in
     tests)
       # TQ_TESTS narrows the selection (default: every suite with CUDA tests: the kernels'
-      # and ops' tests, and tq_compile's)
-      python3 -m pytest -q -n 8 -p no:cacheprovider ${TQ_TESTS:-tests/custom_ops/triton \
+      # and ops' tests, and tq_compile's); TQ_WORKERS sets pytest-xdist's worker count (default
+      # 8; Triton's compilation is CPU-bound, and with 10 formats the full selection took over
+      # 570 s at 8 workers on an H200 host)
+      python3 -m pytest -q -n "${TQ_WORKERS:-8}" --durations=10 -p no:cacheprovider ${TQ_TESTS:-tests/custom_ops/triton \
         tests/custom_ops/test_ops.py tests/custom_ops/test_validate.py tests/tq_compile} 2>&1 | tee "$OUT/pytest.log" | tail -25
       ;;
     bench)
