@@ -20,6 +20,7 @@ A format's windows are replayed in alternating rounds and each keeps its fastest
 
     python benchmarks/decode.py                      # all shapes and formats
     python benchmarks/decode.py --formats 4bit_nc --sweep    # tuning sweep of the split kernel
+    python benchmarks/decode.py --formats 4bit_nc --shapes 1x32768 --tokens 4 8 --sweep  # verify
     python benchmarks/decode.py --formats 4bit_nc --shapes 1x32768 16x8192 --tokens 1 4 8
     python benchmarks/decode.py --plot results/decode.json   # PNG from a saved run
 """
@@ -208,6 +209,9 @@ SWEEP = [
     (32, 4, 2, 2),
 ]
 SPLIT_FACTORS = (0.5, 2, 4)
+# Sweep of a verify step (several query tokens): (num_warps, register cap) of one 32-token tile
+# per softmax step, the plan's choice for many query rows.
+VERIFY_SWEEP = [(1, 128), (1, 192), (1, 255), (2, 128), (2, 192), (2, 255), (4, 128), (4, 255)]
 
 
 def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,)) -> dict:
@@ -232,7 +236,12 @@ def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,)) -> dict:
             nbytes = batch * seq * NUM_KV_HEADS * fmt.bytes_per_token_head(HEAD_DIM)
             inputs = tq_inputs(fmt, batch, seq, tokens)
             configs = [({}, splits_default)]
-            if sweep:
+            if sweep and tokens > 1:
+                configs = [
+                    ({"split_config": SplitConfig(32, 1, w, 2, regs)}, splits_default)
+                    for w, regs in VERIFY_SWEEP
+                ]
+            elif sweep:
                 configs = [
                     ({"split_config": SplitConfig(bn, sub, w, st)}, splits_default)
                     for bn, w, st, sub in SWEEP
@@ -270,7 +279,8 @@ def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,)) -> dict:
 
 
 def _config_label(config: dict) -> str:
-    """``block_n=..,subtiles=..,num_warps=..,num_stages=..`` of a sweep point ("" default)."""
+    """``block_n=..,subtiles=..,num_warps=..,num_stages=..,max_registers=..`` of a sweep point
+    ("" default)."""
     split_config = config.get("split_config")
     if split_config is None:
         return ""

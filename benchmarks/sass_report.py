@@ -64,13 +64,20 @@ def loops(lines: list[str]) -> list[list[str]]:
         if m := _LABEL.match(line.strip()):
             labels[m.group(1)] = len(instrs)
         if m := _INSTR.search(line):
-            instrs.append((m.group(3), line))
+            instrs.append((m.group(3), bool(m.group(2)), line))
     found = []
-    for end, (op, line) in enumerate(instrs):
-        if op.startswith("BRA") and (m := _BRANCH.search(line)) and m.group(1) in labels:
+    for end, (op, predicated, line) in enumerate(instrs):
+        # a loop ends in a predicated backward branch; an unpredicated one jumps back from the
+        # out-of-line code of a divergent branch (BRA.DIV) and spans unrelated code
+        if (
+            op.startswith("BRA")
+            and predicated
+            and (m := _BRANCH.search(line))
+            and m.group(1) in labels
+        ):
             start = labels[m.group(1)]
             if start < end:
-                found.append([op for op, _ in instrs[start : end + 1]])
+                found.append([op for op, _, _ in instrs[start : end + 1]])
     return sorted(found, key=len, reverse=True) or [[]]
 
 
@@ -96,15 +103,14 @@ def main() -> None:
     from custom_ops import api
     from custom_ops.formats import get_format
     from custom_ops.triton import decode
-    from custom_ops.triton.decode.plan import DEFAULT_STAGES, DEFAULT_WARPS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--format", default="4bit_nc")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--block-n", type=int, help="default: the launch plan's")
-    parser.add_argument("--warps", type=int, default=DEFAULT_WARPS)
-    parser.add_argument("--stages", type=int, default=DEFAULT_STAGES)
+    parser.add_argument("--warps", type=int, help="default: the launch plan's")
+    parser.add_argument("--stages", type=int, help="default: the launch plan's")
     parser.add_argument("--subtiles", type=int, help="default: the launch plan's")
     parser.add_argument(
         "--splits",
@@ -113,7 +119,7 @@ def main() -> None:
         help="split count for a 1024-token cache: 2 (512 tokens per split, the long-context "
         "configuration) or 32 (one tile per split, queries rotated in the kernel: 1 x 1024)",
     )
-    parser.add_argument("--maxnreg", type=int, help="register cap passed to ptxas")
+    parser.add_argument("--maxnreg", type=int, help="register cap (default: the launch plan's)")
     parser.add_argument(
         "--window",
         type=int,
@@ -134,21 +140,22 @@ def main() -> None:
     ring = torch.zeros(batch, hk, args.window, args.head_dim, dtype=torch.bfloat16)
     ring_pos = torch.full(ring.shape[:3], -1, dtype=torch.int32)
     rings = (ring, ring, ring_pos) if args.window else (None, None, None)
-    config = decode.SplitConfig(args.block_n, args.subtiles, args.warps, args.stages)
+    config = decode.SplitConfig(args.block_n, args.subtiles, args.warps, args.stages, args.maxnreg)
     plan = decode.plan_for(fmt, q, cache, table, args.splits, None, rings[0], True, config)
     compiled = decode.compile_split_kernel(
         fmt, q, cache, table, lens, consts.rotation, args.splits, compile_offline,
         split_config=config, k_window=rings[0], v_window=rings[1], window_pos=rings[2],
-        **({"maxnreg": args.maxnreg} if args.maxnreg else {}),
     )  # fmt: skip
     if args.dump:
         with open(args.dump, "w") as f:
             f.write("\n".join(disassemble(compiled.asm["cubin"])))
-    block_n, subtiles = plan.split.kwargs["BLOCK_N"], plan.split.kwargs["SUBTILES"]
+    kwargs = plan.split.kwargs
+    block_n, subtiles = kwargs["BLOCK_N"], kwargs["SUBTILES"]
     report(
         compiled,
         block_n * subtiles,
-        f"{args.format} D={args.head_dim} group={args.group} BLOCK_N={block_n} x {subtiles}",
+        f"{args.format} D={args.head_dim} group={args.group} BLOCK_N={block_n} x {subtiles}, "
+        f"{kwargs['num_warps']} warps, maxnreg {kwargs.get('maxnreg')}",
     )
 
 

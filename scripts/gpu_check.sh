@@ -4,6 +4,7 @@
 #   tests  - the kernel and op tests on CUDA (the CPU-only suites run in CI)
 #   bench  - benchmarks/store.py and benchmarks/decode.py
 #   sweep  - the decode kernel's tuning sweep
+#   verify - decode of several query tokens (a verify step): its sweep, then T = 1, 4, 8
 #   e2e    - benchmarks/e2e.py with $E2E_ARGS
 #   hf     - benchmarks/hf_generate.py with $HF_ARGS (carry the transformers 5.23 wheel)
 #   quality - benchmarks/quality.py with $QUALITY_ARGS (trains the byte model once per machine)
@@ -47,6 +48,14 @@ for stage in "${@:-tests bench}"; do
     compare)
       python3 benchmarks/compare_decode.py --base "${COMPARE_BASE:-.ab/base}" ${COMPARE_ARGS:-} \
         2>&1 | tee "$OUT/compare.log" | tail -70
+      ;;
+    verify)
+      # a speculative-decoding verify step (issue 20): the split kernel's warps x register caps
+      # at T = 4 and 8, then the default plan's T = 1, 4, 8 against bf16 SDPA
+      python3 benchmarks/decode.py --formats 4bit_nc --shapes 1x32768 16x8192 --tokens 4 8 \
+        --sweep --out verify_sweep.json 2>&1 | tee "$OUT/verify_sweep.log" | tail -40
+      python3 benchmarks/decode.py --formats 4bit_nc k8v4 --shapes 1x32768 16x8192 \
+        --tokens 1 4 8 --windows 0 128 --out verify.json 2>&1 | tee "$OUT/verify.log" | tail -40
       ;;
     sweep)
       python3 benchmarks/decode.py --formats 4bit_nc k8v4 3bit_nc int8 --shapes 1x131072 \

@@ -45,9 +45,15 @@ DEFAULT_STAGES = 2
 # two pipeline stages within the compressed loop's shared memory class.
 RING_BLOCK = 16
 # Query rows per program (padded) from which the split kernel takes one tile per softmax step
-# and more warps: 4 at 32 rows (a verify step of 8 tokens at GQA 4) ran 2.5-3x faster than one
-# warp on an H100.
-MANY_ROWS = 32
+# and the launch of MANY_ROWS_LAUNCH (a verify step of 4 or more tokens at GQA 4).
+MANY_ROWS = 16
+# (num_warps, register cap) per padded row count of a verify step. H100 sweep (4bit_nc, 1x32768
+# and 16x8192, one warp / two / four x caps 128 / 192 / 255; NOTES "Multi-token decode"): one
+# warp, with registers for the [D, rows] accumulators, beats more warps, whose tokens' softmax
+# reductions cross warps (32 rows: 66 / 173 us uncapped, 82 / 232 on two warps, 108 / 317 on
+# four at 128, the earlier default); 16 rows are fastest at 192 (no spills; 255 trades
+# occupancy). 64 rows are not measured: the earlier eight warps at 128.
+MANY_ROWS_LAUNCH = {16: (1, 192), 32: (1, 255), 64: (8, 128)}
 # Register cap of the long-split kernel:
 # 16 one-warp programs per SM, which the split count assumes.
 SPLIT_MAX_REGISTERS = 128
@@ -74,12 +80,14 @@ class SplitConfig(NamedTuple):
         subtiles: tiles per softmax step (1 or 2).
         num_warps: warps per program.
         num_stages: software pipeline stages.
+        max_registers: register cap per thread passed to ptxas (``maxnreg``).
     """
 
     block_n: int | None = None
     subtiles: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    max_registers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -208,21 +216,26 @@ def plan_decode(
     num_partials = num_splits + window_parts
     split_grid = (num_splits, num_kv_heads, batch)
     num_warps = split_config.num_warps
-    if num_warps is None and many_rows:
-        # one warp would hold [D, rows] accumulators past its registers (NOTES "Multi-token
-        # decode")
-        num_warps = min(8, g_pad // 8)
+    max_registers = split_config.max_registers
+    if many_rows:
+        # [D, rows] accumulators: more registers, and more warps from 32 rows (NOTES
+        # "Multi-token decode")
+        rows_warps, rows_registers = MANY_ROWS_LAUNCH[min(g_pad, max(MANY_ROWS_LAUNCH))]
+        num_warps = num_warps or rows_warps
+        max_registers = max_registers or rows_registers
     if num_warps is None:
         # two warps where the grid leaves SMs idle (at most two programs per SM): each decodes
         # half of its tile, shortening the chain short contexts wait for (NOTES "Decode v7")
         num_warps = 2 if cuda and math.prod(split_grid) <= 2 * sm_count else DEFAULT_WARPS
     num_stages = split_config.num_stages or DEFAULT_STAGES
     launch_options = dict(num_warps=num_warps, num_stages=num_stages)
-    if not one_tile:
+    if max_registers is None and not one_tile:
         # The rarely taken second pass (values beyond fp16's range) would otherwise raise the
         # loop's registers past 128. Splits of one tile keep theirs: occupancy does not matter
         # there, and capped, tq4_nc's query rotation spills.
-        launch_options["maxnreg"] = SPLIT_MAX_REGISTERS
+        max_registers = SPLIT_MAX_REGISTERS
+    if max_registers is not None:
+        launch_options["maxnreg"] = max_registers
     if pdl and query == QueryMode.PREPARED:
         # without the preparation, what runs before the split kernel is not ours: launch it
         # normally

@@ -50,3 +50,19 @@ def test_split_warps_and_merge_configs(fmt_name, seeded):
     one_row = [triton_decode.plan_for(fmt, q[:1].cuda(), *args[2:4], n).merge_config
                for n in (32, 64)]  # fmt: skip
     assert one_row == [MergeConfig(1, 32, 1), MergeConfig(1, 64, 4)]
+
+
+@pytest.mark.parametrize("tokens", [4, 8, 16])
+def test_verify_step_warps_and_register_caps(tokens, kernel_device, seeded):
+    """A verify step's query rows (GQA 4 x T tokens, padded) choose the split kernel's warps and
+    register cap, whatever the grid: one warp at 192 registers for 16 rows (no spills), one
+    uncapped for 32, eight at 128 for 64; an override of either is kept."""
+    fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 64, 4, seeded)
+    q = q[:, :, None].expand(-1, -1, tokens, -1).to(kernel_device)
+    long_table = longer_table(table)  # splits of more than one tile: the capped case
+    launch = triton_decode.plan_for(fmt, q, cache, long_table, 2).split.kwargs
+    expected = {4: (1, 192), 8: (1, 255), 16: (8, 128)}[tokens]
+    assert (launch["num_warps"], launch["maxnreg"], launch["SUBTILES"]) == (*expected, 1)
+    overridden = triton_decode.plan_for(fmt, q, cache, long_table, 2, split_config=(
+        triton_decode.SplitConfig(num_warps=4, max_registers=96))).split.kwargs  # fmt: skip
+    assert (overridden["num_warps"], overridden["maxnreg"]) == (4, 96)
