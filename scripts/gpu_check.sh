@@ -28,8 +28,11 @@ for stage in "${@:-tests bench}"; do
       # TQ_TESTS narrows the selection (default: every suite with CUDA tests: the kernels'
       # and ops' tests, and tq_compile's); TQ_WORKERS sets pytest-xdist's worker count (default
       # 8; Triton's compilation is CPU-bound, and with 10 formats the full selection took over
-      # 570 s at 8 workers on an H200 host)
-      python3 -m pytest -q -n "${TQ_WORKERS:-8}" --durations=10 -p no:cacheprovider ${TQ_TESTS:-tests/custom_ops/triton \
+      # 570 s at 8 workers on an H200 host, and 97% of it in 560 s at 16 on an H100 host). A
+      # test still running after 200 s has its stacks dumped to the log (a hang, or where the
+      # time goes)
+      python3 -m pytest -q -n "${TQ_WORKERS:-8}" --durations=10 -o faulthandler_timeout=200 \
+        -p no:cacheprovider ${TQ_TESTS:-tests/custom_ops/triton \
         tests/custom_ops/test_ops.py tests/custom_ops/test_validate.py tests/tq_compile} 2>&1 | tee "$OUT/pytest.log" | tail -25
       ;;
     bench)
