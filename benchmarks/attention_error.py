@@ -63,29 +63,30 @@ def capture_qkv(num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch
 
 
 def quantized(codec, x: torch.Tensor, rotation: torch.Tensor, record: torch.dtype) -> torch.Tensor:
-    """``x [1, H, T, D]`` through ``codec``'s reference encoder and decoder, the meta record in
-    ``record`` (codes computed against the rounded scalars, as the store does)."""
-    _, heads, tokens, head_dim = x.shape
-    rows = x[0].transpose(0, 1).reshape(-1, head_dim)
-    packed, meta = reference.encode_rows(codec, rows, rotation, record)
+    """``x [B, H, T, D]`` through ``codec``'s reference encoder and decoder (float32), the meta
+    record in ``record`` (codes computed against the rounded scalars, as the store does)."""
+    head_dim = x.shape[-1]
+    packed, meta = reference.encode_rows(codec, x.reshape(-1, head_dim), rotation, record)
     rows = reference.decode_rows(codec, packed, [m.to(record).float() for m in meta], rotation)
-    return rows.reshape(tokens, heads, head_dim).transpose(0, 1)[None]
+    return rows.reshape(x.shape)
 
 
-def attention(q, k, v, k_exact, v_exact, window: int) -> torch.Tensor:
-    """Causal GQA attention ``[1, Hq, T, D]`` in float64 over ``k, v``, except that the
-    ``window`` positions up to each query read ``k_exact, v_exact`` (the ring)."""
+def attention(q, k, v, k_exact, v_exact, window: int, sinks: int = 0,
+              dtype: torch.dtype = torch.float64) -> torch.Tensor:  # fmt: skip
+    """Causal GQA attention ``[B, Hq, T, D]`` in ``dtype`` over ``k, v``, except that the
+    ``window`` positions up to each query (the ring) and the first ``sinks`` positions read
+    ``k_exact, v_exact``."""
     group = q.shape[1] // k.shape[1]
-    q = q.double()
-    k, v, k_exact, v_exact = (t.double().repeat_interleave(group, 1)
+    q = q.to(dtype)
+    k, v, k_exact, v_exact = (t.to(dtype).repeat_interleave(group, 1)
                               for t in (k, v, k_exact, v_exact))  # fmt: skip
-    tokens = q.shape[2]
-    distance = torch.arange(tokens)[:, None] - torch.arange(tokens)[None, :]  # query - key
-    in_ring = (distance >= 0) & (distance < window)
-    scores = torch.where(in_ring, q @ k_exact.transpose(-1, -2), q @ k.transpose(-1, -2))
+    positions = torch.arange(q.shape[2])
+    distance = positions[:, None] - positions[None, :]  # query - key
+    exact = (distance >= 0) & ((distance < window) | (positions[None, :] < sinks))
+    scores = torch.where(exact, q @ k_exact.transpose(-1, -2), q @ k.transpose(-1, -2))
     scores = scores * q.shape[-1] ** -0.5
     probs = torch.softmax(scores.masked_fill(distance < 0, float("-inf")), dim=-1)
-    return (probs * in_ring) @ v_exact + (probs * ~in_ring) @ v
+    return (probs * exact) @ v_exact + (probs * ~exact) @ v
 
 
 def measure(captured, fmt_name: str, record: torch.dtype, window: int) -> dict:
