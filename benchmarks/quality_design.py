@@ -11,9 +11,9 @@ reference encoder and decoder, scalars rounded to the format's meta dtype) every
 is what teacher-forced decoding through a ``TurboQuantCache`` reads, since a token is quantized
 when it leaves the window and never changes after. Key centering subtracts one vector ``mu`` per
 (layer, kv-head) before quantizing and adds it back after (``mu``: the mean of the keys of
-positions ``[S, S + W)``, the window's contents when its first token is evicted, so a cache can
-set it causally; softmax is invariant to a shift that all of a query's keys share, which the
-kernels would exploit by adding ``q . mu`` to the compressed tokens' scores).
+positions ``[S, S + max(W, 1))``, the window's contents when its first token is evicted, so a
+cache can set it causally; softmax is invariant to a shift that all of a query's keys share,
+which the kernels would exploit by adding ``q . mu`` to the compressed tokens' scores).
 
 Texts: the first ``--eval-len`` tokens (default 2048) of the ``--texts`` longest chapters of the
 Python language reference as CPython ships it (``pydoc_data.topics``); reports per configuration
@@ -70,10 +70,15 @@ class Setting:
 def quantized_attention(setting: Setting, rotation: torch.Tensor):
     """An attention function for transformers' ``AttentionInterface`` that computes causal
     attention as a cache of ``setting`` serves it (see the module docstring; float32): ``query
-    [B, Hq, T, D]``, ``key``/``value [B, Hk, T, D]`` -> ``[B, T, Hq, D]`` in the query's
-    dtype."""
+    [B, Hq, T, D]``, ``key``/``value [B, Hk, T, D]`` -> ``(out [B, T, Hq, D] in the query's
+    dtype, None)``. The mask is the causal one whatever ``attention_mask`` says (one unpadded
+    sequence) and the scale ``D ** -0.5``."""
 
     def serve(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+        head_dim = query.shape[-1]
+        if scaling is not None and abs(scaling * head_dim**0.5 - 1) > 1e-6:
+            raise ValueError(f"quality_design: attention scaling must be D ** -0.5 = "
+                             f"{head_dim**-0.5:g}, got {scaling!r}")  # fmt: skip
         k, v = key.float(), value.float()
         if setting.fmt is None:
             out = attention(query, k, v, k, v, window=0, dtype=torch.float32)

@@ -57,8 +57,10 @@ _LABEL = re.compile(r"^\.L_x_(\d+):")
 
 
 def loops(lines: list[str]) -> list[list[str]]:
-    """Opcodes of each backward-branch loop, in order, largest first (the streaming loop; with
-    a ring read by the split kernel, the ring's loop is the second)."""
+    """Opcodes of each loop closed by a predicated backward branch, largest first (the
+    streaming loop; with a ring read by the split kernel, the ring's loop is the second). Triton's
+    loops end in their exit test; an unpredicated jump back comes from the out-of-line code of a
+    divergent branch (``BRA.DIV``) and would span unrelated code."""
     instrs, labels = [], {}
     for line in lines:
         if m := _LABEL.match(line.strip()):
@@ -67,8 +69,6 @@ def loops(lines: list[str]) -> list[list[str]]:
             instrs.append((m.group(3), bool(m.group(2)), line))
     found = []
     for end, (op, predicated, line) in enumerate(instrs):
-        # a loop ends in a predicated backward branch; an unpredicated one jumps back from the
-        # out-of-line code of a divergent branch (BRA.DIV) and spans unrelated code
         if (
             op.startswith("BRA")
             and predicated

@@ -180,15 +180,14 @@ def compile_split_kernel(
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
-    **options,
 ):
     """Compile (not launch) the split kernel of this decode through ``compile_fn(kernel, grid,
-    *args, **kwargs)``; ``benchmarks/sass_report.py`` compiles it for sm_90 without a GPU.
-    ``options`` (e.g. ``maxnreg``) override the plan's launch options."""
+    *args, **kwargs)``; ``benchmarks/sass_report.py`` compiles it for sm_90 without a GPU
+    (``split_config`` overrides the plan's launch, register cap included)."""
     plan = plan_for(fmt, q, cache, block_table, num_splits, None, k_window, fast, split_config)
     mask_args = _mask_arguments(None, q.shape[0], q.shape[1], seq_lens)
     q_code, part_out, part_lse = _buffers(plan, q)
     arguments = split_arguments(q, q_code, LOG2E, rotation, cache, block_table, seq_lens,
                                 mask_args, k_window, v_window, window_pos, part_out,
                                 part_lse)  # fmt: skip
-    return compile_split(plan.split, arguments, compile_fn, **options)
+    return compile_split(plan.split, arguments, compile_fn)

@@ -45,17 +45,20 @@ DEFAULT_STAGES = 2
 # two pipeline stages within the compressed loop's shared memory class.
 RING_BLOCK = 16
 # Query rows per program (padded) from which the split kernel takes one tile per softmax step
-# and the launch of MANY_ROWS_LAUNCH (a verify step of 4 or more tokens at GQA 4).
+# and the launch of MANY_ROWS_LAUNCH: a verify step of 4 or more tokens at GQA 4, and equally a
+# one-token decode of a model with GQA 9 or more (the same kernel shape; measured with verify
+# steps only).
 MANY_ROWS = 16
-# (num_warps, register cap) per padded row count of a verify step. H100 sweep (4bit_nc, 1x32768
-# and 16x8192, one warp / two / four x caps 128 / 192 / 255; NOTES "Multi-token decode"): one
-# warp, with registers for the [D, rows] accumulators, beats more warps, whose tokens' softmax
-# reductions cross warps (32 rows: 66 / 173 us uncapped, 82 / 232 on two warps, 108 / 317 on
-# four at 128, the earlier default); 16 rows are fastest at 192 (no spills; 255 trades
-# occupancy). 64 rows are not measured: the earlier eight warps at 128.
-MANY_ROWS_LAUNCH = {16: (1, 192), 32: (1, 255), 64: (8, 128)}
-# Register cap of the long-split kernel:
-# 16 one-warp programs per SM, which the split count assumes.
+# (num_warps, register cap or None for the usual one) per padded row count. H100 sweep (4bit_nc
+# verify steps, 1x32768 and 16x8192, one warp / two / four x caps 128 / 192 / 255; NOTES
+# "Multi-token decode"): one warp with registers for the [D, rows] accumulators beats more
+# warps, which split the tile's tokens and so reduce the softmax across warps (32 rows: 66 / 173
+# us at 255, 82 / 232 on two warps, 108 / 317 on four at 128, the earlier launch); 16 rows are
+# fastest at 192 (no spills; 255 costs occupancy). 64 rows are not measured and keep the
+# earlier launch: eight warps, the usual cap.
+MANY_ROWS_LAUNCH = {16: (1, 192), 32: (1, 255), 64: (8, None)}
+# Register cap of the long-split kernel: 16 one-warp programs fit per SM, twice what the split
+# count aims at (custom_ops.splits.PROGRAMS_PER_SM).
 SPLIT_MAX_REGISTERS = 128
 # Rotated keys get their queries rotated inside the split kernel (one launch fewer) when a split
 # holds at most this many tokens of the capacity: there the preparation launch is on the
@@ -204,7 +207,7 @@ def plan_decode(
     tuning = decode_tuning(fmt)
     short = capacity <= num_splits * TOKENS_PER_STEP
     g_pad = triton.next_power_of_2(group)
-    many_rows = g_pad >= MANY_ROWS  # several query tokens per head (a verify step)
+    many_rows = g_pad >= MANY_ROWS  # a verify step's tokens, or a large GQA group
     subtiles = split_config.subtiles or (
         1 if many_rows else tuning.subtiles_short if short else tuning.subtiles_long
     )
@@ -218,8 +221,8 @@ def plan_decode(
     num_warps = split_config.num_warps
     max_registers = split_config.max_registers
     if many_rows:
-        # [D, rows] accumulators: more registers, and more warps from 32 rows (NOTES
-        # "Multi-token decode")
+        # [D, rows] accumulators: one warp with more registers up to 32 rows, eight warps from
+        # 64 (NOTES "Multi-token decode")
         rows_warps, rows_registers = MANY_ROWS_LAUNCH[min(g_pad, max(MANY_ROWS_LAUNCH))]
         num_warps = num_warps or rows_warps
         max_registers = max_registers or rows_registers
@@ -231,8 +234,8 @@ def plan_decode(
     launch_options = dict(num_warps=num_warps, num_stages=num_stages)
     if max_registers is None and not one_tile:
         # The rarely taken second pass (values beyond fp16's range) would otherwise raise the
-        # loop's registers past 128. Splits of one tile keep theirs: occupancy does not matter
-        # there, and capped, tq4_nc's query rotation spills.
+        # loop's registers past 128. Splits of one tile keep theirs (unless many rows set a
+        # cap): occupancy does not matter there, and capped, tq4_nc's query rotation spills.
         max_registers = SPLIT_MAX_REGISTERS
     if max_registers is not None:
         launch_options["maxnreg"] = max_registers

@@ -339,8 +339,7 @@ def launch_split(launch, arguments: tuple, key: tuple | None = None) -> None:
     launch(*arguments, key=key)
 
 
-def compile_split(launch, arguments: tuple, compile_fn, **options):
+def compile_split(launch, arguments: tuple, compile_fn):
     """Compile (not launch) the split kernel through ``compile_fn(kernel, grid, *args,
-    **kwargs)`` (``benchmarks/sass_report.py`` compiles for sm_90 offline); ``options`` (e.g.
-    ``maxnreg``) override the plan's."""
-    return compile_fn(split_kernel, launch.grid, *arguments, **{**launch.kwargs, **options})
+    **kwargs)`` (``benchmarks/sass_report.py`` compiles for sm_90 offline)."""
+    return compile_fn(split_kernel, launch.grid, *arguments, **launch.kwargs)

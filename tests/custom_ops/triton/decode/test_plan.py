@@ -55,14 +55,18 @@ def test_split_warps_and_merge_configs(fmt_name, seeded):
 @pytest.mark.parametrize("tokens", [4, 8, 16])
 def test_verify_step_warps_and_register_caps(tokens, kernel_device, seeded):
     """A verify step's query rows (GQA 4 x T tokens, padded) choose the split kernel's warps and
-    register cap, whatever the grid: one warp at 192 registers for 16 rows (no spills), one
-    uncapped for 32, eight at 128 for 64; an override of either is kept."""
+    register cap, whatever the grid, for splits of one tile and longer ones alike: one warp at
+    192 registers for 16 rows (no spills), one at 255 for 32, eight for 64 with the usual cap
+    (128 for long splits, none for one tile); an override of either is kept."""
     fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 64, 4, seeded)
     q = q[:, :, None].expand(-1, -1, tokens, -1).to(kernel_device)
-    long_table = longer_table(table)  # splits of more than one tile: the capped case
-    launch = triton_decode.plan_for(fmt, q, cache, long_table, 2).split.kwargs
-    expected = {4: (1, 192), 8: (1, 255), 16: (8, 128)}[tokens]
-    assert (launch["num_warps"], launch["maxnreg"], launch["SUBTILES"]) == (*expected, 1)
-    overridden = triton_decode.plan_for(fmt, q, cache, long_table, 2, split_config=(
+    warps, cap = {4: (1, 192), 8: (1, 255), 16: (8, None)}[tokens]
+    for block_table, usual_cap in ((table, None), (longer_table(table), 128)):
+        plan = triton_decode.plan_for(fmt, q, cache, block_table, 2)
+        launch = plan.split.kwargs
+        assert plan.one_tile == (usual_cap is None)
+        assert (launch["num_warps"], launch.get("maxnreg"), launch["SUBTILES"]) == (
+            warps, cap or usual_cap, 1)  # fmt: skip
+    overridden = triton_decode.plan_for(fmt, q, cache, longer_table(table), 2, split_config=(
         triton_decode.SplitConfig(num_warps=4, max_registers=96))).split.kwargs  # fmt: skip
     assert (overridden["num_warps"], overridden["maxnreg"]) == (4, 96)
