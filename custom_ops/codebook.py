@@ -79,10 +79,10 @@ def lloyd_max_magnitudes(bits: int, head_dim: int) -> tuple[float, ...]:
 
 @functools.cache
 def signed_level_values(bits: int, head_dim: int) -> tuple[float, ...]:
-    """:func:`signed_levels` as Python floats (hashable: the kernels take them as constexprs)."""
-    mags = torch.tensor(lloyd_max_magnitudes(bits, head_dim), dtype=torch.float64, device="cpu")
-    mags = mags.to(torch.float16).to(torch.float32)
-    return tuple(torch.cat([mags, -mags]).tolist())
+    """:func:`signed_levels` as Python floats (hashable: the kernels take them as constexprs).
+    Computed in numpy: an op traced for compilation may ask first, under a fake-tensor mode."""
+    mags = np.asarray(lloyd_max_magnitudes(bits, head_dim)).astype(np.float16).astype(np.float32)
+    return tuple(np.concatenate([mags, -mags]).tolist())
 
 
 def signed_levels(bits: int, head_dim: int) -> torch.Tensor:

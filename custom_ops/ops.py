@@ -9,6 +9,11 @@ pure-torch reference, or the same Triton kernels under ``TRITON_INTERPRET=1`` in
 
 The operators are defined with ``torch.library.Library`` rather than ``custom_op``: the same
 dispatch, functionalization and ``opcheck`` support, for a fraction of the per-call host cost.
+In graphs that inductor compiles without CUDA graphs, ``store``, ``store_window`` and ``decode``
+on CUDA are traced *through*: their launches become nodes of the graph and inductor's code
+launches the kernels itself, with no op call per step (:func:`inductor_launches`,
+:mod:`custom_ops.triton.traced`). Under CUDA graphs, on the CPU and in eager mode they stay
+opaque calls.
 
 * ``tq.store(key, value, k_codes!, v_codes!, meta!, slot_mapping, rotation, fmt)``: quantize
   ``key``/``value [N, Hk, D]`` (bf16/fp16, any strides) into the cache planes (see
@@ -57,6 +62,7 @@ import threading
 from collections.abc import Iterator
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 from triton import knobs
 
 from custom_ops import reference, validate
@@ -65,9 +71,10 @@ from custom_ops.schema import DecodeArgs, DequantizeArgs, StoreArgs, StoreWindow
 from custom_ops.triton import dequant as triton_dequant
 from custom_ops.triton import store as triton_store
 from custom_ops.triton import store_window as triton_store_window
+from custom_ops.triton import traced
 from custom_ops.triton.decode import decode as triton_decode
 
-__all__ = ["triton_on_cpu"]
+__all__ = ["triton_on_cpu", "inductor_launches"]
 
 _state = threading.local()
 _lib = torch.library.Library("tq", "DEF")
@@ -95,12 +102,38 @@ def _use_triton(device: torch.device) -> bool:
     )
 
 
-def _define(name, args_type, impl, fake, mutates=(), returns="()") -> None:
-    """Define ``tq::<name>`` from its argument tuple; ``impl`` and ``fake`` take that tuple."""
+def inductor_launches(device: torch.device) -> bool:
+    """Whether a graph being traced for compilation launches the kernels of an op on
+    ``device`` itself (the op traced through) rather than calling the op: on CUDA, when the
+    graph will not be captured in a CUDA graph (``mode="reduce-overhead"``). Captured, a call
+    costs its host time once, at capture, and the op's own launches keep programmatic dependent
+    launch, which inductor's launches do not have."""
+    from torch._inductor import config
+
+    return device.type == "cuda" and not knobs.runtime.interpret and not config.triton.cudagraphs
+
+
+def _define(name, args_type, impl, fake, mutates=(), returns="()", traceable=False) -> None:
+    """Define ``tq::<name>`` from its argument tuple; ``impl`` and ``fake`` take that tuple.
+    ``traceable``: while functionalization traces a graph for compilation, ``impl`` runs on the
+    fake tensors with its launches traced into the graph, where :func:`inductor_launches`
+    says so."""
     _lib.define(op_schema(name, args_type, mutates, returns))
     _lib.impl(name, lambda *a, **kw: impl(args_type(*a, **kw)), "CompositeExplicitAutograd")
     torch.library.register_fake(f"tq::{name}", lambda *a, **kw: fake(args_type(*a, **kw)),
                                 lib=_lib)  # fmt: skip
+    if not traceable:
+        return
+
+    def trace_through(mode, func, types, args, kwargs):
+        op_args = args_type(*args, **kwargs)
+        if not inductor_launches(op_args[0].device):
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        with mode, traced.traced_launches():
+            return impl(op_args)
+
+    torch.library.register_torch_dispatch(f"tq::{name}", FunctionalTensorMode, trace_through,
+                                          lib=_lib)  # fmt: skip
 
 
 def _cache(args) -> PagedKVCache:
@@ -166,8 +199,10 @@ def _store_window_fake(a: StoreWindowArgs) -> None:
     validate.check_store_window(a)
 
 
-_define("store", StoreArgs, _store, _store_fake, mutates=("k_codes", "v_codes", "meta"))
+_define("store", StoreArgs, _store, _store_fake, mutates=("k_codes", "v_codes", "meta"),
+        traceable=True)  # fmt: skip
 _define("store_window", StoreWindowArgs, _store_window, _store_window_fake,
-        mutates=("k_codes", "v_codes", "meta", "k_window", "v_window", "window_pos"))  # fmt: skip
+        mutates=("k_codes", "v_codes", "meta", "k_window", "v_window", "window_pos"),
+        traceable=True)  # fmt: skip
 _define("dequantize", DequantizeArgs, _dequantize, _dequantize_fake, returns="(Tensor, Tensor)")
-_define("decode", DecodeArgs, _decode, _decode_fake, returns="Tensor")
+_define("decode", DecodeArgs, _decode, _decode_fake, returns="Tensor", traceable=True)

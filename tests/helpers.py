@@ -156,3 +156,12 @@ def run_example(*argv: str, timeout: int = 300) -> str:
                             text=True, timeout=timeout)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+def run_compiler_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``tests/<script>`` (it compiles kernels for sm_90) without ``TRITON_INTERPRET`` (the
+    interpreter has no compiler), the repository on ``PYTHONPATH``; its result, unchecked."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, str(ROOT / "tests" / script), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip

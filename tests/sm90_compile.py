@@ -103,18 +103,23 @@ def _compile_job(launch, args):
     return lambda: compile_offline(launch.launcher.kernel, launch.grid, *args, **launch.kwargs)
 
 
+def report(label: str, compile_it) -> bool:
+    """Run ``compile_it()`` and print ``<label>: ok``, or ``<label>: FAILED <the error's last
+    lines>`` (a compile error is reported, not raised); whether it compiled."""
+    try:
+        compile_it()
+    except Exception as err:
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        print(f"{label}: FAILED {' | '.join(lines[-4:])}", flush=True)
+        return False
+    print(f"{label}: ok", flush=True)
+    return True
+
+
 def main(names: list[str]) -> int:
-    failed = 0
-    for name in names:
-        for kernel, compile_it in kernels(name).items():
-            try:
-                compile_it()
-                print(f"{name} {kernel}: ok", flush=True)
-            except Exception as err:  # a compile error: report it and go on
-                failed += 1
-                lines = [line for line in str(err).splitlines() if line.strip()]
-                print(f"{name} {kernel}: FAILED {' | '.join(lines[-3:])}", flush=True)
-    return 1 if failed else 0
+    results = [report(f"{name} {kernel}", compile_it)
+               for name in names for kernel, compile_it in kernels(name).items()]  # fmt: skip
+    return 0 if all(results) else 1
 
 
 if __name__ == "__main__":

@@ -215,9 +215,11 @@ class TurboQuantKVCache(nn.Module):
             # positions start .. start + T - 1, the new length start + T
             start = input_pos[:1].expand(batch)  # [B] int32, contiguous, one kernel
             start = start.to(torch.int32) if start.dtype != torch.int32 else start.contiguous()
+            # before the write: inductor then computes both in one kernel (a traced write may
+            # count every argument as written, start included: see custom_ops.triton.traced)
+            seq_lens = start + n_new
             torch.ops.tq.store_window(k_val, v_val, *planes, *rings, table, start, self.rotation,
                                       name)  # fmt: skip
-            seq_lens = start + n_new
         else:
             pos = input_pos.to(torch.int64)
             pages = table[:, pos // self.page_size]  # [B, T]

@@ -9,7 +9,8 @@ launcher directly, with the same arguments. The ops give it their arguments' met
 (:func:`custom_ops.validate.launch_key`), which determines every specialization of the
 arguments they derive from them, so a launch does not even look at its arguments. Under
 Triton's interpreter, or while a launch hook (a profiler) is installed, it always takes the
-ordinary path.
+ordinary path; while a graph is traced for inductor (:mod:`custom_ops.triton.traced`), it traces
+the launch into the graph instead.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 from triton import knobs
+
+from custom_ops.triton import traced
 
 __all__ = ["Launcher", "KernelLaunch", "KeyedMemo"]
 
@@ -69,6 +72,9 @@ class Launcher:
         ``key``: a hashable that determines Triton's specialization of ``args`` (the metadata
         key of the op's arguments that ``args`` are derived from), or None to compute it from
         ``args``."""
+        if traced.tracing():
+            traced.launch_traced(self.kernel, self.kwargs, grid, args)
+            return
         if knobs.runtime.interpret or _hooked():
             self.kernel[grid](*args, **self.kwargs)
             return

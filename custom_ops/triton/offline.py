@@ -8,11 +8,14 @@ rejects (a tuple of floats passed on as an argument, an early ``return`` in a co
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-__all__ = ["compile_offline"]
+__all__ = ["compile_offline", "offline_target"]
 
 
 class _OfflineCudaDriver:
@@ -34,12 +37,19 @@ class _OfflineCudaDriver:
         return torch.device("cpu")
 
 
-def compile_offline(kernel, grid, *args, arch: int = 90, **kwargs):
-    """Compile ``kernel[grid](*args, **kwargs)`` for ``sm_<arch>`` and return the compiled
-    kernel (``.asm['cubin']``, ``.asm['ptx']``) without launching it."""
+@contextlib.contextmanager
+def offline_target(arch: int = 90) -> Iterator[None]:
+    """Within: Triton compiles for ``sm_<arch>`` as if that GPU were the current device."""
     previous = driver._active
     driver.set_active(_OfflineCudaDriver(arch))
     try:
-        return kernel.warmup(*args, grid=grid, **kwargs)
+        yield
     finally:
         driver._active = previous
+
+
+def compile_offline(kernel, grid, *args, arch: int = 90, **kwargs):
+    """Compile ``kernel[grid](*args, **kwargs)`` for ``sm_<arch>`` and return the compiled
+    kernel (``.asm['cubin']``, ``.asm['ptx']``) without launching it."""
+    with offline_target(arch):
+        return kernel.warmup(*args, grid=grid, **kwargs)

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from custom_ops.codebook import signed_level_values
 from custom_ops.formats import Codec, Kind, KVFormat
+from custom_ops.triton.traced import importable_repr
 
 __all__ = [
     "CodecParams",
@@ -71,6 +72,9 @@ class CodecParams(NamedTuple):
     RC: int
     BYTE_STRIDE: int
     LEVELS: tuple[float, ...]
+
+    # inductor writes constexprs into its generated code as their repr
+    __repr__ = importable_repr
 
 
 def first_meta_column(fmt: KVFormat, side: str) -> int:

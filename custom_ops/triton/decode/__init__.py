@@ -32,6 +32,7 @@ from custom_ops.triton.decode.ring import launch_ring
 from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.decode.split import compile_split, launch_split, split_arguments
 from custom_ops.triton.launch import KeyedMemo
+from custom_ops.triton.traced import unread
 
 __all__ = [
     "DecodePlan",
@@ -75,27 +76,28 @@ def plan_for(
 _PLANS = KeyedMemo()
 
 
-def _mask_arguments(mask, batch, num_q_heads, placeholder):
+def _mask_arguments(mask, placeholder):
     """``(mask, stride_b, stride_h, stride_t, mask_len)`` for the kernels: ``[B or 1, Hq or 1,
-    M]`` (every query token) or ``[B or 1, Hq or 1, T, M]`` broadcast by strides, bool read as
-    bytes; without a mask, a placeholder never read."""
+    M]`` (every query token) or ``[B or 1, Hq or 1, T, M]`` broadcast by zero strides; without
+    a mask, a placeholder never read. The mask itself is passed, not a view of it: a graph
+    traced for inductor may count every argument of a launch as written (see
+    :mod:`custom_ops.triton.traced`), and a written view has to be written back."""
     if mask is None:
         return placeholder, 0, 0, 0, 0
-    mask = mask.expand(batch, num_q_heads, *mask.shape[2:])
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
-    data = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    stride_b, stride_h = (mask.stride(i) if mask.shape[i] > 1 else 0 for i in (0, 1))
     stride_t = mask.stride(2) if mask.dim() == 4 else 0
-    return data, mask.stride(0), mask.stride(1), stride_t, mask.shape[-1]
+    return mask, stride_b, stride_h, stride_t, mask.shape[-1]
 
 
 def _buffers(plan: DecodePlan, q: torch.Tensor):
     """``(q_code, part_out, part_lse)`` of query rows ``q [B, Hq * T, D]``: the prepared query
-    ``[B, Hq * T, q_code_columns] fp16`` (``q`` itself, never read, without preparation) and the
-    partials ``[B, Hq * T, num_partials, D]`` and their lse ``[B, Hq * T, num_partials]``,
-    float32."""
+    ``[B, Hq * T, q_code_columns] fp16`` (without preparation never read: ``q``, see
+    :func:`~custom_ops.triton.traced.unread`) and the partials ``[B, Hq * T, num_partials, D]``
+    and their lse ``[B, Hq * T, num_partials]``, float32."""
     batch, num_q_heads, head_dim = q.shape
-    q_code = q
+    q_code = unread(q)
     if plan.prep is not None:
         q_code = torch.empty(batch, num_q_heads, plan.q_code_columns, dtype=torch.float16,
                              device=q.device)  # fmt: skip
@@ -135,7 +137,7 @@ def decode(
     (:func:`custom_ops.validate.launch_key`), which determines the plan and the kernels'
     specializations: both are then looked up by it.
     """
-    batch, num_q_heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
+    batch, head_dim = q.shape[0], q.shape[-1]
     if batch == 0:
         return q.new_empty(q.shape)
     overridden = fast is not None or split_config is not None or merge_config is not None
@@ -143,7 +145,7 @@ def decode(
     plan = _PLANS.get(key, lambda: plan_for(
         fmt, q, cache, block_table, num_splits, mask, k_window, fast, split_config, merge_config,
     ))  # fmt: skip
-    mask_args = _mask_arguments(mask, batch, num_q_heads, seq_lens)
+    mask_args = _mask_arguments(mask, unread(seq_lens))
     q_scale = scale * LOG2E
     rows = q.reshape(batch, -1, head_dim)  # [B, Hq * T, D]: a view, or a copy of a few rows
     # contiguous whatever q's strides: the merge writes row b * Hq * T + r
@@ -185,7 +187,7 @@ def compile_split_kernel(
     *args, **kwargs)``; ``benchmarks/sass_report.py`` compiles it for sm_90 without a GPU
     (``split_config`` overrides the plan's launch, register cap included)."""
     plan = plan_for(fmt, q, cache, block_table, num_splits, None, k_window, fast, split_config)
-    mask_args = _mask_arguments(None, q.shape[0], q.shape[1], seq_lens)
+    mask_args = _mask_arguments(None, seq_lens)
     q_code, part_out, part_lse = _buffers(plan, q)
     arguments = split_arguments(q, q_code, LOG2E, rotation, cache, block_table, seq_lens,
                                 mask_args, k_window, v_window, window_pos, part_out,

@@ -19,6 +19,7 @@ from custom_ops.formats import Codec
 from custom_ops.triton.decode.ptx import decode_asm, parts_of
 from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX
 from custom_ops.triton.planes import codec_levels, first_meta_column, lloyd_max_levels
+from custom_ops.triton.traced import importable_repr
 
 __all__ = ["PartParams", "part_params", "decode_tile"]
 
@@ -48,6 +49,9 @@ class PartParams(NamedTuple):
     PC_PAD: int
     ASM: str
     LEVELS: tuple[float, ...]
+
+    # inductor writes constexprs into its generated code as their repr
+    __repr__ = importable_repr
 
 
 def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:

@@ -30,9 +30,11 @@ subtracting 1024. ``tests/test_decode_ptx.py`` runs every string on a bit-exact 
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
 
-from custom_ops.codebook import signed_levels
+import numpy as np
+
+from custom_ops.codebook import signed_level_values
 from custom_ops.formats import Codec, Kind
 
 __all__ = [
@@ -51,11 +53,13 @@ _A_OR_B_AND_C = 0xF8  # a | (b & c)
 _A_AND_B_OR_C = 0xEA  # (a & b) | c
 
 
-def _fp16_bits(values: torch.Tensor) -> list[int]:
-    return [int(v) & 0xFFFF for v in values.to(torch.float16).view(torch.int16)]
+def _fp16_bits(values: Sequence[float]) -> list[int]:
+    """The fp16 bit patterns of ``values`` (numpy: plans are also made while a graph is traced
+    with fake tensors)."""
+    return np.asarray(values, dtype=np.float32).astype(np.float16).view(np.uint16).tolist()
 
 
-def lut4_asm(levels: torch.Tensor) -> str:
+def lut4_asm(levels: Sequence[float]) -> str:
     """4-bit sign-magnitude Lloyd-Max codes -> fp16 levels (``levels``: ``[16]`` signed)."""
     mags = _fp16_bits(levels[:8])
 
@@ -139,7 +143,7 @@ def _quarter_lookup(q: int) -> list[str]:
 _SIGN_SHIFT = ("and.b32 t, $10, 0xff;", "shr.b32 t, $9, t;")
 
 
-def lut3_asm(levels: torch.Tensor) -> str:
+def lut3_asm(levels: Sequence[float]) -> str:
     """3-bit sign-magnitude Lloyd-Max codes -> fp16 levels (``levels``: ``[8]`` signed).
 
     The 4 magnitudes fill one 8-byte table looked up by :func:`_quarter_lookup`; ``sl`` / ``sh``
@@ -195,7 +199,7 @@ def _uint3_asm() -> str:
 UINT3_ASM = _uint3_asm()
 
 
-def lut2_asm(table: torch.Tensor) -> str:
+def lut2_asm(table: Sequence[float]) -> str:
     """2-bit codes -> fp16 ``table[code]`` (``table``: ``[4]``; the signed levels of
     sign-magnitude Lloyd-Max codes, or 0, 1, 2, 3 for uniform codes).
 
@@ -243,9 +247,9 @@ def decode_asm(codec: Codec, head_dim: int) -> str:
         return ""
     if codec.bits == 2:
         if codec.kind == Kind.UNIFORM:
-            return lut2_asm(torch.arange(4, dtype=torch.float32))
-        return lut2_asm(signed_levels(2, head_dim))
+            return lut2_asm(range(4))
+        return lut2_asm(signed_level_values(2, head_dim))
     if codec.kind == Kind.UNIFORM:
         return UINT4_ASM if codec.bits == 4 else UINT3_ASM
     builder = lut4_asm if codec.bits == 4 else lut3_asm
-    return builder(signed_levels(codec.bits, head_dim))
+    return builder(signed_level_values(codec.bits, head_dim))

@@ -44,6 +44,7 @@ from custom_ops.triton.decode.tiles import (
     value_multipliers,
 )
 from custom_ops.triton.paged import plane_arguments, ring_arguments, ring_start, table_arguments
+from custom_ops.triton.traced import unread
 
 __all__ = ["split_kernel", "split_arguments", "launch_split", "compile_split"]
 
@@ -323,7 +324,7 @@ def split_arguments(q, q_code, q_scale, rotation, cache: PagedKVCache, block_tab
     positions for where its compressed tokens end, and the rings only where its plan says."""
     window = 0 if k_window is None else k_window.shape[2]
     if k_window is None:
-        rings = (q, q, seq_lens, 0, 0, 0)
+        rings = (unread(q), unread(q), unread(seq_lens), 0, 0, 0)
     else:
         rings = ring_arguments(k_window, v_window, window_pos)
     return (

@@ -1,0 +1,193 @@
+"""Launches that inductor performs itself: the ``tq`` ops' kernels inside compiled graphs.
+
+Called while ``torch.compile`` traces a graph (see :func:`custom_ops.ops.inductor_launches`),
+an op's CUDA implementation runs with fake tensors and its launches go through
+``torch.library.wrap_triton``: they become ``triton_kernel_wrapper`` nodes of the graph, and
+inductor's generated code launches the kernels directly, with no op call and no Python of ours
+per step (what an eager or extern call of an op costs: NOTES "End to end").
+
+Inductor takes a kernel's arguments one by one: a tuple argument (the kernels take the cache
+as ``planes``, ``table``, ``rings``... tuples, see :mod:`custom_ops.triton.paged`) is silently
+dropped. So each kernel is launched here through a *flat entry*: a generated ``@triton.jit``
+kernel whose parameters are the kernel's runtime arguments with every tuple spread into its
+items, which rebuilds the tuples and calls the kernel (Triton inlines it: the same program).
+Launch options travel in a one-config ``triton.autotune`` (``wrap_triton`` takes no
+``maxnreg``); programmatic dependent launch is not available to inductor's
+launches, so the kernels' PDL waits are no-ops there.
+
+Inductor writes the constexprs into its generated module as their ``repr``; the NamedTuple
+constexprs (:class:`~custom_ops.triton.planes.CodecParams`,
+:class:`~custom_ops.triton.decode.codes.PartParams`) therefore print as an expression that
+imports their class (:func:`importable_repr`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import threading
+from collections.abc import Iterator
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "traced_launches",
+    "tracing",
+    "unread",
+    "launch_traced",
+    "flat_entry",
+    "importable_repr",
+]
+
+# launch options of a Launcher's kwargs that are not constexprs of the kernel
+OPTIONS = ("num_warps", "num_stages", "maxnreg", "launch_pdl")
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def traced_launches() -> Iterator[None]:
+    """Within: every :class:`~custom_ops.triton.launch.Launcher` launch is traced into the graph
+    being built (``wrap_triton``) instead of run."""
+    previous = tracing()
+    _state.on = True
+    try:
+        yield
+    finally:
+        _state.on = previous
+
+
+def tracing() -> bool:
+    """Whether launches are being traced (inside :func:`traced_launches`)."""
+    return getattr(_state, "on", False)
+
+
+def unread(like: torch.Tensor) -> torch.Tensor:
+    """What to pass for a kernel argument the launch never reads: ``like`` itself (nothing
+    allocated), or while launches are traced, an empty tensor of its dtype and device. Where
+    the mutation analysis of a traced launch fails (PyTorch 2.11 stops at inline PTX), every
+    argument counts as written, and a tensor passed twice is then copied first."""
+    return like.new_empty(0) if tracing() else like
+
+
+def importable_repr(value: tuple) -> str:
+    """``repr`` of a NamedTuple constexpr that evaluates anywhere: inductor's generated module
+    has none of our names, so the class is reached through ``__import__``; and without a
+    backslash: inductor embeds the kernel's module, constexprs included, in a string literal,
+    which would turn the escaped line breaks of an inline-PTX string into real ones."""
+    cls = type(value)
+    fields = ", ".join(f"{name}={_literal(item)}"
+                       for name, item in zip(cls._fields, value, strict=True))  # fmt: skip
+    return (f"__import__({cls.__module__!r}, fromlist=[{cls.__name__!r}])."
+            f"{cls.__name__}({fields})")  # fmt: skip
+
+
+def _literal(value) -> str:
+    """A Python expression for ``value`` (numbers, strings, tuples of them) with no
+    backslash: strings as their UTF-8 bytes in hex."""
+    if isinstance(value, str):
+        return f"bytes.fromhex('{value.encode().hex()}').decode()"
+    if isinstance(value, tuple):
+        return f"({''.join(f'{_literal(item)}, ' for item in value)})"
+    return repr(value)
+
+
+def _structure(args: tuple) -> tuple:
+    """The tuple structure of ``args``: per argument, the structure of its items (a tuple),
+    ``float`` (a Python float) or None (any other single value)."""
+    return tuple(_structure(arg) if isinstance(arg, tuple) else
+                 (float if isinstance(arg, float) else None) for arg in args)  # fmt: skip
+
+
+def _flatten(args: tuple) -> list:
+    flat = []
+    for arg in args:
+        if isinstance(arg, tuple):
+            flat += _flatten(arg)
+        else:
+            flat.append(arg)
+    return flat
+
+
+def _spread(names: list[str], structure: tuple) -> tuple[list[str], list[str]]:
+    """``(parameters, call arguments)``: the flat parameter names of arguments ``names`` of
+    ``structure``, and the expressions that rebuild each argument from them."""
+    params, rebuilt = [], []
+    for name, inner in zip(names, structure, strict=True):
+        if inner is None:
+            params.append(name)
+            rebuilt.append(name)
+        elif inner is float:
+            # Triton types a Python float fp32, inductor's launch fp64: the kernel's fp32
+            params.append(name)
+            rebuilt.append(f"tl.cast({name}, tl.float32)")
+        else:
+            inner_params, inner_rebuilt = _spread([f"{name}_{i}" for i in range(len(inner))],
+                                                  inner)  # fmt: skip
+            params += inner_params
+            rebuilt.append(f"({', '.join(inner_rebuilt)},)")
+    return params, rebuilt
+
+
+_ENTRIES: dict = {}
+
+
+def flat_entry(kernel, structure: tuple):
+    """The flat entry of ``kernel`` (a ``@triton.jit`` kernel) for runtime arguments of tuple
+    ``structure`` (:func:`_structure`): a jit kernel taking the flattened arguments, then the
+    kernel's constexprs by name, that calls ``kernel`` with the tuples rebuilt. Built once per
+    kernel and structure; its source lives in ``linecache`` (Triton and inductor read it)."""
+    key = (kernel, structure)
+    entry = _ENTRIES.get(key)
+    if entry is not None:
+        return entry
+    # an interpreted kernel has no parameter list of its own: Triton's parse of its function
+    kernel_params = getattr(kernel, "params", None) or triton.JITFunction(kernel.fn).params
+    runtime = [p.name for p in kernel_params if not p.is_constexpr]
+    constexprs = [p.name for p in kernel_params if p.is_constexpr]
+    params, rebuilt = _spread(runtime, structure)
+    name = f"{kernel.__name__}_flat_{len(_ENTRIES)}"
+    source = (
+        f"def {name}({', '.join(params + [f'{c}: tl.constexpr' for c in constexprs])}):\n"
+        f"    {kernel.__name__}({', '.join(rebuilt + constexprs)})\n"
+    )
+    filename = f"<tq flat entry {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"tl": tl, "triton": triton, kernel.__name__: kernel}
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 (generated above)
+    # Alignment is inductor's to specialize (it knows its buffers); Triton's own specializing
+    # of fake tensors' alignment, in the mutation analysis of the traced launch, would read
+    # their data pointers and fail, and then every argument would count as written.
+    entry = triton.jit(namespace[name], do_not_specialize_on_alignment=params)
+    _ENTRIES[key] = entry
+    return entry
+
+
+def launch_traced(kernel, kwargs: dict, grid: tuple[int, ...], args: tuple) -> None:
+    """Trace ``kernel[grid](*args, **kwargs)`` into the graph being built: its flat entry, one
+    autotune config holding the launch options."""
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
+    entry = _configured(flat_entry(kernel, _structure(args)), tuple(sorted(options.items())))
+    torch.library.wrap_triton(entry)[grid](*_flatten(args), **constexprs)
+
+
+_CONFIGURED: dict = {}
+
+
+def _configured(entry, options: tuple):
+    """``entry`` under a one-config ``triton.autotune`` with launch ``options``. The register
+    cap goes in the config's keyword arguments: inductor writes a user kernel's configs into
+    its code as the keyword arguments, ``num_warps`` and ``num_stages`` (a ``maxnreg`` option
+    would be lost), and reads ``maxnreg`` back from there as the option."""
+    key = (entry, options)
+    tuned = _CONFIGURED.get(key)
+    if tuned is None:
+        options = dict(options)
+        registers = {"maxnreg": options.pop("maxnreg")} if "maxnreg" in options else {}
+        config = triton.Config(registers, **options)
+        tuned = triton.autotune(configs=[config], key=[])(entry)
+        _CONFIGURED[key] = tuned
+    return tuned

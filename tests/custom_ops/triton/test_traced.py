@@ -1,0 +1,97 @@
+"""custom_ops/triton/traced.py: the kernels launched by inductor's generated code (flat entries,
+constexprs written as their repr), and the ops traced through for it (custom_ops/ops.py)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import CUDA, triton_kernels
+from helpers import run_compiler_script
+
+from custom_ops.formats import get_format
+from custom_ops.triton import traced
+from custom_ops.triton.decode.codes import part_params
+from custom_ops.triton.store import side_params
+from tq_compile import TurboQuantKVCache
+
+
+def test_namedtuple_constexprs_print_as_themselves():
+    """Inductor writes constexprs into its generated module by repr: the codec parameters'
+    repr evaluates, with no name of ours in scope, to an equal tuple of the same class."""
+    fmt = get_format("tq3_nc")
+    params = [*side_params(fmt, fmt.allocate(1, 1, 16, 128), 128),
+              part_params(fmt, "k", 128, True), part_params(fmt, "v", 128, False)]  # fmt: skip
+    for value in params:
+        rebuilt = eval(repr(value), {})  # noqa: S307
+        assert type(rebuilt) is type(value) and rebuilt == value
+
+
+def _step(cache, gen, head_dim, q_heads, tokens):
+    """Prefill 40 tokens, append ``tokens`` more and attend with them: the attention output and
+    every cache buffer afterwards."""
+    heads = cache.k_codes.shape[1]
+
+    def kv(n):
+        return (torch.randn(1, heads, n, head_dim, generator=gen).to(torch.bfloat16) for _ in "kv")
+
+    cache.update(torch.arange(40), *kv(40))
+    k, v = cache.update(torch.arange(40, 40 + tokens), *kv(tokens))
+    q = torch.randn(1, q_heads, tokens, head_dim, generator=gen).to(torch.bfloat16)
+    mask = torch.ones(1, 1, tokens, cache.max_seq_length, dtype=torch.bool).tril(40)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return [out, *(b.clone() for b in cache.buffers())]
+
+
+@pytest.mark.skipif(CUDA, reason="the flat entries launched eagerly: the interpreter's test")
+@pytest.mark.parametrize(
+    ("fmt", "window", "head_dim", "tokens", "kernels"),
+    [
+        # the prefill of 40 tokens passes the window's 8 on to the plain store
+        ("4bit_nc", 8, 64, 1, {"store_window", "store", "split", "merge"}),
+        ("4bit_nc", 0, 64, 1, {"store", "split", "merge"}),
+        ("tq3_nc", 8, 64, 2, {"store_window", "store", "split", "ring_partials", "merge"}),
+        ("4bit_nc", 8, 96, 1, {"store_window", "store", "prep_query", "split", "merge"}),
+    ],
+)
+def test_flat_entries_compute_what_the_kernels_compute(fmt, window, head_dim, tokens, kernels):
+    """Launched through their flat entries (tuples spread into parameters, rebuilt inside),
+    the kernels of a step leave the same bytes in the cache and the same attention output as
+    launched directly; every kernel of the step went through an entry."""
+    results, launched = [], set()
+    real_launch = traced.launch_traced
+
+    def spy(kernel, *args):
+        launched.add(kernel.__name__.removesuffix("_kernel"))
+        real_launch(kernel, *args)
+
+    for flat in (False, True):
+        cache = TurboQuantKVCache(1, 1, 64, head_dim, fmt=fmt, window=window, num_splits=2)
+        gen = torch.Generator().manual_seed(7)
+        with triton_kernels("cpu"), mock.patch.object(traced, "launch_traced", spy):
+            if flat:  # under the interpreter wrap_triton hands back the kernel: launched here
+                with traced.traced_launches():
+                    results.append(_step(cache, gen, head_dim, 2, tokens))
+            else:
+                results.append(_step(cache, gen, head_dim, 2, tokens))
+    assert launched == kernels
+    for direct, through_entry in zip(*results, strict=True):
+        assert torch.equal(direct, through_entry)
+
+
+def test_inductor_builds_every_traced_kernel():
+    """A decode step traced for inductor (fake tensors, the CUDA path forced) has no tq op
+    left, only the kernels' launches, and each kernel builds from the source inductor writes
+    for it (its transitive closure, constexprs by repr), for sm_90: appends with and without
+    a window, a ring kernel, fp8 keys, a 4-token verify step."""
+    cases = ["4bit_nc:16:2:1", "4bit_nc:0:1:1", "tq3_nc:16:2:1", "fp8:16:1:1", "k8v4:16:1:4"]
+    result = run_compiler_script("inductor_trace.py", *cases)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0, "\n".join(lines[-20:]) + result.stderr[-3000:]
+    calls = [line for line in lines if " calls: " in line]
+    built = [line for line in lines if line.endswith(": ok")]
+    assert len(calls) == len(cases) and not [c for c in calls if "tq." in c], "\n".join(calls)
+    # store or store_window, split, merge; and the ring kernel of tq3_nc's rotated values
+    assert len(built) == 3 * len(cases) + 1, result.stdout
