@@ -12,8 +12,8 @@ dispatch, functionalization and ``opcheck`` support, for a fraction of the per-c
 In graphs that inductor compiles without CUDA graphs, ``store``, ``store_window`` and ``decode``
 on CUDA are traced *through*: their launches become nodes of the graph and inductor's code
 launches the kernels itself, with no op call per step (:func:`inductor_launches`,
-:mod:`custom_ops.triton.traced`). Under CUDA graphs, on the CPU and in eager mode they stay
-opaque calls.
+:mod:`custom_ops.triton.traced`). Under CUDA graphs, other backends, ``torch.export``, dynamic
+shapes, on the CPU and in eager mode they stay opaque calls.
 
 * ``tq.store(key, value, k_codes!, v_codes!, meta!, slot_mapping, rotation, fmt)``: quantize
   ``key``/``value [N, Hk, D]`` (bf16/fp16, any strides) into the cache planes (see
@@ -102,15 +102,27 @@ def _use_triton(device: torch.device) -> bool:
     )
 
 
-def inductor_launches(device: torch.device) -> bool:
-    """Whether a graph being traced for compilation launches the kernels of an op on
-    ``device`` itself (the op traced through) rather than calling the op: on CUDA, when the
-    graph will not be captured in a CUDA graph (``mode="reduce-overhead"``). Captured, a call
-    costs its host time once, at capture, and the op's own launches keep programmatic dependent
-    launch, which inductor's launches do not have."""
+def inductor_launches(op_args: tuple) -> bool:
+    """Whether the graph being traced now launches the kernels of an op called with
+    ``op_args`` itself (the op traced through) rather than calling the op: when inductor
+    traces it (not another backend, not ``torch.export``: they would run or save the traced
+    launches as they are), on CUDA, with static shapes (the launch plan is made for concrete
+    ones), and for a graph that will not be captured in a CUDA graph (``mode="reduce-overhead"``:
+    captured, a call costs its host time once, and the op's own launches keep programmatic
+    dependent launch, which inductor's do not have). A plain-compiled step captured by hand
+    (:class:`tq_compile.DecodeGraph`) therefore replays inductor's launches."""
+    # imported when asked: only a compiling process needs inductor's modules
     from torch._inductor import config
+    from torch._inductor.virtualized import NullHandler, V
 
-    return device.type == "cuda" and not knobs.runtime.interpret and not config.triton.cudagraphs
+    tensors = [a for a in op_args if isinstance(a, torch.Tensor)]
+    return (
+        not isinstance(V.fake_mode, NullHandler)  # inductor sets it around its trace
+        and not config.triton.cudagraphs
+        and tensors[0].device.type == "cuda"
+        and not knobs.runtime.interpret
+        and not any(isinstance(n, torch.SymInt) for t in tensors for n in (*t.shape, *t.stride()))
+    )
 
 
 def _define(name, args_type, impl, fake, mutates=(), returns="()", traceable=False) -> None:
@@ -127,7 +139,7 @@ def _define(name, args_type, impl, fake, mutates=(), returns="()", traceable=Fal
 
     def trace_through(mode, func, types, args, kwargs):
         op_args = args_type(*args, **kwargs)
-        if not inductor_launches(op_args[0].device):
+        if not inductor_launches(op_args):
             return mode.__torch_dispatch__(func, types, args, kwargs)
         with mode, traced.traced_launches():
             return impl(op_args)

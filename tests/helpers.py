@@ -146,14 +146,19 @@ def stale_tables(table: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor,
     return stale, long_stale
 
 
+def _run_script(argv: list[str], timeout: int, drop: tuple[str, ...] = ()):
+    """Run ``python *argv`` in the repository with it on ``PYTHONPATH`` and the environment
+    variables ``drop`` unset; its result, unchecked."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
 def run_example(*argv: str, timeout: int = 300) -> str:
     """Run a script of the repository (``examples/...``) with it on ``PYTHONPATH``; it must
     succeed. Returns its stdout."""
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
-    result = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=timeout)  # fmt: skip
+    result = _run_script(list(argv), timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -161,7 +166,4 @@ def run_example(*argv: str, timeout: int = 300) -> str:
 def run_compiler_script(script: str, *args: str) -> subprocess.CompletedProcess:
     """Run ``tests/<script>`` (it compiles kernels for sm_90) without ``TRITON_INTERPRET`` (the
     interpreter has no compiler), the repository on ``PYTHONPATH``; its result, unchecked."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(ROOT / "tests" / script), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    return _run_script([str(ROOT / "tests" / script), *args], 600, drop=("TRITON_INTERPRET",))

@@ -7,24 +7,27 @@ tensors with the ops' CUDA path forced: the ops trace through (``inductor_launch
 their Triton implementation, and plan the decode with the inline-PTX decoding of a GPU (no
 programmatic dependent launch: that needs a CUDA device).
 
-Prints the graph's operator calls, then one line per traced kernel (``ok`` or ``FAILED``);
-exits 1 if a kernel fails to build."""
+Prints the graph's operator calls, then per traced kernel the arguments its launch counts as
+written and whether it built (``ok`` or ``FAILED``); exits 1 if a kernel fails to build."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 import tempfile
+from pathlib import Path
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
 import triton
 from sm90_compile import report
+from torch._functorch.aot_autograd import aot_export_module
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from torch._inductor.codegen.wrapper import (
     user_defined_triton_kernel_transitive_closure_source_code as inductor_kernel_source,
 )
+from torch._inductor.runtime.triton_heuristics import config_from_dict, config_to_dict
 from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -35,6 +38,7 @@ from custom_ops.triton.offline import offline_target
 from tq_compile import TurboQuantKVCache
 
 HQ, HK, D, CONTEXT = 8, 2, 128, 256
+_BUILD_DIR = tempfile.TemporaryDirectory()  # the modules built, removed at exit
 _TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                   torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
                   torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}  # fmt: skip
@@ -53,9 +57,7 @@ class Step(torch.nn.Module):
 
 
 def trace(fmt: str, window: int, batch: int, tokens: int):
-    """The functional graph of one step on fake CUDA tensors (H100 device properties)."""
-    from torch._functorch.aot_autograd import aot_export_module
-
+    """The functional graph of one step (fake CPU tensors, the CUDA path forced)."""
     cache = TurboQuantKVCache(batch, HK, CONTEXT, D, fmt=fmt, window=window, num_splits=4)
     with FakeTensorMode() as fake:
         step = Step(cache)
@@ -81,9 +83,9 @@ def build(node) -> None:
     source = (f"import triton\nimport triton.language as tl\n\nCONSTANTS = {constants!r}\n\n"
               f"@triton.jit\n{inductor_kernel_source(kernel.fn)}")  # fmt: skip
     embedded = "'''" + source + "'''"
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as file:
-        file.write(eval(embedded))  # noqa: S307
-    spec = importlib.util.spec_from_file_location(f"inductor_{node.name}", file.name)
+    path = Path(_BUILD_DIR.name) / f"{node.name}.py"
+    path.write_text(eval(embedded))  # noqa: S307
+    spec = importlib.util.spec_from_file_location(f"inductor_{node.name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     built = getattr(module, kernel.fn.__name__)
@@ -99,7 +101,10 @@ def build(node) -> None:
             signature[param.name] = "*" + _TRITON_DTYPES[value.meta["val"].dtype]
         else:
             signature[param.name] = "fp64" if isinstance(value, float) else "i32"
+    # the config as inductor writes it into its code and reads it back (the register cap
+    # rides in its keyword arguments)
     (config,) = kernel.configs
+    config = config_from_dict(config_to_dict(config))
     options = {k: v for k, v in config.all_kwargs().items() if v is not None}
     with offline_target():
         triton.compile(ASTSource(built, signature, constexprs), target=GPUTarget("cuda", 90, 32),
@@ -110,7 +115,7 @@ def main(cases: list[str]) -> int:
     results = []
     plan_for = decode.plan_for
     with (
-        mock.patch.object(ops, "inductor_launches", lambda device: True),
+        mock.patch.object(ops, "inductor_launches", lambda op_args: True),
         mock.patch.object(ops, "_use_triton", lambda device: True),
         mock.patch.object(decode, "plan_for", lambda *a: plan_for(*a[:7], True, *a[8:])),
         offline_target(),
@@ -123,6 +128,8 @@ def main(cases: list[str]) -> int:
             for node in graph.graph.nodes:
                 if "triton_kernel_wrapper" in str(node.target):
                     name = kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__
+                    written = " ".join(node.kwargs["tensors_to_clone"])
+                    print(f"{case} {name} writes: {written}", flush=True)
                     results.append(report(f"{case} {name}", lambda node=node: build(node)))
     return 0 if all(results) else 1
 

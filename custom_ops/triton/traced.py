@@ -12,8 +12,8 @@ dropped. So each kernel is launched here through a *flat entry*: a generated ``@
 kernel whose parameters are the kernel's runtime arguments with every tuple spread into its
 items, which rebuilds the tuples and calls the kernel (Triton inlines it: the same program).
 Launch options travel in a one-config ``triton.autotune`` (``wrap_triton`` takes no
-``maxnreg``); programmatic dependent launch is not available to inductor's
-launches, so the kernels' PDL waits are no-ops there.
+``maxnreg``); programmatic dependent launch is not available to inductor's launches, so the
+kernels are traced with their ``PDL`` constexpr off.
 
 Inductor writes the constexprs into its generated module as their ``repr``; the NamedTuple
 constexprs (:class:`~custom_ops.triton.planes.CodecParams`,
@@ -24,7 +24,9 @@ imports their class (:func:`importable_repr`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import linecache
+import math
 import threading
 from collections.abc import Iterator
 
@@ -32,17 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = [
-    "traced_launches",
-    "tracing",
-    "unread",
-    "launch_traced",
-    "flat_entry",
-    "importable_repr",
-]
+__all__ = ["traced_launches", "tracing", "unread", "launch_traced", "importable_repr"]
 
-# launch options of a Launcher's kwargs that are not constexprs of the kernel
-OPTIONS = ("num_warps", "num_stages", "maxnreg", "launch_pdl")
+# The launch options a Launcher's kwargs may hold besides the kernel's constexprs: the ones an
+# inductor launch takes (in its config), and programmatic dependent launch, which it has not.
+CONFIG_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+PDL_OPTION = "launch_pdl"
 
 _state = threading.local()
 
@@ -91,6 +88,8 @@ def _literal(value) -> str:
         return f"bytes.fromhex('{value.encode().hex()}').decode()"
     if isinstance(value, tuple):
         return f"({''.join(f'{_literal(item)}, ' for item in value)})"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float({str(value)!r})"
     return repr(value)
 
 
@@ -134,11 +133,12 @@ def _spread(names: list[str], structure: tuple) -> tuple[list[str], list[str]]:
 _ENTRIES: dict = {}
 
 
-def flat_entry(kernel, structure: tuple):
+def _flat_entry(kernel, structure: tuple):
     """The flat entry of ``kernel`` (a ``@triton.jit`` kernel) for runtime arguments of tuple
     ``structure`` (:func:`_structure`): a jit kernel taking the flattened arguments, then the
     kernel's constexprs by name, that calls ``kernel`` with the tuples rebuilt. Built once per
-    kernel and structure; its source lives in ``linecache`` (Triton and inductor read it)."""
+    kernel and structure, named after both (the same name in every process); its source lives
+    in ``linecache`` (Triton and inductor read it)."""
     key = (kernel, structure)
     entry = _ENTRIES.get(key)
     if entry is not None:
@@ -148,10 +148,10 @@ def flat_entry(kernel, structure: tuple):
     runtime = [p.name for p in kernel_params if not p.is_constexpr]
     constexprs = [p.name for p in kernel_params if p.is_constexpr]
     params, rebuilt = _spread(runtime, structure)
-    name = f"{kernel.__name__}_flat_{len(_ENTRIES)}"
+    name = f"{kernel.__name__}_flat_{hashlib.sha1(repr(structure).encode()).hexdigest()[:8]}"
     source = (
         f"def {name}({', '.join(params + [f'{c}: tl.constexpr' for c in constexprs])}):\n"
-        f"    {kernel.__name__}({', '.join(rebuilt + constexprs)})\n"
+        f"    {kernel.__name__}({', '.join(rebuilt + [f'{c}={c}' for c in constexprs])})\n"
     )
     filename = f"<tq flat entry {name}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -167,10 +167,15 @@ def flat_entry(kernel, structure: tuple):
 
 def launch_traced(kernel, kwargs: dict, grid: tuple[int, ...], args: tuple) -> None:
     """Trace ``kernel[grid](*args, **kwargs)`` into the graph being built: its flat entry, one
-    autotune config holding the launch options."""
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
-    constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
-    entry = _configured(flat_entry(kernel, _structure(args)), tuple(sorted(options.items())))
+    autotune config holding the launch options. A ``PDL`` constexpr goes off: inductor's
+    launches have no programmatic dependent launch, and the waits it compiles in are inline
+    PTX that the mutation analysis of the launch cannot see through (not pure), so with it every
+    argument would count as written."""
+    options = {k: kwargs[k] for k in CONFIG_OPTIONS if k in kwargs}
+    constexprs = {k: v for k, v in kwargs.items() if k not in (*CONFIG_OPTIONS, PDL_OPTION)}
+    if "PDL" in constexprs:
+        constexprs["PDL"] = False
+    entry = _configured(_flat_entry(kernel, _structure(args)), tuple(sorted(options.items())))
     torch.library.wrap_triton(entry)[grid](*_flatten(args), **constexprs)
 
 

@@ -8,9 +8,17 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from conftest import CUDA, triton_kernels
 from helpers import run_compiler_script
+from torch._inductor import config as inductor_config
+from torch._inductor.virtualized import V
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from triton import knobs
 
+from custom_ops import ops
 from custom_ops.formats import get_format
 from custom_ops.triton import traced
 from custom_ops.triton.decode.codes import part_params
@@ -84,8 +92,10 @@ def test_flat_entries_compute_what_the_kernels_compute(fmt, window, head_dim, to
 def test_inductor_builds_every_traced_kernel():
     """A decode step traced for inductor (fake tensors, the CUDA path forced) has no tq op
     left, only the kernels' launches, and each kernel builds from the source inductor writes
-    for it (its transitive closure, constexprs by repr), for sm_90: appends with and without
-    a window, a ring kernel, fp8 keys, a 4-token verify step."""
+    for it (its transitive closure, constexprs by repr, the config as inductor reads it back),
+    for sm_90: appends with and without a window, a ring kernel, fp8 keys, a 4-token verify
+    step. From PyTorch 2.13 on, whose mutation analysis sees through pure inline PTX, each
+    launch counts as written exactly what its kernel writes (2.11 counts every argument)."""
     cases = ["4bit_nc:16:2:1", "4bit_nc:0:1:1", "tq3_nc:16:2:1", "fp8:16:1:1", "k8v4:16:1:4"]
     result = run_compiler_script("inductor_trace.py", *cases)
     lines = result.stdout.splitlines()
@@ -95,3 +105,64 @@ def test_inductor_builds_every_traced_kernel():
     assert len(calls) == len(cases) and not [c for c in calls if "tq." in c], "\n".join(calls)
     # store or store_window, split, merge; and the ring kernel of tq3_nc's rotated values
     assert len(built) == 3 * len(cases) + 1, result.stdout
+    if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
+        written = {line.split(" writes: ")[0].split()[1].split("_flat_")[0]: line.split(": ")[1]
+                   for line in lines if " writes: " in line}  # fmt: skip
+        assert written == {
+            "store_kernel": "planes_0 planes_1 planes_2",
+            "store_window_kernel": "rings_0 rings_1 rings_2 planes_0 planes_1 planes_2",
+            "split_kernel": "part_out_ptr part_lse_ptr",
+            "ring_partials_kernel": "part_out_ptr part_lse_ptr",
+            "merge_kernel": "out_ptr",
+        }, written
+
+
+def test_traced_launch_has_no_programmatic_dependent_launch():
+    """A traced launch drops ``launch_pdl`` and turns the kernel's ``PDL`` constexpr off
+    (inductor launches without it; its waits would hide the kernel's writes from the mutation
+    analysis); the launch options travel in the one config, the register cap in its kwargs."""
+    calls = []
+
+    class Recorded:  # what wrap_triton(kernel)[grid](*args, **kwargs) would trace
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.kernel, grid, args, kwargs))
+
+    fmt = get_format("4bit_nc")
+    launcher_kwargs = dict(D=128, D_PAD=128, INV_SQRT_D=0.088, BLOCK_R=16, K=fmt, V=fmt, PDL=True,
+                           num_warps=2, maxnreg=128, launch_pdl=True)  # fmt: skip
+    with mock.patch.object(torch.library, "wrap_triton", Recorded):
+        traced.launch_traced(_kernel_with_pdl, launcher_kwargs, (3,), ((torch.empty(1), 5), 1.5))
+    ((tuned, grid, args, kwargs),) = calls
+    assert grid == (3,) and len(args) == 3 and kwargs["PDL"] is False
+    assert "launch_pdl" not in kwargs and "num_warps" not in kwargs and "maxnreg" not in kwargs
+    (config,) = tuned.configs
+    assert (config.num_warps, config.kwargs) == (2, {"maxnreg": 128})
+
+
+@triton.jit
+def _kernel_with_pdl(pair, scale, D: tl.constexpr, D_PAD: tl.constexpr, INV_SQRT_D: tl.constexpr,
+                     BLOCK_R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     PDL: tl.constexpr):  # fmt: skip
+    pass
+
+
+def test_only_inductor_launches_the_kernels():
+    """The ops are traced through only while inductor traces (not aot_eager, not export), on
+    CUDA, without CUDA graphs, with static shapes (a dynamic dimension keeps the op: the launch
+    plan needs concrete shapes)."""
+    shape_env = ShapeEnv()
+    not_interpreted = mock.patch.object(knobs.runtime, "interpret", False)
+    with FakeTensorMode(shape_env=shape_env) as fake, not_interpreted:
+        static = (torch.empty(2, 4, device="cuda"), 3)
+        dynamic = (torch.empty(shape_env.create_unbacked_symint(), 4, device="cuda"), 3)
+        on_cpu = (torch.empty(2, 4), 3)
+        assert not ops.inductor_launches(static)  # no inductor compile under way
+        with V.set_fake_mode(fake):
+            assert ops.inductor_launches(static)
+            assert not ops.inductor_launches(dynamic)
+            assert not ops.inductor_launches(on_cpu)
+            with inductor_config.patch({"triton.cudagraphs": True}):
+                assert not ops.inductor_launches(static)
