@@ -154,8 +154,9 @@ def test_only_inductor_launches_the_kernels():
     CUDA, without CUDA graphs, with static shapes (a dynamic dimension keeps the op: the launch
     plan needs concrete shapes)."""
     shape_env = ShapeEnv()
-    not_interpreted = mock.patch.object(knobs.runtime, "interpret", False)
-    with FakeTensorMode(shape_env=shape_env) as fake, not_interpreted:
+    # (mock.patch of a Triton knob does not restore it; the knobs' own scope does)
+    with FakeTensorMode(shape_env=shape_env) as fake, knobs.runtime.scope():
+        knobs.runtime.interpret = False
         static = (torch.empty(2, 4, device="cuda"), 3)
         dynamic = (torch.empty(shape_env.create_unbacked_symint(), 4, device="cuda"), 3)
         on_cpu = (torch.empty(2, 4), 3)
