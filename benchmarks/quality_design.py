@@ -26,6 +26,7 @@ so what remains is the format's own error. ``tests/benchmarks/test_quality_desig
 the attention against a ``TurboQuantKVCache`` decoded one token at a time.
 
     python benchmarks/quality_design.py --formats 4bit_nc tq3_nc --sinks 0 4 --center off on
+    python benchmarks/quality_design.py --texts 4 --formats lm4+lm2 --sinks 4   # a codec pair
 """
 
 from __future__ import annotations
@@ -46,18 +47,38 @@ from attention_error import attention, quantized  # noqa: E402
 from common import print_table, pyplot, save_figure, write_json  # noqa: E402
 
 from custom_ops import api  # noqa: E402
-from custom_ops.formats import get_format  # noqa: E402
+from custom_ops.formats import Codec, Kind, KVFormat, get_format  # noqa: E402
 
 ATTENTION = "tq_quality_design"
 
 
+# the codecs a "<keys>+<values>" format spec names: Lloyd-Max (rotated, norm-corrected) or
+# uniform, and the width
+_SPEC_CODECS = {f"lm{bits}": Codec(Kind.LLOYD_MAX, bits, True) for bits in (1, 2, 3, 4)} | {
+    f"u{bits}": Codec(Kind.UNIFORM, bits) for bits in (2, 3, 4)
+}
+
+
+def format_of(name: str) -> KVFormat:
+    """A format of ``custom_ops.FORMATS`` by name, or one that pairs two codecs, written
+    ``<keys>+<values>`` with each side ``lm1`` .. ``lm4`` (Lloyd-Max) or ``u2`` .. ``u4``
+    (uniform) and a bf16 meta record: ``lm4+lm2`` spends a 3-bit budget on 4-bit keys."""
+    if "+" not in name:
+        return get_format(name)
+    sides = name.split("+")
+    if len(sides) != 2 or not set(sides) <= set(_SPEC_CODECS):
+        raise ValueError(f"format {name!r}: expected a format name or <keys>+<values> with each "
+                         f"side one of {sorted(_SPEC_CODECS)}")  # fmt: skip
+    return KVFormat(name, _SPEC_CODECS[sides[0]], _SPEC_CODECS[sides[1]], torch.bfloat16)
+
+
 class Setting:
-    """One cache configuration: format ``fmt_name`` (None: uncompressed), ``window`` W,
-    ``sinks`` S, key ``center``ing."""
+    """One cache configuration: format ``fmt_name`` (None: uncompressed; see
+    :func:`format_of`), ``window`` W, ``sinks`` S, key ``center``ing."""
 
     def __init__(self, fmt_name, window=0, sinks=0, center=False):
         self.fmt_name, self.window, self.sinks, self.center = fmt_name, window, sinks, center
-        self.fmt = None if fmt_name is None else get_format(fmt_name)
+        self.fmt = None if fmt_name is None else format_of(fmt_name)
 
     @property
     def label(self) -> str:
@@ -158,6 +179,7 @@ def main() -> None:
         "--formats",
         nargs="+",
         default=["4bit_nc", "tq4_nc", "3bit_nc", "tq3_nc", "k2v2_nc", "tq2_nc"],
+        help="format names, or codec pairs <keys>+<values> such as lm4+lm2 (see format_of)",
     )
     parser.add_argument("--windows", nargs="+", type=int, default=[128])
     parser.add_argument("--sinks", nargs="+", type=int, default=[0, 4])

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from helpers import rel_error
 
 from custom_ops import api
+from custom_ops.formats import get_format
 from tq_compile import TurboQuantKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from quality_design import Setting, quantized_attention  # noqa: E402
+from quality_design import Setting, format_of, quantized_attention  # noqa: E402
 
 BATCH, KV_HEADS, GROUP, HEAD_DIM, TOKENS, WINDOW = 1, 2, 3, 64, 40, 8
 
@@ -48,3 +49,15 @@ def test_parallel_attention_equals_decoding_through_the_cache(fmt_name):
     assert rel_error(uncompressed[:, WINDOW:].float(), decoded[:, WINDOW:]) > 5 * error
     # within the window nothing is quantized yet
     assert rel_error(uncompressed[:, :WINDOW].float(), decoded[:, :WINDOW]) < 4e-3
+
+
+def test_codec_pairs_name_formats():
+    """``<keys>+<values>`` pairs two codecs in a format of their bytes (4-bit Lloyd-Max keys
+    and 2-bit values at D=128: 64 + 32 code bytes and the bf16 meta record's 4), names of
+    ``FORMATS`` stay those formats, and anything else names what is allowed."""
+    fmt = format_of("lm4+lm2")
+    assert (fmt.key.bits, fmt.key.rotated, fmt.value.bits, fmt.value.rotated) == (4, True, 2, True)
+    assert fmt.bytes_per_token_head(128) == 100
+    assert format_of("tq3_nc") is get_format("tq3_nc")
+    with pytest.raises(ValueError, match=r"'lm5\+u2'.*lm1"):
+        format_of("lm5+u2")
