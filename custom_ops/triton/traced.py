@@ -24,6 +24,7 @@ imports their class (:func:`importable_repr`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import linecache
 import math
@@ -130,19 +131,13 @@ def _spread(names: list[str], structure: tuple) -> tuple[list[str], list[str]]:
     return params, rebuilt
 
 
-_ENTRIES: dict = {}
-
-
+@functools.cache
 def _flat_entry(kernel, structure: tuple):
     """The flat entry of ``kernel`` (a ``@triton.jit`` kernel) for runtime arguments of tuple
     ``structure`` (:func:`_structure`): a jit kernel taking the flattened arguments, then the
     kernel's constexprs by name, that calls ``kernel`` with the tuples rebuilt. Built once per
     kernel and structure, named after both (the same name in every process); its source lives
     in ``linecache`` (Triton and inductor read it)."""
-    key = (kernel, structure)
-    entry = _ENTRIES.get(key)
-    if entry is not None:
-        return entry
     # an interpreted kernel has no parameter list of its own: Triton's parse of its function
     kernel_params = getattr(kernel, "params", None) or triton.JITFunction(kernel.fn).params
     runtime = [p.name for p in kernel_params if not p.is_constexpr]
@@ -160,9 +155,7 @@ def _flat_entry(kernel, structure: tuple):
     # Alignment is inductor's to specialize (it knows its buffers); Triton's own specializing
     # of fake tensors' alignment, in the mutation analysis of the traced launch, would read
     # their data pointers and fail, and then every argument would count as written.
-    entry = triton.jit(namespace[name], do_not_specialize_on_alignment=params)
-    _ENTRIES[key] = entry
-    return entry
+    return triton.jit(namespace[name], do_not_specialize_on_alignment=params)
 
 
 def launch_traced(kernel, kwargs: dict, grid: tuple[int, ...], args: tuple) -> None:
@@ -179,20 +172,12 @@ def launch_traced(kernel, kwargs: dict, grid: tuple[int, ...], args: tuple) -> N
     torch.library.wrap_triton(entry)[grid](*_flatten(args), **constexprs)
 
 
-_CONFIGURED: dict = {}
-
-
+@functools.cache
 def _configured(entry, options: tuple):
     """``entry`` under a one-config ``triton.autotune`` with launch ``options``. The register
     cap goes in the config's keyword arguments: inductor writes a user kernel's configs into
     its code as the keyword arguments, ``num_warps`` and ``num_stages`` (a ``maxnreg`` option
     would be lost), and reads ``maxnreg`` back from there as the option."""
-    key = (entry, options)
-    tuned = _CONFIGURED.get(key)
-    if tuned is None:
-        options = dict(options)
-        registers = {"maxnreg": options.pop("maxnreg")} if "maxnreg" in options else {}
-        config = triton.Config(registers, **options)
-        tuned = triton.autotune(configs=[config], key=[])(entry)
-        _CONFIGURED[key] = tuned
-    return tuned
+    options = dict(options)
+    registers = {"maxnreg": options.pop("maxnreg")} if "maxnreg" in options else {}
+    return triton.autotune(configs=[triton.Config(registers, **options)], key=[])(entry)

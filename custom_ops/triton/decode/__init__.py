@@ -79,11 +79,12 @@ _PLANS = KeyedMemo()
 def _mask_arguments(mask, placeholder):
     """``(mask, stride_b, stride_h, stride_t, mask_len)`` for the kernels: ``[B or 1, Hq or 1,
     M]`` (every query token) or ``[B or 1, Hq or 1, T, M]`` broadcast by zero strides; without
-    a mask, a placeholder never read. The mask itself is passed, not a view of it: a graph
-    traced for inductor may count every argument of a launch as written (see
-    :mod:`custom_ops.triton.traced`), and a written view has to be written back."""
+    a mask, ``placeholder``, never read (:func:`~custom_ops.triton.traced.unread`). The mask
+    itself is passed, not a view of it: a graph traced for inductor may count every argument of
+    a launch as written (see :mod:`custom_ops.triton.traced`), and a written view has to be
+    written back."""
     if mask is None:
-        return placeholder, 0, 0, 0, 0
+        return unread(placeholder), 0, 0, 0, 0
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
     stride_b, stride_h = (mask.stride(i) if mask.shape[i] > 1 else 0 for i in (0, 1))
@@ -145,7 +146,7 @@ def decode(
     plan = _PLANS.get(key, lambda: plan_for(
         fmt, q, cache, block_table, num_splits, mask, k_window, fast, split_config, merge_config,
     ))  # fmt: skip
-    mask_args = _mask_arguments(mask, unread(seq_lens))
+    mask_args = _mask_arguments(mask, seq_lens)
     q_scale = scale * LOG2E
     rows = q.reshape(batch, -1, head_dim)  # [B, Hq * T, D]: a view, or a copy of a few rows
     # contiguous whatever q's strides: the merge writes row b * Hq * T + r
