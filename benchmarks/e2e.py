@@ -18,6 +18,10 @@ warm-up, wall clock between two synchronizations. A cache that does not fit the 
 as ``oom`` (a capacity win for the smaller cache). ``max_context``: the longest context per
 sequence whose KV cache fits ``--kv-budget-gb`` at that batch.
 
+``--kernels N`` adds, per cell, the GPU time per step of every kernel over ``N`` profiled steps
+(``torch.profiler``; kernels replayed from a CUDA graph included), the largest first: where the
+step's time goes.
+
 ``--host`` adds the host-overhead table: CPU microseconds per eager call of one layer's cache
 write and attention (dense ``KVCache.update`` and SDPA; ``TurboQuantKVCache.update``, SDPA
 through the ``TurboQuantKVTensor``, and the raw ``tq.decode`` / ``tq.store_window``), and the
@@ -113,14 +117,43 @@ def time_decode(model: Transformer, step, batch: int, position: int, steps: int)
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def set_caches(model: Transformer, cache: str, batch: int, context: int) -> None:
-    """Give ``model`` caches of kind ``cache`` (``DENSE`` names or a format)."""
+@torch.no_grad()
+def kernel_times(model: Transformer, step, batch: int, position: int, steps: int) -> list[dict]:
+    """GPU microseconds per decode step of each kernel (by name, summed over its launches)
+    over ``steps`` profiled steps at ``position, ...``, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = model.output.weight.device
+    token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+    positions = [torch.tensor([position + i], device=device) for i in range(steps)]
+    sync(device.type)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for pos in positions:
+            token, _ = step(model, token, pos)
+            token = token.clone()
+        sync(device.type)
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            entry = totals.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time
+            entry[1] += 1
+    rows = [dict(kernel=name[:70], us=us / steps, launches=count / steps)
+            for name, (us, count) in totals.items()]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def set_caches(model: Transformer, cache: str, batch: int, context: int,
+               num_splits: int | None = None) -> None:  # fmt: skip
+    """Give ``model`` caches of kind ``cache`` (``DENSE`` names or a format; ``num_splits``:
+    the TurboQuant caches' split count, default theirs)."""
     gqa = DENSE.get(cache, "enable_gqa")
     for layer in model.layers:
         layer.attention.gqa = gqa
         layer.attention.kv_cache = None
     torch.cuda.empty_cache()
-    factory = KVCache if cache in DENSE else functools.partial(TurboQuantKVCache, fmt=cache)
+    factory = KVCache if cache in DENSE else functools.partial(TurboQuantKVCache, fmt=cache,
+                                                               num_splits=num_splits)  # fmt: skip
     model.setup_caches(batch, context, cache_factory=factory)
 
 
@@ -133,11 +166,16 @@ def run_cells(model: Transformer, args) -> list[dict]:
                 for cache in [BASELINE, *args.dense, *args.formats]:
                     row = dict(mode=mode, batch=batch, context=context, cache=cache)
                     try:
-                        set_caches(model, cache, batch, context)
-                        filled = context - args.steps - 4
+                        set_caches(model, cache, batch, context, args.splits)
+                        filled = context - args.steps - 4 - args.kernels
                         gen = torch.Generator(model.output.weight.device).manual_seed(1)
                         fill_caches(model, batch, filled, gen)
-                        ms = time_decode(model, step_function(mode), batch, filled, args.steps)
+                        step = step_function(mode)
+                        ms = time_decode(model, step, batch, filled, args.steps)
+                        if args.kernels:
+                            row["kernels"] = kernel_times(
+                                model, step, batch, filled + args.steps + 3, args.kernels
+                            )
                     except torch.cuda.OutOfMemoryError:
                         ms = None
                     nbytes = (kv_cache_nbytes(model) if ms is not None
@@ -150,6 +188,14 @@ def run_cells(model: Transformer, args) -> list[dict]:
                     )  # fmt: skip
                     rows.append(row)
                     print(_row_text(row), flush=True)
+                    if row.get("kernels"):
+                        total = sum(r["us"] for r in row["kernels"])
+                        print(
+                            f"  GPU time per step {total:.1f} us in "
+                            f"{sum(r['launches'] for r in row['kernels']):.0f} launches"
+                        )
+                        print_table(row["kernels"][:24], dict(kernel="", us=".1f",
+                                                              launches=".0f"))  # fmt: skip
                     for layer in model.layers:
                         layer.attention.kv_cache = None
                     torch._dynamo.reset()
@@ -260,16 +306,34 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
             k_new, k_new, *planes, *rings, table, start_pos, cache.rotation, fmt),
     }  # fmt: skip
     rows = [dict(cache=fmt, call=call, cpu_us=host_cpu_us(fn)) for call, fn in calls.items()]
+    # The append of a decode step: the ring is full, so each row also quantizes the token that
+    # leaves it into its page. A replay at the same position would find its own token in the
+    # slot and evict nothing: the slots' positions are restored before each call, and that
+    # copy's own time subtracted.
     batch = 16
     big = TurboQuantKVCache(batch, hk, context, d, fmt=fmt, device="cuda")
+    held = 2 * big.window
+    fill = torch.randn(batch, hk, held, d, generator=gen, device="cuda").to(torch.bfloat16)
+    big.update(torch.arange(held, device="cuda"), fill, fill)
     k16 = torch.randn(batch, hk, 1, d, generator=gen, device="cuda").to(torch.bfloat16)
-    start16 = torch.full((batch,), context - 8, dtype=torch.int32, device="cuda")
-    append = graph_gpu_us(lambda: torch.ops.tq.store_window(
-        k16, k16, big.k_codes, big.v_codes, big.meta, big.k_window, big.v_window,
-        big.window_pos, big.block_table, start16, big.rotation, fmt))  # fmt: skip
-    rows.append(dict(cache=fmt, call="tq.store_window B=16, T=1: GPU us", cpu_us=append))
+    start16 = torch.full((batch,), held, dtype=torch.int32, device="cuda")
+    ring_positions = big.window_pos.clone()
+
+    def restore() -> None:
+        big.window_pos.copy_(ring_positions)
+
+    restore_us = graph_gpu_us(restore)
+
+    def append_us(append) -> float:
+        return graph_gpu_us(lambda: (restore(), append())) - restore_us
+
+    op_us = append_us(lambda: torch.ops.tq.store_window(
+        k16, k16, big.k_codes, big.v_codes, big.meta, big.k_window, big.v_window, big.window_pos,
+        big.block_table, start16, big.rotation, fmt))  # fmt: skip
+    rows.append(dict(cache=fmt, call="tq.store_window B=16, T=1, ring full: GPU us",
+                     cpu_us=op_us))  # fmt: skip
     for block_rows, num_warps in ((16, 4), (16, 2), (8, 1)):  # the append's launch shape
-        us = graph_gpu_us(lambda r=block_rows, w=num_warps: triton_store_window.store_window(
+        us = append_us(lambda r=block_rows, w=num_warps: triton_store_window.store_window(
             get_format(fmt), k16, k16, PagedKVCache(big.k_codes, big.v_codes, big.meta),
             big.k_window, big.v_window, big.window_pos, big.block_table, start16, big.rotation, r,
             w))  # fmt: skip
@@ -324,6 +388,10 @@ def main() -> None:
                         help="dense caches timed besides the bf16 baseline")  # fmt: skip
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kv-budget-gb", type=float, default=40.0)
+    parser.add_argument("--splits", type=int, help="the TurboQuant caches' decode split count "
+                        "(default: theirs)")  # fmt: skip
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also profile N steps per cell: GPU time per kernel")  # fmt: skip
     parser.add_argument("--host", action="store_true", help="also the host-overhead table")
     parser.add_argument("--out", default="e2e.json")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")

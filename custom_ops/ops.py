@@ -12,8 +12,10 @@ dispatch, functionalization and ``opcheck`` support, for a fraction of the per-c
 In graphs that inductor compiles without CUDA graphs, ``store``, ``store_window`` and ``decode``
 on CUDA are traced *through*: their launches become nodes of the graph and inductor's code
 launches the kernels itself, with no op call per step (:func:`inductor_launches`,
-:mod:`custom_ops.triton.traced`). Under CUDA graphs, other backends, ``torch.export``, dynamic
-shapes, on the CPU and in eager mode they stay opaque calls.
+:mod:`custom_ops.triton.traced`; importing this module has inductor launch them through its
+static CUDA launcher, :func:`custom_ops.triton.traced.static_launch_by_default`). Under CUDA
+graphs, other backends, ``torch.export``, dynamic shapes, on the CPU and in eager mode they
+stay opaque calls.
 
 * ``tq.store(key, value, k_codes!, v_codes!, meta!, slot_mapping, rotation, fmt)``: quantize
   ``key``/``value [N, Hk, D]`` (bf16/fp16, any strides) into the cache planes (see
@@ -218,3 +220,4 @@ _define("store_window", StoreWindowArgs, _store_window, _store_window_fake,
         traceable=True)  # fmt: skip
 _define("dequantize", DequantizeArgs, _dequantize, _dequantize_fake, returns="(Tensor, Tensor)")
 _define("decode", DecodeArgs, _decode, _decode_fake, returns="Tensor", traceable=True)
+traced.static_launch_by_default()

@@ -146,10 +146,11 @@ def stale_tables(table: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor,
     return stale, long_stale
 
 
-def _run_script(argv: list[str], timeout: int, drop: tuple[str, ...] = ()):
-    """Run ``python *argv`` in the repository with it on ``PYTHONPATH`` and the environment
-    variables ``drop`` unset; its result, unchecked."""
-    env = {k: v for k, v in os.environ.items() if k not in drop}
+def run_python(argv: list[str], timeout: int = 300, drop: tuple[str, ...] = (),
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run ``python *argv`` in the repository with it on ``PYTHONPATH``, the environment
+    variables ``drop`` unset and ``env`` set; its result, unchecked."""
+    env = {**{k: v for k, v in os.environ.items() if k not in drop}, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
@@ -158,7 +159,7 @@ def _run_script(argv: list[str], timeout: int, drop: tuple[str, ...] = ()):
 def run_example(*argv: str, timeout: int = 300) -> str:
     """Run a script of the repository (``examples/...``) with it on ``PYTHONPATH``; it must
     succeed. Returns its stdout."""
-    result = _run_script(list(argv), timeout)
+    result = run_python(list(argv), timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -166,4 +167,4 @@ def run_example(*argv: str, timeout: int = 300) -> str:
 def run_compiler_script(script: str, *args: str) -> subprocess.CompletedProcess:
     """Run ``tests/<script>`` (it compiles kernels for sm_90) without ``TRITON_INTERPRET`` (the
     interpreter has no compiler), the repository on ``PYTHONPATH``; its result, unchecked."""
-    return _run_script([str(ROOT / "tests" / script), *args], 600, drop=("TRITON_INTERPRET",))
+    return run_python([str(ROOT / "tests" / script), *args], 600, drop=("TRITON_INTERPRET",))

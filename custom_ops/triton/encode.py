@@ -5,9 +5,11 @@ It reproduces :func:`custom_ops.reference.encode_rows` operation by operation:
 
 * Lloyd-Max: the row ``x`` divided by ``p``, the power of two at or below its absmax (exact, and
   neither the squares nor the rotated sums can overflow float32 for any finite bf16 row),
-  ``s = ||x / p||``; ``y = (x / p @ R) * (1/sqrt(D) / s)`` with the +-1 rotation R on the tensor
-  cores (tf32 is exact here: bf16 and fp16 inputs, their power-of-two multiples and +-1 fit in
-  tf32's mantissa); magnitude index = number of magnitude midpoints below ``|y|``;
+  ``s = ||x / p||``; ``y = (x / p @ R) * (1/sqrt(D) / s)`` with the +-1 rotation R: for a
+  power-of-two D a Walsh-Hadamard butterfly in registers (:mod:`custom_ops.triton.hadamard`;
+  a one-token append then waits for no block of R), otherwise on the tensor cores (tf32 is
+  exact here: bf16 and fp16 inputs, their power-of-two multiples and +-1 fit in tf32's
+  mantissa); magnitude index = number of magnitude midpoints below ``|y|``;
   sign-magnitude code; the stored norm is ``s * p``, with norm correction
   ``s / ||levels[codes]|| * p``.
 * Uniform: scale ``(max - min) / (2^b - 1)`` and zero ``min`` rounded to the meta dtype; codes
@@ -26,6 +28,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.formats import FP8_MAX, INT8_MAX
+from custom_ops.triton.hadamard import walsh_hadamard_rows
 from custom_ops.triton.kinds import FP8_ABSMAX, INT8_ABSMAX, LLOYD_MAX, UNIFORM
 from custom_ops.triton.planes import rotation_slice, store_codes, tile_offsets
 
@@ -68,6 +71,23 @@ def _nan_if_any_nan(scalar, x):
 
 
 @triton.jit
+def _lloyd_max_codes(y, P: tl.constexpr):
+    """Sign-magnitude codes of the rotated, normalized elements ``y [BLOCK_R, G, N]`` (the
+    magnitude index: how many magnitude midpoints lie below ``|y|``) and their levels'
+    squares ``[BLOCK_R, G, N]`` (for the norm correction)."""
+    BITS: tl.constexpr = P.BITS
+    magnitude = tl.abs(y)
+    mag_index = tl.zeros(y.shape, dtype=tl.int32)
+    level = tl.full(y.shape, P.LEVELS[0], tl.float32)
+    for m in tl.static_range((1 << (BITS - 1)) - 1):
+        above = magnitude > (P.LEVELS[m] + P.LEVELS[m + 1]) * 0.5
+        mag_index += above.to(tl.int32)
+        level = tl.where(above, tl.full(y.shape, P.LEVELS[m + 1], tl.float32), level)
+    codes = ((y < 0).to(tl.int32) << (BITS - 1)) | mag_index
+    return codes, level * level
+
+
+@triton.jit
 def encode_side(
     x_ptr,
     x_rows,
@@ -98,7 +118,6 @@ def encode_side(
     meta_ty = meta_ptr.dtype.element_ty
 
     if P.KIND == LLOYD_MAX:
-        BITS: tl.constexpr = P.BITS
         RC: tl.constexpr = P.RC
         # divided by a power of two near its absmax (exact), the row's squares and rotated sums
         # stay in float32's range; the codes are those of the unscaled row
@@ -108,35 +127,39 @@ def encode_side(
         norm = tl.sqrt_rn(_row_sum(x * x))  # of the scaled row: 0 for zero rows, else >= 1
         inv = tl.where(norm > 0, tl.math.div_rn(tl.full([BLOCK_R], INV_SQRT_D, tl.float32),
                                                 tl.where(norm > 0, norm, 1.0)), 0.0)  # fmt: skip
-        recon_sq = tl.zeros([BLOCK_R], tl.float32)
-        # y = x @ R / sqrt(D) / norm: RC output columns per group at a time, contracting KC
-        # tile positions at a time (x re-read from L1), so no rotation block needs > 32 KiB.
-        KC: tl.constexpr = 32
-        for col0 in tl.static_range(0, C_PAD, RC):
-            y = tl.zeros([BLOCK_R, G * RC], tl.float32)
-            for k0 in tl.static_range(0, G * C_PAD, KC):
-                i = k0 + tl.arange(0, KC)
-                i_elem = (i // C_PAD) * C + i % C_PAD
-                x_offs = x_rows[:, None] + i_elem * stride_xd
-                x_mask = ok[:, None] & ((i % C_PAD) < C)[None, :]
-                x_k = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-                x_k = x_k * inv_pow2[:, None]
-                rot = rotation_slice(rot_ptr, D, G, C, C_PAD, k0, KC, col0, RC, False)
-                y = tl.dot(x_k, rot, y, input_precision="tf32")
-            y = tl.reshape(y, (BLOCK_R, G, RC)) * inv[:, None, None]
-            magnitude = tl.abs(y)
-            mag_index = tl.zeros([BLOCK_R, G, RC], dtype=tl.int32)
-            level = tl.full([BLOCK_R, G, RC], P.LEVELS[0], tl.float32)
-            for m in tl.static_range((1 << (BITS - 1)) - 1):
-                above = magnitude > (P.LEVELS[m] + P.LEVELS[m + 1]) * 0.5
-                mag_index += above.to(tl.int32)
-                level = tl.where(above, tl.full([BLOCK_R, G, RC], P.LEVELS[m + 1], tl.float32),
-                                 level)  # fmt: skip
-            codes = ((y < 0).to(tl.int32) << (BITS - 1)) | mag_index
-            if P.NC:
-                col_ok = (col0 + tl.arange(0, RC))[None, None, :] < C
-                recon_sq += _row_sum(tl.where(col_ok, level * level, 0.0))
-            store_codes(codes, code_ptr, ok, P, BLOCK_R, col0, RC)
+        if P.LOG2_D > 0:
+            # power-of-two D: x @ R = (x * s) @ H by the butterfly in registers; the tile is in
+            # natural element order (C == C_PAD), and only R's first column s is read
+            d = tl.arange(0, D)
+            signs = tl.load(rot_ptr + d * D)
+            x_flat = tl.reshape(x, (BLOCK_R, D)) * signs[None, :]
+            y = walsh_hadamard_rows(x_flat, D, P.LOG2_D)
+            y = tl.reshape(y, (BLOCK_R, G, C)) * inv[:, None, None]
+            codes, level_sq = _lloyd_max_codes(y, P)
+            recon_sq = _row_sum(level_sq)
+            store_codes(codes, code_ptr, ok, P, BLOCK_R, 0, C)
+        else:
+            recon_sq = tl.zeros([BLOCK_R], tl.float32)
+            # y = x @ R / sqrt(D) / norm: RC output columns per group at a time, contracting KC
+            # tile positions at a time (x re-read from L1), so no rotation block needs > 32 KiB.
+            KC: tl.constexpr = 32
+            for col0 in tl.static_range(0, C_PAD, RC):
+                y = tl.zeros([BLOCK_R, G * RC], tl.float32)
+                for k0 in tl.static_range(0, G * C_PAD, KC):
+                    i = k0 + tl.arange(0, KC)
+                    i_elem = (i // C_PAD) * C + i % C_PAD
+                    x_offs = x_rows[:, None] + i_elem * stride_xd
+                    x_mask = ok[:, None] & ((i % C_PAD) < C)[None, :]
+                    x_k = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+                    x_k = x_k * inv_pow2[:, None]
+                    rot = rotation_slice(rot_ptr, D, G, C, C_PAD, k0, KC, col0, RC, False)
+                    y = tl.dot(x_k, rot, y, input_precision="tf32")
+                y = tl.reshape(y, (BLOCK_R, G, RC)) * inv[:, None, None]
+                codes, col_sq = _lloyd_max_codes(y, P)
+                if P.NC:
+                    col_ok = (col0 + tl.arange(0, RC))[None, None, :] < C
+                    recon_sq += _row_sum(tl.where(col_ok, col_sq, 0.0))
+                store_codes(codes, code_ptr, ok, P, BLOCK_R, col0, RC)
         if P.NC:
             norm = tl.math.div_rn(norm, tl.sqrt_rn(recon_sq))
         tl.store(meta_ptr + P.META, (norm * pow2).to(meta_ty), mask=ok)

@@ -53,6 +53,9 @@ class CodecParams(NamedTuple):
         RC: columns per group in one slice of the rotation (:func:`rotation_slice`): the whole
             ``C_PAD`` up to D=128; at D=256 a float32 rotation would not fit in shared memory,
             so kernels rotate in slices of ``G * RC = 64`` output elements.
+        LOG2_D: ``log2(D)`` for a power-of-two head dim, whose rotation is a Walsh-Hadamard
+            butterfly (:mod:`custom_ops.triton.hadamard`); 0 otherwise (products with slices
+            of R).
         BYTE_STRIDE: distance between bytes of one code row (1 for keys, ``page_size`` for the
             token-minor value rows).
         LEVELS: the signed Lloyd-Max levels (:func:`custom_ops.codebook.signed_levels`), ``()``
@@ -70,6 +73,7 @@ class CodecParams(NamedTuple):
     C: int
     C_PAD: int
     RC: int
+    LOG2_D: int
     BYTE_STRIDE: int
     LEVELS: tuple[float, ...]
 
@@ -105,8 +109,9 @@ def codec_params(fmt: KVFormat, side: str, head_dim: int, byte_stride: int) -> C
     chunk_pad = triton.next_power_of_2(chunk)
     rot_cols = chunk_pad if groups * chunk_pad <= 128 else max(1, 64 // groups)
     meta = first_meta_column(fmt, side)
+    log2_d = head_dim.bit_length() - 1 if head_dim & (head_dim - 1) == 0 else 0
     return CodecParams(int(codec.kind), codec.bits, codec.norm_correction, meta, planes[0].width,
-                       w1, off1, groups, chunk, chunk_pad, rot_cols, byte_stride,
+                       w1, off1, groups, chunk, chunk_pad, rot_cols, log2_d, byte_stride,
                        codec_levels(codec, head_dim))  # fmt: skip
 
 

@@ -86,6 +86,18 @@ def store_window_kernel(
     ring_rows = b64 * stride_w_b + head64 * stride_w_h + ring_slot.to(tl.int64) * stride_w_slot
     pos_rows = ring_rows // D  # the slot's window_pos entry (contiguous planes)
 
+    # The chain's last new token (the only one of it that stays in the window), loaded first:
+    # its loads do not wait for the start, so they overlap the eviction's chain of loads.
+    newest = chain + window * ((num_new - 1 - chain) // window)
+    d = tl.arange(0, D_PAD)[None, :]
+    newest64 = newest.to(tl.int64)
+    k_src = key_ptr + b64 * stride_kb + head64 * stride_kh + newest64 * stride_kt
+    v_src = value_ptr + b64 * stride_vb + head64 * stride_vh + newest64 * stride_vt
+    new_mask = in_range[:, None] & (d < D)
+    k_new = tl.load(k_src[:, None] + d * stride_kd, mask=new_mask)
+    v_new = tl.load(v_src[:, None] + d * stride_vd, mask=new_mask)
+    copy_mask = live[:, None] & (d < D)
+
     # 1. quantize the token leaving the ring into its page slot: a rolled-back position (at or
     # past start) or an empty slot (-1) leaves nothing
     leaving = tl.load(pos_ptr + pos_rows, mask=live, other=-1)
@@ -102,15 +114,7 @@ def store_window_kernel(
     # Every thread's reads of the old ring rows happen before any thread overwrites them.
     tl.debug_barrier()
 
-    # 2. the chain's last new token (the only one of it that stays in the window) takes the slot
-    newest = chain + window * ((num_new - 1 - chain) // window)
-    d = tl.arange(0, D_PAD)[None, :]
-    copy_mask = live[:, None] & (d < D)
-    newest64 = newest.to(tl.int64)
-    k_src = key_ptr + b64 * stride_kb + head64 * stride_kh + newest64 * stride_kt
-    v_src = value_ptr + b64 * stride_vb + head64 * stride_vh + newest64 * stride_vt
-    k_new = tl.load(k_src[:, None] + d * stride_kd, mask=copy_mask)
-    v_new = tl.load(v_src[:, None] + d * stride_vd, mask=copy_mask)
+    # 2. the new token loaded above takes the slot
     w_dst = ring_rows[:, None] + d
     tl.store(k_window_ptr + w_dst, k_new.to(k_window_ptr.dtype.element_ty), mask=copy_mask)
     tl.store(v_window_ptr + w_dst, v_new.to(v_window_ptr.dtype.element_ty), mask=copy_mask)

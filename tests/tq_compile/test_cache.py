@@ -185,26 +185,30 @@ def test_eager_decode_against_bf16_cache(fmt, window):
     assert AGREEMENT_FLOOR[fmt] <= agreement <= 1, agreement
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @torch.no_grad()
-def test_compiled_decode_no_graph_break_no_recompile():
+def test_compiled_decode_no_graph_break_no_recompile(device):
     """torch.compile(decode_one_token, fullgraph=True) with inductor on the TQ model with a
     recent window: one graph, no break, no recompile over 32 steps, tokens identical to eager
-    TQ decoding (fp16 model: in bf16, inductor's fused rounding can flip a near-tie argmax)."""
+    TQ decoding (fp16 model: in bf16, inductor's fused rounding can flip a near-tie argmax).
+    On CUDA inductor launches the tq kernels itself (statically: see custom_ops.triton.traced)
+    and eager decoding calls the ops."""
     eager, compiled = (
-        _model("4bit_nc", dtype=torch.float16, window=MODEL_WINDOW),
-        _model("4bit_nc", dtype=torch.float16, window=MODEL_WINDOW),
+        _model("4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW),
+        _model("4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW),
     )
-    prompt = _prompt(1)
-    tok_eager, _ = prefill(eager, prompt, torch.arange(PROMPT_LEN))
-    tok_compiled, _ = prefill(compiled, prompt, torch.arange(PROMPT_LEN))
+    prompt = _prompt(1, device)
+    positions = torch.arange(PROMPT_LEN, device=device)
+    tok_eager, _ = prefill(eager, prompt, positions)
+    tok_compiled, _ = prefill(compiled, prompt, positions)
     assert torch.equal(tok_eager, tok_compiled)
 
     # explain() runs the step (it writes a token): on a third model, so the two compared above
     # stay untouched
-    probe = _model("4bit_nc", dtype=torch.float16, window=MODEL_WINDOW)
-    prefill(probe, prompt, torch.arange(PROMPT_LEN))
+    probe = _model("4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW)
+    prefill(probe, prompt, positions)
     explained = torch._dynamo.explain(decode_one_token)(
-        probe, tok_compiled, torch.tensor([PROMPT_LEN])
+        probe, tok_compiled, torch.tensor([PROMPT_LEN], device=device)
     )
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
     torch._dynamo.reset()
@@ -214,7 +218,7 @@ def test_compiled_decode_no_graph_break_no_recompile():
     previous = torch._dynamo.config.error_on_recompile
     try:
         for i in range(NEW_TOKENS):
-            pos = torch.tensor([PROMPT_LEN + i])
+            pos = torch.tensor([PROMPT_LEN + i], device=device)
             tok_eager, _ = decode_one_token(eager, tok_eager, pos)
             tok_compiled, _ = step(compiled, tok_compiled, pos)
             torch._dynamo.config.error_on_recompile = True

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from custom_ops.triton.decode.query import walsh_hadamard_rows
+from custom_ops.triton.hadamard import walsh_hadamard_rows
 
 __all__ = ["MergeConfig", "merge_config", "merge_kernel", "launch_merge"]
 

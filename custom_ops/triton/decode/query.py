@@ -10,10 +10,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from custom_ops.triton.hadamard import walsh_hadamard_rows
+
 __all__ = [
     "query_part",
     "rotate_query",
-    "walsh_hadamard_rows",
     "original_query",
     "ring_query",
 ]
@@ -29,21 +30,6 @@ def query_part(query, b, q_head, row_ok, q_scale, PART: tl.constexpr, PC: tl.con
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + q_head[None, :] * stride_qh
     q_part = tl.load(q_rows + PART * PC + j, mask=row_ok[None, :] & (j < PC), other=0.0)
     return (q_part.to(tl.float32) * q_scale).to(tl.float16)
-
-
-@triton.jit
-def walsh_hadamard_rows(x, D: tl.constexpr, LOG2_D: tl.constexpr):
-    """``x @ H`` for ``x [M, D]`` float32 and the Walsh-Hadamard matrix ``H`` of a power-of-two
-    ``D`` (Sylvester order, ``H[i, j] = (-1)^popcount(i & j)``, the ``H`` of
-    :func:`custom_ops.codebook.rotation_matrix`): ``log2(D)`` butterfly stages, stage ``k``
-    mapping the pair of elements ``i``, ``i + 2^k`` (bit ``k`` of ``i`` clear) to their sum and
-    difference."""
-    M: tl.constexpr = x.shape[0]
-    for k in tl.static_range(LOG2_D):
-        pairs = tl.permute(tl.reshape(x, [M, D >> (k + 1), 2, 1 << k]), [0, 1, 3, 2])
-        low, high = tl.split(pairs)
-        x = tl.reshape(tl.permute(tl.join(low + high, low - high), [0, 1, 3, 2]), [M, D])
-    return x
 
 
 @triton.jit

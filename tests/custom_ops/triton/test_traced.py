@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from conftest import CUDA, triton_kernels
-from helpers import run_compiler_script
+from helpers import run_compiler_script, run_python
 from torch._inductor import config as inductor_config
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -167,3 +167,36 @@ def test_only_inductor_launches_the_kernels():
             assert not ops.inductor_launches(on_cpu)
             with inductor_config.patch({"triton.cudagraphs": True}):
                 assert not ops.inductor_launches(static)
+
+
+# A fresh process: import inductor's config and custom_ops in the given order, print the
+# config's switch and the environment variable.
+_STATIC_LAUNCH_PROBE = """
+import importlib, os, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+from torch._inductor import config
+print(config.static_launch_user_defined_triton_kernels, os.environ.get({env!r}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("preset", "first", "expected"),
+    [
+        (None, "torch._inductor.config", "True 1"),  # config read before the variable was set
+        (None, "custom_ops", "True 1"),
+        ("0", "torch._inductor.config", "False 0"),  # the user's choice stays
+    ],
+)
+def test_inductor_launches_user_kernels_statically_unless_told_not_to(preset, first, expected):
+    """Importing custom_ops turns on inductor's static launch of user-defined Triton kernels
+    (the tq kernels it launches itself), for this process and its compile workers (the
+    environment variable), whichever was imported first; a preset variable is respected."""
+    probe = _STATIC_LAUNCH_PROBE.format(env=traced.STATIC_LAUNCH_ENV)
+    others = ["custom_ops", "torch._inductor.config"]
+    others.remove(first)
+    env = {} if preset is None else {traced.STATIC_LAUNCH_ENV: preset}
+    result = run_python(["-c", probe, first, *others], env=env,
+                        drop=(traced.STATIC_LAUNCH_ENV,))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[-2] == expected

@@ -1,0 +1,31 @@
+"""The Walsh-Hadamard butterfly: products with the +-1 rotation of a power-of-two head dim.
+
+For a power-of-two ``D`` the rotation is ``R = diag(s) @ H`` (:func:`custom_ops.codebook.
+rotation_matrix`; ``H`` Walsh-Hadamard in Sylvester order, ``s = R[:, 0]``), so ``x @ R = (x *
+s) @ H`` and ``y @ R.T = (y @ H) * s``: ``log2(D)`` stages of adds in registers instead of a
+``[D, D]`` product whose float32 blocks a kernel would have to load. Used by the encoders
+(:mod:`custom_ops.triton.encode`), the in-split query rotation and the merge
+(:mod:`custom_ops.triton.decode`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["walsh_hadamard_rows"]
+
+
+@triton.jit
+def walsh_hadamard_rows(x, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """``x @ H`` for ``x [M, D]`` float32 and the Walsh-Hadamard matrix ``H`` of a power-of-two
+    ``D`` (Sylvester order, ``H[i, j] = (-1)^popcount(i & j)``, the ``H`` of
+    :func:`custom_ops.codebook.rotation_matrix`): ``log2(D)`` butterfly stages, stage ``k``
+    mapping the pair of elements ``i``, ``i + 2^k`` (bit ``k`` of ``i`` clear) to their sum and
+    difference."""
+    M: tl.constexpr = x.shape[0]
+    for k in tl.static_range(LOG2_D):
+        pairs = tl.permute(tl.reshape(x, [M, D >> (k + 1), 2, 1 << k]), [0, 1, 3, 2])
+        low, high = tl.split(pairs)
+        x = tl.reshape(tl.permute(tl.join(low + high, low - high), [0, 1, 3, 2]), [M, D])
+    return x
