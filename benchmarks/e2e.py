@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -119,10 +120,9 @@ def time_decode(model: Transformer, step, batch: int, position: int, steps: int)
 
 @torch.no_grad()
 def kernel_times(model: Transformer, step, batch: int, position: int, steps: int) -> list[dict]:
-    """GPU microseconds per decode step of each kernel (by name, summed over its launches)
-    over ``steps`` profiled steps at ``position, ...``, largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """GPU microseconds per decode step of each kernel (by name, summed over its launches;
+    memory copies and sets too) over ``steps`` profiled steps at ``position, ...``, largest
+    first."""
     device = model.output.weight.device
     token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
     positions = [torch.tensor([position + i], device=device) for i in range(steps)]
@@ -138,7 +138,7 @@ def kernel_times(model: Transformer, step, batch: int, position: int, steps: int
             entry = totals.setdefault(event.name, [0.0, 0])
             entry[0] += event.device_time
             entry[1] += 1
-    rows = [dict(kernel=name[:70], us=us / steps, launches=count / steps)
+    rows = [dict(kernel=name, us=us / steps, launches=count / steps)
             for name, (us, count) in totals.items()]  # fmt: skip
     return sorted(rows, key=lambda r: -r["us"])
 
@@ -194,8 +194,8 @@ def run_cells(model: Transformer, args) -> list[dict]:
                             f"  GPU time per step {total:.1f} us in "
                             f"{sum(r['launches'] for r in row['kernels']):.0f} launches"
                         )
-                        print_table(row["kernels"][:24], dict(kernel="", us=".1f",
-                                                              launches=".0f"))  # fmt: skip
+                        top = [dict(r, kernel=r["kernel"][:90]) for r in row["kernels"][:24]]
+                        print_table(top, dict(kernel="", us=".1f", launches=".0f"))
                     for layer in model.layers:
                         layer.attention.kv_cache = None
                     torch._dynamo.reset()
@@ -401,7 +401,8 @@ def main() -> None:
         return
     require_cuda("benchmarks/e2e.py")
     cfg = ModelArgs.from_name(args.preset)
-    payload = dict(gpu=gpu_name(), preset=args.preset, kv_budget_gb=args.kv_budget_gb)
+    payload = dict(gpu=gpu_name(), preset=args.preset, kv_budget_gb=args.kv_budget_gb,
+                   num_splits=args.splits)  # fmt: skip
     if args.host:
         payload["host"] = host_table(cfg, args.formats)
         print(f"{gpu_name()}: one layer of {args.preset} at B=1, 4096 tokens")

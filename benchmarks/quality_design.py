@@ -37,6 +37,7 @@ import itertools
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -46,30 +47,74 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from attention_error import attention, quantized  # noqa: E402
 from common import print_table, pyplot, save_figure, write_json  # noqa: E402
 
-from custom_ops import api  # noqa: E402
+from custom_ops import api, reference  # noqa: E402
 from custom_ops.formats import Codec, Kind, KVFormat, get_format  # noqa: E402
 
 ATTENTION = "tq_quality_design"
 
 
-# the codecs a "<keys>+<values>" format spec names: Lloyd-Max (rotated, norm-corrected) or
+class WideLloydMax(NamedTuple):
+    """A rotated, norm-corrected Lloyd-Max side wider than the cache's codecs store (5 to 8
+    bits), in reference math only (:func:`custom_ops.reference.lloyd_max_codes`, the norm in
+    the meta dtype): how a format with such a side would measure."""
+
+    bits: int
+    meta_fields: tuple[str, ...] = ("norm",)
+
+    def code_bytes(self, head_dim: int) -> int:
+        return head_dim * self.bits // 8
+
+
+class DesignFormat(NamedTuple):
+    """A ``<keys>+<values>`` pair with a :class:`WideLloydMax` side (what :func:`format_of`
+    gives instead of a :class:`KVFormat`, which holds storable codecs only)."""
+
+    name: str
+    key: Codec | WideLloydMax
+    value: Codec | WideLloydMax
+    meta_dtype: torch.dtype
+
+    def bytes_per_token_head(self, head_dim: int) -> int:
+        fields = len(self.key.meta_fields) + len(self.value.meta_fields)
+        code_bytes = self.key.code_bytes(head_dim) + self.value.code_bytes(head_dim)
+        return code_bytes + fields * self.meta_dtype.itemsize
+
+
+# the sides a "<keys>+<values>" format spec names: Lloyd-Max (rotated, norm-corrected) or
 # uniform, and the width
-_SPEC_CODECS = {f"lm{bits}": Codec(Kind.LLOYD_MAX, bits, True) for bits in (1, 2, 3, 4)} | {
-    f"u{bits}": Codec(Kind.UNIFORM, bits) for bits in (2, 3, 4)
-}
+_SPEC_CODECS = (
+    {f"lm{bits}": Codec(Kind.LLOYD_MAX, bits, True) for bits in (1, 2, 3, 4)}
+    | {f"lm{bits}": WideLloydMax(bits) for bits in (5, 6, 7, 8)}
+    | {f"u{bits}": Codec(Kind.UNIFORM, bits) for bits in (2, 3, 4)}
+)
 
 
-def format_of(name: str) -> KVFormat:
-    """A format of ``custom_ops.FORMATS`` by name, or one that pairs two codecs, written
-    ``<keys>+<values>`` with each side ``lm1`` .. ``lm4`` (Lloyd-Max) or ``u2`` .. ``u4``
-    (uniform) and a bf16 meta record: ``lm4+lm2`` spends a 3-bit budget on 4-bit keys."""
+def format_of(name: str) -> KVFormat | DesignFormat:
+    """A format of ``custom_ops.FORMATS`` by name, or one that pairs two sides, written
+    ``<keys>+<values>`` with each side ``lm1`` .. ``lm8`` (Lloyd-Max; from 5 bits a
+    :class:`WideLloydMax`) or ``u2`` .. ``u4`` (uniform) and a bf16 meta record: ``lm4+lm2``
+    spends a 3-bit budget on 4-bit keys."""
     if "+" not in name:
         return get_format(name)
     sides = name.split("+")
     if len(sides) != 2 or not set(sides) <= set(_SPEC_CODECS):
         raise ValueError(f"format {name!r}: expected a format name or <keys>+<values> with each "
                          f"side one of {sorted(_SPEC_CODECS)}")  # fmt: skip
-    return KVFormat(name, _SPEC_CODECS[sides[0]], _SPEC_CODECS[sides[1]], torch.bfloat16)
+    key, value = (_SPEC_CODECS[side] for side in sides)
+    if isinstance(key, Codec) and isinstance(value, Codec):
+        return KVFormat(name, key, value, torch.bfloat16)
+    return DesignFormat(name, key, value, torch.bfloat16)
+
+
+def round_trip(side: Codec | WideLloydMax, x: torch.Tensor, rotation: torch.Tensor,
+               meta_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """``x [B, H, T, D]`` as one side of a format reads it back (float32)."""
+    if isinstance(side, Codec):
+        return quantized(side, x, rotation, meta_dtype)
+    rows = x.reshape(-1, x.shape[-1]).float()
+    codes, norm = reference.lloyd_max_codes(side.bits, True, rows, rotation)
+    stored = norm.to(meta_dtype).float()
+    return reference.lloyd_max_rows(side.bits, codes, stored, rotation).reshape(x.shape)
 
 
 class Setting:
@@ -109,8 +154,8 @@ def quantized_attention(setting: Setting, rotation: torch.Tensor):
             if setting.center:
                 first = slice(setting.sinks, setting.sinks + max(setting.window, 1))
                 mu = k[:, :, first].mean(dim=2, keepdim=True)
-            k_hat = quantized(fmt.key, k - mu, rotation, fmt.meta_dtype) + mu
-            v_hat = quantized(fmt.value, v, rotation, fmt.meta_dtype)
+            k_hat = round_trip(fmt.key, k - mu, rotation, fmt.meta_dtype) + mu
+            v_hat = round_trip(fmt.value, v, rotation, fmt.meta_dtype)
             out = attention(query, k_hat, v_hat, k, v, setting.window, setting.sinks,
                             dtype=torch.float32)  # fmt: skip
         return out.transpose(1, 2).to(query.dtype), None

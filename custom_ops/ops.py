@@ -52,9 +52,9 @@ stay opaque calls.
   rings, each sequence-head's ring run is read from them in full precision.
 
 ``rotation`` (``[D, D] float32``, entries +-1) must be :func:`custom_ops.codebook.rotation_matrix`
-(for a power-of-two D the CUDA decode kernels use its Walsh-Hadamard structure, ``R = diag(s) @
-H``). The Lloyd-Max levels are not an argument: they follow from the format and the head dim
-(:func:`custom_ops.codebook.signed_levels`), the same on every path.
+(for a power-of-two D the CUDA store and decode kernels use its Walsh-Hadamard structure, ``R =
+diag(s) @ H``). The Lloyd-Max levels are not an argument: they follow from the format and the
+head dim (:func:`custom_ops.codebook.signed_levels`), the same on every path.
 """
 
 from __future__ import annotations

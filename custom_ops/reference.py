@@ -20,6 +20,8 @@ from custom_ops.formats import FP8_MAX, INT8_MAX, Codec, Kind, KVFormat, PagedKV
 __all__ = [
     "encode_rows",
     "decode_rows",
+    "lloyd_max_codes",
+    "lloyd_max_rows",
     "pack_codes",
     "unpack_codes",
     "store",
@@ -93,11 +95,15 @@ def _stored(x: torch.Tensor, meta_dtype: torch.dtype) -> torch.Tensor:
     return x.to(meta_dtype).to(torch.float32)
 
 
-def _encode_lloyd_max(
-    codec: Codec, x: torch.Tensor, rotation: torch.Tensor
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def lloyd_max_codes(
+    bits: int, norm_correction: bool, x: torch.Tensor, rotation: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd-Max codes of rows ``x [R, D]`` float32: ``(codes [R, D] int32, norm [R]
+    float32)``, sign-magnitude codes of ``bits`` bits (any width the codebook has, 1..8; the
+    cache's codecs store 1..4) and the norm to store (norm-corrected with
+    ``norm_correction``)."""
     head_dim = x.shape[1]
-    levels = signed_levels(codec.bits, head_dim).to(x.device)
+    levels = signed_levels(bits, head_dim).to(x.device)
     # Divided by a power of two near its absmax (exact), the row's squares and rotated sums
     # stay in float32's range for any finite bf16 row; the codes are those of the unscaled row.
     pow2 = _power_of_two_floor(x.abs().amax(dim=1))
@@ -106,13 +112,28 @@ def _encode_lloyd_max(
     inv_sqrt_d = torch.tensor(1.0 / math.sqrt(head_dim), dtype=torch.float32)
     inv = torch.where(norm > 0, inv_sqrt_d / torch.where(norm > 0, norm, 1.0), 0.0)
     y = (x @ rotation) * inv[:, None]
-    magnitude = torch.bucketize(y.abs(), _magnitude_midpoints(levels, codec.bits))
+    magnitude = torch.bucketize(y.abs(), _magnitude_midpoints(levels, bits))
     sign = (y < 0).to(torch.int32)
-    codes = (sign << (codec.bits - 1)) | magnitude.to(torch.int32)
-    if codec.norm_correction:
+    codes = (sign << (bits - 1)) | magnitude.to(torch.int32)
+    if norm_correction:
         recon = levels[codes]
         norm = norm / torch.sqrt((recon * recon).sum(dim=1))
-    return codes, [norm * pow2]
+    return codes, norm * pow2
+
+
+def lloyd_max_rows(
+    bits: int,
+    codes: torch.Tensor,
+    norm: torch.Tensor,
+    rotation: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows ``[R, D]`` in ``dtype`` of Lloyd-Max ``codes [R, D]`` (``bits`` wide) and their
+    stored ``norm [R]``: the levels rotated back, times ``norm / sqrt(D)``."""
+    head_dim = codes.shape[1]
+    rotated = signed_levels(bits, head_dim).to(device=codes.device, dtype=dtype)[codes]
+    unrotated = rotated @ rotation.to(device=codes.device, dtype=dtype).T
+    return unrotated * (norm.to(dtype) * (1.0 / math.sqrt(head_dim)))[:, None]
 
 
 def _encode_uniform(
@@ -163,7 +184,8 @@ def encode_rows(
     """
     x = x.to(torch.float32)
     if codec.kind == Kind.LLOYD_MAX:
-        codes, meta = _encode_lloyd_max(codec, x, rotation.to(x.device))
+        codes, norm = lloyd_max_codes(codec.bits, codec.norm_correction, x, rotation.to(x.device))
+        meta = [norm]
     elif codec.kind == Kind.UNIFORM:
         codes, meta = _encode_uniform(codec, x, meta_dtype)
     else:
@@ -197,12 +219,7 @@ def decode_rows(
     codes = unpack_codes(codec, packed)
     if codec.kind == Kind.UNIFORM:
         return codes.to(dtype) * meta[0][:, None] + meta[1][:, None]
-    head_dim = codes.shape[1]
-    levels = signed_levels(codec.bits, head_dim)
-    rotated = levels.to(device=packed.device, dtype=dtype)[codes]
-    inv_sqrt_d = 1.0 / math.sqrt(head_dim)
-    unrotated = rotated @ rotation.to(device=packed.device, dtype=dtype).T
-    return unrotated * (meta[0] * inv_sqrt_d)[:, None]
+    return lloyd_max_rows(codec.bits, codes, meta[0], rotation, dtype)
 
 
 def _split_meta(fmt: KVFormat, meta: torch.Tensor) -> tuple[list, list]:

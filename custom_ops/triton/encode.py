@@ -130,6 +130,7 @@ def encode_side(
         if P.LOG2_D > 0:
             # power-of-two D: x @ R = (x * s) @ H by the butterfly in registers; the tile is in
             # natural element order (C == C_PAD), and only R's first column s is read
+            tl.static_assert(C == C_PAD, "a power-of-two head dim has unpadded groups")
             d = tl.arange(0, D)
             signs = tl.load(rot_ptr + d * D)
             x_flat = tl.reshape(x, (BLOCK_R, D)) * signs[None, :]

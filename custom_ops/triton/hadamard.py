@@ -1,11 +1,11 @@
 """The Walsh-Hadamard butterfly: products with the +-1 rotation of a power-of-two head dim.
 
-For a power-of-two ``D`` the rotation is ``R = diag(s) @ H`` (:func:`custom_ops.codebook.
-rotation_matrix`; ``H`` Walsh-Hadamard in Sylvester order, ``s = R[:, 0]``), so ``x @ R = (x *
-s) @ H`` and ``y @ R.T = (y @ H) * s``: ``log2(D)`` stages of adds in registers instead of a
-``[D, D]`` product whose float32 blocks a kernel would have to load. Used by the encoders
-(:mod:`custom_ops.triton.encode`), the in-split query rotation and the merge
-(:mod:`custom_ops.triton.decode`).
+For a power-of-two ``D`` the rotation is ``R = diag(s) @ H``
+(:func:`custom_ops.codebook.rotation_matrix`; ``H`` Walsh-Hadamard in Sylvester order, ``s =
+R[:, 0]``), so ``x @ R = (x * s) @ H`` and ``y @ R.T = (y @ H) * s``: ``log2(D)`` stages of
+adds in registers instead of a ``[D, D]`` product whose float32 blocks a kernel would have to
+load. Used by the encoders (:mod:`custom_ops.triton.encode`), the in-split query rotation and
+the merge (:mod:`custom_ops.triton.decode`).
 """
 
 from __future__ import annotations

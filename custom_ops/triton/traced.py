@@ -60,20 +60,22 @@ __all__ = [
 STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
 
-def static_launch_by_default() -> bool:
+def static_launch_by_default() -> None:
     """Have inductor launch user-defined Triton kernels (the tq kernels it launches itself,
-    and any other) through its static CUDA launcher, unless :data:`STATIC_LAUNCH_ENV` says
-    otherwise: set it to ``0`` before importing :mod:`custom_ops` to keep Triton's launcher.
-    Kernels the static launcher cannot take fall back to Triton's. Returns whether it is on.
+    and any other) through its static CUDA launcher, unless :data:`STATIC_LAUNCH_ENV` is set
+    already: set it to ``0`` before importing :mod:`custom_ops` to keep Triton's launcher (once
+    the variable is set, it overrides inductor's config switch of that name, ``config.patch``
+    included). Kernels the static launcher cannot take fall back to Triton's.
 
     Done at import, not when a graph is traced: inductor starts its compile workers, which read
     the variable when they start, before it traces."""
     if os.environ.setdefault(STATIC_LAUNCH_ENV, "1") != "1":
-        return False
+        return
     config = sys.modules.get("torch._inductor.config")
-    if config is not None:  # imported before the variable was set: it did not read it
+    # imported before the variable was set, it did not read it (a torch without the switch
+    # has no static launcher for user kernels: nothing to do)
+    if config is not None and hasattr(config, "static_launch_user_defined_triton_kernels"):
         config.static_launch_user_defined_triton_kernels = True
-    return True
 
 
 # The launch options a Launcher's kwargs may hold besides the kernel's constexprs: the ones an

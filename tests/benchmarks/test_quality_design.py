@@ -17,6 +17,7 @@ from custom_ops.formats import get_format
 from tq_compile import TurboQuantKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import quality_design  # noqa: E402
 from quality_design import Setting, format_of, quantized_attention  # noqa: E402
 
 BATCH, KV_HEADS, GROUP, HEAD_DIM, TOKENS, WINDOW = 1, 2, 3, 64, 40, 8
@@ -59,5 +60,25 @@ def test_codec_pairs_name_formats():
     assert (fmt.key.bits, fmt.key.rotated, fmt.value.bits, fmt.value.rotated) == (4, True, 2, True)
     assert fmt.bytes_per_token_head(128) == 100
     assert format_of("tq3_nc") is get_format("tq3_nc")
-    with pytest.raises(ValueError, match=r"'lm5\+u2'.*lm1"):
-        format_of("lm5+u2")
+    with pytest.raises(ValueError, match=r"'lm9\+u2'.*lm1"):
+        format_of("lm9+u2")
+
+
+def test_wide_lloyd_max_sides():
+    """A side wider than the cache stores (``lm5`` .. ``lm8``) counts its bytes (5-bit keys
+    and 3-bit values at D=128: 80 + 48 code bytes, two bf16 norms) and reads back closer to
+    the input than the 4-bit codec, in whose convention it is computed (a 4-bit side through
+    the same function equals the storable codec's round trip)."""
+    fmt = format_of("lm5+lm3")
+    assert fmt.bytes_per_token_head(128) == 132
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, 64, 128, generator=gen).bfloat16().float()
+    rotation = api.make_constants("4bit_nc", 128).rotation
+    four = format_of("lm4+lm4").key
+    four_bits = quality_design.WideLloydMax(4)
+    torch.testing.assert_close(quality_design.round_trip(four_bits, x, rotation, torch.bfloat16),
+                               quality_design.round_trip(four, x, rotation, torch.bfloat16),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    errors = [rel_error(x, quality_design.round_trip(side, x, rotation, torch.bfloat16))
+              for side in (four, fmt.key)]  # fmt: skip
+    assert errors[1] < 0.6 * errors[0], errors

@@ -259,6 +259,33 @@ def test_compiled_step_copies_no_cache_buffer(device):
     assert not copies, "\n".join(copies)
 
 
+@pytest.mark.gpu
+@torch.no_grad()
+def test_compiled_step_launches_the_kernels_statically():
+    """On CUDA inductor launches every tq kernel of a plain-compiled step through its static
+    launcher (a ``StaticTritonCompileResult``), which importing custom_ops turned on, not
+    through Triton's Python launcher (custom_ops.triton.traced)."""
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    model = _model("4bit_nc", device="cuda", window=MODEL_WINDOW)
+    tok, _ = prefill(model, _prompt(5, "cuda"), torch.arange(PROMPT_LEN, device="cuda"))
+    loaded = len(PyCodeCache.modules)
+    torch._dynamo.reset()
+    torch.compile(decode_one_token, fullgraph=True)(
+        model, tok, torch.tensor([PROMPT_LEN], device="cuda")
+    )
+    torch._dynamo.reset()
+    launches = {
+        name: sorted({type(result).__name__ for result in tuner.compile_results})
+        for module in PyCodeCache.modules[loaded:]
+        for name, tuner in vars(module).items()
+        if isinstance(tuner, CachingAutotuner) and "_flat_" in name
+    }  # fmt: skip
+    assert any(name.startswith("split_kernel") for name in launches), launches
+    assert all(kinds == ["StaticTritonCompileResult"] for kinds in launches.values()), launches
+
+
 def _attention_ops(gm: torch.fx.GraphModule) -> str:
     """The cache and attention calls of a traced graph, in order, and dense leftovers."""
     lines, dense = [], 0
