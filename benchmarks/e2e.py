@@ -106,16 +106,20 @@ def time_decode(model: Transformer, step, batch: int, position: int, steps: int)
     device = model.output.weight.device
     token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
     positions = [torch.tensor([position + i], device=device) for i in range(steps + 3)]
-    for pos in positions[:3]:  # compile, record the CUDA graph, replay
-        token, _ = step(model, token, pos)
-        token = token.clone()
+    token = _decode_steps(model, step, token, positions[:3])  # compile, record, replay
     sync(device.type)
     start = time.perf_counter()
-    for pos in positions[3:]:
-        token, _ = step(model, token, pos)
-        token = token.clone()
+    _decode_steps(model, step, token, positions[3:])
     sync(device.type)
     return (time.perf_counter() - start) / steps * 1e3
+
+
+def _decode_steps(model: Transformer, step, token: torch.Tensor, positions) -> torch.Tensor:
+    """Run ``step`` at each of ``positions``, each step's token feeding the next; the last."""
+    for pos in positions:
+        token, _ = step(model, token, pos)
+        token = token.clone()
+    return token
 
 
 @torch.no_grad()
@@ -128,9 +132,7 @@ def kernel_times(model: Transformer, step, batch: int, position: int, steps: int
     positions = [torch.tensor([position + i], device=device) for i in range(steps)]
     sync(device.type)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for pos in positions:
-            token, _ = step(model, token, pos)
-            token = token.clone()
+        _decode_steps(model, step, token, positions)
         sync(device.type)
     totals: dict[str, list] = {}
     for event in prof.events():

@@ -150,9 +150,9 @@ def run_python(argv: list[str], timeout: int = 300, drop: tuple[str, ...] = (),
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     """Run ``python *argv`` in the repository with it on ``PYTHONPATH``, the environment
     variables ``drop`` unset and ``env`` set; its result, unchecked."""
-    env = {**{k: v for k, v in os.environ.items() if k not in drop}, **(env or {})}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+    environment = {**{k: v for k, v in os.environ.items() if k not in drop}, **(env or {})}
+    environment["PYTHONPATH"] = os.pathsep.join([str(ROOT), environment.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=environment, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.formats import FP8_MAX, INT8_MAX
-from custom_ops.triton.hadamard import walsh_hadamard_rows
+from custom_ops.triton.hadamard import rotate_rows
 from custom_ops.triton.kinds import FP8_ABSMAX, INT8_ABSMAX, LLOYD_MAX, UNIFORM
 from custom_ops.triton.planes import rotation_slice, store_codes, tile_offsets
 
@@ -131,10 +131,7 @@ def encode_side(
             # power-of-two D: x @ R = (x * s) @ H by the butterfly in registers; the tile is in
             # natural element order (C == C_PAD), and only R's first column s is read
             tl.static_assert(C == C_PAD, "a power-of-two head dim has unpadded groups")
-            d = tl.arange(0, D)
-            signs = tl.load(rot_ptr + d * D)
-            x_flat = tl.reshape(x, (BLOCK_R, D)) * signs[None, :]
-            y = walsh_hadamard_rows(x_flat, D, P.LOG2_D)
+            y = rotate_rows(tl.reshape(x, (BLOCK_R, D)), rot_ptr, 1.0, D, P.LOG2_D)
             y = tl.reshape(y, (BLOCK_R, G, C)) * inv[:, None, None]
             codes, level_sq = _lloyd_max_codes(y, P)
             recon_sq = _row_sum(level_sq)

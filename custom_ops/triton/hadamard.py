@@ -4,8 +4,9 @@ For a power-of-two ``D`` the rotation is ``R = diag(s) @ H``
 (:func:`custom_ops.codebook.rotation_matrix`; ``H`` Walsh-Hadamard in Sylvester order, ``s =
 R[:, 0]``), so ``x @ R = (x * s) @ H`` and ``y @ R.T = (y @ H) * s``: ``log2(D)`` stages of
 adds in registers instead of a ``[D, D]`` product whose float32 blocks a kernel would have to
-load. Used by the encoders (:mod:`custom_ops.triton.encode`), the in-split query rotation and
-the merge (:mod:`custom_ops.triton.decode`).
+load. :func:`rotate_rows` serves the encoders (:mod:`custom_ops.triton.encode`) and the
+in-split query rotation, :func:`walsh_hadamard_rows` the merge's way back
+(:mod:`custom_ops.triton.decode`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["walsh_hadamard_rows"]
+__all__ = ["walsh_hadamard_rows", "rotate_rows"]
 
 
 @triton.jit
@@ -29,3 +30,13 @@ def walsh_hadamard_rows(x, D: tl.constexpr, LOG2_D: tl.constexpr):
         low, high = tl.split(pairs)
         x = tl.reshape(tl.permute(tl.join(low + high, low - high), [0, 1, 3, 2]), [M, D])
     return x
+
+
+@triton.jit
+def rotate_rows(x, rot_ptr, scale, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """``(x @ R) * scale`` for rows ``x [M, D]`` float32 and the rotation ``R [D, D]`` float32 at
+    ``rot_ptr`` of a power-of-two ``D``: ``(x * (s * scale)) @ H`` by the butterfly, reading
+    only ``s = R[:, 0]``. The scale multiplies the inputs, before the adds (``s * scale`` is
+    exact: ``s`` is +-1)."""
+    signs = tl.load(rot_ptr + tl.arange(0, D) * D)
+    return walsh_hadamard_rows(x * (signs * scale)[None, :], D, LOG2_D)

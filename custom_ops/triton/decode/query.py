@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from custom_ops.triton.hadamard import walsh_hadamard_rows
+from custom_ops.triton.hadamard import rotate_rows
 
 __all__ = [
     "query_part",
@@ -42,16 +42,16 @@ def rotate_query(query, rot_ptr, b, q_head, row_ok, q_scale, D: tl.constexpr,
     would be on the critical path).
 
     For a power-of-two D, ``R = diag(s) @ H`` with ``H`` Walsh-Hadamard and ``s = R[:, 0]``, so
-    ``q @ R = (q * s) @ H``: a butterfly over each query row (:func:`walsh_hadamard_rows`,
-    float32 adds), and only R's first column is read. Parts are contiguous ranges of ``PC``
+    ``q @ R = (q * s) @ H``: a butterfly over each query row
+    (:func:`~custom_ops.triton.hadamard.rotate_rows`, float32 adds), and only R's first column
+    is read. Parts are contiguous ranges of ``PC``
     outputs, split off the transposed rows.
     """
     q_ptr, stride_qb, stride_qh = query
     d = tl.arange(0, D)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
     x = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    x *= tl.load(rot_ptr + d * D)[None, :] * (INV_SQRT_D * q_scale)
-    y = walsh_hadamard_rows(x, D, LOG2_D)  # [G_PAD, D]
+    y = rotate_rows(x, rot_ptr, INV_SQRT_D * q_scale, D, LOG2_D)  # [G_PAD, D]
     G_PAD: tl.constexpr = y.shape[0]
     tl.static_assert(PARTS > 1, "rotated keys have 2 (4-bit) or 4 (2- and 3-bit) parts")
     if PARTS == 2:
