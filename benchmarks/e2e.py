@@ -14,8 +14,9 @@ about ``context`` tokens. Caches:
 Modes: ``reduce-overhead`` (``torch.compile(decode_one_token, mode="reduce-overhead",
 fullgraph=True)``: CUDA graphs), ``default`` (``torch.compile(..., fullgraph=True)``, no
 graphs: host-bound at small batch) and ``eager``. Each cell times ``--steps`` steps after
-warm-up, wall clock between two synchronizations. A cache that does not fit the GPU is reported
-as ``oom`` (a capacity win for the smaller cache). ``max_context``: the longest context per
+warm-up in five blocks, wall clock between two synchronizations, and reports the median block
+(the JSON has every block's). A cache that does not fit the GPU is reported as ``oom`` (a
+capacity win for the smaller cache). ``max_context``: the longest context per
 sequence whose KV cache fits ``--kv-budget-gb`` at that batch.
 
 ``--kernels N`` adds, per cell, the GPU time per step of every kernel over ``N`` profiled steps
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -73,6 +75,7 @@ FILL_CHUNK = 2048
 BASELINE = "bf16"
 DENSE = {"bf16": "enable_gqa", "bf16-repeat": "repeat_interleave"}
 MODES = ("reduce-overhead", "default", "eager")
+BLOCKS = 5  # timed blocks of consecutive steps per cell (time_decode)
 
 
 @torch.no_grad()
@@ -100,18 +103,27 @@ def step_function(mode: str):
 
 
 @torch.no_grad()
-def time_decode(model: Transformer, step, batch: int, position: int, steps: int) -> float:
+def time_decode(model: Transformer, step, batch: int, position: int,
+                steps: int) -> tuple[float, list[float]]:  # fmt: skip
     """Milliseconds per decode step at positions ``position, position + 1, ...`` (on the
-    model's device: the CPU too, for benchmarks/tp.py's gloo runs)."""
+    model's device: the CPU too, for benchmarks/tp.py's gloo runs), and per block: the median
+    over blocks of consecutive steps (:data:`BLOCKS`, or one per step if fewer), so that a
+    pause of the host in one block (another process, a garbage collection) does not move the
+    number."""
     device = model.output.weight.device
     token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
     positions = [torch.tensor([position + i], device=device) for i in range(steps + 3)]
     token = _decode_steps(model, step, token, positions[:3])  # compile, record, replay
-    sync(device.type)
-    start = time.perf_counter()
-    _decode_steps(model, step, token, positions[3:])
-    sync(device.type)
-    return (time.perf_counter() - start) / steps * 1e3
+    blocks = min(BLOCKS, steps)
+    times = []
+    for i in range(blocks):
+        block = positions[3 + i * steps // blocks : 3 + (i + 1) * steps // blocks]
+        sync(device.type)
+        start = time.perf_counter()
+        token = _decode_steps(model, step, token, block)
+        sync(device.type)
+        times.append((time.perf_counter() - start) / len(block) * 1e3)
+    return statistics.median(times), times
 
 
 def _decode_steps(model: Transformer, step, token: torch.Tensor, positions) -> torch.Tensor:
@@ -173,7 +185,8 @@ def run_cells(model: Transformer, args) -> list[dict]:
                         gen = torch.Generator(model.output.weight.device).manual_seed(1)
                         fill_caches(model, batch, filled, gen)
                         step = step_function(mode)
-                        ms = time_decode(model, step, batch, filled, args.steps)
+                        ms, row["block_ms"] = time_decode(model, step, batch, filled,
+                                                          args.steps)  # fmt: skip
                         if args.kernels:
                             row["kernels"] = kernel_times(
                                 model, step, batch, filled + args.steps + 3, args.kernels

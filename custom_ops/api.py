@@ -71,14 +71,14 @@ def store_window(
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     constants: KVConstants,
-) -> None:
-    """Write ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos [B] int32 ..`` (at
-    most each sequence's length) to sequences whose latest tokens live in the rings
+) -> torch.Tensor:
+    """Write ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos [B] ..`` (int32 or
+    int64; at most each sequence's length) to sequences whose latest tokens live in the rings
     ``k_window``/``v_window [B, Hk, W, D]``, ``window_pos [B, Hk, W] int32`` the position of each
-    slot (see ``torch.ops.tq.store_window``)."""
+    slot (see ``torch.ops.tq.store_window``); the new lengths ``[B] int32``."""
     args = StoreWindowArgs(key, value, *cache, k_window, v_window, window_pos, block_table,
                            start_pos, constants.rotation, get_format(fmt).name)  # fmt: skip
-    torch.ops.tq.store_window(*args)
+    return torch.ops.tq.store_window(*args)
 
 
 def appended_window_positions(

@@ -23,8 +23,9 @@ stay opaque calls.
   negative slots are padding and skipped; two tokens of one call with the same slot leave one
   of them there, which one unspecified on CUDA, the last on the CPU). Returns nothing.
 * ``tq.store_window(key, value, k_codes!, v_codes!, meta!, k_window!, v_window!, window_pos!,
-  block_table, start_pos, rotation, fmt)``: write ``key``/``value [B, Hk, T, D]`` at positions
-  ``start_pos[b] ..`` (``[B] int32``, at most the current length: appends, rollbacks and
+  block_table, start_pos, rotation, fmt) -> seq_lens``: write ``key``/``value [B, Hk, T, D]``
+  at positions ``start_pos[b] ..`` (``[B]`` int32 or int64, any stride, so a model's
+  ``input_pos[:1].expand(B)`` as it is; at most the current length: appends, rollbacks and
   restarts alike; negative skips the sequence) to sequences whose latest positions (a run of at
   most ``W``) live in the rings ``k_window``/``v_window [>= B, Hk, W, D]`` (contiguous
   bf16/fp16, position ``p`` at slot ``p % W``), ``window_pos [>= B, Hk, W] int32`` recording
@@ -32,6 +33,8 @@ stay opaque calls.
   while still part of its sequence is quantized into its page exactly once
   (:func:`custom_ops.reference.store_window`); pages are needed only below ``len - W``, so a
   sequence of ``block_table [>= B, max_pages]`` holds ``max_pages * page_size + W`` positions.
+  Returns the new lengths ``[B] int32`` (``start_pos + T``; 0 for a skipped sequence), what
+  ``tq.decode`` takes next: no kernel of its own computes them.
 * ``tq.dequantize(k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, max_seq_len,
   dtype, k_window=None, v_window=None, window_pos=None) -> (K, V)``: dense ``[B, Hk,
   max_seq_len, D]`` of ``dtype`` (bf16, fp16, fp32 or fp64) for ``block_table [B, max_pages]
@@ -164,15 +167,14 @@ def _store(a: StoreArgs) -> None:
         reference.store(kv_format, a.key, a.value, _cache(a), a.slot_mapping, a.rotation)
 
 
-def _store_window(a: StoreWindowArgs) -> None:
+def _store_window(a: StoreWindowArgs) -> torch.Tensor:
     key = validate.launch_key(a)
     kv_format = validate.checked(validate.check_store_window, a, key)
     args = (kv_format, a.key, a.value, _cache(a), a.k_window, a.v_window, a.window_pos,
             a.block_table, a.start_pos, a.rotation)  # fmt: skip
     if _use_triton(a.key.device):
-        triton_store_window.store_window(*args, launch_key=key)
-    else:
-        reference.store_window(*args)
+        return triton_store_window.store_window(*args, launch_key=key)
+    return reference.store_window(*args)
 
 
 def _dequantize(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,15 +211,16 @@ def _store_fake(a: StoreArgs) -> None:
     validate.check_store(a)
 
 
-def _store_window_fake(a: StoreWindowArgs) -> None:
+def _store_window_fake(a: StoreWindowArgs) -> torch.Tensor:
     validate.check_store_window(a)
+    return a.key.new_empty(a.key.shape[0], dtype=torch.int32)
 
 
 _define("store", StoreArgs, _store, _store_fake, mutates=("k_codes", "v_codes", "meta"),
         traceable=True)  # fmt: skip
 _define("store_window", StoreWindowArgs, _store_window, _store_window_fake,
         mutates=("k_codes", "v_codes", "meta", "k_window", "v_window", "window_pos"),
-        traceable=True)  # fmt: skip
+        returns="Tensor", traceable=True)  # fmt: skip
 _define("dequantize", DequantizeArgs, _dequantize, _dequantize_fake, returns="(Tensor, Tensor)")
 _define("decode", DecodeArgs, _decode, _decode_fake, returns="Tensor", traceable=True)
 traced.static_launch_by_default()

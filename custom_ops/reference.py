@@ -26,6 +26,7 @@ __all__ = [
     "unpack_codes",
     "store",
     "store_window",
+    "written_lengths",
     "ring_start",
     "overlay_window",
     "gather_rows",
@@ -281,9 +282,10 @@ def store_window(
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     rotation: torch.Tensor,
-) -> None:
+) -> torch.Tensor:
     """Write ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos[b] ..`` of sequences
-    that keep their most recent tokens in full precision.
+    that keep their most recent tokens in full precision; the sequences' new lengths
+    (:func:`written_lengths`).
 
     Each sequence-head keeps a run of its latest positions ``[w, len)`` (at most ``W``) in the
     ring ``k_window / v_window [B, Hk, W, D]``, position ``p`` at slot ``p % W``, and the
@@ -323,6 +325,14 @@ def store_window(
         k_window[b][:, stay % window] = key[b][:, ~direct].to(k_window.dtype)
         v_window[b][:, stay % window] = value[b][:, ~direct].to(v_window.dtype)
         window_pos[b][:, stay % window] = stay.to(window_pos.dtype)
+    return written_lengths(start_pos, n_new)
+
+
+def written_lengths(start_pos: torch.Tensor, n_new: int) -> torch.Tensor:
+    """``[B] int32``: the length of each sequence after ``n_new`` tokens written from
+    ``start_pos [B]`` on (everything from the start is new), 0 for a skipped sequence (negative
+    start), whose length the write does not know."""
+    return torch.where(start_pos >= 0, start_pos + n_new, 0).to(torch.int32)
 
 
 def ring_start(window_pos: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

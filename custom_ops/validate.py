@@ -169,6 +169,15 @@ def check_int32_vector(op: str, name: str, t: torch.Tensor, length: int | None =
         _fail(op, f"{name} must be contiguous, got stride {t.stride(0)}")
 
 
+def check_position_vector(op: str, name: str, t: torch.Tensor, length: int) -> None:
+    """An int32 or int64 ``[length]`` tensor of any stride (a model's ``input_pos[:1].expand(B)``
+    passes as it is: the kernels read entry ``b`` at ``b * stride``)."""
+    if t.dtype not in (torch.int32, torch.int64):
+        _fail(op, f"{name} must be int32 or int64, got {t.dtype}", TypeError)
+    if t.dim() != 1 or t.shape[0] != length:
+        _fail(op, f"{name} must have shape [{length}], got {_shape(t)}")
+
+
 def check_new_tokens(
     op: str,
     fmt: KVFormat,
@@ -245,7 +254,7 @@ def check_store_window(args: StoreWindowArgs) -> KVFormat:
             f"{_shape(block_table)}",
         )
     check_same_device(op, device, block_table=block_table)
-    check_int32_vector(op, "start_pos", start_pos, batch)
+    check_position_vector(op, "start_pos", start_pos, batch)
     check_rotation(op, args.rotation, head_dim, device)
     if batch and checks_values(start_pos):
         window = args.k_window.shape[2]

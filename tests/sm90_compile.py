@@ -47,8 +47,8 @@ def kernels(name: str) -> dict:
         "store_window": lambda: compile_offline(
             store_window.store_window_kernel, (1,), new, new, *new.stride(), *new.stride(),
             ring_arguments(ring, ring, ring_pos), plane_arguments(cache), table_arguments(table),
-            lens, rot, 4, HEADS, 1, 1, WINDOW, PAGE, 4, D=d, D_PAD=d, INV_SQRT_D=inv, BLOCK_R=32,
-            K=kp, V=vp, num_warps=4),
+            lens, 1, lens, rot, 4, HEADS, 1, 1, WINDOW, PAGE, 4, D=d, D_PAD=d, INV_SQRT_D=inv,
+            BLOCK_R=32, K=kp, V=vp, num_warps=4),
         "dequant": lambda: compile_offline(
             dequant.dequant_kernel, (4, 2), plane_arguments(cache), table_arguments(table), lens,
             rot, dense, dense, ring_arguments(ring, ring, ring_pos), WINDOW, HEADS, PAGE, 4, 64,

@@ -80,9 +80,11 @@ class Sequences:
                 self.ring_from[b] = max(from_start, start + n_new - self.window)
         d = self.device
         with triton_kernels(d) if use_triton else torch.no_grad():
-            api.store_window(self.fmt, self.cache, key.to(d), value.to(d), self.k_window,
-                             self.v_window, self.window_pos, self.block_table, start_pos.to(d),
-                             self.consts)  # fmt: skip
+            lens = api.store_window(self.fmt, self.cache, key.to(d), value.to(d), self.k_window,
+                                    self.v_window, self.window_pos, self.block_table,
+                                    start_pos.to(d), self.consts)  # fmt: skip
+        # the op returns the written sequences' lengths, 0 for the skipped ones
+        assert torch.equal(lens.cpu(), torch.where(start_pos >= 0, self.lens, 0)), lens
 
     def decode(self, q, num_splits, mask=None, lens=None):
         """``tq.decode`` of ``q`` over the cache and the rings by the Triton kernels on this

@@ -212,14 +212,11 @@ class TurboQuantKVCache(nn.Module):
         planes = (self.k_codes, self.v_codes, self.meta)
         rings = (self.k_window, self.v_window, self.window_pos) if self.window else (None,) * 3
         if self.window:
-            # positions start .. start + T - 1, the new length start + T
-            start = input_pos[:1].expand(batch)  # [B] int32, contiguous, one kernel
-            start = start.to(torch.int32) if start.dtype != torch.int32 else start.contiguous()
-            # before the write: inductor then computes both in one kernel (a traced write may
-            # count every argument as written, start included: see custom_ops.triton.traced)
-            seq_lens = start + n_new
-            torch.ops.tq.store_window(k_val, v_val, *planes, *rings, table, start, self.rotation,
-                                      name)  # fmt: skip
+            # positions start .. start + T - 1: the store reads the start from input_pos (a
+            # view, no kernel) and returns the new lengths start + T
+            start = input_pos[:1].expand(batch)
+            seq_lens = torch.ops.tq.store_window(k_val, v_val, *planes, *rings, table, start,
+                                                 self.rotation, name)  # fmt: skip
         else:
             pos = input_pos.to(torch.int64)
             pages = table[:, pos // self.page_size]  # [B, T]

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.formats import KVFormat, PagedKVCache
+from custom_ops.reference import written_lengths
 from custom_ops.triton.encode import encode_side
 from custom_ops.triton.launch import KeyedMemo, Launcher
 from custom_ops.triton.paged import plane_arguments, ring_arguments, row_pointers, table_arguments
@@ -51,6 +52,8 @@ def store_window_kernel(
     planes,
     table,
     start_pos_ptr,
+    stride_start,
+    seq_lens_ptr,
     rot_ptr,
     num_rows,
     num_kv_heads,
@@ -70,14 +73,16 @@ def store_window_kernel(
     token is quantized into its page if still part of the sequence (its position, from
     ``window_pos``, below ``start``); then the last new token of the chain ``chain, chain + W,
     ...`` takes the slot. Each row owns its slot and position entry, so no row reads what
-    another writes."""
+    another writes. Row ``(b, 0, 0)`` also writes the sequence's new length (0 if skipped)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < num_rows
     head = rows % num_kv_heads
     chain = (rows // num_kv_heads) % num_chains
     b = rows // (num_kv_heads * num_chains)
-    start = tl.load(start_pos_ptr + b, mask=in_range, other=-1)
+    start = tl.load(start_pos_ptr + b * stride_start, mask=in_range, other=-1).to(tl.int32)
     live = in_range & (start >= 0)
+    tl.store(seq_lens_ptr + b, tl.where(live, start + num_new, 0),
+             mask=in_range & (chain == 0) & (head == 0))  # fmt: skip
     b64 = b.to(tl.int64)
     head64 = head.to(tl.int64)
     k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
@@ -157,8 +162,9 @@ def store_window(
     block_rows: int | None = None,
     num_warps: int = _DEFAULT_WARPS,
     launch_key: tuple | None = None,
-) -> None:
-    """Launch the window store (inputs validated; see ``torch.ops.tq.store_window``).
+) -> torch.Tensor:
+    """Launch the window store (inputs validated; see ``torch.ops.tq.store_window``); the
+    sequences' new lengths ``[B] int32``.
 
     ``block_rows``: rows per program (default: :data:`APPEND_ROWS` for appends, 32 for more
     rows); ``launch_key``: the launchers' specialization key (see
@@ -166,7 +172,8 @@ def store_window(
     batch, num_kv_heads, n_new, head_dim = key.shape
     window = k_window.shape[2]
     if batch == 0 or n_new == 0:
-        return
+        return written_lengths(start_pos, n_new)
+    seq_lens = torch.empty(batch, dtype=torch.int32, device=key.device)
     page_size = cache.k_codes.shape[2]
     if n_new > window:
         positions = start_pos[:, None].to(torch.int64) + torch.arange(
@@ -192,6 +199,7 @@ def store_window(
         grid, key, value, *key.stride(), *value.stride(),
         ring_arguments(k_window, v_window, window_pos), plane_arguments(cache),
         table_arguments(block_table),
-        start_pos, rotation, num_rows, num_kv_heads, n_new, num_chains, window, page_size,
-        block_table.shape[1], key=launch_key,
+        start_pos, start_pos.stride(0), seq_lens, rotation, num_rows, num_kv_heads, n_new,
+        num_chains, window, page_size, block_table.shape[1], key=launch_key,
     )  # fmt: skip
+    return seq_lens

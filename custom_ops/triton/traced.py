@@ -137,9 +137,18 @@ def _literal(value) -> str:
 
 def _structure(args: tuple) -> tuple:
     """The tuple structure of ``args``: per argument, the structure of its items (a tuple),
-    ``float`` (a Python float) or None (any other single value)."""
+    ``float`` (a Python float), ``int`` (a Python int) or None (any other single value)."""
     return tuple(_structure(arg) if isinstance(arg, tuple) else
-                 (float if isinstance(arg, float) else None) for arg in args)  # fmt: skip
+                 next((t for t in (float, int) if isinstance(arg, t)), None)
+                 for arg in args)  # fmt: skip
+
+
+def _int_params(structure: tuple) -> list[bool]:
+    """Per flat parameter (in :func:`_flatten`'s order), whether it is a Python int."""
+    flags = []
+    for inner in structure:
+        flags += _int_params(inner) if isinstance(inner, tuple) else [inner is int]
+    return flags
 
 
 def _flatten(args: tuple) -> list:
@@ -154,10 +163,11 @@ def _flatten(args: tuple) -> list:
 
 def _spread(names: list[str], structure: tuple) -> tuple[list[str], list[str]]:
     """``(parameters, call arguments)``: the flat parameter names of arguments ``names`` of
-    ``structure``, and the expressions that rebuild each argument from them."""
+    ``structure`` in :func:`_flatten`'s order, and the expressions that rebuild each argument
+    from them."""
     params, rebuilt = [], []
     for name, inner in zip(names, structure, strict=True):
-        if inner is None:
+        if inner is None or inner is int:
             params.append(name)
             rebuilt.append(name)
         elif inner is float:
@@ -175,18 +185,26 @@ def _spread(names: list[str], structure: tuple) -> tuple[list[str], list[str]]:
 @functools.cache
 def _flat_entry(kernel, structure: tuple):
     """The flat entry of ``kernel`` (a ``@triton.jit`` kernel) for runtime arguments of tuple
-    ``structure`` (:func:`_structure`): a jit kernel taking the flattened arguments, then the
-    kernel's constexprs by name, that calls ``kernel`` with the tuples rebuilt. Built once per
-    kernel and structure, named after both (the same name in every process); its source lives
-    in ``linecache`` (Triton and inductor read it)."""
+    ``structure`` (:func:`_structure`), and the names of its integer parameters: a jit kernel
+    taking the flattened arguments (the integers among them as constexprs, by those names),
+    then the kernel's constexprs by name, that calls ``kernel`` with the tuples rebuilt. Built
+    once per kernel and structure, named after both (the same name in every process); its
+    source lives in ``linecache`` (Triton and inductor read it)."""
     # an interpreted kernel has no parameter list of its own: Triton's parse of its function
     kernel_params = getattr(kernel, "params", None) or triton.JITFunction(kernel.fn).params
     runtime = [p.name for p in kernel_params if not p.is_constexpr]
     constexprs = [p.name for p in kernel_params if p.is_constexpr]
-    params, rebuilt = _spread(runtime, structure)
+    flat, rebuilt = _spread(runtime, structure)
+    # Integers (shapes, strides, counts) are constants of a compiled graph, whose static
+    # shapes fixed them; as constexprs they are compiled in instead of passed at every launch
+    # (a static launch's host time grows with its arguments).
+    ints = _int_params(structure)
+    params = [p for p, is_int in zip(flat, ints, strict=True) if not is_int]
+    int_params = [p for p, is_int in zip(flat, ints, strict=True) if is_int]
+    fixed = int_params + constexprs
     name = f"{kernel.__name__}_flat_{hashlib.sha1(repr(structure).encode()).hexdigest()[:8]}"
     source = (
-        f"def {name}({', '.join(params + [f'{c}: tl.constexpr' for c in constexprs])}):\n"
+        f"def {name}({', '.join(params + [f'{c}: tl.constexpr' for c in fixed])}):\n"
         f"    {kernel.__name__}({', '.join(rebuilt + [f'{c}={c}' for c in constexprs])})\n"
     )
     filename = f"<tq flat entry {name}>"
@@ -196,7 +214,7 @@ def _flat_entry(kernel, structure: tuple):
     # Alignment is inductor's to specialize (it knows its buffers); Triton's own specializing
     # of fake tensors' alignment, in the mutation analysis of the traced launch, would read
     # their data pointers and fail, and then every argument would count as written.
-    return triton.jit(namespace[name], do_not_specialize_on_alignment=params)
+    return triton.jit(namespace[name], do_not_specialize_on_alignment=params), int_params
 
 
 def launch_traced(kernel, kwargs: dict, grid: tuple[int, ...], args: tuple) -> None:
@@ -209,8 +227,15 @@ def launch_traced(kernel, kwargs: dict, grid: tuple[int, ...], args: tuple) -> N
     constexprs = {k: v for k, v in kwargs.items() if k not in (*CONFIG_OPTIONS, PDL_OPTION)}
     if "PDL" in constexprs:
         constexprs["PDL"] = False
-    entry = _configured(_flat_entry(kernel, _structure(args)), tuple(sorted(options.items())))
-    torch.library.wrap_triton(entry)[grid](*_flatten(args), **constexprs)
+    structure = _structure(args)
+    entry, int_params = _flat_entry(kernel, structure)
+    flat, ints = _flatten(args), _int_params(structure)
+    constexprs.update(zip(int_params, [v for v, i in zip(flat, ints, strict=True) if i],
+                          strict=True))  # fmt: skip
+    runtime = [v for v, is_int in zip(flat, ints, strict=True) if not is_int]
+    torch.library.wrap_triton(_configured(entry, tuple(sorted(options.items()))))[grid](
+        *runtime, **constexprs
+    )
 
 
 @functools.cache

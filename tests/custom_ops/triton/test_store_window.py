@@ -139,8 +139,8 @@ class TestStoreWindowBadInput(expecttest.TestCase):
             "ring dtypes differ": dict(rings=(rings[0], rings[1].half(), rings[2])),
             "int64 ring positions": dict(rings=(*rings[:2], rings[2].long())),
             "ring positions of another window": dict(rings=(*rings[:2], rings[2][..., :4])),
-            "int64 start": dict(start=start.long()),
-            "broadcast start": dict(start=start[:1].expand(2)),
+            "float start": dict(start=start.float()),
+            "start of one sequence": dict(start=start[:1]),
             "past capacity": dict(start=torch.tensor([CAPACITY - 1, 0], dtype=torch.int32)),
             "block table too short": dict(table=seqs.block_table[:1]),
             "page id out of range": dict(
@@ -164,12 +164,60 @@ float32 ring: TypeError: tq.store_window: k_window and v_window must be bfloat16
 ring dtypes differ: TypeError: tq.store_window: k_window and v_window must be bfloat16 or float16 of one dtype, got torch.bfloat16 and torch.float16
 int64 ring positions: TypeError: tq.store_window: window_pos must be int32, got torch.int64
 ring positions of another window: ValueError: tq.store_window: window_pos must be a contiguous [2, 2, 8] (the rings' batch, kv-heads and window), got (2, 2, 4) with strides (16, 8, 1)
-int64 start: TypeError: tq.store_window: start_pos must be int32, got torch.int64
-broadcast start: ValueError: tq.store_window: start_pos must be contiguous, got stride 0
+float start: TypeError: tq.store_window: start_pos must be int32 or int64, got torch.float32
+start of one sequence: ValueError: tq.store_window: start_pos must have shape [2], got (1,)
 past capacity: ValueError: tq.store_window: tokens up to position 36 do not fit a sequence's capacity of 36 positions (block_table pages * page_size + window)
 block table too short: ValueError: tq.store_window: block_table must be int32 [>= 2, max_pages], got torch.int32 (1, 7)
 page id out of range: ValueError: tq.store_window: block_table[0, 1] = 99 is not a page id in [0, 16), but sequence 0 keeps its positions below start_pos + T - window = 5 in pages""",  # noqa: E501
         )
+
+
+def test_start_read_from_a_model_input_pos(kernel_device, seeded):
+    """A model's positions ``input_pos [T] int64`` pass as ``input_pos[:1].expand(B)`` (int64,
+    stride 0, no copy): the same cache, rings and returned lengths as a contiguous int32
+    start."""
+    fmt = get_format("k8v4")
+    rotation = api.make_constants(fmt, HEAD_DIM).rotation.to(kernel_device)
+    key, value = random_kv(BATCH * 3, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, seeded)
+    key = key.reshape(BATCH, NUM_KV_HEADS, 3, HEAD_DIM).to(kernel_device)
+    value = value.reshape(BATCH, NUM_KV_HEADS, 3, HEAD_DIM).to(kernel_device)
+    input_pos = torch.arange(7, 10, device=kernel_device)
+    table = torch.arange(BATCH * 4, dtype=torch.int32, device=kernel_device).reshape(BATCH, 4)
+    results = []
+    for start in (input_pos[:1].expand(BATCH), torch.full((BATCH,), 7, dtype=torch.int32)):
+        cache = fmt.allocate(BATCH * 4, NUM_KV_HEADS, 4, HEAD_DIM, kernel_device)
+        rings = [torch.zeros(BATCH, NUM_KV_HEADS, 4, HEAD_DIM, dtype=torch.bfloat16,
+                             device=kernel_device) for _ in range(2)]  # fmt: skip
+        rings.append(torch.full((BATCH, NUM_KV_HEADS, 4), -1, dtype=torch.int32,
+                                device=kernel_device))  # fmt: skip
+        for first in (0, 4):  # fill positions 0..6 first: position 7 onwards evicts
+            n = 4 if first == 0 else 3
+            with triton_kernels(kernel_device):
+                api.store_window(
+                    fmt,
+                    cache,
+                    key[:, :, :1].expand(-1, -1, n, -1),
+                    value[:, :, :1].expand(-1, -1, n, -1),
+                    *rings,
+                    table,
+                    torch.full((BATCH,), first, dtype=torch.int32, device=kernel_device),
+                    api.KVConstants(rotation),
+                )
+        with triton_kernels(kernel_device):
+            lens = api.store_window(
+                fmt,
+                cache,
+                key,
+                value,
+                *rings,
+                table,
+                start.to(kernel_device),
+                api.KVConstants(rotation),
+            )
+        assert lens.dtype == torch.int32 and lens.tolist() == [10] * BATCH
+        results.append([p.cpu() for p in (*cache, *rings)])
+    for from_view, from_int32 in zip(*results, strict=True):
+        assert torch.equal(from_view, from_int32)
 
 
 def test_short_sequence_table_may_end_in_padding(kernel_device, seeded):

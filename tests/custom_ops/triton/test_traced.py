@@ -110,7 +110,8 @@ def test_inductor_builds_every_traced_kernel():
                    for line in lines if " writes: " in line}  # fmt: skip
         assert written == {
             "store_kernel": "planes_0 planes_1 planes_2",
-            "store_window_kernel": "rings_0 rings_1 rings_2 planes_0 planes_1 planes_2",
+            "store_window_kernel": "rings_0 rings_1 rings_2 planes_0 planes_1 planes_2 "
+            "seq_lens_ptr",
             "split_kernel": "part_out_ptr part_lse_ptr",
             "ring_partials_kernel": "part_out_ptr part_lse_ptr",
             "merge_kernel": "out_ptr",
@@ -120,7 +121,8 @@ def test_inductor_builds_every_traced_kernel():
 def test_traced_launch_has_no_programmatic_dependent_launch():
     """A traced launch drops ``launch_pdl`` and turns the kernel's ``PDL`` constexpr off
     (inductor launches without it; its waits would hide the kernel's writes from the mutation
-    analysis); the launch options travel in the one config, the register cap in its kwargs."""
+    analysis); the launch options travel in the one config, the register cap in its kwargs;
+    integer arguments become constexprs of the flat entry."""
     calls = []
 
     class Recorded:  # what wrap_triton(kernel)[grid](*args, **kwargs) would trace
@@ -136,7 +138,9 @@ def test_traced_launch_has_no_programmatic_dependent_launch():
     with mock.patch.object(torch.library, "wrap_triton", Recorded):
         traced.launch_traced(_kernel_with_pdl, launcher_kwargs, (3,), ((torch.empty(1), 5), 1.5))
     ((tuned, grid, args, kwargs),) = calls
-    assert grid == (3,) and len(args) == 3 and kwargs["PDL"] is False
+    # the tuple's int is compiled in (a constexpr of the flat entry), the tensor and the float
+    # are passed
+    assert grid == (3,) and len(args) == 2 and kwargs["pair_1"] == 5 and kwargs["PDL"] is False
     assert "launch_pdl" not in kwargs and "num_warps" not in kwargs and "maxnreg" not in kwargs
     (config,) = tuned.configs
     assert (config.num_warps, config.kwargs) == (2, {"maxnreg": 128})
