@@ -411,6 +411,8 @@ def main() -> None:
     parser.add_argument("--out", default="e2e.json")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
     args = parser.parse_args()
+    if args.steps < 1 or args.kernels < 0:
+        parser.error(f"need --steps >= 1 and --kernels >= 0, got {args.steps} and {args.kernels}")
     if args.plot:
         plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return

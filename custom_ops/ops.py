@@ -34,7 +34,7 @@ stay opaque calls.
   (:func:`custom_ops.reference.store_window`); pages are needed only below ``len - W``, so a
   sequence of ``block_table [>= B, max_pages]`` holds ``max_pages * page_size + W`` positions.
   Returns the new lengths ``[B] int32`` (``start_pos + T``; 0 for a skipped sequence), what
-  ``tq.decode`` takes next: no kernel of its own computes them.
+  ``tq.decode`` takes next (on CUDA the store kernel writes them: no launch of their own).
 * ``tq.dequantize(k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, max_seq_len,
   dtype, k_window=None, v_window=None, window_pos=None) -> (K, V)``: dense ``[B, Hk,
   max_seq_len, D]`` of ``dtype`` (bf16, fp16, fp32 or fp64) for ``block_table [B, max_pages]

@@ -44,11 +44,13 @@ def kernels(name: str) -> dict:
             store.store_kernel, (1,), rows, rows, *rows.stride(), *rows.stride(),
             plane_arguments(cache), lens, rot, 8, HEADS, PAGE, PAGES * PAGE, D=d, INV_SQRT_D=inv,
             BLOCK_R=32, K=kp, V=vp, num_warps=4),
-        "store_window": lambda: compile_offline(
+        **{f"store_window {start.dtype}": lambda start=start: compile_offline(
             store_window.store_window_kernel, (1,), new, new, *new.stride(), *new.stride(),
             ring_arguments(ring, ring, ring_pos), plane_arguments(cache), table_arguments(table),
-            lens, 1, lens, rot, 4, HEADS, 1, 1, WINDOW, PAGE, 4, D=d, D_PAD=d, INV_SQRT_D=inv,
-            BLOCK_R=32, K=kp, V=vp, num_warps=4),
+            start, start.stride(0), lens, rot, 4, HEADS, 1, 1, WINDOW, PAGE, 4, D=d, D_PAD=d,
+            INV_SQRT_D=inv, BLOCK_R=32, K=kp, V=vp, num_warps=4)
+            # a cache's start: input_pos[:1].expand(B), int64
+            for start in (lens, torch.zeros(1, dtype=torch.int64).expand(2))},
         "dequant": lambda: compile_offline(
             dequant.dequant_kernel, (4, 2), plane_arguments(cache), table_arguments(table), lens,
             rot, dense, dense, ring_arguments(ring, ring, ring_pos), WINDOW, HEADS, PAGE, 4, 64,

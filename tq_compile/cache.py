@@ -213,7 +213,10 @@ class TurboQuantKVCache(nn.Module):
         rings = (self.k_window, self.v_window, self.window_pos) if self.window else (None,) * 3
         if self.window:
             # positions start .. start + T - 1: the store reads the start from input_pos (a
-            # view, no kernel) and returns the new lengths start + T
+            # view, no kernel) and returns the new lengths start + T. A view of a graph input
+            # may go into the traced launch: the store kernel has no inline PTX, so the launch's
+            # mutation analysis sees what it writes (see custom_ops.triton.traced), and the view
+            # counts as read only.
             start = input_pos[:1].expand(batch)
             seq_lens = torch.ops.tq.store_window(k_val, v_val, *planes, *rings, table, start,
                                                  self.rotation, name)  # fmt: skip

@@ -79,7 +79,9 @@ def store_window_kernel(
     head = rows % num_kv_heads
     chain = (rows // num_kv_heads) % num_chains
     b = rows // (num_kv_heads * num_chains)
-    start = tl.load(start_pos_ptr + b * stride_start, mask=in_range, other=-1).to(tl.int32)
+    start = tl.load(start_pos_ptr + b * stride_start, mask=in_range, other=-1)
+    # an int64 start narrowed: negative ones stay negative (-2**32 would become 0)
+    start = tl.where(start >= 0, tl.minimum(start, 2**31 - 1), -1).to(tl.int32)
     live = in_range & (start >= 0)
     tl.store(seq_lens_ptr + b, tl.where(live, start + num_new, 0),
              mask=in_range & (chain == 0) & (head == 0))  # fmt: skip

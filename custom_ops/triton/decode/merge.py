@@ -35,8 +35,9 @@ class MergeConfig(NamedTuple):
 def merge_config(num_rows: int, num_splits: int, d_pad: int, rotate_by_product: bool,
                  sm_count: int | None) -> MergeConfig:  # fmt: skip
     """As many rows per program as keep two programs per SM busy (up to 16, so a rotation is
-    read once per 16 rows), and at most 256 partials in registers at a time (``sm_count`` None:
-    not a GPU, 16 rows).
+    read once per 16 rows), and as many partials at a time as the rows' ``[block_m, chunk,
+    d_pad]`` float32 tile holds at ``LANE_FLOATS`` per thread (``sm_count`` None: not a GPU, 16
+    rows).
 
     A program of one row whose partials fit one warp's registers (``LANE_FLOATS`` per lane)
     gets one warp and one chunk: with more warps, Triton lays them along the splits (the row's
@@ -51,7 +52,11 @@ def merge_config(num_rows: int, num_splits: int, d_pad: int, rotate_by_product: 
     fits_one_warp = num_splits * d_pad <= 32 * LANE_FLOATS and not rotate_by_product
     if block_m == 1 and fits_one_warp:
         return MergeConfig(1, num_splits, 1)
-    return MergeConfig(block_m, min(num_splits, max(1, 256 // block_m)), NUM_WARPS)
+    # (256 partials of D = 128 at a time, one row, spilled 80 bytes at the 255-register cap;
+    # 128 take 161 registers: offline SASS, NOTES "Issue 18, fifth pass")
+    tile_floats = 32 * NUM_WARPS * LANE_FLOATS
+    return MergeConfig(block_m, min(num_splits, max(1, tile_floats // (block_m * d_pad))),
+                       NUM_WARPS)  # fmt: skip
 
 
 @triton.jit

@@ -172,26 +172,33 @@ page id out of range: ValueError: tq.store_window: block_table[0, 1] = 99 is not
         )
 
 
-def test_start_read_from_a_model_input_pos(kernel_device, seeded):
+@pytest.mark.parametrize("n_new", [3, 6])  # within the window of 4, and past it
+def test_start_read_from_a_model_input_pos(n_new, kernel_device, seeded):
     """A model's positions ``input_pos [T] int64`` pass as ``input_pos[:1].expand(B)`` (int64,
     stride 0, no copy): the same cache, rings and returned lengths as a contiguous int32
-    start."""
+    start. A negative int64 start skips its sequence whatever its low 32 bits (-2**32)."""
     fmt = get_format("k8v4")
     rotation = api.make_constants(fmt, HEAD_DIM).rotation.to(kernel_device)
-    key, value = random_kv(BATCH * 3, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, seeded)
-    key = key.reshape(BATCH, NUM_KV_HEADS, 3, HEAD_DIM).to(kernel_device)
-    value = value.reshape(BATCH, NUM_KV_HEADS, 3, HEAD_DIM).to(kernel_device)
-    input_pos = torch.arange(7, 10, device=kernel_device)
+    key, value = random_kv(BATCH * n_new, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, seeded)
+    key = key.reshape(BATCH, NUM_KV_HEADS, n_new, HEAD_DIM).to(kernel_device)
+    value = value.reshape(BATCH, NUM_KV_HEADS, n_new, HEAD_DIM).to(kernel_device)
+    input_pos = torch.arange(7, 7 + n_new, device=kernel_device)
     table = torch.arange(BATCH * 4, dtype=torch.int32, device=kernel_device).reshape(BATCH, 4)
-    results = []
-    for start in (input_pos[:1].expand(BATCH), torch.full((BATCH,), 7, dtype=torch.int32)):
+    skip_first = torch.tensor([-(2**32)] + [7] * (BATCH - 1))
+    starts = {
+        "view": (input_pos[:1].expand(BATCH), [7 + n_new] * BATCH),
+        "int32": (torch.full((BATCH,), 7, dtype=torch.int32), [7 + n_new] * BATCH),
+        "int64 skip": (skip_first, [0] + [7 + n_new] * (BATCH - 1)),
+        "int32 skip": (skip_first.clamp_min(-1).to(torch.int32), [0] + [7 + n_new] * (BATCH - 1)),
+    }
+    results = {}
+    for label, (start, lengths) in starts.items():
         cache = fmt.allocate(BATCH * 4, NUM_KV_HEADS, 4, HEAD_DIM, kernel_device)
         rings = [torch.zeros(BATCH, NUM_KV_HEADS, 4, HEAD_DIM, dtype=torch.bfloat16,
                              device=kernel_device) for _ in range(2)]  # fmt: skip
         rings.append(torch.full((BATCH, NUM_KV_HEADS, 4), -1, dtype=torch.int32,
                                 device=kernel_device))  # fmt: skip
-        for first in (0, 4):  # fill positions 0..6 first: position 7 onwards evicts
-            n = 4 if first == 0 else 3
+        for first, n in ((0, 4), (4, 3)):  # positions 0..6 first: position 7 onwards evicts
             with triton_kernels(kernel_device):
                 api.store_window(
                     fmt,
@@ -214,10 +221,11 @@ def test_start_read_from_a_model_input_pos(kernel_device, seeded):
                 start.to(kernel_device),
                 api.KVConstants(rotation),
             )
-        assert lens.dtype == torch.int32 and lens.tolist() == [10] * BATCH
-        results.append([p.cpu() for p in (*cache, *rings)])
-    for from_view, from_int32 in zip(*results, strict=True):
-        assert torch.equal(from_view, from_int32)
+        assert lens.dtype == torch.int32 and lens.tolist() == lengths, label
+        results[label] = [p.cpu() for p in (*cache, *rings)]
+    for a, b in (("view", "int32"), ("int64 skip", "int32 skip")):
+        for x, y in zip(results[a], results[b], strict=True):
+            assert torch.equal(x, y), (a, b)
 
 
 def test_short_sequence_table_may_end_in_padding(kernel_device, seeded):
