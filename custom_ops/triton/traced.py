@@ -146,14 +146,6 @@ def _structure(args: tuple) -> tuple:
                  for arg in args)  # fmt: skip
 
 
-def _int_params(structure: tuple) -> list[bool]:
-    """Per flat parameter (in :func:`_flatten`'s order), whether it is a Python int."""
-    flags = []
-    for inner in structure:
-        flags += _int_params(inner) if isinstance(inner, tuple) else [inner is int]
-    return flags
-
-
 def _flatten(args: tuple) -> list:
     flat = []
     for arg in args:
@@ -201,7 +193,7 @@ def _flat_entry(kernel, structure: tuple):
     # Integers (shapes, strides, counts) are constants of a compiled graph, whose static
     # shapes fixed them; as constexprs they are compiled in instead of passed at every launch
     # (a static launch's host time grows with its arguments).
-    ints = _int_params(structure)
+    ints = [leaf is int for leaf in _flatten(structure)]  # the structure's leaves, in order
     params = [p for p, is_int in zip(flat, ints, strict=True) if not is_int]
     int_params = [p for p, is_int in zip(flat, ints, strict=True) if is_int]
     fixed = int_params + constexprs
@@ -232,7 +224,7 @@ def launch_traced(kernel, kwargs: dict, grid: tuple[int, ...], args: tuple) -> N
         constexprs["PDL"] = False
     structure = _structure(args)
     entry, int_params = _flat_entry(kernel, structure)
-    flat, ints = _flatten(args), _int_params(structure)
+    flat, ints = _flatten(args), [leaf is int for leaf in _flatten(structure)]
     constexprs.update(zip(int_params, [v for v, i in zip(flat, ints, strict=True) if i],
                           strict=True))  # fmt: skip
     runtime = [v for v, is_int in zip(flat, ints, strict=True) if not is_int]
