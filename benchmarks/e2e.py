@@ -15,8 +15,10 @@ Modes: ``reduce-overhead`` (``torch.compile(decode_one_token, mode="reduce-overh
 fullgraph=True)``: CUDA graphs), ``default`` (``torch.compile(..., fullgraph=True)``, no
 graphs: host-bound at small batch) and ``eager``. Each cell times ``--steps`` steps after
 warm-up in five blocks, wall clock between two synchronizations, and reports the median block
-(the JSON has every block's). A cache that does not fit the GPU is reported as ``oom`` (a
-capacity win for the smaller cache). ``max_context``: the longest context per
+(the JSON has every block's); in eager mode the caches of one batch and context are all held
+at once and their blocks interleaved, so that a slow stretch of a shared host slows a block of
+each rather than one cache's whole cell. A cache that does not fit the GPU is reported as
+``oom`` (a capacity win for the smaller cache). ``max_context``: the longest context per
 sequence whose KV cache fits ``--kv-budget-gb`` at that batch.
 
 ``--kernels N`` adds, per cell, the GPU time per step of every kernel over ``N`` profiled steps
@@ -103,27 +105,38 @@ def step_function(mode: str):
 
 
 @torch.no_grad()
-def time_decode(model: Transformer, step, batch: int, position: int,
-                steps: int) -> tuple[float, list[float]]:  # fmt: skip
+def time_decode(model: Transformer, step, batch: int, position: int, steps: int,
+                installs: dict | None = None):  # fmt: skip
     """Milliseconds per decode step at positions ``position, position + 1, ...`` (on the
     model's device: the CPU too, for benchmarks/tp.py's gloo runs), and per block: the median
     over blocks of consecutive steps (:data:`BLOCKS`, or one per step if fewer), so that a
     pause of the host in one block (another process, a garbage collection) does not move the
-    number."""
+    number: ``(ms, block_ms)``.
+
+    ``installs``: ``{name: install()}`` of several caches, each installing its caches in the
+    model: then ``{name: (ms, block_ms)}``, their blocks timed in turn (block ``i`` of each
+    before block ``i + 1`` of any), each cache stepping through its own positions."""
     device = model.output.weight.device
-    token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+    entries = installs or {None: lambda: None}
     positions = [torch.tensor([position + i], device=device) for i in range(steps + 3)]
-    token = _decode_steps(model, step, token, positions[:3])  # compile, record, replay
+    tokens = {}
+    for name, install in entries.items():
+        install()
+        token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+        tokens[name] = _decode_steps(model, step, token, positions[:3])  # compile, record, replay
     blocks = min(BLOCKS, steps)
-    times = []
+    times = {name: [] for name in entries}
     for i in range(blocks):
         block = positions[3 + i * steps // blocks : 3 + (i + 1) * steps // blocks]
-        sync(device.type)
-        start = time.perf_counter()
-        token = _decode_steps(model, step, token, block)
-        sync(device.type)
-        times.append((time.perf_counter() - start) / len(block) * 1e3)
-    return statistics.median(times), times
+        for name, install in entries.items():
+            install()
+            sync(device.type)
+            start = time.perf_counter()
+            tokens[name] = _decode_steps(model, step, tokens[name], block)
+            sync(device.type)
+            times[name].append((time.perf_counter() - start) / len(block) * 1e3)
+    timed = {name: (statistics.median(t), t) for name, t in times.items()}
+    return timed if installs else timed[None]
 
 
 def _decode_steps(model: Transformer, step, token: torch.Tensor, positions) -> torch.Tensor:
@@ -176,46 +189,107 @@ def run_cells(model: Transformer, args) -> list[dict]:
     for mode in args.modes:
         for batch in args.batches:
             for context in args.contexts:
+                caches = [BASELINE, *args.dense, *args.formats]
+                # eager cells are timed together; compiled ones one by one, each row printed
+                # as soon as it is timed
+                eager = {}
+                if mode == "eager":
+                    eager = _time_interleaved(model, args, batch, context, caches)
                 base_ms = None
-                for cache in [BASELINE, *args.dense, *args.formats]:
-                    row = dict(mode=mode, batch=batch, context=context, cache=cache)
-                    try:
-                        set_caches(model, cache, batch, context, args.splits)
-                        filled = context - args.steps - 4 - args.kernels
-                        gen = torch.Generator(model.output.weight.device).manual_seed(1)
-                        fill_caches(model, batch, filled, gen)
-                        step = step_function(mode)
-                        ms, row["block_ms"] = time_decode(model, step, batch, filled,
-                                                          args.steps)  # fmt: skip
-                        if args.kernels:
-                            row["kernels"] = kernel_times(
-                                model, step, batch, filled + args.steps + 3, args.kernels
-                            )
-                    except torch.cuda.OutOfMemoryError:
-                        ms = None
-                    nbytes = (kv_cache_nbytes(model) if ms is not None
-                              else _cache_bytes(model.config, cache, batch, context))  # fmt: skip
+                for cache in caches:
+                    timed = eager.get(cache) or _time_cell(model, args, mode, batch, context,
+                                                           cache)  # fmt: skip
+                    row = dict(mode=mode, batch=batch, context=context, cache=cache, **timed)
+                    ms = row["ms"]
                     base_ms = ms if cache == BASELINE else base_ms
                     row.update(
-                        ms=ms, tok_s=batch / ms * 1e3 if ms else None,
-                        speedup=base_ms / ms if ms and base_ms else None, kv_gb=nbytes / 1e9,
-                        max_context=int(args.kv_budget_gb * 1e9 * context / (nbytes * batch)),
+                        tok_s=batch / ms * 1e3 if ms else None,
+                        speedup=base_ms / ms if ms and base_ms else None,
+                        max_context=int(args.kv_budget_gb * 1e9 * context /
+                                        (row["kv_gb"] * 1e9 * batch)),
                     )  # fmt: skip
                     rows.append(row)
-                    print(_row_text(row), flush=True)
-                    if row.get("kernels"):
-                        total = sum(r["us"] for r in row["kernels"])
-                        print(
-                            f"  GPU time per step {total:.1f} us in "
-                            f"{sum(r['launches'] for r in row['kernels']):.0f} launches"
-                        )
-                        top = [dict(r, kernel=r["kernel"][:90]) for r in row["kernels"][:24]]
-                        print_table(top, dict(kernel="", us=".1f", launches=".0f"))
-                    for layer in model.layers:
-                        layer.attention.kv_cache = None
-                    torch._dynamo.reset()
-                    torch.cuda.empty_cache()
+                    _print_row(row)
     return rows
+
+
+def _time_cell(model: Transformer, args, mode: str, batch: int, context: int,
+               cache: str) -> dict:  # fmt: skip
+    """``ms`` (median block), ``block_ms``, ``kv_gb`` and, with ``--kernels``, ``kernels`` of
+    one compiled cell: its caches set up, filled, the step compiled and timed, then freed."""
+    result = dict(ms=None)
+    try:
+        set_caches(model, cache, batch, context, args.splits)
+        filled = context - args.steps - 4 - args.kernels
+        gen = torch.Generator(model.output.weight.device).manual_seed(1)
+        fill_caches(model, batch, filled, gen)
+        step = step_function(mode)
+        result["ms"], result["block_ms"] = time_decode(model, step, batch, filled, args.steps)
+        if args.kernels:
+            result["kernels"] = kernel_times(model, step, batch, filled + args.steps + 3,
+                                             args.kernels)  # fmt: skip
+        result["kv_gb"] = kv_cache_nbytes(model) / 1e9
+    except torch.cuda.OutOfMemoryError:
+        result["kv_gb"] = _cache_bytes(model.config, cache, batch, context) / 1e9
+    _drop_caches(model)
+    torch._dynamo.reset()
+    return result
+
+
+def _time_interleaved(model: Transformer, args, batch: int, context: int,
+                      caches: list[str]) -> dict[str, dict]:  # fmt: skip
+    """:func:`_time_cell`'s results for eager steps, every cache's caches alive at once and
+    their blocks interleaved (block ``i`` of each cache before block ``i + 1`` of any): eager
+    steps are host-bound, and a slow stretch of a shared host then slows a block of every
+    cache, instead of the whole cell of one (one run measured 0.43x for a format that
+    measured 0.74x in the next)."""
+    filled = context - args.steps - 4 - args.kernels
+    held, results = {}, {}
+    for cache in caches:
+        try:
+            set_caches(model, cache, batch, context, args.splits)
+            gen = torch.Generator(model.output.weight.device).manual_seed(1)
+            fill_caches(model, batch, filled, gen)
+            held[cache] = [(layer.attention.gqa, layer.attention.kv_cache)
+                           for layer in model.layers]  # fmt: skip
+            results[cache] = dict(kv_gb=kv_cache_nbytes(model) / 1e9)
+        except torch.cuda.OutOfMemoryError:
+            results[cache] = dict(ms=None, kv_gb=_cache_bytes(model.config, cache, batch,
+                                                               context) / 1e9)  # fmt: skip
+        _drop_caches(model)
+
+    def install(cache: str) -> None:
+        for layer, (gqa, kv_cache) in zip(model.layers, held[cache], strict=True):
+            layer.attention.gqa, layer.attention.kv_cache = gqa, kv_cache
+
+    installs = {cache: functools.partial(install, cache) for cache in held}
+    timed = time_decode(model, decode_one_token, batch, filled, args.steps, installs)
+    for cache, (ms, blocks) in timed.items():
+        results[cache].update(ms=ms, block_ms=blocks)
+        if args.kernels:
+            install(cache)
+            first = filled + args.steps + 3
+            results[cache]["kernels"] = kernel_times(model, decode_one_token, batch, first,
+                                                     args.kernels)  # fmt: skip
+    _drop_caches(model)
+    held.clear()
+    torch.cuda.empty_cache()
+    return results
+
+
+def _drop_caches(model: Transformer) -> None:
+    for layer in model.layers:
+        layer.attention.kv_cache = None
+
+
+def _print_row(row: dict) -> None:
+    print(_row_text(row), flush=True)
+    if row.get("kernels"):
+        total = sum(r["us"] for r in row["kernels"])
+        print(f"  GPU time per step {total:.1f} us in "
+              f"{sum(r['launches'] for r in row['kernels']):.0f} launches")  # fmt: skip
+        top = [dict(r, kernel=r["kernel"][:90]) for r in row["kernels"][:24]]
+        print_table(top, dict(kernel="", us=".1f", launches=".0f"))
 
 
 def _cache_bytes(cfg: ModelArgs, cache: str, batch: int, context: int) -> int:
@@ -243,16 +317,20 @@ def _printable(row: dict) -> dict:
 
 def host_cpu_us(call, n: int = 200) -> float:
     """CPU microseconds per eager call of ``call`` (its GPU work is far shorter at these
-    shapes, so the loop's wall time is the host's)."""
+    shapes, so the loop's wall time is the host's): the fastest of :data:`BLOCKS` blocks of
+    ``n`` calls, since other work on the host only ever adds to a block (shared machines
+    moved the mean of one block by 2x between runs)."""
     for _ in range(10):
         call()
+    blocks = []
+    for _ in range(BLOCKS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            call()
+        blocks.append((time.perf_counter() - start) / n * 1e6)
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
+    return min(blocks)
 
 
 def graph_gpu_us(call, n: int = 50) -> float:
@@ -309,13 +387,14 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
     rings = (cache.k_window, cache.v_window, cache.window_pos)
     seq_lens = torch.full((1,), context - 7, dtype=torch.int32, device="cuda")
     start_pos = torch.full((1,), context - 8, dtype=torch.int32, device="cuda")
+    q_rows = q[:, :, 0]  # [1, Hq, D]
     calls = {
         # an update at a fixed position writes the same token each time: the cost is the same
         "TurboQuantKVCache.update": lambda: cache.update(pos, k_new, k_new),
         "SDPA via TurboQuantKVTensor": lambda: F.scaled_dot_product_attention(
             q, k_tq, v_tq, attn_mask=mask, enable_gqa=True),
         "tq.decode (raw op)": lambda: torch.ops.tq.decode(
-            q[:, :, 0], *planes, table, seq_lens, cache.rotation, fmt, cache.num_splits,
+            q_rows, *planes, table, seq_lens, cache.rotation, fmt, cache.num_splits,
             d**-0.5, None, *rings),
         "tq.store_window (raw op)": lambda: torch.ops.tq.store_window(
             k_new, k_new, *planes, *rings, table, start_pos, cache.rotation, fmt),

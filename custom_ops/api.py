@@ -1,8 +1,10 @@
 """Typed Python API over ``torch.ops.tq`` for the layers above: constants, store, decode.
 
 Each wrapper builds the operator's argument tuple (:mod:`custom_ops.schema`) from a
-:class:`~custom_ops.formats.PagedKVCache` and :class:`KVConstants`, and fills in the defaults
-(split count, softmax scale) by the policies every caller shares.
+:class:`~custom_ops.formats.PagedKVCache` and :class:`KVConstants`, fills in the defaults
+(split count, softmax scale) by the policies every caller shares, and runs the operator
+through :func:`custom_ops.ops.call` (in eager mode on CUDA, its implementation without the
+dispatcher's round trip).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from custom_ops import splits
+from custom_ops import ops, splits
 from custom_ops.codebook import rotation_matrix
 from custom_ops.formats import KVFormat, PagedKVCache, get_format, sequence_capacity
 from custom_ops.schema import DecodeArgs, DequantizeArgs, StoreArgs, StoreWindowArgs
@@ -57,7 +59,7 @@ def store(
 ) -> None:
     """Quantize ``key``/``value`` ``[N, Hk, D]`` into ``cache`` at ``slot_mapping [N] int32``."""
     args = StoreArgs(key, value, *cache, slot_mapping, constants.rotation, get_format(fmt).name)
-    torch.ops.tq.store(*args)
+    ops.call(args)
 
 
 def store_window(
@@ -78,7 +80,7 @@ def store_window(
     slot (see ``torch.ops.tq.store_window``); the new lengths ``[B] int32``."""
     args = StoreWindowArgs(key, value, *cache, k_window, v_window, window_pos, block_table,
                            start_pos, constants.rotation, get_format(fmt).name)  # fmt: skip
-    return torch.ops.tq.store_window(*args)
+    return ops.call(args)
 
 
 def appended_window_positions(
@@ -111,7 +113,7 @@ def dequantize(
     ring runs from the rings when given)."""
     args = DequantizeArgs(*cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
                           max_seq_len, dtype, k_window, v_window, window_pos)  # fmt: skip
-    return torch.ops.tq.dequantize(*args)
+    return ops.call(args)
 
 
 def default_num_splits(
@@ -157,4 +159,4 @@ def decode(
         scale = q.shape[-1] ** -0.5
     args = DecodeArgs(q, *cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
                       num_splits, scale, mask, k_window, v_window, window_pos)  # fmt: skip
-    return torch.ops.tq.decode(*args)
+    return ops.call(args)

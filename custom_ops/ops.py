@@ -9,6 +9,8 @@ pure-torch reference, or the same Triton kernels under ``TRITON_INTERPRET=1`` in
 
 The operators are defined with ``torch.library.Library`` rather than ``custom_op``: the same
 dispatch, functionalization and ``opcheck`` support, for a fraction of the per-call host cost.
+The layers above run them through :func:`call`, which in eager mode on CUDA skips even that
+dispatch (the operator's implementation, called directly) unless something would see the op.
 In graphs that inductor compiles without CUDA graphs, ``store``, ``store_window`` and ``decode``
 on CUDA are traced *through*: their launches become nodes of the graph and inductor's code
 launches the kernels itself, with no op call per step (:func:`inductor_launches`,
@@ -64,7 +66,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
@@ -79,10 +82,12 @@ from custom_ops.triton import store_window as triton_store_window
 from custom_ops.triton import traced
 from custom_ops.triton.decode import decode as triton_decode
 
-__all__ = ["triton_on_cpu", "inductor_launches"]
+__all__ = ["triton_on_cpu", "inductor_launches", "call", "is_eager"]
 
 _state = threading.local()
 _lib = torch.library.Library("tq", "DEF")
+# operator name and implementation ``impl(args, launch_key)`` by argument tuple type
+_IMPLS: dict[type, tuple[str, Callable]] = {}
 
 
 @contextlib.contextmanager
@@ -130,13 +135,49 @@ def inductor_launches(op_args: tuple) -> bool:
     )
 
 
+def call(args: NamedTuple):
+    """Run the ``torch.ops.tq`` operator whose argument tuple (:mod:`custom_ops.schema`) is
+    ``args``, as ``torch.ops.tq.<op>(*args)`` would.
+
+    In eager mode on plain CUDA tensors (no compilation, no tracing, no dispatch mode) this
+    calls the operator's implementation directly: the dispatcher would only route to it, and
+    its round trip through a Python kernel costs ~7-10 us of host per call, a fifth of an eager
+    decode step's per-layer op time. Otherwise (compiling, a dispatch mode such as fake tensors
+    or functionalization, subclasses, the CPU) it calls the operator, which validates the same
+    way."""
+    name, impl = _IMPLS[type(args)]
+    if is_eager():
+        key = validate.launch_key(args)  # None unless every tensor is a plain CUDA tensor
+        if key is not None:
+            return impl(args, key)
+    return getattr(torch.ops.tq, name)(*args)
+
+
+def is_eager() -> bool:
+    """Whether Python code runs here on real tensors, op by op: not compiled or traced by
+    dynamo, ``torch.export``, ``make_fx`` or ``torch.jit``, and no dispatch mode (fake tensors,
+    functionalization, a profiler mode) sees the ops."""
+    return (
+        not torch.compiler.is_compiling()  # first: dynamo folds it and traces nothing after it
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._get_tracing_state()
+    )
+
+
 def _define(name, args_type, impl, fake, mutates=(), returns="()", traceable=False) -> None:
-    """Define ``tq::<name>`` from its argument tuple; ``impl`` and ``fake`` take that tuple.
+    """Define ``tq::<name>`` from its argument tuple; ``impl(args, launch_key)`` and
+    ``fake(args)`` take that tuple (and ``impl`` its :func:`custom_ops.validate.launch_key`).
     ``traceable``: while functionalization traces a graph for compilation, ``impl`` runs on the
     fake tensors with its launches traced into the graph, where :func:`inductor_launches`
     says so."""
     _lib.define(op_schema(name, args_type, mutates, returns))
-    _lib.impl(name, lambda *a, **kw: impl(args_type(*a, **kw)), "CompositeExplicitAutograd")
+    _IMPLS[args_type] = (name, impl)
+
+    def run(*a, **kw):
+        args = args_type(*a, **kw)
+        return impl(args, validate.launch_key(args))
+
+    _lib.impl(name, run, "CompositeExplicitAutograd")
     torch.library.register_fake(f"tq::{name}", lambda *a, **kw: fake(args_type(*a, **kw)),
                                 lib=_lib)  # fmt: skip
     if not traceable:
@@ -147,7 +188,7 @@ def _define(name, args_type, impl, fake, mutates=(), returns="()", traceable=Fal
         if not inductor_launches(op_args):
             return mode.__torch_dispatch__(func, types, args, kwargs)
         with mode, traced.traced_launches():
-            return impl(op_args)
+            return impl(op_args, None)
 
     torch.library.register_torch_dispatch(f"tq::{name}", FunctionalTensorMode, trace_through,
                                           lib=_lib)  # fmt: skip
@@ -157,8 +198,7 @@ def _cache(args) -> PagedKVCache:
     return PagedKVCache(args.k_codes, args.v_codes, args.meta)
 
 
-def _store(a: StoreArgs) -> None:
-    key = validate.launch_key(a)
+def _store(a: StoreArgs, key: validate.LaunchKey | None) -> None:
     kv_format = validate.checked(validate.check_store, a, key)
     if _use_triton(a.key.device):
         triton_store.store(kv_format, a.key, a.value, _cache(a), a.slot_mapping, a.rotation,
@@ -167,8 +207,7 @@ def _store(a: StoreArgs) -> None:
         reference.store(kv_format, a.key, a.value, _cache(a), a.slot_mapping, a.rotation)
 
 
-def _store_window(a: StoreWindowArgs) -> torch.Tensor:
-    key = validate.launch_key(a)
+def _store_window(a: StoreWindowArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     kv_format = validate.checked(validate.check_store_window, a, key)
     args = (kv_format, a.key, a.value, _cache(a), a.k_window, a.v_window, a.window_pos,
             a.block_table, a.start_pos, a.rotation)  # fmt: skip
@@ -177,8 +216,10 @@ def _store_window(a: StoreWindowArgs) -> torch.Tensor:
     return reference.store_window(*args)
 
 
-def _dequantize(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    kv_format, _ = validate.checked(validate.check_dequantize, a, validate.launch_key(a))
+def _dequantize(
+    a: DequantizeArgs, key: validate.LaunchKey | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kv_format, _ = validate.checked(validate.check_dequantize, a, key)
     impl = triton_dequant.dequantize if _use_triton(a.k_codes.device) else reference.dequantize
     return impl(kv_format, _cache(a), a.block_table, a.seq_lens, a.rotation, a.max_seq_len,
                 a.dtype, a.k_window, a.v_window, a.window_pos)  # fmt: skip
@@ -190,8 +231,7 @@ def _dequantize_fake(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
     return a.k_codes.new_empty(shape, dtype=a.dtype), a.k_codes.new_empty(shape, dtype=a.dtype)
 
 
-def _decode(a: DecodeArgs) -> torch.Tensor:
-    key = validate.launch_key(a)
+def _decode(a: DecodeArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     kv_format = validate.checked(validate.check_decode, a, key)
     if _use_triton(a.q.device):
         return triton_decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,

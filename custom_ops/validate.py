@@ -10,7 +10,9 @@ and clamp lengths to the block table's capacity.
 
 from __future__ import annotations
 
+import functools
 import os
+import weakref
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -35,6 +37,8 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
 
 def checks_values(t: torch.Tensor) -> bool:
     """Whether the values of ``t`` may be read here (see the module docstring)."""
+    if type(t) is torch.Tensor and t.is_cuda:  # an eager step's case, without is_fake's cost
+        return _check_values_env()
     if is_fake(t) or t.device.type == "meta":
         return False
     if t.device.type == "cpu":
@@ -51,9 +55,60 @@ def _check_values_env() -> bool:
 
 # Results of checks that looked at metadata only, by the metadata of their arguments.
 _CHECKED: dict = {}
+# Every launch key made, by itself: each call's key is replaced by the first equal one.
+_KEYS: dict = {}
+# launch_key's entries of tensors whose metadata is fixed (fix_metadata), by id, with a weak
+# reference to the tensor (a dead tensor's id may be reused)
+_FIXED: dict[int, tuple[weakref.ref, tuple]] = {}
 
 
-def launch_key(args: tuple) -> tuple | None:
+def fix_metadata(*tensors: torch.Tensor) -> None:
+    """Declare that the shape, strides, dtype, device and storage of ``tensors`` never change
+    in place (a cache module's own buffers: replaced by new tensors when the module moves,
+    never resized): :func:`launch_key` then reads their entries from a memo, not from each
+    tensor at every op call (five reads per tensor, ~1 us of host each tensor)."""
+    for t in tensors:
+        if type(t) is torch.Tensor and id(t) not in _FIXED:
+            _FIXED[id(t)] = (weakref.ref(t, functools.partial(_unfix, id(t))), _entry(t))
+
+
+def _unfix(tensor_id: int, _ref) -> None:
+    _FIXED.pop(tensor_id, None)
+
+
+def _entry(t: torch.Tensor) -> tuple:
+    """A plain tensor's items of a launch key. The alignment is what Triton specializes a
+    pointer on; ``get_device()`` is -1 for CPU and meta tensors, which the same-device checks
+    reject before a key is kept."""
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
+
+
+class LaunchKey:
+    """A :func:`launch_key`: the tuple of an op call's argument metadata, hashed once.
+
+    An eager op call looks its key up in four or five memos (its checks, its plan, each
+    kernel's compiled handle), and a tuple of ~60 items hashes all of them again at each
+    lookup (a tuple keeps no hash). Keys are interned, so those lookups also find the very
+    object they hold and compare nothing."""
+
+    __slots__ = ("items", "_hash")
+
+    def __init__(self, items: tuple):
+        self.items, self._hash = items, hash(items)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (
+            type(other) is LaunchKey and self._hash == other._hash and self.items == other.items
+        )
+
+    def __repr__(self) -> str:
+        return f"LaunchKey{self.items!r}"
+
+
+def launch_key(args: tuple) -> LaunchKey | None:
     """The metadata of an op's arguments ``args`` (per tensor: shape, strides, dtype, device
     index and 16-byte alignment; other values as they are), or None where the checks read
     tensor values (see :func:`checks_values`) or a tensor is not a plain CUDA tensor (fake and
@@ -69,18 +124,22 @@ def launch_key(args: tuple) -> tuple | None:
     key = []
     for value in args:
         if type(value) is torch.Tensor:
-            # the alignment is what Triton specializes a pointer on; get_device() is -1 for
-            # CPU and meta tensors, which the same-device checks reject before a key is kept
-            key += (value.shape, value.stride(), value.dtype, value.get_device(),
-                    value.data_ptr() & 15 == 0)  # fmt: skip
+            fixed = _FIXED.get(id(value))
+            key += fixed[1] if fixed is not None and fixed[0]() is value else _entry(value)
         elif isinstance(value, torch.Tensor):
             return None  # a subclass (a Parameter...): checked every call
         else:
             key.append(value)  # None or a plain value
-    return tuple(key)
+    made = LaunchKey(tuple(key))
+    interned = _KEYS.get(made)
+    if interned is None:
+        if len(_KEYS) >= 4096:  # a bound, not a policy: shapes rarely vary this much
+            _KEYS.clear()
+        interned = _KEYS[made] = made
+    return interned
 
 
-def checked(check, args: tuple, key: tuple | None):
+def checked(check, args: tuple, key: LaunchKey | None):
     """``check(args)``, or its result for earlier arguments of the same :func:`launch_key`
     ``key`` (None: always check). Metadata checks are a function of the metadata alone, so an
     eager decode step pays for them once, not per call (a few microseconds instead of ~100)."""

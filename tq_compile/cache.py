@@ -1,11 +1,12 @@
 """``TurboQuantKVCache``: a drop-in KV cache module with gpt-fast's ``update`` contract.
 
 The module owns the paged cache as plain buffers and writes new tokens with
-``torch.ops.tq.store``; ``update`` then returns freshly built :class:`TurboQuantKVTensor` views
-of those buffers. Building the views *after* the write (never writing through a view) is what
-keeps compiled graphs correct: a custom op that mutates a subclass's inner tensors and an SDPA
-on that same wrapper in one graph reads stale data (see ENVIRONMENT.md); rebuilding the wrapper
-from the mutated buffers does not.
+``torch.ops.tq.store_window`` (``tq.store`` without a window); ``update`` then returns
+:class:`TurboQuantKVTensor` views of those buffers. In traced code the views are built *after*
+the write (never writing through a view): a custom op that mutates a subclass's inner tensors
+and an SDPA on that same wrapper in one graph reads stale data (see ENVIRONMENT.md); rebuilding
+the wrapper from the mutated buffers does not. Eagerly the same two views are returned by every
+update of a batch size, with that update's lengths: building them is host time per layer.
 
 The cache of sequence ``b`` is pages ``b * pages_per_seq ... (b + 1) * pages_per_seq - 1``
 (enough for the ``S_max - W`` positions that can leave a recent window of ``W``): a
@@ -20,14 +21,26 @@ follow device moves only.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
-from custom_ops import api, splits, validate
+from custom_ops import api, ops, splits, validate
 from custom_ops.formats import PagedKVCache, get_format
+from custom_ops.schema import StoreArgs, StoreWindowArgs
 from tq_compile.kv_tensor import TurboQuantKVTensor
 
 __all__ = ["TurboQuantKVCache", "kv_cache_nbytes"]
+
+
+class _Operands(NamedTuple):
+    """The buffers a cache passes to the ops for its first ``B`` sequences."""
+
+    planes: PagedKVCache
+    rings: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+    table: torch.Tensor  # [B, pages_per_seq] int32
+    rotation: torch.Tensor
 
 
 class TurboQuantKVCache(nn.Module):
@@ -57,6 +70,10 @@ class TurboQuantKVCache(nn.Module):
             once, except that positions that had already left the ring stay quantized.
         device: where to allocate (default: the current default device, so that gpt-fast's
             ``with torch.device(...)`` in ``setup_caches`` places it).
+
+    The buffers are the module's: moving it (``.to()``, ``.cuda()``, ``to_empty()``) replaces
+    them; nothing may resize or restride them in place (eager updates read their metadata
+    once, :func:`custom_ops.validate.fix_metadata`).
     """
 
     def __init__(
@@ -111,7 +128,11 @@ class TurboQuantKVCache(nn.Module):
                              ("block_table", table.reshape(max_batch_size, pages_per_seq)),
                              *zip(consts._fields, consts, strict=True), *rings):  # fmt: skip
             self.register_buffer(name, tensor, persistent=False)
+        self.num_kv_heads, self.head_dim = n_heads, head_dim
         self.num_splits = self._choose_splits()
+        # eager updates' operands and views by batch size (see update)
+        self._eager_operands: dict[int, _Operands] = {}
+        self._eager_views: dict[int, tuple[TurboQuantKVTensor, TurboQuantKVTensor]] = {}
 
     def _choose_splits(self) -> int:
         if self._requested_splits is not None:
@@ -133,6 +154,7 @@ class TurboQuantKVCache(nn.Module):
             # materialized from the meta device (to_empty): the constants hold garbage now
             self._fill_constants()
         self.num_splits = self._choose_splits()  # the device may have changed
+        self._eager_operands, self._eager_views = {}, {}  # of the buffers before the move
         return module
 
     @torch.no_grad()
@@ -159,7 +181,7 @@ class TurboQuantKVCache(nn.Module):
             got = (f"{input_pos.dtype} of shape {tuple(input_pos.shape)}"
                    if isinstance(input_pos, torch.Tensor) else repr(input_pos))  # fmt: skip
             raise TypeError(f"{where}: input_pos must be a 1-D integer tensor [T], got {got}")
-        heads, head_dim = self.k_codes.shape[1], self.rotation.shape[0]
+        heads, head_dim = self.num_kv_heads, self.head_dim
         if k_val.dim() != 4 or v_val.shape != k_val.shape:
             raise ValueError(f"{where}: k_val and v_val must be [B, Hk, T, D] of one shape, got "
                              f"{tuple(k_val.shape)} and {tuple(v_val.shape)}")  # fmt: skip
@@ -205,12 +227,20 @@ class TurboQuantKVCache(nn.Module):
         """
         self._check_update(input_pos, k_val, v_val)
         batch, num_kv_heads, n_new, head_dim = k_val.shape
-        # (eager steps pay per small op: each line below is at most one kernel, and none where
-        # a view does)
-        table = self.block_table if batch == self.max_batch_size else self.block_table[:batch]
+        # Eager steps pay host time per Python operation (each buffer read through
+        # nn.Module.__getattr__ included): the operands and views of a batch size are looked up
+        # once, and each line below is at most one kernel, none where a view does.
+        eager = ops.is_eager()
+        operands = self._eager_operands.get(batch) if eager else None
+        if operands is None:
+            operands = self._operands(batch)
+            if eager:
+                self._eager_operands[batch] = operands
+                # the module's own buffers: only replaced (_apply), never resized in place
+                validate.fix_metadata(*operands.planes, *operands.rings, operands.table,
+                                      operands.rotation)  # fmt: skip
+        planes, rings, table, rotation = operands
         name = self.kv_format.name
-        planes = (self.k_codes, self.v_codes, self.meta)
-        rings = (self.k_window, self.v_window, self.window_pos) if self.window else (None,) * 3
         if self.window:
             # positions start .. start + T - 1: the store reads the start from input_pos (a
             # view, no kernel) and returns the new lengths start + T. A view of a graph input
@@ -218,8 +248,8 @@ class TurboQuantKVCache(nn.Module):
             # mutation analysis sees what it writes (see custom_ops.triton.traced), and the view
             # counts as read only.
             start = input_pos[:1].expand(batch)
-            seq_lens = torch.ops.tq.store_window(k_val, v_val, *planes, *rings, table, start,
-                                                 self.rotation, name)  # fmt: skip
+            seq_lens = ops.call(StoreWindowArgs(k_val, v_val, *planes, *rings, table, start,
+                                                rotation, name))  # fmt: skip
         else:
             pos = input_pos.to(torch.int64)
             pages = table[:, pos // self.page_size]  # [B, T]
@@ -227,13 +257,35 @@ class TurboQuantKVCache(nn.Module):
             # [B, Hk, T, D] -> [B * T, Hk, D] rows in (sequence, token) order, like the slots
             keys = k_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
             values = v_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
-            torch.ops.tq.store(keys, values, *planes, slots.reshape(-1).to(torch.int32),
-                               self.rotation, name)  # fmt: skip
+            ops.call(StoreArgs(keys, values, *planes, slots.reshape(-1).to(torch.int32),
+                               rotation, name))  # fmt: skip
             seq_lens = (pos.max() + 1).expand(batch).to(torch.int32)
+        if not eager or type(seq_lens) is not torch.Tensor:
+            return self._views(operands, seq_lens)  # traced: fresh views of the mutated buffers
+        # Eager: the views of this batch size are built once and get each update's lengths (a
+        # wrapper subclass costs ~5 us of host to build). Like a dense cache's buffers, the
+        # views returned by every update are the cache: they show its current contents.
+        views = self._eager_views.get(batch)
+        if views is None:
+            views = self._eager_views[batch] = self._views(operands, seq_lens)
+        for view in views:
+            view.seq_lens = seq_lens
+        return views
+
+    def _operands(self, batch: int) -> _Operands:
+        """The buffers the ops take for the first ``batch`` sequences."""
+        table = self.block_table if batch == self.max_batch_size else self.block_table[:batch]
+        rings = (self.k_window, self.v_window, self.window_pos) if self.window else (None,) * 3
+        planes = PagedKVCache(self.k_codes, self.v_codes, self.meta)
+        return _Operands(planes, rings, table, self.rotation)
+
+    def _views(self, operands: _Operands, seq_lens: torch.Tensor):
+        """Key and value views of ``operands``' sequences, of lengths ``seq_lens [B] int32``."""
         return tuple(
-            TurboQuantKVTensor.from_cache(side, name, PagedKVCache(*planes), table, seq_lens,
-                                          self.rotation, self.max_seq_length, self.num_splits,
-                                          self.model_dtype, *rings)
+            TurboQuantKVTensor.from_cache(side, self.kv_format.name, operands.planes,
+                                          operands.table, seq_lens, operands.rotation,
+                                          self.max_seq_length, self.num_splits, self.model_dtype,
+                                          *operands.rings)
             for side in ("key", "value")
         )  # fmt: skip
 

@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torchao.utils import TorchAOBaseTensor
 
-import custom_ops  # noqa: F401  (registers torch.ops.tq)
+from custom_ops import ops
 from custom_ops.formats import PagedKVCache, sequence_capacity
+from custom_ops.schema import DecodeArgs, DequantizeArgs
 from custom_ops.validate import MAX_QUERY_TOKENS
 
 __all__ = ["TurboQuantKVTensor"]
@@ -169,9 +170,9 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         if self.truncated:  # sequences may run past the prefix: dequantize all, keep the prefix
             window = 0 if self.k_window is None else self.k_window.shape[2]
             length = sequence_capacity(self.block_table.shape[1], self.k_codes.shape[2], window)
-        k, v = torch.ops.tq.dequantize(*self.planes, self.block_table, self.seq_lens,
+        k, v = ops.call(DequantizeArgs(*self.planes, self.block_table, self.seq_lens,
                                        self.rotation, self.fmt, length,
-                                       dtype or self.model_dtype, *self.rings)  # fmt: skip
+                                       dtype or self.model_dtype, *self.rings))  # fmt: skip
         dense = (k if self.side == "key" else v)[:, :, : self.max_seq_len]
         if self.split_heads:
             return dense[:, :, None].expand(self.shape)
@@ -351,29 +352,31 @@ def _mask_4d(attn_mask: torch.Tensor) -> torch.Tensor:
     return attn_mask
 
 
-def _decode(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float) -> torch.Tensor:
-    """Attention of queries ``[B, Hq, L, D]`` that all see the same cached positions (one
-    decode token, or Hugging Face's ``pack_gqa`` layout ``[B, Hk, group, D]``) through
-    ``tq.decode``: the L queries of head ``h`` become query heads ``h * L .. h * L + L - 1``,
-    which read the same kv-head as ``h``."""
+def _decode_folded(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float):
+    """Attention of queries ``[B, Hq, L, D]`` that all see the same cached positions (Hugging
+    Face's ``pack_gqa`` layout ``[B, Hk, group, D]``) through ``tq.decode``: the L queries of
+    head ``h`` become query heads ``h * L .. h * L + L - 1``, which read the same kv-head as
+    ``h``."""
     batch, q_heads, q_len, head_dim = q.shape
     mask = None
     if attn_mask is not None:
-        mask = _mask_4d(attn_mask)[:, :, 0, :]  # [B or 1, Hq or 1, S]
-        if mask.shape[1] > 1 and q_len > 1:
+        mask = _mask_4d(attn_mask).select(2, 0)  # [B or 1, Hq or 1, S]
+        if mask.shape[1] > 1:
             mask = mask.repeat_interleave(q_len, dim=1)
-    out = torch.ops.tq.decode(q.reshape(batch, q_heads * q_len, head_dim), *k.planes,
+    out = ops.call(DecodeArgs(q.reshape(batch, q_heads * q_len, head_dim), *k.planes,
                               k.block_table, k.seq_lens, k.rotation, k.fmt, k.num_splits,
-                              scale, mask, *k.rings)  # fmt: skip
+                              scale, mask, *k.rings))  # fmt: skip
     return out.reshape(batch, q_heads, q_len, head_dim)
 
 
 def _decode_tokens(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float):
     """Attention of each sequence's last ``T`` tokens, queries ``[B, Hq, T, D]`` under a mask
-    with a row per token, through the multi-token ``tq.decode`` (causal among the tokens)."""
-    mask = _mask_4d(attn_mask)  # [B or 1, Hq or 1, T, S]
-    return torch.ops.tq.decode(q, *k.planes, k.block_table, k.seq_lens, k.rotation, k.fmt,
-                               k.num_splits, scale, mask, *k.rings)  # fmt: skip
+    with a row per token (or none), through the multi-token ``tq.decode`` (causal among the
+    tokens). One decode token (T = 1) goes this way too: no view of q, the mask or the output
+    to make (each is host time in an eager step)."""
+    mask = None if attn_mask is None else _mask_4d(attn_mask)  # [B or 1, Hq or 1, T, S]
+    return ops.call(DecodeArgs(q, *k.planes, k.block_table, k.seq_lens, k.rotation, k.fmt,
+                               k.num_splits, scale, mask, *k.rings))  # fmt: skip
 
 
 @implements_torch_function(F.scaled_dot_product_attention)
@@ -394,12 +397,11 @@ def _attention(a: dict) -> torch.Tensor:
     # the folded queries become query heads of one decode: only a decode-sized group of them
     # (a single token, or HF's pack_gqa head group), not a prefill's worth
     folded_group = q.shape[1] * q.shape[2] // k.k_codes.shape[1]
-    decode_sized = q.shape[2] == 1 or folded_group <= MAX_FOLDED_GROUP
-    if not a["is_causal"] and shared_row and decode_sized and not k.truncated:
-        return _decode(q, k, attn_mask, scale)
-    tokens_sized = q.shape[2] <= MAX_QUERY_TOKENS
-    if not a["is_causal"] and not shared_row and tokens_sized and not k.truncated:
-        return _decode_tokens(q, k, attn_mask, scale)
+    if not a["is_causal"] and not k.truncated:
+        if q.shape[2] == 1 or (not shared_row and q.shape[2] <= MAX_QUERY_TOKENS):
+            return _decode_tokens(q, k, attn_mask, scale)
+        if shared_row and folded_group <= MAX_FOLDED_GROUP:
+            return _decode_folded(q, k, attn_mask, scale)
     # Prefill (or a causal mask on a cache): attention over the dequantized cache, with every
     # position past a sequence's length masked out.
     keys, values = k.dequantize(q.dtype), v.dequantize(q.dtype)

@@ -15,6 +15,7 @@ the launch into the graph instead.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -66,12 +67,20 @@ class Launcher:
             if len(self._constexprs) != sum(p.is_constexpr for p in params):
                 raise TypeError(f"{kernel.__name__}: every constexpr must be given")
 
-    def __call__(self, grid: tuple[int, ...], *args, key: tuple | None = None) -> None:
+    def __call__(self, grid: tuple[int, ...], *args, key: Hashable | None = None) -> None:
         """Launch on ``grid`` with the runtime arguments ``args`` (positional, in order).
 
         ``key``: a hashable that determines Triton's specialization of ``args`` (the metadata
         key of the op's arguments that ``args`` are derived from), or None to compute it from
         ``args``."""
+        if key is not None and not _hooked():
+            # the eager op call's path, checked first: a keyed launch has plain CUDA tensors
+            # (launches being traced and interpreted ones have no key)
+            device = torch.cuda.current_device()
+            compiled = self._compiled.peek((device, key))
+            if compiled is not None:
+                self._run(compiled, device, grid, args)
+                return
         if traced.tracing():
             traced.launch_traced(self.kernel, self.kwargs, grid, args)
             return
@@ -84,6 +93,10 @@ class Launcher:
         if compiled is None:  # compiles, or finds the kernel in Triton's cache, and launches
             self._compiled.put(key, self.kernel[grid](*args, **self.kwargs))
             return
+        self._run(compiled, device, grid, args)
+
+    def _run(self, compiled, device: int, grid: tuple[int, ...], args: tuple) -> None:
+        """Launch the compiled kernel ``compiled`` on ``device`` through its own launcher."""
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
         stream = torch._C._cuda_getCurrentRawStream(device)  # what Triton's own launch reads
@@ -104,7 +117,7 @@ class KernelLaunch:
         """The constexprs and launch options (read-only)."""
         return self.launcher.kwargs
 
-    def __call__(self, *args, key: tuple | None = None) -> None:
+    def __call__(self, *args, key: Hashable | None = None) -> None:
         self.launcher(self.grid, *args, key=key)
 
 
@@ -127,7 +140,7 @@ class KeyedMemo:
             self._values.clear()
         self._values[key] = value
 
-    def get(self, key: tuple | None, make):
+    def get(self, key: Hashable | None, make):
         """The value remembered for ``key``, or ``make()`` (remembered unless ``key`` is None:
         arguments without a key, such as interpreted or value-checked calls)."""
         if key is None:

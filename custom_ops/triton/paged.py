@@ -25,8 +25,12 @@ __all__ = ["plane_arguments", "table_arguments", "ring_arguments", "row_pointers
 
 
 def plane_arguments(cache: PagedKVCache) -> tuple:
-    """The ``planes`` tuple of ``cache``."""
-    return (*cache, *cache.k_codes.stride()[:3], *cache.value_rows.stride()[:3],
+    """The ``planes`` tuple of ``cache``: the planes, then the page, head and slot strides of
+    the key codes, of the value-code rows (:attr:`PagedKVCache.value_rows`, ``v_codes`` with
+    its last two dims swapped: read off ``v_codes``' strides, no view made per launch) and of
+    the meta records."""
+    v_page, v_head, v_byte, v_slot = cache.v_codes.stride()
+    return (*cache, *cache.k_codes.stride()[:3], v_page, v_head, v_slot,
             *cache.meta.stride()[:3])  # fmt: skip
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Hashable
 
 import torch
 import triton
@@ -92,7 +93,7 @@ def store(
     rotation: torch.Tensor,
     block_rows: int = 32,
     num_warps: int = 4,
-    launch_key: tuple | None = None,
+    launch_key: Hashable | None = None,
 ) -> None:
     """Launch the store kernel (inputs already validated; see ``torch.ops.tq.store``;
     ``launch_key``: the launcher's specialization key, see

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Hashable
 
 import torch
 import triton
@@ -163,7 +164,7 @@ def store_window(
     rotation: torch.Tensor,
     block_rows: int | None = None,
     num_warps: int = _DEFAULT_WARPS,
-    launch_key: tuple | None = None,
+    launch_key: Hashable | None = None,
 ) -> torch.Tensor:
     """Launch the window store (inputs validated; see ``torch.ops.tq.store_window``); the
     sequences' new lengths ``[B] int32``.

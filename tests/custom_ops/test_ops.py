@@ -7,10 +7,57 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_kv
+from helpers import decode_case, random_kv
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from custom_ops import api
+from custom_ops import api, ops
 from custom_ops.formats import get_format
+from custom_ops.schema import DecodeArgs
+
+
+class _SeenOps(TorchDispatchMode):
+    """Records the operators dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_is_eager_only_outside_compilation_and_dispatch_modes():
+    """``ops.is_eager``: true op by op; false under a dispatch mode (fake tensors,
+    functionalization, a recorder) and inside a graph dynamo compiles (folded to a constant,
+    no graph break)."""
+    assert ops.is_eager()
+    with _SeenOps():
+        assert not ops.is_eager()
+    compiled = torch.compile(lambda x: x + int(ops.is_eager()), backend="eager", fullgraph=True)
+    assert compiled(torch.zeros(2)).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.gpu
+def test_call_skips_the_dispatcher_only_when_eager(seeded):
+    """``ops.call`` of plain CUDA arguments runs the implementation without a dispatcher round
+    trip (no ``tq::decode`` in a profile) and gives the operator's result; a dispatch mode
+    still sees the operator."""
+    fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 64, 4, seeded)
+    args = DecodeArgs(q.cuda(), *(p.cuda() for p in cache), table.cuda(), lens.cuda(),
+                      consts.rotation.cuda(), fmt.name, 2, 0.125)  # fmt: skip
+    expected = torch.ops.tq.decode(*args)
+    with profile(activities=[ProfilerActivity.CPU]) as direct_profile:
+        direct = ops.call(args)
+    torch.testing.assert_close(direct, expected, rtol=0, atol=0)
+    assert not any(e.name == "tq::decode" for e in direct_profile.events())
+    with profile(activities=[ProfilerActivity.CPU]) as op_profile:
+        torch.ops.tq.decode(*args)
+    assert any(e.name == "tq::decode" for e in op_profile.events())
+    with _SeenOps() as mode:
+        torch.testing.assert_close(ops.call(args), expected, rtol=0, atol=0)
+    assert torch.ops.tq.decode.default in mode.seen
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

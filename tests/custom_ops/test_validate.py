@@ -58,3 +58,26 @@ def test_launch_key_only_for_plain_cuda_tensors():
     cpu = torch.zeros(4)
     assert validate.launch_key((cpu, 1, "4bit_nc")) is None
     assert validate.launch_key((torch.nn.Parameter(cpu), 1)) is None
+
+
+@pytest.mark.gpu
+def test_launch_keys_are_interned_and_fixed_metadata_is_what_a_read_gives():
+    """Arguments of equal metadata get the very same key (hashed once, found by identity in
+    every memo); a tensor declared fixed contributes what reading it gives (alignment
+    included), and a fixed tensor's entry is never used for a later tensor at its id."""
+    a, b = torch.zeros(4, 8, device="cuda"), torch.zeros(4, 8, device="cuda")
+    key = validate.launch_key((a, 1, "4bit_nc"))
+    assert validate.launch_key((b, 1, "4bit_nc")) is key
+    assert validate.launch_key((b, 2, "4bit_nc")) is not key
+    shifted = torch.zeros(33, device="cuda")[1:].view(4, 8)
+    unaligned = validate.launch_key((shifted, 1, "4bit_nc"))
+    assert unaligned != key
+    validate.fix_metadata(a, shifted)
+    assert validate.launch_key((a, 1, "4bit_nc")) is key
+    assert validate.launch_key((shifted, 1, "4bit_nc")) is unaligned
+    for size in range(1, 40):  # freed fixed tensors: new ones may reuse their ids
+        fixed = torch.zeros(size, device="cuda")
+        validate.fix_metadata(fixed)
+        del fixed
+        fresh = torch.zeros(size + 1, 2, device="cuda")
+        assert validate.launch_key((fresh,)).items[0] == (size + 1, 2)

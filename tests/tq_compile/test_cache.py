@@ -40,6 +40,24 @@ def test_update_returns_views_of_the_whole_cache():
     assert keys.k_codes.data_ptr() == cache.k_codes.data_ptr()  # a view, no copy
 
 
+def test_eager_updates_return_the_cache_views_with_the_new_lengths():
+    """Eagerly, every update of one batch size returns the same two views (built once: host
+    time per layer), holding that update's lengths, like a dense cache returning its buffers;
+    another batch size has its own views, and a module move (``.to()``, new buffers) new ones
+    over the new buffers."""
+    cache, keys, values = filled_tq_cache(length=37)
+    kv = torch.randn(B, HK, 1, D, dtype=torch.bfloat16)
+    again_keys, again_values = cache.update(torch.tensor([37]), kv, kv)
+    assert again_keys is keys and again_values is values
+    assert keys.seq_lens.tolist() == [38] * B
+    first_keys, _ = cache.update(torch.tensor([38]), kv[:1], kv[:1])
+    assert first_keys is not keys and first_keys.shape[0] == 1
+    assert first_keys.seq_lens.tolist() == [39] and keys.seq_lens.tolist() == [38] * B
+    cache.to(torch.float16)  # a module conversion (the buffers keep their dtypes): new views
+    moved_keys, _ = cache.update(torch.tensor([39]), kv, kv)
+    assert moved_keys is not keys and moved_keys.k_codes is cache.k_codes
+
+
 def test_update_takes_int32_and_int64_positions():
     """Positions of either integer dtype write the same cache (an int32 start is broadcast to
     the batch as a contiguous vector, as the kernels read it)."""

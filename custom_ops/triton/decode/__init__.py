@@ -22,6 +22,8 @@ the kernels: :mod:`~custom_ops.triton.decode.codes` (code rows -> fp16 operands,
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
 from custom_ops.formats import KVFormat, PagedKVCache, sequence_capacity
@@ -125,7 +127,7 @@ def decode(
     fast: bool | None = None,
     split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
-    launch_key: tuple | None = None,
+    launch_key: Hashable | None = None,
 ) -> torch.Tensor:
     """Launch the decode kernels (inputs validated; see ``torch.ops.tq.decode``).
 

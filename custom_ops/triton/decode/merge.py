@@ -6,6 +6,7 @@ Walsh-Hadamard butterfly for power-of-two head dims, products with R otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import NamedTuple
 
 import torch
@@ -155,7 +156,7 @@ def merge_kernel(
 
 
 def launch_merge(launch, part_out: torch.Tensor, part_lse: torch.Tensor, rotation: torch.Tensor,
-                 out: torch.Tensor, key: tuple | None = None) -> None:  # fmt: skip
+                 out: torch.Tensor, key: Hashable | None = None) -> None:  # fmt: skip
     """Merge ``part_out [B, Hq, partials, D]`` / ``part_lse`` into ``out [B, Hq, D]``
     (``launch``: the plan's launch of this kernel; ``key``: the launcher's specialization
     key)."""

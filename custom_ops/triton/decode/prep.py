@@ -7,6 +7,8 @@ is cheaper than one per split program.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 import triton
 import triton.language as tl
@@ -64,7 +66,7 @@ def prep_query_kernel(
 
 
 def launch_prep(launch, q: torch.Tensor, rotation: torch.Tensor, q_code: torch.Tensor,
-                q_scale: float, key: tuple | None = None) -> None:  # fmt: skip
+                q_scale: float, key: Hashable | None = None) -> None:  # fmt: skip
     """Write ``q_code [B, Hq, PARTS * PC_PAD] fp16`` from ``q [B, Hq, D]`` (``launch``: the
     plan's :class:`~custom_ops.triton.launch.KernelLaunch` of this kernel; ``key``: the
     launcher's specialization key, see :class:`~custom_ops.triton.launch.Launcher`)."""

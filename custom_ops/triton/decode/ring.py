@@ -11,6 +11,8 @@ kernel's tail instead of after it.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 import triton
 import triton.language as tl
@@ -138,7 +140,7 @@ def ring_partials_kernel(
 def launch_ring(launch, q: torch.Tensor, q_scale: float, k_window: torch.Tensor,
                 v_window: torch.Tensor, window_pos: torch.Tensor, seq_lens: torch.Tensor,
                 capacity: int, mask_args: tuple, part_out: torch.Tensor, part_lse: torch.Tensor,
-                key: tuple | None = None) -> None:  # fmt: skip
+                key: Hashable | None = None) -> None:  # fmt: skip
     """Write the ring's partials of ``q [B, Hq * T, D]`` (query rows) into
     ``part_out``/``part_lse`` after the splits' (``launch``: the plan's launch of this kernel;
     ``capacity``: positions a sequence holds; ``mask_args``: ``(mask, stride_b, stride_h,

@@ -22,6 +22,8 @@ round robin to the splits and enter the same softmax state and accumulators.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -334,7 +336,7 @@ def split_arguments(q, q_code, q_scale, rotation, cache: PagedKVCache, block_tab
     )  # fmt: skip
 
 
-def launch_split(launch, arguments: tuple, key: tuple | None = None) -> None:
+def launch_split(launch, arguments: tuple, key: Hashable | None = None) -> None:
     """Launch the split kernel with :func:`split_arguments` (``launch``: the plan's launch;
     ``key``: the launcher's specialization key)."""
     launch(*arguments, key=key)
