@@ -117,7 +117,7 @@ def time_decode(model: Transformer, step, batch: int, position: int, steps: int,
     model: then ``{name: (ms, block_ms)}``, their blocks timed in turn (block ``i`` of each
     before block ``i + 1`` of any), each cache stepping through its own positions."""
     device = model.output.weight.device
-    entries = installs or {None: lambda: None}
+    entries = {None: lambda: None} if installs is None else installs
     positions = [torch.tensor([position + i], device=device) for i in range(steps + 3)]
     tokens = {}
     for name, install in entries.items():
@@ -136,7 +136,7 @@ def time_decode(model: Transformer, step, batch: int, position: int, steps: int,
             sync(device.type)
             times[name].append((time.perf_counter() - start) / len(block) * 1e3)
     timed = {name: (statistics.median(t), t) for name, t in times.items()}
-    return timed if installs else timed[None]
+    return timed[None] if installs is None else timed
 
 
 def _decode_steps(model: Transformer, step, token: torch.Tensor, positions) -> torch.Tensor:
@@ -216,9 +216,10 @@ def run_cells(model: Transformer, args) -> list[dict]:
 def _time_cell(model: Transformer, args, mode: str, batch: int, context: int,
                cache: str) -> dict:  # fmt: skip
     """``ms`` (median block), ``block_ms``, ``kv_gb`` and, with ``--kernels``, ``kernels`` of
-    one compiled cell: its caches set up, filled, the step compiled and timed, then freed."""
-    result = dict(ms=None)
+    one cell: its caches set up, filled, the step made for ``mode`` (compiled unless eager) and
+    timed, then freed; ``ms`` None where the GPU ran out of memory."""
     try:
+        result = {}
         set_caches(model, cache, batch, context, args.splits)
         filled = context - args.steps - 4 - args.kernels
         gen = torch.Generator(model.output.weight.device).manual_seed(1)
@@ -230,7 +231,7 @@ def _time_cell(model: Transformer, args, mode: str, batch: int, context: int,
                                              args.kernels)  # fmt: skip
         result["kv_gb"] = kv_cache_nbytes(model) / 1e9
     except torch.cuda.OutOfMemoryError:
-        result["kv_gb"] = _cache_bytes(model.config, cache, batch, context) / 1e9
+        result = dict(ms=None, kv_gb=_cache_bytes(model.config, cache, batch, context) / 1e9)
     _drop_caches(model)
     torch._dynamo.reset()
     return result
@@ -242,39 +243,45 @@ def _time_interleaved(model: Transformer, args, batch: int, context: int,
     their blocks interleaved (block ``i`` of each cache before block ``i + 1`` of any): eager
     steps are host-bound, and a slow stretch of a shared host then slows a block of every
     cache, instead of the whole cell of one (one run measured 0.43x for a format that
-    measured 0.74x in the next)."""
+    measured 0.74x in the next). Where the caches together would take more than half of the
+    GPU's free memory, or run out of it, the cells are timed one by one instead, so that no
+    cache is reported ``oom`` that fits alone."""
+    cells = {cache: functools.partial(_time_cell, model, args, "eager", batch, context, cache)
+             for cache in caches}  # fmt: skip
+    device = model.output.weight.device
+    if device.type == "cuda":
+        need = sum(_cache_bytes(model.config, cache, batch, context) for cache in caches)
+        if need > torch.cuda.mem_get_info(device)[0] / 2:
+            return {cache: cell() for cache, cell in cells.items()}
     filled = context - args.steps - 4 - args.kernels
     held, results = {}, {}
-    for cache in caches:
-        try:
-            set_caches(model, cache, batch, context, args.splits)
-            gen = torch.Generator(model.output.weight.device).manual_seed(1)
-            fill_caches(model, batch, filled, gen)
-            held[cache] = [(layer.attention.gqa, layer.attention.kv_cache)
-                           for layer in model.layers]  # fmt: skip
-            results[cache] = dict(kv_gb=kv_cache_nbytes(model) / 1e9)
-        except torch.cuda.OutOfMemoryError:
-            results[cache] = dict(ms=None, kv_gb=_cache_bytes(model.config, cache, batch,
-                                                               context) / 1e9)  # fmt: skip
-        _drop_caches(model)
 
     def install(cache: str) -> None:
         for layer, (gqa, kv_cache) in zip(model.layers, held[cache], strict=True):
             layer.attention.gqa, layer.attention.kv_cache = gqa, kv_cache
 
-    installs = {cache: functools.partial(install, cache) for cache in held}
-    timed = time_decode(model, decode_one_token, batch, filled, args.steps, installs)
-    for cache, (ms, blocks) in timed.items():
-        results[cache].update(ms=ms, block_ms=blocks)
-        if args.kernels:
-            install(cache)
-            first = filled + args.steps + 3
-            results[cache]["kernels"] = kernel_times(model, decode_one_token, batch, first,
-                                                     args.kernels)  # fmt: skip
+    try:
+        for cache in caches:
+            set_caches(model, cache, batch, context, args.splits)
+            fill_caches(model, batch, filled, torch.Generator(device).manual_seed(1))
+            held[cache] = [(layer.attention.gqa, layer.attention.kv_cache)
+                           for layer in model.layers]  # fmt: skip
+            results[cache] = dict(kv_gb=kv_cache_nbytes(model) / 1e9)
+        installs = {cache: functools.partial(install, cache) for cache in caches}
+        timed = time_decode(model, decode_one_token, batch, filled, args.steps, installs)
+        for cache, (ms, blocks) in timed.items():
+            results[cache].update(ms=ms, block_ms=blocks)
+            if args.kernels:
+                install(cache)
+                first = filled + args.steps + 3
+                results[cache]["kernels"] = kernel_times(model, decode_one_token, batch, first,
+                                                         args.kernels)  # fmt: skip
+    except torch.cuda.OutOfMemoryError:
+        results = None
     _drop_caches(model)
     held.clear()
     torch.cuda.empty_cache()
-    return results
+    return results or {cache: cell() for cache, cell in cells.items()}
 
 
 def _drop_caches(model: Transformer) -> None:

@@ -139,28 +139,39 @@ def call(args: NamedTuple):
     """Run the ``torch.ops.tq`` operator whose argument tuple (:mod:`custom_ops.schema`) is
     ``args``, as ``torch.ops.tq.<op>(*args)`` would.
 
-    In eager mode on plain CUDA tensors (no compilation, no tracing, no dispatch mode) this
-    calls the operator's implementation directly: the dispatcher would only route to it, and
-    its round trip through a Python kernel costs ~7-10 us of host per call, a fifth of an eager
-    decode step's per-layer op time. Otherwise (compiling, a dispatch mode such as fake tensors
-    or functionalization, subclasses, the CPU) it calls the operator, which validates the same
-    way."""
+    In eager mode (:func:`is_eager`) on plain CUDA tensors that need no gradient this calls
+    the operator's implementation directly: the dispatcher would only route to it, and its
+    round trip through a Python kernel costs ~7-10 us of host per call, a fifth of an eager
+    decode step's per-layer op time. The call then leaves no ``tq::`` range in a profile and
+    does not bump the version counters of the tensors it writes (nothing reads them for a
+    cache's buffers). Otherwise (compiling, tracing, a dispatch mode, subclasses, the CPU,
+    inputs requiring grad) it calls the operator, which validates the same way."""
     name, impl = _IMPLS[type(args)]
-    if is_eager():
+    if is_eager() and not (torch.is_grad_enabled() and _requires_grad(args)):
         key = validate.launch_key(args)  # None unless every tensor is a plain CUDA tensor
         if key is not None:
             return impl(args, key)
     return getattr(torch.ops.tq, name)(*args)
 
 
+def _requires_grad(args: tuple) -> bool:
+    """Whether a tensor of ``args`` requires grad (the operator then tells autograd that it
+    has no derivative)."""
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
 def is_eager() -> bool:
     """Whether Python code runs here on real tensors, op by op: not compiled or traced by
-    dynamo, ``torch.export``, ``make_fx`` or ``torch.jit``, and no dispatch mode (fake tensors,
-    functionalization, a profiler mode) sees the ops."""
+    dynamo, ``torch.export``, ``make_fx`` (``pre_dispatch`` included) or ``torch.jit``, no
+    ``TorchDispatchMode`` (fake tensors, functionalization, a recorder of ops) sees the ops, and
+    no functorch transform (``vmap``, ``grad``, ``functionalize``: their wrapped tensors look
+    like plain ones to Python)."""
     return (
         not torch.compiler.is_compiling()  # first: dynamo folds it and traces nothing after it
         and torch._C._len_torch_dispatch_stack() == 0
+        and torch._ops._len_torch_dispatch_stack_pre_dispatch() == 0
         and not torch._C._get_tracing_state()
+        and not torch._C._are_functorch_transforms_active()
     )
 
 

@@ -21,6 +21,7 @@ follow device moves only.
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -130,9 +131,14 @@ class TurboQuantKVCache(nn.Module):
             self.register_buffer(name, tensor, persistent=False)
         self.num_kv_heads, self.head_dim = n_heads, head_dim
         self.num_splits = self._choose_splits()
-        # eager updates' operands and views by batch size (see update)
+        self._forget_eager()
+
+    def _forget_eager(self) -> None:
+        """(Re)start eager updates' memos: their operands and views by batch size (see update),
+        made from the buffers held now."""
         self._eager_operands: dict[int, _Operands] = {}
         self._eager_views: dict[int, tuple[TurboQuantKVTensor, TurboQuantKVTensor]] = {}
+        self._eager_buffers = tuple(self._buffers.values())
 
     def _choose_splits(self) -> int:
         if self._requested_splits is not None:
@@ -154,7 +160,7 @@ class TurboQuantKVCache(nn.Module):
             # materialized from the meta device (to_empty): the constants hold garbage now
             self._fill_constants()
         self.num_splits = self._choose_splits()  # the device may have changed
-        self._eager_operands, self._eager_views = {}, {}  # of the buffers before the move
+        self._forget_eager()  # of the buffers before the move
         return module
 
     @torch.no_grad()
@@ -224,6 +230,9 @@ class TurboQuantKVCache(nn.Module):
 
         Returns:
             ``(k, v)``: :class:`TurboQuantKVTensor` of logical shape ``[B, Hk, S_max, D]``.
+            Eagerly, every update of one batch size returns the same two objects with that
+            update's lengths: views kept from an earlier step show the cache as it is now
+            (views derived from them, such as a ``repeat_interleave``, keep their lengths).
         """
         self._check_update(input_pos, k_val, v_val)
         batch, num_kv_heads, n_new, head_dim = k_val.shape
@@ -231,6 +240,8 @@ class TurboQuantKVCache(nn.Module):
         # nn.Module.__getattr__ included): the operands and views of a batch size are looked up
         # once, and each line below is at most one kernel, none where a view does.
         eager = ops.is_eager()
+        if eager and not all(map(operator.is_, self._eager_buffers, self._buffers.values())):
+            self._forget_eager()  # a buffer was assigned since the memos were made
         operands = self._eager_operands.get(batch) if eager else None
         if operands is None:
             operands = self._operands(batch)

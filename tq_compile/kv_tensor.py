@@ -394,8 +394,8 @@ def _attention(a: dict) -> torch.Tensor:
     head_dim = q.shape[-1]
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(head_dim)
     shared_row = attn_mask is None or _mask_4d(attn_mask).shape[2] == 1
-    # the folded queries become query heads of one decode: only a decode-sized group of them
-    # (a single token, or HF's pack_gqa head group), not a prefill's worth
+    # one token per sequence as it is; HF's pack_gqa head group folded into the query heads of
+    # one decode (a decode-sized group of them, not a prefill's worth)
     folded_group = q.shape[1] * q.shape[2] // k.k_codes.shape[1]
     if not a["is_causal"] and not k.truncated:
         if q.shape[2] == 1 or (not shared_row and q.shape[2] <= MAX_QUERY_TOKENS):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import decode_case, random_kv
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -30,11 +31,23 @@ class _SeenOps(TorchDispatchMode):
 
 def test_is_eager_only_outside_compilation_and_dispatch_modes():
     """``ops.is_eager``: true op by op; false under a dispatch mode (fake tensors,
-    functionalization, a recorder) and inside a graph dynamo compiles (folded to a constant,
-    no graph break)."""
+    functionalization, a recorder), under ``make_fx`` (pre-dispatch too), inside ``vmap`` and
+    ``functionalize`` and inside a graph dynamo compiles (folded to a constant, no graph
+    break)."""
     assert ops.is_eager()
     with _SeenOps():
         assert not ops.is_eager()
+    seen = []
+
+    def record(x):
+        seen.append(ops.is_eager())
+        return x + 1
+
+    for pre_dispatch in (False, True):
+        make_fx(record, pre_dispatch=pre_dispatch)(torch.zeros(2))
+    torch.vmap(record)(torch.zeros(2, 1))
+    torch.func.functionalize(record)(torch.zeros(2))
+    assert seen == [False] * 4
     compiled = torch.compile(lambda x: x + int(ops.is_eager()), backend="eager", fullgraph=True)
     assert compiled(torch.zeros(2)).tolist() == [0.0, 0.0]
 
@@ -58,6 +71,9 @@ def test_call_skips_the_dispatcher_only_when_eager(seeded):
     with _SeenOps() as mode:
         torch.testing.assert_close(ops.call(args), expected, rtol=0, atol=0)
     assert torch.ops.tq.decode.default in mode.seen
+    with profile(activities=[ProfilerActivity.CPU]) as grad_profile:  # autograd must see it
+        ops.call(args._replace(q=args.q.clone().requires_grad_()))
+    assert any(e.name == "tq::decode" for e in grad_profile.events())
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -56,6 +56,9 @@ def test_eager_updates_return_the_cache_views_with_the_new_lengths():
     cache.to(torch.float16)  # a module conversion (the buffers keep their dtypes): new views
     moved_keys, _ = cache.update(torch.tensor([39]), kv, kv)
     assert moved_keys is not keys and moved_keys.k_codes is cache.k_codes
+    cache.rotation = cache.rotation.clone()  # a buffer assigned: the ops take the new one
+    assigned_keys, _ = cache.update(torch.tensor([40]), kv, kv)
+    assert assigned_keys is not moved_keys and assigned_keys.rotation is cache.rotation
 
 
 def test_update_takes_int32_and_int64_positions():

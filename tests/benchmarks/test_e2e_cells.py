@@ -1,0 +1,72 @@
+"""benchmarks/e2e.py's cells on the CPU (tiny model): eager cells hold every cache at once and
+interleave their timed blocks, and fall back to one cell at a time when that runs out of
+memory (no cache reported ``oom`` that fits alone)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from argparse import Namespace
+
+import pytest
+import torch
+from conftest import ROOT
+
+from examples.model import ModelArgs, Transformer, init_weights
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import e2e  # noqa: E402
+
+STEPS = 5
+
+
+@pytest.fixture
+def model() -> Transformer:
+    return init_weights(Transformer(ModelArgs.from_name("tiny")), seed=0).to(torch.bfloat16).eval()
+
+
+def _args() -> Namespace:
+    return Namespace(modes=["eager"], batches=[1], contexts=[48], formats=["4bit_nc"], dense=[],
+                     steps=STEPS, kernels=0, splits=None, kv_budget_gb=1.0)  # fmt: skip
+
+
+def _cache_kinds(monkeypatch) -> list[str]:
+    """The kind of cache each timed call of ``_decode_steps`` ran with, in order."""
+    kinds, steps = [], e2e._decode_steps
+
+    def recording(model, step, token, positions):
+        kinds.append(type(model.layers[0].attention.kv_cache).__name__)
+        return steps(model, step, token, positions)
+
+    monkeypatch.setattr(e2e, "_decode_steps", recording)
+    return kinds
+
+
+def test_eager_cells_interleave_the_caches_blocks(model, monkeypatch):
+    """After each cache's warm-up call, the five timed blocks alternate between the caches;
+    each row has five finite blocks."""
+    kinds = _cache_kinds(monkeypatch)
+    rows = e2e.run_cells(model, _args())
+    assert [row["cache"] for row in rows] == ["bf16", "4bit_nc"]
+    assert kinds == ["KVCache", "TurboQuantKVCache"] * (1 + 5), kinds
+    for row in rows:
+        assert len(row["block_ms"]) == 5 and all(math.isfinite(b) for b in row["block_ms"])
+
+
+def test_eager_cells_one_by_one_when_holding_every_cache_runs_out(model, monkeypatch):
+    """A cache whose setup runs out of memory while another is held is timed alone, after the
+    held ones are freed: every cache gets its time, none is reported ``oom``."""
+    fills, fill = [], e2e.fill_caches
+
+    def fill_failing_second(model, batch, context, gen):
+        fills.append(type(model.layers[0].attention.kv_cache).__name__)
+        if len(fills) == 2:
+            raise torch.cuda.OutOfMemoryError("two caches do not fit")
+        fill(model, batch, context, gen)
+
+    monkeypatch.setattr(e2e, "fill_caches", fill_failing_second)
+    kinds = _cache_kinds(monkeypatch)
+    rows = e2e.run_cells(model, _args())
+    assert fills == ["KVCache", "TurboQuantKVCache", "KVCache", "TurboQuantKVCache"], fills
+    assert kinds == ["KVCache"] * 6 + ["TurboQuantKVCache"] * 6, kinds
+    assert all(row["ms"] is not None and math.isfinite(row["ms"]) for row in rows), rows
