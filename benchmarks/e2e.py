@@ -220,10 +220,7 @@ def _time_cell(model: Transformer, args, mode: str, batch: int, context: int,
     timed, then freed; ``ms`` None where the GPU ran out of memory."""
     try:
         result = {}
-        set_caches(model, cache, batch, context, args.splits)
-        filled = context - args.steps - 4 - args.kernels
-        gen = torch.Generator(model.output.weight.device).manual_seed(1)
-        fill_caches(model, batch, filled, gen)
+        filled = _filled_caches(model, args, batch, context, cache)
         step = step_function(mode)
         result["ms"], result["block_ms"] = time_decode(model, step, batch, filled, args.steps)
         if args.kernels:
@@ -253,7 +250,6 @@ def _time_interleaved(model: Transformer, args, batch: int, context: int,
         need = sum(_cache_bytes(model.config, cache, batch, context) for cache in caches)
         if need > torch.cuda.mem_get_info(device)[0] / 2:
             return {cache: cell() for cache, cell in cells.items()}
-    filled = context - args.steps - 4 - args.kernels
     held, results = {}, {}
 
     def install(cache: str) -> None:
@@ -262,8 +258,7 @@ def _time_interleaved(model: Transformer, args, batch: int, context: int,
 
     try:
         for cache in caches:
-            set_caches(model, cache, batch, context, args.splits)
-            fill_caches(model, batch, filled, torch.Generator(device).manual_seed(1))
+            filled = _filled_caches(model, args, batch, context, cache)
             held[cache] = [(layer.attention.gqa, layer.attention.kv_cache)
                            for layer in model.layers]  # fmt: skip
             results[cache] = dict(kv_gb=kv_cache_nbytes(model) / 1e9)
@@ -282,6 +277,15 @@ def _time_interleaved(model: Transformer, args, batch: int, context: int,
     held.clear()
     torch.cuda.empty_cache()
     return results or {cache: cell() for cache, cell in cells.items()}
+
+
+def _filled_caches(model: Transformer, args, batch: int, context: int, cache: str) -> int:
+    """Give ``model`` caches of kind ``cache`` holding the positions a cell's steps start
+    from (room left for the warm-up, the timed and the profiled steps); that position."""
+    set_caches(model, cache, batch, context, args.splits)
+    filled = context - args.steps - 4 - args.kernels
+    fill_caches(model, batch, filled, torch.Generator(model.output.weight.device).manual_seed(1))
+    return filled
 
 
 def _drop_caches(model: Transformer) -> None:

@@ -363,9 +363,7 @@ def _decode_folded(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: flo
         mask = _mask_4d(attn_mask).select(2, 0)  # [B or 1, Hq or 1, S]
         if mask.shape[1] > 1:
             mask = mask.repeat_interleave(q_len, dim=1)
-    out = ops.call(DecodeArgs(q.reshape(batch, q_heads * q_len, head_dim), *k.planes,
-                              k.block_table, k.seq_lens, k.rotation, k.fmt, k.num_splits,
-                              scale, mask, *k.rings))  # fmt: skip
+    out = _tq_decode(q.reshape(batch, q_heads * q_len, head_dim), k, mask, scale)
     return out.reshape(batch, q_heads, q_len, head_dim)
 
 
@@ -375,6 +373,12 @@ def _decode_tokens(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: flo
     tokens). One decode token (T = 1) goes this way too: no view of q, the mask or the output
     to make (each is host time in an eager step)."""
     mask = None if attn_mask is None else _mask_4d(attn_mask)  # [B or 1, Hq or 1, T, S]
+    return _tq_decode(q, k, mask, scale)
+
+
+def _tq_decode(q: torch.Tensor, k: TurboQuantKVTensor, mask, scale: float) -> torch.Tensor:
+    """``tq.decode`` of ``q`` (``[B, Hq, D]`` or ``[B, Hq, T, D]``) over the cache of view
+    ``k`` under ``mask`` (the op's form, or None)."""
     return ops.call(DecodeArgs(q, *k.planes, k.block_table, k.seq_lens, k.rotation, k.fmt,
                                k.num_splits, scale, mask, *k.rings))  # fmt: skip
 
