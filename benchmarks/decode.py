@@ -6,7 +6,8 @@ microseconds, effective bandwidth on the compressed bytes, its ratio to the devi
 bandwidth measured in the same run, and the speed-up over
 ``F.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` on bf16 K/V of the same shape.
 Each format is also timed with a recent window (``--windows``, default 0 and 128: the last W of
-the S tokens read from bf16 rings), and ``vs_window0`` is window 0's time over this one's.
+the S tokens read from bf16 rings) and with ``--sinks`` (default 0: the first tokens read from
+the rings too), and ``vs_window0`` is window 0's (without sinks) time over this one's.
 ``--tokens 4 8`` also times a speculative-decoding verify step: each sequence's last T tokens
 as queries ``[B, Hq, T, D]``, causal among themselves, against bf16 SDPA with the same queries
 and a lower-right causal mask (``torch.nn.attention.bias.causal_lower_right``); ``vs_t1`` is
@@ -22,6 +23,7 @@ A format's windows are replayed in alternating rounds and each keeps its fastest
     python benchmarks/decode.py --formats 4bit_nc --sweep    # tuning sweep of the split kernel
     python benchmarks/decode.py --formats 4bit_nc --shapes 1x32768 --tokens 4 8 --sweep  # verify
     python benchmarks/decode.py --formats 4bit_nc --shapes 1x32768 16x8192 --tokens 1 4 8
+    python benchmarks/decode.py --formats 4bit_nc k8v4 tq4_nc --windows 128 --sinks 0 4
     python benchmarks/decode.py --plot results/decode.json   # PNG from a saved run
 """
 
@@ -89,15 +91,15 @@ def time_graph(calls, reps: int = 20) -> float:
     return replay_us(capture(calls), len(calls), reps)
 
 
-# Rounds of alternating replays when one configuration is timed with several windows: their
+# Rounds of alternating replays when one configuration is timed with several rings: their
 # ratio (vs_window0) is read from the fastest round of each, so that a slow spell of the GPU
-# (a few percent, seen between runs) does not land on one window only.
+# (a few percent, seen between runs) does not land on one ring only.
 WINDOW_ROUNDS = 3
 
 
 def time_windows(graphs: dict, num_calls: int) -> dict:
-    """``{window: us}`` for graphs of the same calls with different windows, replayed in
-    ``WINDOW_ROUNDS`` alternating rounds: the fastest round's median for each."""
+    """``{ring: us}`` for graphs of the same calls with different rings (``(window, sinks)``),
+    replayed in ``WINDOW_ROUNDS`` alternating rounds: the fastest round's median for each."""
     best = {}
     for _ in range(WINDOW_ROUNDS):
         for window, graph in graphs.items():
@@ -156,16 +158,16 @@ def tq_inputs(fmt, batch: int, seq: int, tokens: int = 1) -> list:
     return inputs
 
 
-def window_rings(inputs, window: int) -> list:
-    """Per replica: ``(k_window, v_window, window_pos)``, bf16 ``[B, Hk, W, D]`` rings and their
-    slots' positions (``(None, None, None)`` for window 0). The cache's last ``W`` positions are
-    then read from them instead."""
+def window_rings(inputs, window: int, sinks: int = 0) -> list:
+    """Per replica: ``(k_window, v_window, window_pos, sinks)``, bf16 ``[B, Hk, W + sinks, D]``
+    rings and their slots' positions (``(None, None, None, 0)`` without either). The cache's
+    last ``W`` positions and first ``sinks`` are then read from them instead."""
     rings = []
     for q, *_, lens in inputs:
-        shape = (q.shape[0], NUM_KV_HEADS, window, HEAD_DIM)
+        shape = (q.shape[0], NUM_KV_HEADS, window + sinks, HEAD_DIM)
         ring = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-        positions = api.appended_window_positions(lens, NUM_KV_HEADS, window)
-        rings.append((*ring, positions) if window else (None, None, None))
+        positions = api.appended_window_positions(lens, NUM_KV_HEADS, window, sinks)
+        rings.append((*ring, positions, sinks) if window + sinks else (None, None, None, 0))
     return rings
 
 
@@ -189,6 +191,7 @@ def tq_calls(fmt, inputs, rings, num_splits: int, **kernel_args) -> list:
             k_window=r[0],
             v_window=r[1],
             window_pos=r[2],
+            sinks=r[3],
             **kernel_args,
         )
         for (q, cache, consts, table, lens), ring in zip(inputs, rings, strict=True)
@@ -214,21 +217,22 @@ SPLIT_FACTORS = (0.5, 2, 4)
 VERIFY_SWEEP = [(1, 128), (1, 192), (1, 255), (2, 128), (2, 192), (2, 255), (4, 128), (4, 255)]
 
 
-def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,)) -> dict:
+def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,), sink_counts=(0,)) -> dict:
     copy_bw = copy_bandwidth()
     print(f"{gpu_name()}: copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
     rows = []
-    one_token_us = {}  # (shape, format, window, config) -> us of the one-token decode
+    one_token_us = {}  # (shape, format, (window, sinks), config) -> us of the one-token decode
+    rings = [(0, 0)] if sweep else [(w, s) for w in windows for s in sink_counts]
     for (batch, seq), tokens in ((shape, t) for shape in shapes for t in token_counts):
         shape = f"{batch}x{seq}"
         base_us = sdpa_time(batch, seq, tokens)
         bf16_bytes = 2 * batch * NUM_KV_HEADS * seq * HEAD_DIM * 2
-        one_token_us.setdefault((shape, "bf16 sdpa", 0, ""), base_us)
+        one_token_us.setdefault((shape, "bf16 sdpa", (0, 0), ""), base_us)
         rows.append(dict(
             shape=shape, tokens=tokens, format="bf16 sdpa", us=base_us,
             tb_s=bf16_bytes / base_us / 1e6, copy_pct=100 * bf16_bytes / base_us / 1e-6 / copy_bw,
-            speedup=1.0, window=0, vs_window0=1.0,
-            vs_t1=base_us / one_token_us[shape, "bf16 sdpa", 0, ""], splits=0, config="",
+            speedup=1.0, window=0, sinks=0, vs_window0=1.0,
+            vs_t1=base_us / one_token_us[shape, "bf16 sdpa", (0, 0), ""], splits=0, config="",
         ))  # fmt: skip
         splits_default = default_splits(batch, seq)
         for name in formats:
@@ -250,10 +254,10 @@ def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,)) -> dict:
             for config, splits in configs:
                 try:
                     graphs = {
-                        window: capture(
-                            tq_calls(fmt, inputs, window_rings(inputs, window), splits, **config)
+                        ring: capture(
+                            tq_calls(fmt, inputs, window_rings(inputs, *ring), splits, **config)
                         )
-                        for window in ([0] if sweep else windows)
+                        for ring in rings
                     }
                 except Exception as err:  # a sweep point that does not compile or fit
                     print(f"  {name} {config}: {type(err).__name__}: {str(err)[:160]}")
@@ -261,19 +265,20 @@ def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,)) -> dict:
                 times = time_windows(graphs, len(inputs))
                 del graphs
                 label = _config_label(config)
-                for window, us in times.items():
-                    t1 = one_token_us.setdefault((shape, name, window, label), us)
+                for (window, sinks), us in times.items():
+                    t1 = one_token_us.setdefault((shape, name, (window, sinks), label), us)
                     rows.append(dict(
                         shape=shape, tokens=tokens, format=name, us=us, tb_s=nbytes / us / 1e6,
                         copy_pct=100 * nbytes / us / 1e-6 / copy_bw, speedup=base_us / us,
-                        window=window, vs_window0=times.get(0, float("nan")) / us,
-                        vs_t1=us / t1, splits=splits, config=label,
+                        window=window, sinks=sinks,
+                        vs_window0=times.get((0, 0), float("nan")) / us, vs_t1=us / t1,
+                        splits=splits, config=label,
                     ))  # fmt: skip
             del inputs
             torch.cuda.empty_cache()
     print_table(rows, dict(
         shape="", tokens="d", format="", us=".1f", tb_s=".2f", copy_pct=".1f", speedup=".2f",
-        window="d", vs_window0=".3f", vs_t1=".2f", splits="d", config="",
+        window="d", sinks="d", vs_window0=".3f", vs_t1=".2f", splits="d", config="",
     ))  # fmt: skip
     return dict(gpu=gpu_name(), copy_bandwidth=copy_bw, rows=rows)
 
@@ -296,6 +301,7 @@ def plot(payload: dict, path: Path) -> None:
         if r["format"] != "bf16 sdpa"
         and not r["config"]
         and not r.get("window")
+        and not r.get("sinks")
         and r.get("tokens", 1) == 1
     ]
     if not rows:
@@ -328,6 +334,10 @@ def main() -> None:
         help="recent-window sizes to time (tokens in bf16 rings; 0: none)",
     )  # fmt: skip
     parser.add_argument(
+        "--sinks", nargs="*", type=int, default=[0],
+        help="sink counts to time with each window (first tokens in the bf16 rings)",
+    )  # fmt: skip
+    parser.add_argument(
         "--tokens", nargs="*", type=int, default=[1],
         help="query tokens per sequence to time (several: a speculative-decoding verify step)",
     )  # fmt: skip
@@ -341,7 +351,7 @@ def main() -> None:
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
-    payload = run(args.formats, shapes, args.sweep, args.windows, args.tokens)
+    payload = run(args.formats, shapes, args.sweep, args.windows, args.tokens, args.sinks)
     path = write_json(args.out, payload)
     print(f"wrote {path}")
     try:

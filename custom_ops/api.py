@@ -15,7 +15,13 @@ import torch
 
 from custom_ops import ops, splits
 from custom_ops.codebook import rotation_matrix
-from custom_ops.formats import KVFormat, PagedKVCache, get_format, sequence_capacity
+from custom_ops.formats import (
+    KVFormat,
+    PagedKVCache,
+    get_format,
+    ring_window,
+    sequence_capacity,
+)
 from custom_ops.schema import DecodeArgs, DequantizeArgs, StoreArgs, StoreWindowArgs
 
 __all__ = [
@@ -73,28 +79,34 @@ def store_window(
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     constants: KVConstants,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Write ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos [B] ..`` (int32 or
-    int64; at most each sequence's length) to sequences whose latest tokens live in the rings
-    ``k_window``/``v_window [B, Hk, W, D]``, ``window_pos [B, Hk, W] int32`` the position of each
-    slot (see ``torch.ops.tq.store_window``); the new lengths ``[B] int32``."""
+    int64; at most each sequence's length) to sequences whose latest tokens (and first
+    ``sinks``) live in the rings ``k_window``/``v_window [B, Hk, W + sinks, D]``, ``window_pos
+    [B, Hk, W + sinks] int32`` the position of each slot (see ``torch.ops.tq.store_window``);
+    the new lengths ``[B] int32``."""
     args = StoreWindowArgs(key, value, *cache, k_window, v_window, window_pos, block_table,
-                           start_pos, constants.rotation, get_format(fmt).name)  # fmt: skip
+                           start_pos, constants.rotation, get_format(fmt).name,
+                           sinks)  # fmt: skip
     return ops.call(args)
 
 
 def appended_window_positions(
-    seq_lens: torch.Tensor, num_kv_heads: int, window: int
+    seq_lens: torch.Tensor, num_kv_heads: int, window: int, sinks: int = 0
 ) -> torch.Tensor:
-    """``window_pos [B, Hk, W] int32`` of rings that hold the last ``min(len, W)`` positions of
-    sequences of lengths ``seq_lens [B]`` (position ``p`` at slot ``p % W``, -1 in the other
-    slots): what appending up to those lengths leaves, for rings filled by other means (a
-    benchmark's random rings, a cache restored from elsewhere)."""
+    """``window_pos [B, Hk, W + sinks] int32`` of rings that hold the last ``min(len, W)``
+    positions of at least ``sinks`` of sequences of lengths ``seq_lens [B]`` (position ``p`` at
+    slot ``p % W``) and their first ``min(len, sinks)`` (slot ``W + p``), -1 in the other slots:
+    what appending up to those lengths leaves, for rings filled by other means (a benchmark's
+    random rings, a cache restored from elsewhere)."""
     slots = torch.arange(window, device=seq_lens.device)[None, :]
     lens = seq_lens.to(torch.int64)[:, None]
     newest = lens - 1 - (lens - 1 - slots) % window  # the last position below len at each slot
-    held = torch.where(newest >= 0, newest, -1).to(torch.int32)
-    return held[:, None, :].expand(-1, num_kv_heads, -1).contiguous()
+    held = torch.where(newest >= sinks, newest, -1)
+    sink_slots = torch.arange(sinks, device=seq_lens.device)[None, :]
+    held = torch.cat([held, torch.where(sink_slots < lens, sink_slots, -1)], dim=1)
+    return held.to(torch.int32)[:, None, :].expand(-1, num_kv_heads, -1).contiguous()
 
 
 def dequantize(
@@ -108,11 +120,13 @@ def dequantize(
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
+    sinks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K and V ``[B, Hk, max_seq_len, D]`` of every sequence (zeros past its length; the
-    ring runs from the rings when given)."""
+    ring runs and sinks from the rings when given)."""
     args = DequantizeArgs(*cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
-                          max_seq_len, dtype, k_window, v_window, window_pos)  # fmt: skip
+                          max_seq_len, dtype, k_window, v_window, window_pos,
+                          sinks)  # fmt: skip
     return ops.call(args)
 
 
@@ -144,19 +158,21 @@ def decode(
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` (one token per sequence) over the cache: ``[B, Hq, D]``.
 
     ``num_splits`` defaults to :func:`default_num_splits`; ``scale`` to ``1 / sqrt(D)``;
     ``k_window``/``v_window``/``window_pos`` are the recent-window rings and their slots'
-    positions, if any.
+    positions, if any, ``sinks`` the rings' sink slots.
     """
     if num_splits is None:
-        window = 0 if k_window is None else k_window.shape[2]
         num_splits = default_num_splits(q.shape[0], cache.k_codes.shape[1], block_table.shape[1],
-                                        cache.k_codes.shape[2], window, q.device)  # fmt: skip
+                                        cache.k_codes.shape[2], ring_window(k_window, sinks),
+                                        q.device)  # fmt: skip
     if scale is None:
         scale = q.shape[-1] ** -0.5
     args = DecodeArgs(q, *cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
-                      num_splits, scale, mask, k_window, v_window, window_pos)  # fmt: skip
+                      num_splits, scale, mask, k_window, v_window, window_pos,
+                      sinks)  # fmt: skip
     return ops.call(args)

@@ -53,6 +53,7 @@ __all__ = [
     "get_format",
     "check_head_dim",
     "sequence_capacity",
+    "ring_window",
 ]
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -239,6 +240,15 @@ def sequence_capacity(max_pages: int, page_size: int, window: int = 0) -> int:
     """Positions one sequence of a paged cache can hold: its block table's pages, plus the
     ``window`` most recent positions, which live in a full-precision ring and need no page."""
     return max_pages * page_size + window
+
+
+def ring_window(k_window: torch.Tensor | None, sinks: int = 0) -> int:
+    """W, the recent-window slots of rings ``[B, Hk, W + sinks, D]`` (0 without rings).
+
+    Slots ``[0, W)`` hold a sequence's latest positions, position ``p`` at slot ``p % W``;
+    slots ``[W, W + sinks)`` hold its first ``sinks`` positions (attention sinks), position
+    ``p`` at slot ``W + p``, which never leave for a page."""
+    return 0 if k_window is None else k_window.shape[2] - sinks
 
 
 def check_head_dim(head_dim: int) -> None:

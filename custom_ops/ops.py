@@ -25,36 +25,39 @@ stay opaque calls.
   negative slots are padding and skipped; two tokens of one call with the same slot leave one
   of them there, which one unspecified on CUDA, the last on the CPU). Returns nothing.
 * ``tq.store_window(key, value, k_codes!, v_codes!, meta!, k_window!, v_window!, window_pos!,
-  block_table, start_pos, rotation, fmt) -> seq_lens``: write ``key``/``value [B, Hk, T, D]``
-  at positions ``start_pos[b] ..`` (``[B]`` int32 or int64, any stride, so a model's
+  block_table, start_pos, rotation, fmt, sinks=0) -> seq_lens``: write ``key``/``value [B, Hk,
+  T, D]`` at positions ``start_pos[b] ..`` (``[B]`` int32 or int64, any stride, so a model's
   ``input_pos[:1].expand(B)`` as it is; at most the current length: appends, rollbacks and
   restarts alike; negative skips the sequence) to sequences whose latest positions (a run of at
-  most ``W``) live in the rings ``k_window``/``v_window [>= B, Hk, W, D]`` (contiguous
-  bf16/fp16, position ``p`` at slot ``p % W``), ``window_pos [>= B, Hk, W] int32`` recording
-  each slot's position (-1: none; a new cache fills it with -1). A token that leaves the ring
+  most ``W``) and first ``sinks`` positions (attention sinks, never quantized) live in the
+  rings ``k_window``/``v_window [>= B, Hk, W + sinks, D]`` (contiguous bf16/fp16, position
+  ``p`` at slot ``p % W``, a sink at slot ``W + p``; :func:`custom_ops.formats.ring_window`),
+  ``window_pos [>= B, Hk, W + sinks] int32`` recording each slot's position (-1: none; a new
+  cache fills it with -1). A token that leaves the ring
   while still part of its sequence is quantized into its page exactly once
   (:func:`custom_ops.reference.store_window`); pages are needed only below ``len - W``, so a
   sequence of ``block_table [>= B, max_pages]`` holds ``max_pages * page_size + W`` positions.
   Returns the new lengths ``[B] int32`` (``start_pos + T``; 0 for a skipped sequence), what
   ``tq.decode`` takes next (on CUDA the store kernel writes them: no launch of their own).
 * ``tq.dequantize(k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, max_seq_len,
-  dtype, k_window=None, v_window=None, window_pos=None) -> (K, V)``: dense ``[B, Hk,
+  dtype, k_window=None, v_window=None, window_pos=None, sinks=0) -> (K, V)``: dense ``[B, Hk,
   max_seq_len, D]`` of ``dtype`` (bf16, fp16, fp32 or fp64) for ``block_table [B, max_pages]
   int32`` and ``seq_lens [B] int32``; zeros at and past each length; with the rings, each
-  sequence-head's ring run (:func:`custom_ops.reference.ring_start` .. len) is copied from them.
+  sequence-head's ring run (:func:`custom_ops.reference.ring_start` .. len) and sinks are
+  copied from them.
   ``max_seq_len`` is at most the sequence capacity.
 * ``tq.decode(q, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, num_splits,
-  scale, mask=None, k_window=None, v_window=None, window_pos=None) -> out``: attention of ``q
-  [B, Hq, D]`` (bf16/fp16, ``Hq`` a multiple of ``Hk``) over each sequence's cache, ``[B, Hq,
-  D]`` in q's dtype; or of ``q [B, Hq, T, D]``, ``T <= 16``, the sequence's last ``T`` tokens
-  (a speculative-decoding verify step), token ``t`` seeing the positions below ``len - T + t +
-  1``, ``[B, Hq, T, D]`` (``mask`` then also ``[B or 1, Hq or 1, T, M]``, per token).
-  Block-table entries past a sequence's pages may hold anything (short contexts read them early
-  but never follow them); a sequence of length 0 gives zeros. ``num_splits`` is the fixed
-  split count (a power of two, :mod:`custom_ops.splits`), ``scale`` the softmax scale, ``mask``
-  an optional ``[B or 1, Hq or 1, M]`` bool (False masks out) or additive float mask over cache
-  positions (positions ``>= M`` masked out; a query with no visible key gets zeros). With the
-  rings, each sequence-head's ring run is read from them in full precision.
+  scale, mask=None, k_window=None, v_window=None, window_pos=None, sinks=0) -> out``: attention
+  of ``q [B, Hq, D]`` (bf16/fp16, ``Hq`` a multiple of ``Hk``) over each sequence's cache,
+  ``[B, Hq, D]`` in q's dtype; or of ``q [B, Hq, T, D]``, ``T <= 16``, the sequence's last
+  ``T`` tokens (a speculative-decoding verify step), token ``t`` seeing the positions below
+  ``len - T + t + 1``, ``[B, Hq, T, D]`` (``mask`` then also ``[B or 1, Hq or 1, T, M]``, per
+  token). Block-table entries past a sequence's pages may hold anything (short contexts read
+  them early but never follow them); a sequence of length 0 gives zeros. ``num_splits`` is the
+  fixed split count (a power of two, :mod:`custom_ops.splits`), ``scale`` the softmax scale,
+  ``mask`` an optional ``[B or 1, Hq or 1, M]`` bool (False masks out) or additive float mask
+  over cache positions (positions ``>= M`` masked out; a query with no visible key gets zeros).
+  With the rings, each sequence-head's ring run and sinks are read from them in full precision.
 
 ``rotation`` (``[D, D] float32``, entries +-1) must be :func:`custom_ops.codebook.rotation_matrix`
 (for a power-of-two D the CUDA store and decode kernels use its Walsh-Hadamard structure, ``R =
@@ -221,7 +224,7 @@ def _store(a: StoreArgs, key: validate.LaunchKey | None) -> None:
 def _store_window(a: StoreWindowArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     kv_format = validate.checked(validate.check_store_window, a, key)
     args = (kv_format, a.key, a.value, _cache(a), a.k_window, a.v_window, a.window_pos,
-            a.block_table, a.start_pos, a.rotation)  # fmt: skip
+            a.block_table, a.start_pos, a.rotation, a.sinks)  # fmt: skip
     if _use_triton(a.key.device):
         return triton_store_window.store_window(*args, launch_key=key)
     return reference.store_window(*args)
@@ -233,7 +236,7 @@ def _dequantize(
     kv_format, _ = validate.checked(validate.check_dequantize, a, key)
     impl = triton_dequant.dequantize if _use_triton(a.k_codes.device) else reference.dequantize
     return impl(kv_format, _cache(a), a.block_table, a.seq_lens, a.rotation, a.max_seq_len,
-                a.dtype, a.k_window, a.v_window, a.window_pos)  # fmt: skip
+                a.dtype, a.k_window, a.v_window, a.window_pos, a.sinks)  # fmt: skip
 
 
 def _dequantize_fake(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,10 +250,10 @@ def _decode(a: DecodeArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     if _use_triton(a.q.device):
         return triton_decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
                              a.num_splits, a.scale, a.mask, a.k_window, a.v_window,
-                             a.window_pos, launch_key=key)  # fmt: skip
+                             a.window_pos, a.sinks, launch_key=key)  # fmt: skip
     return reference.decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
                             a.scale, torch.float32, a.mask, a.k_window, a.v_window,
-                            a.window_pos)  # fmt: skip
+                            a.window_pos, a.sinks)  # fmt: skip
 
 
 def _decode_fake(a: DecodeArgs) -> torch.Tensor:

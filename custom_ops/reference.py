@@ -15,7 +15,16 @@ import math
 import torch
 
 from custom_ops.codebook import signed_levels
-from custom_ops.formats import FP8_MAX, INT8_MAX, Codec, Kind, KVFormat, PagedKVCache
+from custom_ops.formats import (
+    FP8_MAX,
+    INT8_MAX,
+    Codec,
+    Kind,
+    KVFormat,
+    PagedKVCache,
+    ring_window,
+    sequence_capacity,
+)
 
 __all__ = [
     "encode_rows",
@@ -282,49 +291,55 @@ def store_window(
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     rotation: torch.Tensor,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Write ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos[b] ..`` of sequences
-    that keep their most recent tokens in full precision; the sequences' new lengths
-    (:func:`written_lengths`).
+    that keep their most recent tokens, and their first ``sinks``, in full precision; the
+    sequences' new lengths (:func:`written_lengths`).
 
     Each sequence-head keeps a run of its latest positions ``[w, len)`` (at most ``W``) in the
-    ring ``k_window / v_window [B, Hk, W, D]``, position ``p`` at slot ``p % W``, and the
-    positions below ``w`` quantized in its pages; ``window_pos [B, Hk, W] int32`` records the
-    position each slot holds (-1: none; :func:`ring_start` finds ``w``). The new tokens take
-    positions ``start .. start + T - 1`` (a negative start skips the sequence), for any start
-    up to the current length: everything from ``start`` on is new (a rollback, a re-run step,
-    rejected drafts, a new sequence from 0). A slot's old position leaves for its page only if it
-    is below ``start`` (still part of the sequence); new tokens that do not fit the ring go
-    straight to their pages. Afterwards the ring holds the last ``min(W, start + T - w)``
-    positions, and every position below the new ``w`` is in its page: written once if it left
-    the ring in this call or an earlier one.
+    ring ``k_window / v_window [B, Hk, W + sinks, D]``, position ``p`` at slot ``p % W``, its
+    first ``sinks`` positions at slots ``W + p`` (never evicted), and the positions in ``[sinks,
+    w)`` quantized in its pages; ``window_pos [B, Hk, W + sinks] int32`` records the position
+    each slot holds (-1: none; :func:`ring_start` finds ``w``). The new tokens take positions
+    ``start .. start + T - 1`` (a negative start skips the sequence), for any start up to the
+    current length: everything from ``start`` on is new (a rollback, a re-run step, rejected
+    drafts, a new sequence from 0). A ring slot's old position leaves for its page only if it is
+    below ``start`` (still part of the sequence); new tokens that do not fit the ring go straight
+    to their pages. Afterwards the ring holds the last ``min(W, start + T - w)`` positions of at
+    least ``sinks``, and every position in ``[sinks, w)`` is in its page: written once if it
+    left the ring in this call or an earlier one.
     """
     n_new = key.shape[2]
-    window = k_window.shape[2]
+    window = ring_window(k_window, sinks)
     page_size = cache.k_codes.shape[2]
     for b in range(key.shape[0]):
         start = int(start_pos[b])
         if start < 0:
             continue
-        keep_from = start + n_new - window  # new positions >= keep_from end up in the ring
-        ring_slots = (start + torch.arange(min(n_new, window))) % window  # the slots written
+        new_pos = start + torch.arange(n_new)
+        sink = new_pos < sinks
+        # new positions >= start + T - W end up in the ring, the others (sinks aside) in pages
+        stay = (new_pos >= start + n_new - window) & ~sink
+        direct = ~stay & ~sink
+        ring_slots = new_pos[stay] % max(window, 1)  # the ring slots written
         held = window_pos[b][:, ring_slots].to(torch.int64)  # [Hk, C] their old positions
         leaves = (held >= 0) & (held < start)
         leaving = torch.where(leaves, held, 0)  # (a stale position may lie past the pages)
         old_slots = torch.where(leaves, _slots_of(leaving, block_table[b], page_size), -1)
-        new_pos = start + torch.arange(n_new)
-        direct = new_pos < keep_from
         new_slots = _slots_of(new_pos[direct], block_table[b], page_size)
         # [n, Hk, D] rows: old tokens from the ring (slots per head), then new ones that skip it
         k_rows = torch.cat([k_window[b][:, ring_slots], key[b][:, direct]], dim=1)
         v_rows = torch.cat([v_window[b][:, ring_slots], value[b][:, direct]], dim=1)
         slots = torch.cat([old_slots.T, new_slots[:, None].expand(-1, old_slots.shape[0])])
-        store(fmt, k_rows.transpose(0, 1).float(), v_rows.transpose(0, 1).float(), cache, slots,
-              rotation)  # fmt: skip
-        stay = new_pos[~direct]
-        k_window[b][:, stay % window] = key[b][:, ~direct].to(k_window.dtype)
-        v_window[b][:, stay % window] = value[b][:, ~direct].to(v_window.dtype)
-        window_pos[b][:, stay % window] = stay.to(window_pos.dtype)
+        if slots.shape[0]:
+            store(fmt, k_rows.transpose(0, 1).float(), v_rows.transpose(0, 1).float(), cache,
+                  slots, rotation)  # fmt: skip
+        kept = stay | sink
+        kept_slots = torch.where(sink, window + new_pos, new_pos % max(window, 1))[kept]
+        k_window[b][:, kept_slots] = key[b][:, kept].to(k_window.dtype)
+        v_window[b][:, kept_slots] = value[b][:, kept].to(v_window.dtype)
+        window_pos[b][:, kept_slots] = new_pos[kept].to(window_pos.dtype)
     return written_lengths(start_pos, n_new)
 
 
@@ -335,31 +350,38 @@ def written_lengths(start_pos: torch.Tensor, n_new: int) -> torch.Tensor:
     return torch.where(start_pos >= 0, start_pos + n_new, 0).to(torch.int32)
 
 
-def ring_start(window_pos: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+def ring_start(window_pos: torch.Tensor, seq_lens: torch.Tensor, sinks: int = 0) -> torch.Tensor:
     """``[B, Hk] int64``: where each sequence-head's ring run starts, the least position below
-    ``seq_lens [B]`` that its ring ``window_pos [>= B, Hk, W]`` holds (its length if none):
-    positions below it are read from the pages, the others from the ring (see
-    :func:`store_window`)."""
+    ``seq_lens [B]`` that the window slots of its ring ``window_pos [>= B, Hk, W + sinks]`` hold
+    (its length if none): positions from ``sinks`` up to it are read from the pages, the others
+    from the ring (see :func:`store_window`)."""
     lens = seq_lens.to(torch.int64)[:, None, None]
-    held = window_pos[: seq_lens.shape[0]].to(device=lens.device, dtype=torch.int64)
+    window = window_pos.shape[2] - sinks
+    held = window_pos[: seq_lens.shape[0], :, :window].to(device=lens.device, dtype=torch.int64)
     in_run = (held >= 0) & (held < lens)
-    return torch.where(in_run, held, lens).amin(dim=2)
+    run_or_len = torch.where(in_run, held, lens)
+    return torch.cat([run_or_len, lens.expand(*held.shape[:2], 1)], dim=2).amin(dim=2)
 
 
 def overlay_window(
-    dense: torch.Tensor, window: torch.Tensor, window_pos: torch.Tensor, seq_lens: torch.Tensor
+    dense: torch.Tensor,
+    ring: torch.Tensor,
+    window_pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """``dense [B, Hk, S, D]`` with each sequence-head's ring run (positions ``ring_start ..
-    len - 1``) taken from the ring ``window [>= B, Hk, W, D]`` (position ``p`` at slot ``p %
-    W``)."""
+    len - 1``) and its sinks (positions below ``min(sinks, len)``) taken from the ring ``[>= B,
+    Hk, W + sinks, D]`` (see :func:`store_window`)."""
     batch, _, seq, _ = dense.shape
-    ring_size = window.shape[2]
+    window = ring_window(ring, sinks)
     positions = torch.arange(seq, device=dense.device)
-    first = ring_start(window_pos, seq_lens).to(dense.device)[:, :, None]  # [B, Hk, 1]
+    first = ring_start(window_pos, seq_lens, sinks).to(dense.device)[:, :, None]  # [B, Hk, 1]
     lens = seq_lens.to(device=dense.device, dtype=torch.int64)[:, None, None]
-    in_window = (positions >= first) & (positions < lens)  # [B, Hk, S]
-    ring_rows = window[:batch][:, :, positions % ring_size].to(dense.device, dense.dtype)
-    return torch.where(in_window[..., None], ring_rows, dense)
+    in_ring = ((positions >= first) | (positions < sinks)) & (positions < lens)  # [B, Hk, S]
+    slots = torch.where(positions < sinks, window + positions, positions % max(window, 1))
+    ring_rows = ring[:batch][:, :, slots]
+    return torch.where(in_ring[..., None], ring_rows.to(dense.device, dense.dtype), dense)
 
 
 def gather_rows(
@@ -399,15 +421,18 @@ def dequantize(
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
+    sinks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantize every sequence's cache to ``[B, Hk, max_seq_len, D]`` K and V in ``dtype``.
 
     Positions at or beyond ``seq_lens[b]`` are zero. With a recent window (``k_window`` /
-    ``v_window [B, Hk, W, D]`` and ``window_pos``, see :func:`store_window`) each
-    sequence-head's ring run comes from it. float64 ``dtype`` computes in float64 (the oracle);
-    anything else computes in float32 and casts at the end.
+    ``v_window [B, Hk, W + sinks, D]`` and ``window_pos``, see :func:`store_window`) each
+    sequence-head's ring run and sinks come from it. float64 ``dtype`` computes in float64 (the
+    oracle); anything else computes in float32 and casts at the end.
     """
-    paged_lens = seq_lens if k_window is None else ring_start(window_pos, seq_lens).amax(dim=1)
+    paged_lens = seq_lens
+    if k_window is not None:
+        paged_lens = ring_start(window_pos, seq_lens, sinks).amax(dim=1)
     rows = gather_rows(cache, block_table, max_seq_len, paged_lens)
     batch, num_kv_heads, seq, _ = rows.k_codes.shape
     compute = torch.float64 if dtype == torch.float64 else torch.float32
@@ -424,8 +449,8 @@ def dequantize(
     k = torch.where(valid, k, torch.zeros((), dtype=compute))
     v = torch.where(valid, v, torch.zeros((), dtype=compute))
     if k_window is not None:
-        k = overlay_window(k, k_window, window_pos, seq_lens)
-        v = overlay_window(v, v_window, window_pos, seq_lens)
+        k = overlay_window(k, k_window, window_pos, seq_lens, sinks)
+        v = overlay_window(v, v_window, window_pos, seq_lens, sinks)
     return k.to(dtype), v.to(dtype)
 
 
@@ -484,6 +509,7 @@ def decode(
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Decode attention of ``q [B, Hq, D]`` (one token per sequence), or ``[B, Hq, T, D]`` (the
     sequence's last ``T`` tokens, causal among themselves: token ``t`` sees the positions below
@@ -493,11 +519,11 @@ def decode(
     Computed in ``dtype`` (float32 for the CPU op, float64 for oracles); returns ``q``'s shape
     in the query's dtype.
     """
-    max_seq_len = block_table.shape[1] * cache.k_codes.shape[2]
-    if k_window is not None:
-        max_seq_len += k_window.shape[2]  # the ring holds the last W positions
+    # the ring's window slots hold the last W positions
+    max_seq_len = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
+                                    ring_window(k_window, sinks))  # fmt: skip
     k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, max_seq_len, dtype, k_window,
-                      v_window, window_pos)  # fmt: skip
+                      v_window, window_pos, sinks)  # fmt: skip
     if q.dim() == 3:
         return attention(q, k, v, seq_lens, scale, mask).to(q.dtype)
     tokens = q.shape[2]

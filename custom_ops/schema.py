@@ -42,6 +42,7 @@ class StoreWindowArgs(NamedTuple):
     start_pos: Tensor
     rotation: Tensor
     fmt: str
+    sinks: int = 0
 
 
 class DequantizeArgs(NamedTuple):
@@ -59,6 +60,7 @@ class DequantizeArgs(NamedTuple):
     k_window: Tensor | None = None
     v_window: Tensor | None = None
     window_pos: Tensor | None = None
+    sinks: int = 0
 
 
 class DecodeArgs(NamedTuple):
@@ -78,6 +80,7 @@ class DecodeArgs(NamedTuple):
     k_window: Tensor | None = None
     v_window: Tensor | None = None
     window_pos: Tensor | None = None
+    sinks: int = 0
 
 
 # Python annotation -> schema type (this module keeps its annotations evaluated for this).

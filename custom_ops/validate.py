@@ -305,7 +305,7 @@ def check_store_window(args: StoreWindowArgs) -> KVFormat:
     device = cache.k_codes.device
     check_same_device(op, device, key=key, value=args.value, start_pos=start_pos)
     check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads, head_dim,
-                 device)  # fmt: skip
+                 device, args.sinks)  # fmt: skip
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < batch:
         _fail(
             op,
@@ -316,7 +316,7 @@ def check_store_window(args: StoreWindowArgs) -> KVFormat:
     check_position_vector(op, "start_pos", start_pos, batch)
     check_rotation(op, args.rotation, head_dim, device)
     if batch and checks_values(start_pos):
-        window = args.k_window.shape[2]
+        window = formats.ring_window(args.k_window, args.sinks)
         capacity = formats.sequence_capacity(block_table.shape[1], cache.k_codes.shape[2], window)
         end = int(start_pos.max()) + n_new
         if end > capacity:
@@ -342,12 +342,19 @@ def check_window(
     num_kv_heads: int,
     head_dim: int,
     device: torch.device,
+    sinks: int,
 ) -> None:
-    """The recent-window rings ``k_window``, ``v_window`` ``[>= B, Hk, W, D]`` bf16/fp16 and
-    their slots' positions ``window_pos [same B, Hk, W] int32``, all contiguous."""
+    """The recent-window rings ``k_window``, ``v_window`` ``[>= B, Hk, W + sinks, D]``
+    bf16/fp16 and their slots' positions ``window_pos [same B, Hk, W + sinks] int32``, all
+    contiguous; ``sinks >= 0``, and 0 without rings."""
     if not (k_window is None) == (v_window is None) == (window_pos is None):
         _fail(op, "k_window, v_window and window_pos must be given together")
+    if type(sinks) is not int or sinks < 0:
+        _fail(op, f"sinks must be an integer >= 0, got {sinks!r}")
     if k_window is None:
+        if sinks:
+            _fail(op, f"sinks={sinks} needs the rings (k_window, v_window, window_pos) that "
+                      "hold them")  # fmt: skip
         return
     if k_window.dtype not in MODEL_DTYPES or v_window.dtype != k_window.dtype:
         _fail(
@@ -361,14 +368,15 @@ def check_window(
         len(shape) != 4
         or shape[0] < batch
         or shape[1] != num_kv_heads
-        or shape[2] < 1
+        or shape[2] < max(1, sinks)
         or shape[3] != head_dim
         or _shape(v_window) != shape
     ):
         _fail(
             op,
-            f"k_window and v_window must be [>= {batch}, {num_kv_heads}, W >= 1, {head_dim}] "
-            f"(batch, kv-heads, window, head dim), got {shape} and {_shape(v_window)}",
+            f"k_window and v_window must be [>= {batch}, {num_kv_heads}, W + sinks >= "
+            f"{max(1, sinks)}, {head_dim}] (batch, kv-heads, window slots + sinks={sinks}, "
+            f"head dim), got {shape} and {_shape(v_window)}",
         )
     if not (k_window.is_contiguous() and v_window.is_contiguous()):
         _fail(op, "k_window and v_window must be contiguous")
@@ -378,7 +386,7 @@ def check_window(
         _fail(
             op,
             f"window_pos must be a contiguous {list(shape[:3])} (the rings' batch, kv-heads and "
-            f"window), got {_shape(window_pos)}"
+            f"slots), got {_shape(window_pos)}"
             f"{'' if window_pos.is_contiguous() else ' with strides ' + str(window_pos.stride())}",
         )
     check_same_device(op, device, k_window=k_window, v_window=v_window, window_pos=window_pos)
@@ -392,13 +400,15 @@ def check_block_table(
     max_seq_len: int | None = None,
     k_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
+    sinks: int = 0,
 ) -> None:
     """``block_table [B, P] int32`` and ``seq_lens [B] int32`` against the cache's pages.
 
     With a recent window of ``W`` tokens a sequence holds ``P * page_size + W`` positions: only
-    those below its ring run (:func:`custom_ops.reference.ring_start`) live in pages.
+    those below its ring run (:func:`custom_ops.reference.ring_start`) live in pages (the
+    first ``sinks`` of them aside: their pages are read but never used).
     """
-    window = 0 if k_window is None else k_window.shape[2]
+    window = formats.ring_window(k_window, sinks)
     if block_table.dtype != torch.int32:
         _fail(op, f"block_table must be int32, got {block_table.dtype}", TypeError)
     if block_table.dim() != 2:
@@ -423,10 +433,10 @@ def check_block_table(
             f"seq_lens must be in [0, {bound}], got a length of "
             f"{longest if longest > bound else int(seq_lens.min())}",
         )
-    if not window:
+    if k_window is None:
         check_page_ids(op, cache, block_table, seq_lens, "seq_lens")
         return
-    paged = reference.ring_start(window_pos, seq_lens).amax(dim=1)
+    paged = reference.ring_start(window_pos, seq_lens, sinks).amax(dim=1)
     check_page_ids(op, cache, block_table, paged, "the start of its window run")
 
 
@@ -462,9 +472,9 @@ def check_dequantize(args: DequantizeArgs) -> tuple[KVFormat, int]:
     batch = block_table.shape[0] if block_table.dim() == 2 else 0
     num_kv_heads = cache.k_codes.shape[1]
     check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads, head_dim,
-                 device)  # fmt: skip
+                 device, args.sinks)  # fmt: skip
     check_block_table(op, cache, block_table, args.seq_lens, args.max_seq_len, args.k_window,
-                      args.window_pos)  # fmt: skip
+                      args.window_pos, args.sinks)  # fmt: skip
     if args.dtype not in OUTPUT_DTYPES:
         _fail(op, f"dtype must be one of {OUTPUT_DTYPES}, got {args.dtype}", TypeError)
     return kv_format, head_dim
@@ -494,9 +504,9 @@ def check_decode(args: DecodeArgs) -> KVFormat:
     check_same_device(op, device, q=q)
     check_rotation(op, args.rotation, head_dim, device)
     check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads, head_dim,
-                 device)  # fmt: skip
+                 device, args.sinks)  # fmt: skip
     check_block_table(op, cache, args.block_table, args.seq_lens, None, args.k_window,
-                      args.window_pos)  # fmt: skip
+                      args.window_pos, args.sinks)  # fmt: skip
     if args.block_table.shape[0] != batch:
         _fail(
             op, f"block_table has {args.block_table.shape[0]} rows for a batch of {batch} queries"

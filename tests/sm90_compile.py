@@ -19,21 +19,22 @@ from custom_ops.triton.offline import compile_offline
 from custom_ops.triton.paged import plane_arguments, ring_arguments, table_arguments
 from custom_ops.triton.store import side_params
 
-HEAD_DIM, HEADS, GROUP, PAGE, PAGES, WINDOW = 128, 2, 4, 16, 8, 16
+HEAD_DIM, HEADS, GROUP, PAGE, PAGES, WINDOW, SINKS = 128, 2, 4, 16, 8, 16, 4
 
 
 def kernels(name: str) -> dict:
     """``{kernel: zero-argument compile}`` for one format (launch options as the launchers'
     defaults; the decode kernels through their plan, long splits and short, with and without
-    the inline PTX, with a ring)."""
+    the inline PTX, with a ring and sinks: the kernels without sinks are the same code less
+    the sinks' branches)."""
     fmt = get_format(name)
     d = HEAD_DIM
     cache = fmt.allocate(PAGES, HEADS, PAGE, d)
     rot = api.make_constants(fmt, d).rotation
     table = torch.zeros(2, 4, dtype=torch.int32)
     lens = torch.zeros(2, dtype=torch.int32)
-    ring = torch.empty(2, HEADS, WINDOW, d, dtype=torch.bfloat16)
-    ring_pos = torch.empty(2, HEADS, WINDOW, dtype=torch.int32)
+    ring = torch.empty(2, HEADS, WINDOW + SINKS, d, dtype=torch.bfloat16)
+    ring_pos = torch.empty(2, HEADS, WINDOW + SINKS, dtype=torch.int32)
     rows = torch.empty(4, HEADS, d, dtype=torch.bfloat16)
     new = torch.empty(2, HEADS, 1, d, dtype=torch.bfloat16)
     dense = torch.empty(2, HEADS, 64, d)
@@ -48,26 +49,27 @@ def kernels(name: str) -> dict:
             store_window.store_window_kernel, (1,), new, new, *new.stride(), *new.stride(),
             ring_arguments(ring, ring, ring_pos), plane_arguments(cache), table_arguments(table),
             start, start.stride(0), lens, rot, 4, HEADS, 1, 1, WINDOW, PAGE, 4, D=d, D_PAD=d,
-            INV_SQRT_D=inv, BLOCK_R=32, K=kp, V=vp, num_warps=4)
+            INV_SQRT_D=inv, BLOCK_R=32, K=kp, V=vp, SINKS=SINKS, num_warps=4)
             # a cache's start: input_pos[:1].expand(B), int64
             for start in (lens, torch.zeros(1, dtype=torch.int64).expand(2))},
         "dequant": lambda: compile_offline(
             dequant.dequant_kernel, (4, 2), plane_arguments(cache), table_arguments(table), lens,
             rot, dense, dense, ring_arguments(ring, ring, ring_pos), WINDOW, HEADS, PAGE, 4, 64,
-            HAS_WINDOW=True, D=d, D_PAD=d, INV_SQRT_D=inv, BLOCK_S=32, K=kp, V=vp, num_warps=4),
+            HAS_WINDOW=True, D=d, D_PAD=d, INV_SQRT_D=inv, BLOCK_S=32, K=kp, V=vp, SINKS=SINKS,
+            num_warps=4),
     }  # fmt: skip
     q = torch.zeros(2, HEADS * GROUP, d, dtype=torch.bfloat16)
     long_table = torch.zeros(2, 64, dtype=torch.int32)
     for fast in (True, False):
         for label, block_table in (("short", table), ("long", long_table)):
-            plan = decode.plan_for(fmt, q, cache, block_table, 2, None, ring, fast)
+            plan = decode.plan_for(fmt, q, cache, block_table, 2, None, ring, fast, sinks=SINKS)
             q_code = torch.empty(2, HEADS * GROUP, max(1, plan.q_code_columns),
                                  dtype=torch.float16)  # fmt: skip
             part_out = torch.empty(2, HEADS * GROUP, plan.num_partials, d)
             part_lse = torch.empty(2, HEADS * GROUP, plan.num_partials)
             mask_args = (lens, 0, 0, 0, 0)
             split_args = split_arguments(q, q_code, LOG2E, rot, cache, block_table, lens,
-                                         mask_args, ring, ring, ring_pos, part_out,
+                                         mask_args, ring, ring, ring_pos, WINDOW, part_out,
                                          part_lse)  # fmt: skip
             launches = {
                 "split": (plan.split, split_args),

@@ -30,26 +30,27 @@ REWRITE_STEPS = [(11, (0, 0)), (3, (11, 5)), (2, (4, 8)), (1, (6, 10)), (12, (3,
 
 
 class Sequences:
-    """Two sequences in a paged cache with a shuffled block table, their rings and every token
-    appended so far (bf16 ``[B, Hk, S, D]``)."""
+    """Two sequences in a paged cache with a shuffled block table, their rings (``window``
+    slots and ``sinks``) and every token appended so far (bf16 ``[B, Hk, S, D]``)."""
 
-    def __init__(self, fmt_name, gen, device="cpu", dtype=torch.bfloat16, window=WINDOW):
+    def __init__(self, fmt_name, gen, device="cpu", dtype=torch.bfloat16, window=WINDOW,
+                 sinks=0):  # fmt: skip
         self.fmt = get_format(fmt_name)
-        self.window = window
+        self.window, self.sinks = window, sinks
         self.capacity = PAGE_SIZE * PAGES_PER_SEQ + window
         self.consts = api.make_constants(self.fmt, HEAD_DIM, seed=5)
         num_pages = BATCH * PAGES_PER_SEQ + 2
         self.cache = poisoned_cache(self.fmt, num_pages, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM, gen)
         pages = torch.randperm(num_pages, generator=gen)[: BATCH * PAGES_PER_SEQ]
         self.block_table = pages.to(torch.int32).reshape(BATCH, PAGES_PER_SEQ)
-        shape = (BATCH, NUM_KV_HEADS, window, HEAD_DIM)
+        shape = (BATCH, NUM_KV_HEADS, window + sinks, HEAD_DIM)
         self.k_window = torch.randn(shape, generator=gen).to(dtype)  # poison: never read
         self.v_window = torch.randn(shape, generator=gen).to(dtype)
         self.window_pos = torch.full(shape[:3], -1, dtype=torch.int32)  # no slot holds one yet
         self.keys = torch.zeros(BATCH, NUM_KV_HEADS, self.capacity, HEAD_DIM, dtype=torch.bfloat16)
         self.values = torch.zeros_like(self.keys)
         self.lens = torch.zeros(BATCH, dtype=torch.int32)
-        # where each sequence's ring run starts: positions below it are quantized
+        # where each sequence's ring run starts: positions below it are quantized (sinks aside)
         self.ring_from = torch.zeros(BATCH, dtype=torch.int64)
         self.device = device
         self.to(device)
@@ -82,7 +83,7 @@ class Sequences:
         with triton_kernels(d) if use_triton else torch.no_grad():
             lens = api.store_window(self.fmt, self.cache, key.to(d), value.to(d), self.k_window,
                                     self.v_window, self.window_pos, self.block_table,
-                                    start_pos.to(d), self.consts)  # fmt: skip
+                                    start_pos.to(d), self.consts, self.sinks)  # fmt: skip
         # the op returns the written sequences' lengths, 0 for the skipped ones
         assert torch.equal(lens.cpu(), torch.where(start_pos >= 0, self.lens, 0)), lens
 
@@ -96,8 +97,18 @@ class Sequences:
             return api.decode(self.fmt, q.to(d), self.cache, self.block_table, lens.to(d),
                               self.consts, num_splits=num_splits,
                               mask=None if mask is None else mask.to(d), k_window=self.k_window,
-                              v_window=self.v_window,
-                              window_pos=self.window_pos).cpu()  # fmt: skip
+                              v_window=self.v_window, window_pos=self.window_pos,
+                              sinks=self.sinks).cpu()  # fmt: skip
+
+    @property
+    def rings(self):
+        """``(k_window, v_window, window_pos)``."""
+        return self.k_window, self.v_window, self.window_pos
+
+    def exact(self, positions):
+        """``[B, n] bool``: which of ``positions [n]`` each sequence holds in full precision
+        (its ring run and its sinks)."""
+        return (positions[None, :] >= self.ring_from[:, None]) | (positions[None, :] < self.sinks)
 
     def slots_of(self, b, positions):
         pages = self.block_table.cpu()[b, positions // PAGE_SIZE].to(torch.int64)

@@ -46,6 +46,9 @@ class TurboQuantKVConfig(AOBaseConfig):
         window: the most recent ``window`` tokens of each sequence stay in the model's dtype
             in a ring buffer and are quantized when they leave it (0: every token is
             quantized when written).
+        sinks: the first ``sinks`` tokens of each sequence stay in the model's dtype for good
+            (attention sinks; default: ``tq_compile.cache.DEFAULT_SINKS`` with a window, 0
+            without).
     """
 
     preset: str = "4bit_nc"
@@ -55,6 +58,7 @@ class TurboQuantKVConfig(AOBaseConfig):
     num_splits: int | None = None
     page_size: int = 16
     window: int = 128
+    sinks: int | None = None
 
     def __post_init__(self) -> None:
         get_format(self.preset)  # a clear error for an unknown preset, at construction
@@ -62,6 +66,8 @@ class TurboQuantKVConfig(AOBaseConfig):
             raise ValueError("keep_first and keep_last must be >= 0")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
+        if self.sinks is not None and self.sinks < 0:
+            raise ValueError(f"sinks must be None (the default) or >= 0, got {self.sinks}")
 
 
 def is_kv_cache(module: nn.Module, fqn: str = "") -> bool:
@@ -98,6 +104,7 @@ def _turboquant_kv_transform(module: nn.Module, config: TurboQuantKVConfig) -> n
         seed=config.seed,
         num_splits=config.num_splits,
         window=config.window,
+        sinks=config.sinks,
         device=module.k_cache.device,
     )
 

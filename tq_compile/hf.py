@@ -38,7 +38,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 from custom_ops.formats import get_format
-from tq_compile.cache import TurboQuantKVCache
+from tq_compile.cache import TurboQuantKVCache, default_sinks
 from tq_compile.kv_tensor import TurboQuantKVTensor
 
 __all__ = ["TurboQuantCache", "TurboQuantLayer"]
@@ -55,6 +55,8 @@ class TurboQuantLayer(CacheLayerMixin):
         max_cache_len: S_max, tokens each sequence can hold (prompt + generated).
         preset: format name (``custom_ops.FORMATS``).
         window: W, most recent tokens kept in the model's dtype (0: every token quantized).
+        sinks: first tokens of each sequence kept in the model's dtype for good (attention
+            sinks; default: ``tq_compile.cache.DEFAULT_SINKS`` with a window, 0 without).
         max_batch_size: sequences to allocate for (default: the first ``update``'s batch);
             later calls may use a smaller batch.
         page_size, seed, num_splits: as for :class:`~tq_compile.cache.TurboQuantKVCache`.
@@ -70,6 +72,7 @@ class TurboQuantLayer(CacheLayerMixin):
         *,
         preset: str = "4bit_nc",
         window: int = 128,
+        sinks: int | None = None,
         max_batch_size: int | None = None,
         page_size: int = 16,
         seed: int = 0,
@@ -78,6 +81,7 @@ class TurboQuantLayer(CacheLayerMixin):
         super().__init__()
         self.max_cache_len = max_cache_len
         self.preset, self.window, self.max_batch_size = preset, window, max_batch_size
+        self.sinks = default_sinks(window, sinks)
         self.page_size, self.seed, self.num_splits = page_size, seed, num_splits
         self.kv: TurboQuantKVCache | None = None
         # a tensor, as in StaticLayer: positions derived from it do not recompile each step
@@ -91,7 +95,7 @@ class TurboQuantLayer(CacheLayerMixin):
         return True
 
     def __repr__(self) -> str:
-        return f"TurboQuantLayer({self.preset}, window={self.window})"
+        return f"TurboQuantLayer({self.preset}, window={self.window}, sinks={self.sinks})"
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the cache for the batch, heads, head dim, dtype and device of the first
@@ -111,7 +115,8 @@ class TurboQuantLayer(CacheLayerMixin):
         self.kv = TurboQuantKVCache(capacity, num_kv_heads, self.max_cache_len, head_dim,
                                     key_states.dtype, fmt=self.preset, page_size=self.page_size,
                                     seed=self.seed, num_splits=self.num_splits,
-                                    window=self.window, device=key_states.device)  # fmt: skip
+                                    window=self.window, sinks=self.sinks,
+                                    device=key_states.device)  # fmt: skip
         self.cumulative_length = self.cumulative_length.to(self.device)
         # as StaticLayer: static addresses keep compiled graphs and CUDA graphs valid across
         # the in-place writes (not allowed while tracing; prefill is not compiled)
@@ -171,7 +176,7 @@ class TurboQuantLayer(CacheLayerMixin):
         batch = beam_idx.shape[0]
         sequences = [self.kv.k_codes, self.kv.v_codes, self.kv.meta]
         per_seq = [t.view(self.batch_size, -1, *t.shape[1:]) for t in sequences]
-        if self.kv.window:
+        if self.kv.has_rings:
             per_seq += [self.kv.k_window, self.kv.v_window, self.kv.window_pos]
         for tensor in per_seq:
             tensor[:batch] = tensor[:batch].index_select(0, beam_idx)
@@ -192,7 +197,7 @@ class TurboQuantLayer(CacheLayerMixin):
         raise NotImplementedError("TurboQuantCache does not offload layers to the CPU")
 
     def nbytes(self) -> int:
-        """Bytes held (codes, meta and window rings); 0 before the first ``update``."""
+        """Bytes held (codes, meta and rings); 0 before the first ``update``."""
         return self.kv.nbytes() if self.kv is not None else 0
 
     def dense_nbytes(self) -> int:
@@ -213,6 +218,8 @@ class TurboQuantCache(Cache):
             ``tq2_nc``, ``k2v4_nc``, ``k2v2_nc``).
         window: the most recent tokens of each sequence kept in the model's dtype (default 128;
             0: every token is quantized when written).
+        sinks: the first tokens of each sequence kept in the model's dtype for good (attention
+            sinks; default: ``tq_compile.cache.DEFAULT_SINKS`` with a window, 0 without).
         keep_first, keep_last: leading / trailing layers kept in full precision (vLLM keeps
             2 + 2 for its aggressive presets).
         page_size, seed, num_splits: as for :class:`~tq_compile.cache.TurboQuantKVCache`.
@@ -230,6 +237,7 @@ class TurboQuantCache(Cache):
         max_batch_size: int | None = None,
         preset: str = "4bit_nc",
         window: int = 128,
+        sinks: int | None = None,
         keep_first: int = 0,
         keep_last: int = 0,
         page_size: int = 16,
@@ -238,7 +246,9 @@ class TurboQuantCache(Cache):
     ):
         get_format(preset)  # a clear error for an unknown preset, now
         for name, value, least in (("max_cache_len", max_cache_len, 1),
-                                   ("window", window, 0), ("keep_first", keep_first, 0),
+                                   ("window", window, 0),
+                                   ("sinks", default_sinks(window, sinks), 0),
+                                   ("keep_first", keep_first, 0),
                                    ("keep_last", keep_last, 0)):  # fmt: skip
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
@@ -255,10 +265,11 @@ class TurboQuantCache(Cache):
             )
         count = len(layer_types)
         kept = set(range(keep_first)) | set(range(count - keep_last, count))
-        self.preset, self.window = preset, window
+        self.preset, self.window, self.sinks = preset, window, default_sinks(window, sinks)
         layers = [
             StaticLayer(max_cache_len) if index in kept else TurboQuantLayer(
-                max_cache_len, preset=preset, window=window, max_batch_size=max_batch_size,
+                max_cache_len, preset=preset, window=window, sinks=sinks,
+                max_batch_size=max_batch_size,
                 page_size=page_size, seed=seed, num_splits=num_splits)
             for index in range(count)
         ]  # fmt: skip

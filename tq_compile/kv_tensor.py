@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torchao.utils import TorchAOBaseTensor
 
 from custom_ops import ops
-from custom_ops.formats import PagedKVCache, sequence_capacity
+from custom_ops.formats import PagedKVCache, ring_window, sequence_capacity
 from custom_ops.schema import DecodeArgs, DequantizeArgs
 from custom_ops.validate import MAX_QUERY_TOKENS
 
@@ -60,9 +60,11 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         block_table: ``[B, max_pages] int32`` page ids of each sequence.
         seq_lens: ``[B] int32`` number of cached tokens of each sequence.
         rotation: ``[D, D] float32`` +-1 rotation.
-        k_window, v_window: optional ``[B, Hk, W, D]`` bf16/fp16 rings holding each sequence's
-            latest tokens in full precision (``None``: no window).
-        window_pos: with the rings, ``[B, Hk, W] int32`` the position each ring slot holds.
+        k_window, v_window: optional ``[B, Hk, W + sinks, D]`` bf16/fp16 rings holding each
+            sequence's latest tokens and its first ``sinks`` in full precision (``None``: no
+            window).
+        window_pos: with the rings, ``[B, Hk, W + sinks] int32`` the position each ring slot
+            holds.
 
     Non-Tensor Attributes:
         fmt: format name (``custom_ops.FORMATS``).
@@ -75,15 +77,16 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         truncated: the view was sliced to its first ``max_seq_len`` positions (``k[:, :, :n]``,
             as Hugging Face's SDPA does before a causal prefill); attention over it always reads
             the dequantized prefix, since the decode kernel reads each sequence to its length.
+        sinks: the rings' sink slots (attention sinks: each sequence's first positions).
     """
 
     tensor_data_names = ["k_codes", "v_codes", "meta", "block_table", "seq_lens", "rotation"]
     tensor_attribute_names = ["fmt", "side", "max_seq_len", "group", "split_heads",
-                              "num_splits", "model_dtype", "truncated"]  # fmt: skip
+                              "num_splits", "model_dtype", "truncated", "sinks"]  # fmt: skip
     optional_tensor_data_names = ["k_window", "v_window", "window_pos"]
 
     def __new__(cls, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
-                max_seq_len, group, split_heads, num_splits, model_dtype, truncated,
+                max_seq_len, group, split_heads, num_splits, model_dtype, truncated, sinks,
                 k_window=None, v_window=None, window_pos=None):  # fmt: skip
         batch, num_kv_heads, head_dim = block_table.shape[0], k_codes.shape[1], rotation.shape[0]
         if split_heads:
@@ -95,7 +98,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         )
 
     def __init__(self, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
-                 max_seq_len, group, split_heads, num_splits, model_dtype, truncated,
+                 max_seq_len, group, split_heads, num_splits, model_dtype, truncated, sinks,
                  k_window=None, v_window=None, window_pos=None):  # fmt: skip
         super().__init__()
         if side not in _SIDES:
@@ -106,7 +109,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         self.fmt, self.side, self.max_seq_len = fmt, side, max_seq_len
         self.group, self.split_heads = group, split_heads
         self.num_splits, self.model_dtype = num_splits, model_dtype
-        self.truncated = truncated
+        self.truncated, self.sinks = truncated, sinks
         self.k_window, self.v_window, self.window_pos = k_window, v_window, window_pos
 
     # ---- construction helpers -------------------------------------------------------------
@@ -126,6 +129,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         k_window: torch.Tensor | None = None,
         v_window: torch.Tensor | None = None,
         window_pos: torch.Tensor | None = None,
+        sinks: int = 0,
     ) -> TurboQuantKVTensor:
         """The ``side`` (``"key"`` or ``"value"``) view ``[B, Hk, max_seq_len, D]`` of a paged
         cache, before any GQA repetition.
@@ -139,11 +143,13 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             max_seq_len: S_max, the logical length.
             num_splits: the decode split count of this cache.
             model_dtype: bf16 or fp16.
-            k_window, v_window: the recent-window rings ``[B, Hk, W, D]``, or None.
-            window_pos: their slots' positions ``[B, Hk, W] int32``, or None.
+            k_window, v_window: the recent-window rings ``[B, Hk, W + sinks, D]``, or None.
+            window_pos: their slots' positions ``[B, Hk, W + sinks] int32``, or None.
+            sinks: the rings' sink slots.
         """
         return cls(*cache, block_table, seq_lens, rotation, fmt, side, max_seq_len, 1, False,
-                   num_splits, model_dtype, False, k_window, v_window, window_pos)  # fmt: skip
+                   num_splits, model_dtype, False, sinks, k_window, v_window,
+                   window_pos)  # fmt: skip
 
     def _with(self, **changes) -> TurboQuantKVTensor:
         """The same cache with some non-tensor attributes changed (no data is copied)."""
@@ -168,11 +174,12 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         model's); positions past each sequence's length are zero."""
         length = self.max_seq_len
         if self.truncated:  # sequences may run past the prefix: dequantize all, keep the prefix
-            window = 0 if self.k_window is None else self.k_window.shape[2]
+            window = ring_window(self.k_window, self.sinks)
             length = sequence_capacity(self.block_table.shape[1], self.k_codes.shape[2], window)
         k, v = ops.call(DequantizeArgs(*self.planes, self.block_table, self.seq_lens,
                                        self.rotation, self.fmt, length,
-                                       dtype or self.model_dtype, *self.rings))  # fmt: skip
+                                       dtype or self.model_dtype, *self.rings,
+                                       self.sinks))  # fmt: skip
         dense = (k if self.side == "key" else v)[:, :, : self.max_seq_len]
         if self.split_heads:
             return dense[:, :, None].expand(self.shape)
@@ -380,7 +387,7 @@ def _tq_decode(q: torch.Tensor, k: TurboQuantKVTensor, mask, scale: float) -> to
     """``tq.decode`` of ``q`` (``[B, Hq, D]`` or ``[B, Hq, T, D]``) over the cache of view
     ``k`` under ``mask`` (the op's form, or None)."""
     return ops.call(DecodeArgs(q, *k.planes, k.block_table, k.seq_lens, k.rotation, k.fmt,
-                               k.num_splits, scale, mask, *k.rings))  # fmt: skip
+                               k.num_splits, scale, mask, *k.rings, k.sinks))  # fmt: skip
 
 
 @implements_torch_function(F.scaled_dot_product_attention)

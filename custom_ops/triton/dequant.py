@@ -5,7 +5,7 @@ page through the block table, unpacks the code planes, applies the codec's scala
 Lloyd-Max codes, rotates back with one matmul against the +-1 rotation
 (``x = (levels[codes] @ R.T) * (norm / sqrt(D))``, exact in tf32 because levels are fp16 values).
 Positions at or beyond the sequence length are written as zeros. With a recent window, each
-sequence-head's ring run is copied from the full-precision ring instead.
+sequence-head's ring run and sinks are copied from the full-precision ring instead.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.formats import KVFormat, PagedKVCache
+from custom_ops.formats import KVFormat, PagedKVCache, ring_window
 from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX, UNIFORM
 from custom_ops.triton.launch import Launcher
 from custom_ops.triton.paged import (
     plane_arguments,
     ring_arguments,
+    ring_slots,
     ring_start,
     row_pointers,
     table_arguments,
@@ -117,6 +118,7 @@ def dequant_kernel(
     BLOCK_S: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     batch_head = tl.program_id(0)
     b = batch_head // num_kv_heads
@@ -128,13 +130,13 @@ def dequant_kernel(
     in_bounds = pos < max_seq_len
     valid = (pos < seq_len) & in_bounds
     if HAS_WINDOW:
-        # The ring run (from ring_start to the length) is copied from the ring (position p at
-        # slot p % W); the codes are decoded everywhere else.
+        # The ring run (from ring_start to the length) and the sinks are copied from the ring
+        # (position p at slot p % W, a sink at W + p); the codes are decoded everywhere else.
         k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
         ring_rows = b.to(tl.int64) * stride_w_b + head * stride_w_h
         first = ring_start(pos_ptr + ring_rows // D, seq_len, window)
-        in_window = valid & (pos >= first)
-        ring_rows += (pos % window).to(tl.int64) * stride_w_slot
+        in_window = valid & ((pos >= first) | (pos < SINKS))
+        ring_rows += ring_slots(pos, window, SINKS).to(tl.int64) * stride_w_slot
         d = tl.arange(0, D_PAD)[None, :]
         copy = in_window[:, None] & (d < D)
         out_ty = k_out_ptr.dtype.element_ty
@@ -156,11 +158,11 @@ def dequant_kernel(
 
 @functools.lru_cache(maxsize=256)
 def _launcher(key_params: CodecParams, value_params: CodecParams, head_dim: int, has_window: bool,
-              block_s: int) -> Launcher:  # fmt: skip
+              block_s: int, sinks: int) -> Launcher:  # fmt: skip
     return Launcher(dequant_kernel, dict(
         HAS_WINDOW=has_window, D=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         INV_SQRT_D=1.0 / math.sqrt(head_dim), BLOCK_S=block_s, K=key_params, V=value_params,
-        num_warps=4,
+        SINKS=sinks, num_warps=4,
     ))  # fmt: skip
 
 
@@ -175,6 +177,7 @@ def dequantize(
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
+    sinks: int = 0,
     block_s: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dequantize kernel (inputs already validated; see ``torch.ops.tq.dequantize``)."""
@@ -189,10 +192,12 @@ def dequantize(
     grid = (batch * num_kv_heads, triton.cdiv(max_seq_len, block_s))
     has_window = k_window is not None
     if has_window:
-        window_args = (ring_arguments(k_window, v_window, window_pos), k_window.shape[2])
+        window_args = (ring_arguments(k_window, v_window, window_pos),
+                       ring_window(k_window, sinks))  # fmt: skip
     else:
         window_args = ((k_out, v_out, seq_lens, 0, 0, 0), 0)  # never read; no ring
-    launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, has_window, block_s)
+    launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, has_window, block_s,
+                         sinks)  # fmt: skip
     launcher(grid, plane_arguments(cache), table_arguments(block_table), seq_lens, rotation, k_out,
              v_out, *window_args, num_kv_heads, page_size, block_table.shape[1],
              max_seq_len)  # fmt: skip

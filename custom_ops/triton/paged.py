@@ -9,8 +9,9 @@ each (Triton flattens tuples into separate kernel parameters and specializes eac
   apart);
 * ``table = (block_table, stride_b, stride_p)``;
 * ``rings = (k_window, v_window, window_pos, stride_b, stride_h, stride_slot)``: the
-  recent-window rings ``[>= B, Hk, W, D]`` and their slots' positions ``window_pos [>= B, Hk,
-  W] int32``, all contiguous, so a ring row's offset divided by ``D`` is its slot's.
+  recent-window rings ``[>= B, Hk, W + sinks, D]`` and their slots' positions ``window_pos [>=
+  B, Hk, W + sinks] int32``, all contiguous, so a ring row's offset divided by ``D`` is its
+  slot's (slots: :func:`custom_ops.formats.ring_window`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ import triton.language as tl  # noqa: F401  (the interpreter wants it beside eve
 
 from custom_ops.formats import PagedKVCache
 
-__all__ = ["plane_arguments", "table_arguments", "ring_arguments", "row_pointers", "ring_start"]
+__all__ = [
+    "plane_arguments",
+    "table_arguments",
+    "ring_arguments",
+    "row_pointers",
+    "ring_start",
+    "ring_run_length",
+    "ring_run_positions",
+    "ring_slots",
+]
 
 
 def plane_arguments(cache: PagedKVCache) -> tuple:
@@ -72,3 +82,29 @@ def ring_start(pos_ptr, seq_len, window, BLOCK: tl.constexpr = 128):
         in_run = (held >= 0) & (held < seq_len)
         first = tl.minimum(first, tl.min(tl.where(in_run, held, seq_len), axis=0))
     return first
+
+
+@triton.jit
+def ring_run_length(first, seq_len, SINKS: tl.constexpr):
+    """Places in a sequence-head's ring run: its window's positions ``[first, seq_len)`` (from
+    :func:`ring_start`), then its sinks, ``[0, min(SINKS, seq_len))``."""
+    return seq_len - first + tl.minimum(seq_len, SINKS)
+
+
+@triton.jit
+def ring_run_positions(run, first, seq_len, SINKS: tl.constexpr):
+    """The positions of places ``run`` of a ring run (:func:`ring_run_length`)."""
+    if SINKS > 0:
+        window_len = seq_len - first
+        return tl.where(run < window_len, first + run, run - window_len)
+    return first + run
+
+
+@triton.jit
+def ring_slots(positions, window, SINKS: tl.constexpr):
+    """The ring slots of ``positions`` held in a ring of ``window`` slots and ``SINKS`` sinks:
+    ``p % window``, a sink's (``p < SINKS``) ``window + p``."""
+    if SINKS > 0:
+        return tl.where(positions < SINKS, window + positions,
+                        positions % tl.maximum(window, 1))  # fmt: skip
+    return positions % window

@@ -1,11 +1,12 @@
 """``tq.store_window`` on CUDA: write tokens to sequences that keep their most recent ``W``
-tokens in full-precision rings, quantizing each token that leaves a ring into its page.
+tokens (and their first ``sinks``) in full-precision rings, quantizing each token that leaves a
+ring into its page.
 
-One launch of ``store_window_kernel`` over ``B * min(T, W) * Hk`` rows moves every token that
-leaves the ring into the paged cache and writes the ring. When ``T > W`` the first ``T - W`` new
-tokens never enter the ring: one more launch of the plain store kernel
-(:mod:`custom_ops.triton.store`) quantizes them straight into their slots (computed on the
-device from ``start_pos``). The two launches touch disjoint memory.
+One launch of ``store_window_kernel`` over ``B * min(T, max(W, sinks)) * Hk`` rows moves every
+token that leaves the ring into the paged cache and writes the ring and the sinks. When ``T >
+W`` the first ``T - W`` new tokens never enter the ring: one more launch of the plain store
+kernel (:mod:`custom_ops.triton.store`) quantizes those that are not sinks straight into their
+slots (computed on the device from ``start_pos``). The two launches touch disjoint memory.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.formats import KVFormat, PagedKVCache
+from custom_ops.formats import KVFormat, PagedKVCache, ring_window
 from custom_ops.reference import written_lengths
 from custom_ops.triton.encode import encode_side
 from custom_ops.triton.launch import KeyedMemo, Launcher
@@ -69,12 +70,15 @@ def store_window_kernel(
     BLOCK_R: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
-    """Row ``(b, chain, head)``: ring slot ``(start + chain) % W`` of sequence ``b``. Its old
-    token is quantized into its page if still part of the sequence (its position, from
-    ``window_pos``, below ``start``); then the last new token of the chain ``chain, chain + W,
-    ...`` takes the slot. Each row owns its slot and position entry, so no row reads what
-    another writes. Row ``(b, 0, 0)`` also writes the sequence's new length (0 if skipped)."""
+    """Row ``(b, chain, head)``: ring slot ``(start + chain) % W`` of sequence ``b`` (chains
+    below ``W``). Its old token is quantized into its page if still part of the sequence (its
+    position, from ``window_pos``, below ``start``); then the last new token of the chain
+    ``chain, chain + W, ...`` takes the slot, unless its position is a sink's. New token
+    ``chain`` at a sink's position (below ``SINKS``) takes that sink's slot ``W + start +
+    chain``. Each row owns its slots and position entries, so no row reads what another
+    writes. Row ``(b, 0, 0)`` also writes the sequence's new length (0 if skipped)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < num_rows
     head = rows % num_kv_heads
@@ -90,27 +94,32 @@ def store_window_kernel(
     head64 = head.to(tl.int64)
     k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
     block_table_ptr, stride_bt_b, stride_bt_p = table
-    ring_slot = (tl.maximum(start, 0) + chain) % window
-    ring_rows = b64 * stride_w_b + head64 * stride_w_h + ring_slot.to(tl.int64) * stride_w_slot
+    in_ring = chain < window  # with sinks beyond the window, later chains only write sinks
+    slots = tl.maximum(window, 1)  # (no ring slot at all without a window)
+    ring_slot = (tl.maximum(start, 0) + chain) % slots
+    ring_base = b64 * stride_w_b + head64 * stride_w_h
+    ring_rows = ring_base + ring_slot.to(tl.int64) * stride_w_slot
     pos_rows = ring_rows // D  # the slot's window_pos entry (contiguous planes)
 
     # The chain's last new token (the only one of it that stays in the window), loaded first:
     # its loads do not wait for the start, so they overlap the eviction's chain of loads.
-    newest = chain + window * ((num_new - 1 - chain) // window)
+    newest = chain + slots * ((num_new - 1 - chain) // slots)
     d = tl.arange(0, D_PAD)[None, :]
     newest64 = newest.to(tl.int64)
     k_src = key_ptr + b64 * stride_kb + head64 * stride_kh + newest64 * stride_kt
     v_src = value_ptr + b64 * stride_vb + head64 * stride_vh + newest64 * stride_vt
-    new_mask = in_range[:, None] & (d < D)
+    new_mask = (in_range & in_ring)[:, None] & (d < D)
     k_new = tl.load(k_src[:, None] + d * stride_kd, mask=new_mask)
     v_new = tl.load(v_src[:, None] + d * stride_vd, mask=new_mask)
-    copy_mask = live[:, None] & (d < D)
+    # a sink's position never enters the window slots (nor leaves a sink slot)
+    to_ring = live & in_ring & (start + newest >= SINKS)
+    copy_mask = to_ring[:, None] & (d < D)
 
     # 1. quantize the token leaving the ring into its page slot: a rolled-back position (at or
     # past start) or an empty slot (-1) leaves nothing
-    leaving = tl.load(pos_ptr + pos_rows, mask=live, other=-1)
+    leaving = tl.load(pos_ptr + pos_rows, mask=to_ring, other=-1)
     page_index = tl.maximum(leaving, 0) // page_size
-    evict = live & (leaving >= 0) & (leaving < start) & (page_index < max_pages)
+    evict = to_ring & (leaving >= 0) & (leaving < start) & (page_index < max_pages)
     page_ptr = block_table_ptr + b64 * stride_bt_b + page_index * stride_bt_p
     page = tl.load(page_ptr, mask=evict, other=0).to(tl.int64)
     slot = (tl.maximum(leaving, 0) % page_size).to(tl.int64)
@@ -126,24 +135,43 @@ def store_window_kernel(
     w_dst = ring_rows[:, None] + d
     tl.store(k_window_ptr + w_dst, k_new.to(k_window_ptr.dtype.element_ty), mask=copy_mask)
     tl.store(v_window_ptr + w_dst, v_new.to(v_window_ptr.dtype.element_ty), mask=copy_mask)
-    tl.store(pos_ptr + pos_rows, start + newest, mask=live)
+    tl.store(pos_ptr + pos_rows, start + newest, mask=to_ring)
+
+    if SINKS > 0:
+        # 3. new token `chain` at a sink's position takes the sink's slot (no other row reads
+        # or writes it)
+        to_sink = live & (start + chain < SINKS)
+        chain64 = chain.to(tl.int64)
+        sink_rows = ring_base + (window + start + chain).to(tl.int64) * stride_w_slot
+        sink_mask = to_sink[:, None] & (d < D)
+        k_sink = tl.load(key_ptr + (b64 * stride_kb + head64 * stride_kh + chain64 * stride_kt)
+                         [:, None] + d * stride_kd, mask=sink_mask)  # fmt: skip
+        v_sink = tl.load(value_ptr + (b64 * stride_vb + head64 * stride_vh + chain64 * stride_vt)
+                         [:, None] + d * stride_vd, mask=sink_mask)  # fmt: skip
+        tl.store(k_window_ptr + sink_rows[:, None] + d, k_sink.to(k_window_ptr.dtype.element_ty),
+                 mask=sink_mask)  # fmt: skip
+        tl.store(v_window_ptr + sink_rows[:, None] + d, v_sink.to(v_window_ptr.dtype.element_ty),
+                 mask=sink_mask)  # fmt: skip
+        tl.store(pos_ptr + sink_rows // D, start + chain, mask=to_sink)
 
 
 @functools.lru_cache(maxsize=256)
 def _launcher(key_params: CodecParams, value_params: CodecParams, head_dim: int, block_rows: int,
-              num_warps: int) -> Launcher:  # fmt: skip
+              num_warps: int, sinks: int) -> Launcher:  # fmt: skip
     return Launcher(store_window_kernel, dict(
         D=head_dim, D_PAD=triton.next_power_of_2(head_dim), INV_SQRT_D=1.0 / math.sqrt(head_dim),
-        BLOCK_R=block_rows, K=key_params, V=value_params, num_warps=num_warps,
+        BLOCK_R=block_rows, K=key_params, V=value_params, SINKS=sinks, num_warps=num_warps,
     ))  # fmt: skip
 
 
 def _launch(fmt: KVFormat, cache: PagedKVCache, head_dim: int, num_rows: int,
-            block_rows: int | None, num_warps: int) -> tuple[Launcher, tuple[int]]:  # fmt: skip
+            block_rows: int | None, num_warps: int,
+            sinks: int) -> tuple[Launcher, tuple[int]]:  # fmt: skip
     """The window store's launcher and grid for ``num_rows`` rows."""
     if block_rows is None:
         block_rows = APPEND_ROWS if num_rows <= APPEND_MAX_ROWS else 32
-    launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, block_rows, num_warps)
+    launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, block_rows, num_warps,
+                         sinks)  # fmt: skip
     return launcher, (triton.cdiv(num_rows, block_rows),)
 
 
@@ -162,6 +190,7 @@ def store_window(
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     rotation: torch.Tensor,
+    sinks: int = 0,
     block_rows: int | None = None,
     num_warps: int = _DEFAULT_WARPS,
     launch_key: Hashable | None = None,
@@ -173,7 +202,7 @@ def store_window(
     rows); ``launch_key``: the launchers' specialization key (see
     :class:`~custom_ops.triton.launch.Launcher`)."""
     batch, num_kv_heads, n_new, head_dim = key.shape
-    window = k_window.shape[2]
+    window = ring_window(k_window, sinks)
     if batch == 0 or n_new == 0:
         return written_lengths(start_pos, n_new)
     seq_lens = torch.empty(batch, dtype=torch.int32, device=key.device)
@@ -183,7 +212,9 @@ def store_window(
             n_new - window, device=key.device
         )  # [B, T - W]
         page_index = positions // page_size
+        # sinks stay in the ring's sink slots (the kernel writes them)
         in_table = (start_pos[:, None] >= 0) & (page_index < block_table.shape[1])
+        in_table &= positions >= sinks
         pages = block_table[:batch].gather(1, page_index.clamp(0, block_table.shape[1] - 1))
         slots = torch.where(in_table, pages * page_size + positions % page_size, -1)
 
@@ -192,12 +223,12 @@ def store_window(
 
         store(fmt, rows_of(key), rows_of(value), cache, slots.reshape(-1).to(torch.int32),
               rotation, launch_key=launch_key)  # fmt: skip
-    num_chains = min(n_new, window)
+    num_chains = min(n_new, max(window, sinks))
     num_rows = batch * num_chains * num_kv_heads
     # the memo holds the default launch shape's launches only
     defaults = block_rows is None and num_warps == _DEFAULT_WARPS
     launcher, grid = _LAUNCHES.get(launch_key if defaults else None, lambda: _launch(
-        fmt, cache, head_dim, num_rows, block_rows, num_warps))  # fmt: skip
+        fmt, cache, head_dim, num_rows, block_rows, num_warps, sinks))  # fmt: skip
     launcher(
         grid, key, value, *key.stride(), *value.stride(),
         ring_arguments(k_window, v_window, window_pos), plane_arguments(cache),

@@ -27,7 +27,8 @@ def model() -> Transformer:
 
 def _args() -> Namespace:
     return Namespace(modes=["eager"], batches=[1], contexts=[48], formats=["4bit_nc"], dense=[],
-                     steps=STEPS, kernels=0, splits=None, kv_budget_gb=1.0)  # fmt: skip
+                     steps=STEPS, kernels=0, splits=None, sinks=None,
+                     kv_budget_gb=1.0)  # fmt: skip
 
 
 def _cache_kinds(monkeypatch) -> list[str]:

@@ -28,7 +28,10 @@ def test_chat_answers_with_both_caches():
                       "What is the capital of France?", "--new-tokens", "12", "--window", "8",
                       "--ppl-tokens", "48", timeout=600)  # fmt: skip
     answers = re.findall(r"--- (.+) ---\n(.+)\n", out)
-    assert [title for title, _ in answers] == ["bf16 StaticCache", "TurboQuant 4bit_nc, window 8"]
+    assert [title for title, _ in answers] == [
+        "bf16 StaticCache",
+        "TurboQuant 4bit_nc, window 8, sinks 4",
+    ]
     assert "Paris" in answers[0][1], out
     assert re.search(r"answers: .*\((\d+)/(\d+) positions equal\)", out), out
     rates = re.findall(r"decode (bf16|4bit_nc): ([\d,.]+) tokens/s; KV cache ([\d.]+) MB", out)
@@ -43,7 +46,12 @@ def test_chat_answers_with_both_caches():
 def test_bad_arguments_exit_with_a_message():
     """Out-of-range arguments stop the script before the model loads."""
     messages = []
-    for args in (["--new-tokens", "0"], ["--window", "-1"], ["--ppl-tokens", "1"]):
+    for args in (
+        ["--new-tokens", "0"],
+        ["--window", "-1"],
+        ["--sinks", "-2"],
+        ["--ppl-tokens", "1"],
+    ):
         result = subprocess.run([sys.executable, "examples/chat.py", *args], cwd=ROOT,
                                 capture_output=True, text=True, timeout=120)  # fmt: skip
         assert result.returncode == 2, result.stderr[-2000:]
@@ -51,5 +59,6 @@ def test_bad_arguments_exit_with_a_message():
     assert messages == [
         "chat.py: error: --new-tokens must be >= 1, got 0",
         "chat.py: error: --window must be >= 0, got -1",
+        "chat.py: error: --sinks must be >= 0, got -2",
         "chat.py: error: --ppl-tokens must be 0 (skip) or >= 2, got 1",
     ]

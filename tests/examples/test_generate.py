@@ -14,7 +14,8 @@ from custom_ops.formats import get_format
 from examples.model import ModelArgs
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 2, 16, 8
-WINDOW, PAGE_SIZE = 16, 16  # generate.py's --window default, TurboQuantKVConfig's page size
+# generate.py's --window default, TurboQuantKVConfig's page size and its sinks with a window
+WINDOW, PAGE_SIZE, SINKS = 16, 16, 4
 # Next-token agreement (2 x 8 predictions) of 4bit_nc with the bf16 cache: 0.875-1.0 over
 # generate.py's seeds 0-7 (this test runs seed 0: 0.938); an all-zero attention output gives
 # 0.125, a random one 0.062.
@@ -28,9 +29,10 @@ def _number(text: str) -> float:
 def _kv_ratio(fmt_name: str, max_seq: int, head_dim: int) -> float:
     """TurboQuant cache bytes over bf16 cache bytes per (layer, sequence, kv-head): whole pages
     of the format's bytes per token-head for the positions that leave the window, and bf16 K
-    and V rings of the window, against bf16 K and V of every position."""
+    and V rings of the window and the sinks, against bf16 K and V of every position."""
     pages = -(-(max_seq - WINDOW) // PAGE_SIZE)
-    ring = 2 * WINDOW * head_dim * 2 + WINDOW * 4  # bf16 K and V, int32 slot positions
+    slots = WINDOW + SINKS
+    ring = 2 * slots * head_dim * 2 + slots * 4  # bf16 K and V, int32 slot positions
     tq = pages * PAGE_SIZE * get_format(fmt_name).bytes_per_token_head(head_dim) + ring
     return tq / (2 * max_seq * head_dim * 2)
 
@@ -64,13 +66,13 @@ def test_generate_runs_and_reports():
     low, high = (tq - 0.5) / (bf16 + 0.5), (tq + 0.5) / max(bf16 - 0.5, 0.5)
     assert low - 0.005 <= float(speed[3]) <= high + 0.005, (speed[0], low, high)
 
-    kv = re.search(r"KV cache: ([\d.]+) MB vs bf16 ([\d.]+) MB \(([\d.]+)x; the last (\d+) tokens",
-                   out)  # fmt: skip
+    kv = re.search(r"KV cache: ([\d.]+) MB vs bf16 ([\d.]+) MB \(([\d.]+)x; the last (\d+) tokens "
+                   r"and the first (\d+)", out)  # fmt: skip
     assert kv, out
     max_seq = PROMPT_LEN + NEW_TOKENS + 1
     ratio = _kv_ratio("4bit_nc", max_seq, tiny.head_dim)
     dense = tiny.n_layer * BATCH * tiny.n_local_heads * 2 * max_seq * tiny.head_dim * 2
-    assert int(kv[4]) == WINDOW
+    assert (int(kv[4]), int(kv[5])) == (WINDOW, SINKS)
     assert abs(float(kv[3]) - ratio) <= 5e-4, (kv[3], ratio)
     assert float(kv[2]) == round(dense / 1e6, 2)
     assert float(kv[1]) == round(ratio * dense / 1e6, 2)

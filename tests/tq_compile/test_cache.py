@@ -404,12 +404,16 @@ def test_reduce_overhead_cuda_graphs_200_steps():
 def test_kv_bytes_4bit_at_head_dim_128():
     """4bit_nc at D=128 takes <= 0.27x the bytes of the bf16 cache (134 / 512 per token-head);
     a window of 128 keeps its tokens in bf16 rings (and their int32 positions) instead of pages
-    (+2.3% of the bf16 cache's bytes at 4096 tokens)."""
+    (+2.3% of the bf16 cache's bytes at 4096 tokens), and its default 4 sinks take 4 more ring
+    slots (pages for them stay allocated)."""
     cache = TurboQuantKVCache(4, 8, 4096, 128, fmt="4bit_nc", window=0)
     ratio = cache.nbytes() / cache.dense_nbytes()
     assert ratio == pytest.approx(134 / 512) and ratio <= 0.27
-    windowed = TurboQuantKVCache(4, 8, 4096, 128, fmt="4bit_nc", window=128)
+    windowed = TurboQuantKVCache(4, 8, 4096, 128, fmt="4bit_nc", window=128, sinks=0)
     assert windowed.nbytes() - cache.nbytes() == 4 * 8 * 128 * (512 + 4 - 134)
+    with_sinks = TurboQuantKVCache(4, 8, 4096, 128, fmt="4bit_nc", window=128)
+    assert with_sinks.sinks == 4
+    assert with_sinks.nbytes() - windowed.nbytes() == 4 * 8 * 4 * (512 + 4)
     cache = windowed
     new_kv = torch.randn(4, 8, 3, 128).bfloat16()
     assert isinstance(cache.update(torch.arange(3), new_kv, new_kv)[0], TurboQuantKVTensor)
@@ -461,8 +465,8 @@ positions and tokens disagree: ValueError: TurboQuantKVCache.update: input_pos h
                 )
             else:
                 gap = ("a gap in the positions: ValueError: TurboQuantKVCache.update: with a "
-                       "recent window (window=8) new tokens take consecutive positions: input_pos "
-                       "must be start .. start + T - 1, got [20, 22]")  # fmt: skip
+                       "ring (window=8, sinks=4) new tokens take consecutive positions: "
+                       "input_pos must be start .. start + T - 1, got [20, 22]")  # fmt: skip
                 self.assertEqual(messages[-1], gap)
 
     def test_construction_arguments(self):
@@ -471,6 +475,7 @@ positions and tokens disagree: ValueError: TurboQuantKVCache.update: input_pos h
             "page_size=0": dict(page_size=0),
             "num_splits=3": dict(num_splits=3),
             "window=-1": dict(window=-1),
+            "sinks=-4": dict(sinks=-4),
             "max_seq_length=0": dict(max_seq_length=0),
         }
         messages = []
@@ -485,6 +490,7 @@ positions and tokens disagree: ValueError: TurboQuantKVCache.update: input_pos h
 page_size=0: page_size must be an integer >= 1, got 0
 num_splits=3: num_splits must be None (chosen per device) or a power of two in [1, 512], got 3
 window=-1: window must be an integer >= 0, got -1
+sinks=-4: sinks must be an integer >= 0, got -4
 max_seq_length=0: max_seq_length must be an integer >= 1, got 0""",
         )
 

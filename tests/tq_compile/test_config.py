@@ -42,8 +42,9 @@ def test_swaps_exactly_the_caches_with_same_capacity():
     assert cache.rotation.shape == (64, 64) and cache.model_dtype == torch.float16
     assert cache.kv_format.name == "k3v4_nc"
     assert cache.window == 64  # the default 128, capped at the capacity
-    quantize_(model := _model(), TurboQuantKVConfig("4bit_nc", window=16))
+    quantize_(model := _model(), TurboQuantKVConfig("4bit_nc", window=16, sinks=4))
     assert model.layers[0].attention.kv_cache.window == 16
+    assert model.layers[0].attention.kv_cache.sinks == 4
     after = {n: type(m) for n, m in model.named_modules() if n in before}
     assert after == before  # linears, norms etc. untouched
 
@@ -86,6 +87,7 @@ class TestQuantizeErrors(expecttest.TestCase):
             "everything kept": lambda: quantize_(_model(2), TurboQuantKVConfig(keep_first=2)),
             "unknown preset": lambda: TurboQuantKVConfig("5bit"),
             "negative window": lambda: TurboQuantKVConfig(window=-1),
+            "negative sinks": lambda: TurboQuantKVConfig(sinks=-1),
             "torchao default filter": lambda: torchao_quantize_(_model(2), TurboQuantKVConfig()),
         }
         for case, fn in cases.items():
@@ -99,6 +101,7 @@ caches not set up: ValueError: TurboQuantKVConfig('4bit_nc') matched no KV cache
 everything kept: ValueError: TurboQuantKVConfig('4bit_nc') matched no KV cache to quantize: 2 module(s) passed the filter and 2 are kept in full precision (keep_first / keep_last). Set the caches up first (gpt-fast: model.setup_caches(...)), or pass a filter_fn that selects them.
 unknown preset: ValueError: unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq2_nc', 'tq3_nc', 'tq4_nc']
 negative window: ValueError: window must be >= 0, got -1
+negative sinks: ValueError: sinks must be None (the default) or >= 0, got -1
 torchao default filter: TypeError: TurboQuantKVConfig applies to KV-cache modules (with k_cache / v_cache buffers [B, Hk, S_max, D]), not Linear: torchao's quantize_ selects nn.Linear layers by default. Call tq_compile.quantize_(model, config), or pass filter_fn=tq_compile.is_kv_cache.""",  # noqa: E501
         )
 
@@ -121,5 +124,7 @@ def test_kv_cache_nbytes_before_and_after():
     quantize_(model, TurboQuantKVConfig("4bit_nc", window=0))
     expected = sum(layer.attention.kv_cache.nbytes() for layer in model.layers)
     assert kv_cache_nbytes(model) == expected == 2 * 2 * 2 * 64 * 70
-    quantize_(model := _model(layers=2), TurboQuantKVConfig("4bit_nc", window=8))
+    quantize_(model := _model(layers=2), TurboQuantKVConfig("4bit_nc", window=8, sinks=0))
     assert kv_cache_nbytes(model) == 2 * 2 * 2 * (64 * 70 + 8 * 64 * 2 * 2 + 8 * 4)
+    quantize_(model := _model(layers=2), TurboQuantKVConfig("4bit_nc", window=8))  # 4 sinks
+    assert kv_cache_nbytes(model) == 2 * 2 * 2 * (64 * 70 + 12 * 64 * 2 * 2 + 12 * 4)

@@ -117,26 +117,28 @@ class _DequantizedLayer(TurboQuantLayer):
         return keys.dequantize(), values.dequantize()
 
 
-def _reference_cache(config, preset: str, window: int) -> TurboQuantCache:
-    cache = TurboQuantCache(config, CAPACITY, preset=preset, window=window)
-    cache.layers = [_DequantizedLayer(CAPACITY, preset=preset, window=window)
+def _reference_cache(config, preset: str, window: int, sinks: int = 0) -> TurboQuantCache:
+    cache = TurboQuantCache(config, CAPACITY, preset=preset, window=window, sinks=sinks)
+    cache.layers = [_DequantizedLayer(CAPACITY, preset=preset, window=window, sinks=sinks)
                     for _ in cache.layers]  # fmt: skip
     return cache
 
 
-@pytest.mark.parametrize(("preset", "window"), [("4bit_nc", 0), ("4bit_nc", 8), ("k8v4", 0),
-                                                ("3bit_nc", 8)])  # fmt: skip
-def test_quantized_logits_match_dense_attention_over_the_same_codes(preset, window):
-    """4- and 3-bit caches: logits equal (to bf16 rounding) those of dense SDPA over the same
-    cache dequantized, so the decode path adds no error of its own; and they differ from the
-    unquantized model by the format's error, not more."""
+@pytest.mark.parametrize(("preset", "window", "sinks"), [
+    ("4bit_nc", 0, 0), ("4bit_nc", 8, 0), ("k8v4", 0, 0), ("3bit_nc", 8, 0), ("3bit_nc", 8, 4),
+    ("4bit_nc", 0, 4),
+])  # fmt: skip
+def test_quantized_logits_match_dense_attention_over_the_same_codes(preset, window, sinks):
+    """4- and 3-bit caches (with sinks too): logits equal (to bf16 rounding) those of dense SDPA
+    over the same cache dequantized, so the decode path adds no error of its own; and they
+    differ from the unquantized model by the format's error, not more."""
     config, model = tiny_model("llama")
     ids, mask = prompt_batch(seed=1)
     tokens, static_logits = static_run(model, config, ids, mask)
-    cache = TurboQuantCache(config, CAPACITY, preset=preset, window=window)
+    cache = TurboQuantCache(config, CAPACITY, preset=preset, window=window, sinks=sinks)
     tq = teacher_forced_logits(model, cache, ids, mask, tokens[:, :-1])
-    reference = teacher_forced_logits(model, _reference_cache(config, preset, window), ids, mask,
-                                      tokens[:, :-1])  # fmt: skip
+    reference = teacher_forced_logits(model, _reference_cache(config, preset, window, sinks), ids,
+                                      mask, tokens[:, :-1])  # fmt: skip
     assert rel_error(tq, reference) < SAME_QUANTIZATION_BOUND
     assert rel_error(tq, static_logits) < 0.3  # 3-bit: 20%; zeros would be 100%
 
@@ -294,6 +296,7 @@ class TestMessages(expecttest.TestCase):
             lambda: TurboQuantCache(config, CAPACITY, preset="5bit"),
             lambda: TurboQuantCache(config, 0),
             lambda: TurboQuantCache(config, CAPACITY, window=-1),
+            lambda: TurboQuantCache(config, CAPACITY, sinks=-1),
             lambda: TurboQuantCache(config, CAPACITY, max_batch_size=0),
         ):
             with self.assertRaises((ValueError, TypeError)) as ctx:
@@ -316,6 +319,7 @@ class TestMessages(expecttest.TestCase):
 ValueError: unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq2_nc', 'tq3_nc', 'tq4_nc']
 ValueError: max_cache_len must be an integer >= 1, got 0
 ValueError: window must be an integer >= 0, got -1
+ValueError: sinks must be an integer >= 0, got -1
 ValueError: max_batch_size must be None or an integer >= 1, got 0
 ValueError: TurboQuantCache: batch 2 exceeds max_batch_size=1
 ValueError: TurboQuantCache.crop takes a negative count of tokens to remove (or 0), as transformers' caches do, got 2""",  # noqa: E501

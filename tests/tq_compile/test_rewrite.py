@@ -35,11 +35,13 @@ def _quantized_once(keys, values, length):
             v_view.dequantize(torch.float64)[:, :, :length])  # fmt: skip
 
 
-@pytest.mark.parametrize("window", [0, 16, 128])
+@pytest.mark.parametrize("window, sinks", [(0, 0), (16, 0), (128, 0), (16, 4), (0, 4)])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_rewrites_equal_writing_the_final_tokens_once(window, impl, kernel_device, seeded):
+def test_rewrites_equal_writing_the_final_tokens_once(window, sinks, impl, kernel_device, seeded):
+    """(With sinks, the first positions are exact too, whatever was rewritten.)"""
     device = impl_device(impl, kernel_device)
-    cache = TurboQuantKVCache(1, HK, CAPACITY, D, fmt="4bit_nc", window=window, device=device)
+    cache = TurboQuantKVCache(1, HK, CAPACITY, D, fmt="4bit_nc", window=window, sinks=sinks,
+                              device=device)  # fmt: skip
     keys = torch.zeros(1, HK, CAPACITY, D, dtype=torch.bfloat16)
     values = torch.zeros_like(keys)
     ring_from = 0  # where the ring run starts: positions below it are quantized
@@ -55,7 +57,8 @@ def test_rewrites_equal_writing_the_final_tokens_once(window, impl, kernel_devic
 
         exact_k, exact_v = keys[:, :, :length].double(), values[:, :, :length].double()
         quant_k, quant_v = _quantized_once(keys, values, length)
-        below = (torch.arange(length) < ring_from)[None, None, :, None]
+        below = (torch.arange(length) < ring_from) & (torch.arange(length) >= sinks)
+        below = below[None, None, :, None]
         expected_k = torch.where(below, quant_k, exact_k)
         expected_v = torch.where(below, quant_v, exact_v)
 

@@ -26,7 +26,7 @@ from collections.abc import Hashable
 
 import torch
 
-from custom_ops.formats import KVFormat, PagedKVCache, sequence_capacity
+from custom_ops.formats import KVFormat, PagedKVCache, ring_window, sequence_capacity
 from custom_ops.triton.decode.merge import MergeConfig, launch_merge
 from custom_ops.triton.decode.plan import DecodePlan, QueryMode, SplitConfig, plan_decode
 from custom_ops.triton.decode.prep import launch_prep
@@ -58,6 +58,7 @@ def plan_for(
     fast: bool | None = None,
     split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
+    sinks: int = 0,
 ) -> DecodePlan:
     """The :class:`DecodePlan` of a decode with these inputs (``q [B, Hq, D]`` or ``[B, Hq, T,
     D]``; ``fast`` default: on CUDA)."""
@@ -66,11 +67,11 @@ def plan_for(
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
     fast = q.device.type == "cuda" if fast is None else fast
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
-    window = 0 if k_window is None else k_window.shape[2]
     ring_dtype = None if k_window is None else k_window.dtype
     return plan_decode(fmt, batch, num_q_heads * q_tokens, num_kv_heads, head_dim, page_size,
-                       block_table.shape[1], window, q.dtype, ring_dtype, mask_kind, num_splits,
-                       q.device, fast, split_config, merge_config, q_tokens)  # fmt: skip
+                       block_table.shape[1], ring_window(k_window, sinks), q.dtype, ring_dtype,
+                       mask_kind, num_splits, q.device, fast, split_config, merge_config,
+                       q_tokens, sinks)  # fmt: skip
 
 
 # Plans of op calls by their arguments' metadata key (plan_decode's own cache is keyed by the
@@ -124,6 +125,7 @@ def decode(
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
+    sinks: int = 0,
     fast: bool | None = None,
     split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
@@ -147,7 +149,9 @@ def decode(
     key = None if overridden else launch_key
     plan = _PLANS.get(key, lambda: plan_for(
         fmt, q, cache, block_table, num_splits, mask, k_window, fast, split_config, merge_config,
+        sinks,
     ))  # fmt: skip
+    window = ring_window(k_window, sinks)
     mask_args = _mask_arguments(mask, seq_lens)
     q_scale = scale * LOG2E
     rows = q.reshape(batch, -1, head_dim)  # [B, Hq * T, D]: a view, or a copy of a few rows
@@ -160,13 +164,12 @@ def decode(
         launch_prep(plan.prep, rows, rotation, q_code, q_scale, key)
     launch_split(plan.split, split_arguments(
         rows, q_code, q_scale, rotation, cache, block_table, seq_lens, mask_args, k_window,
-        v_window, window_pos, part_out, part_lse,
+        v_window, window_pos, window, part_out, part_lse,
     ), key)  # fmt: skip
     if plan.ring is not None:
-        capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
-                                     k_window.shape[2])  # fmt: skip
-        launch_ring(plan.ring, rows, q_scale, k_window, v_window, window_pos, seq_lens, capacity,
-                    mask_args, part_out, part_lse, key)  # fmt: skip
+        capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2], window)
+        launch_ring(plan.ring, rows, q_scale, k_window, v_window, window_pos, window, seq_lens,
+                    capacity, mask_args, part_out, part_lse, key)  # fmt: skip
     launch_merge(plan.merge, part_out, part_lse, rotation, out, key)
     return out.view(q.shape)
 
@@ -185,14 +188,16 @@ def compile_split_kernel(
     k_window: torch.Tensor | None = None,
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
+    sinks: int = 0,
 ):
     """Compile (not launch) the split kernel of this decode through ``compile_fn(kernel, grid,
     *args, **kwargs)``; ``benchmarks/sass_report.py`` compiles it for sm_90 without a GPU
     (``split_config`` overrides the plan's launch, register cap included)."""
-    plan = plan_for(fmt, q, cache, block_table, num_splits, None, k_window, fast, split_config)
+    plan = plan_for(fmt, q, cache, block_table, num_splits, None, k_window, fast, split_config,
+                    sinks=sinks)  # fmt: skip
     mask_args = _mask_arguments(None, seq_lens)
     q_code, part_out, part_lse = _buffers(plan, q)
     arguments = split_arguments(q, q_code, LOG2E, rotation, cache, block_table, seq_lens,
-                                mask_args, k_window, v_window, window_pos, part_out,
-                                part_lse)  # fmt: skip
+                                mask_args, k_window, v_window, window_pos,
+                                ring_window(k_window, sinks), part_out, part_lse)  # fmt: skip
     return compile_split(plan.split, arguments, compile_fn)

@@ -172,6 +172,7 @@ def plan_decode(
     split_config: SplitConfig | None = None,
     merge_config: merge.MergeConfig | None = None,
     q_tokens: int = 1,
+    sinks: int = 0,
 ) -> DecodePlan:
     """The plan of a decode over a paged cache (cached per argument tuple).
 
@@ -180,7 +181,7 @@ def plan_decode(
         batch, num_q_heads, num_kv_heads, head_dim: B, query rows (Hq times the query
             tokens), Hk, D.
         page_size, max_pages: the cache's page size and the block table's width.
-        window: W, the rings' size (0: no rings).
+        window: W, the rings' window slots (0: none).
         q_dtype, ring_dtype: dtypes of the query and of the rings (None without rings).
         mask_kind: 0 no mask, 1 boolean, 2 additive.
         num_splits: splits per (sequence, kv-head), a power of two.
@@ -190,6 +191,8 @@ def plan_decode(
         merge_config: override of the merge's configuration.
         q_tokens: T, query tokens per sequence (row ``h * T + t`` of the rows is token ``t``
             of query head ``h``).
+        sinks: the rings' sink slots (the first positions of each sequence, read with the
+            ring run). Rings exist where ``window + sinks > 0``.
     """
     cuda = device.type == "cuda"
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if cuda else None
@@ -214,8 +217,9 @@ def plan_decode(
     block_n = split_config.block_n or TOKENS_PER_STEP // subtiles
     one_tile = capacity <= num_splits * subtiles * block_n
     query = _query_mode(fmt, keys, head_dim, capacity, num_splits, g_pad)
-    ring_in_split = window > 0 and not fmt.value.rotated
-    window_parts, slots_per_part = ring.window_parts(0 if ring_in_split else window)
+    ring_places = window + sinks  # the longest ring run: the window's positions and the sinks
+    ring_in_split = ring_places > 0 and not fmt.value.rotated
+    window_parts, slots_per_part = ring.window_parts(0 if ring_in_split else ring_places)
     num_partials = num_splits + window_parts
     split_grid = (num_splits, num_kv_heads, batch)
     num_warps = split_config.num_warps
@@ -251,7 +255,7 @@ def plan_decode(
         NUM_SPLITS=num_splits, NUM_PARTIALS=num_partials, ONE_TILE=one_tile, K=keys, V=values,
         QUERY=int(query), INV_SQRT_D=common["INV_SQRT_D"], RING=ring_in_split,
         RING_BLOCK=RING_BLOCK, RING_QK_F32=ring_in_split and (not fast or ring_dtype != q_dtype),
-        RING_F32=not fast, PDL=pdl, **launch_options,
+        RING_F32=not fast, SINKS=sinks, PDL=pdl, **launch_options,
     )))  # fmt: skip
 
     num_rows = batch * num_q_heads
@@ -275,7 +279,7 @@ def plan_decode(
             G_PAD=triton.next_power_of_2(group),
             BLOCK_W=ring.BLOCK_W, SLOTS_PER_PART=slots_per_part, NUM_SPLITS=num_splits,
             NUM_PARTIALS=num_partials, WINDOW_QK_F32=not fast or ring_dtype != q_dtype,
-            WINDOW_F32=not fast, PDL=pdl, num_warps=ring.NUM_WARPS, **later,
+            WINDOW_F32=not fast, SINKS=sinks, PDL=pdl, num_warps=ring.NUM_WARPS, **later,
         )))  # fmt: skip
     if merge_config is None:
         rotate_by_product = fmt.value.rotated and head_dim != d_pad

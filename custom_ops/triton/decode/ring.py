@@ -26,7 +26,13 @@ from custom_ops.triton.decode.softmax import (
     softmax_rescale,
 )
 from custom_ops.triton.decode.tiles import ring_product, split_probabilities
-from custom_ops.triton.paged import ring_arguments, ring_start
+from custom_ops.triton.paged import (
+    ring_arguments,
+    ring_run_length,
+    ring_run_positions,
+    ring_slots,
+    ring_start,
+)
 
 __all__ = ["BLOCK_W", "NUM_WARPS", "window_parts", "ring_partials_kernel", "launch_ring"]
 
@@ -38,8 +44,9 @@ MAX_PARTS = 8
 
 
 def window_parts(window: int) -> tuple[int, int]:
-    """``(parts, slots_per_part)`` of a ring of ``window`` slots: this kernel's programs per
-    (sequence, kv-head), each over whole ``BLOCK_W`` tiles; ``(0, 0)`` without a window."""
+    """``(parts, slots_per_part)`` of a ring of ``window`` slots (sinks included): this
+    kernel's programs per (sequence, kv-head), each over whole ``BLOCK_W`` tiles; ``(0, 0)``
+    without a ring."""
     if window == 0:
         return 0, 0
     parts = min(MAX_PARTS, triton.cdiv(window, BLOCK_W))
@@ -73,6 +80,7 @@ def ring_partials_kernel(
     NUM_PARTIALS: tl.constexpr,
     WINDOW_QK_F32: tl.constexpr,
     WINDOW_F32: tl.constexpr,
+    SINKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Attention of a GQA group's queries over places ``[part * SLOTS_PER_PART, ..)`` of the
@@ -80,7 +88,8 @@ def ring_partials_kernel(
     ``NUM_SPLITS + part`` (normalized, original space) with its lse (log2 domain).
 
     The ring run is the positions ``first .. len - 1`` (``first`` from the slots' positions,
-    :func:`~custom_ops.triton.paged.ring_start`), position ``p`` at slot ``p`` mod ``W``. ``S^T = K
+    :func:`~custom_ops.triton.paged.ring_start`), position ``p`` at slot ``p`` mod ``W``, then
+    the sinks below ``min(SINKS, len)`` (slot ``W + p``). ``S^T = K
     @ Q^T`` against the original query in the ring's dtype (tf32, exact for 16-bit inputs, when the
     query's dtype differs), ``O^T += V^T @ P^T`` with the values in the ring's dtype and ``P``
     split into two terms of it (:func:`~custom_ops.triton.decode.tiles.ring_product`: bf16 values
@@ -97,7 +106,7 @@ def ring_partials_kernel(
     ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_len)
     first = ring_start(pos_ptr + ring // D, seq_len, window)
-    window_len = seq_len - first
+    run_len = ring_run_length(first, seq_len, SINKS)
     g = tl.arange(0, G_PAD)
     row_ok = g < GROUP
     q_head = head * GROUP + g
@@ -109,12 +118,12 @@ def ring_partials_kernel(
     m_w = tl.full([G_PAD], float("-inf"), tl.float32)
     l_w = tl.zeros([G_PAD], tl.float32)
     acc_w = tl.zeros([D_PAD, G_PAD], tl.float32)  # O^T
-    slot_end = tl.minimum((part + 1) * SLOTS_PER_PART, window_len)
+    slot_end = tl.minimum((part + 1) * SLOTS_PER_PART, run_len)
     for r0 in range(part * SLOTS_PER_PART, slot_end, BLOCK_W):
         r = r0 + tl.arange(0, BLOCK_W)  # places in the run
         in_window = r < slot_end
-        positions = first + r
-        rows = ring + (positions % window).to(tl.int64) * stride_w_slot
+        positions = ring_run_positions(r, first, seq_len, SINKS)
+        rows = ring + ring_slots(positions, window, SINKS).to(tl.int64) * stride_w_slot
         k = tl.load(k_window_ptr + rows[:, None] + d[None, :],
                     mask=in_window[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
         scores = tl.dot(k.to(q_orig.dtype), q_orig)
@@ -138,13 +147,14 @@ def ring_partials_kernel(
 
 
 def launch_ring(launch, q: torch.Tensor, q_scale: float, k_window: torch.Tensor,
-                v_window: torch.Tensor, window_pos: torch.Tensor, seq_lens: torch.Tensor,
-                capacity: int, mask_args: tuple, part_out: torch.Tensor, part_lse: torch.Tensor,
-                key: Hashable | None = None) -> None:  # fmt: skip
+                v_window: torch.Tensor, window_pos: torch.Tensor, window: int,
+                seq_lens: torch.Tensor, capacity: int, mask_args: tuple, part_out: torch.Tensor,
+                part_lse: torch.Tensor, key: Hashable | None = None) -> None:  # fmt: skip
     """Write the ring's partials of ``q [B, Hq * T, D]`` (query rows) into
     ``part_out``/``part_lse`` after the splits' (``launch``: the plan's launch of this kernel;
-    ``capacity``: positions a sequence holds; ``mask_args``: ``(mask, stride_b, stride_h,
-    stride_t, mask_len)``; ``key``: the launcher's specialization key)."""
+    ``window``: W, the rings' window slots; ``capacity``: positions a sequence holds;
+    ``mask_args``: ``(mask, stride_b, stride_h, stride_t, mask_len)``; ``key``: the launcher's
+    specialization key)."""
     launch(q, q.stride(0), q.stride(1), q_scale, ring_arguments(k_window, v_window, window_pos),
-           k_window.shape[2], seq_lens, capacity, mask_args, part_out, part_lse,
-           k_window.shape[1], key=key)  # fmt: skip
+           window, seq_lens, capacity, mask_args, part_out, part_lse, k_window.shape[1],
+           key=key)  # fmt: skip

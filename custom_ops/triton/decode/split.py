@@ -15,9 +15,10 @@ so values of any magnitude come out right. Value codes are stored token-minor
 (:mod:`custom_ops.formats`), so the A operand ``V^T`` (4 consecutive tokens of one byte column
 per register) is one aligned 32-bit load.
 
-With a recent window the splits cover the compressed positions ``[0, len - W)``; for values in
-the original space the kernel also reads the ring (``RING``): its ``RING_BLOCK``-slot tiles go
-round robin to the splits and enter the same softmax state and accumulators.
+With a recent window the splits cover the compressed positions ``[SINKS, len - W)``; for values
+in the original space the kernel also reads the ring (``RING``): the tiles of its ring run (the
+window's positions, then the sinks) go round robin to the splits, ``RING_BLOCK`` places each,
+and enter the same softmax state and accumulators.
 """
 
 from __future__ import annotations
@@ -45,7 +46,15 @@ from custom_ops.triton.decode.tiles import (
     table_entries,
     value_multipliers,
 )
-from custom_ops.triton.paged import plane_arguments, ring_arguments, ring_start, table_arguments
+from custom_ops.triton.paged import (
+    plane_arguments,
+    ring_arguments,
+    ring_run_length,
+    ring_run_positions,
+    ring_slots,
+    ring_start,
+    table_arguments,
+)
 from custom_ops.triton.traced import unread
 
 __all__ = ["split_kernel", "split_arguments", "launch_split", "compile_split"]
@@ -67,7 +76,7 @@ def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, Q_TOKENS: tl.constexpr
                      PAGE_SIZE: tl.constexpr,
                      TOKEN_RUN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, SUBTILES: tl.constexpr, ONE_TILE: tl.constexpr,
-                     K: tl.constexpr, V: tl.constexpr):  # fmt: skip
+                     K: tl.constexpr, V: tl.constexpr, SINKS: tl.constexpr):  # fmt: skip
     """The online softmax over the compressed tokens ``[start, end)`` of ``tiles``: ``(m, l,
     acc0..3, zero_acc, v_top)``, the value products accumulated in units of ``1 / inv_unit``
     and ``v_top`` the largest value scale seen."""
@@ -90,13 +99,13 @@ def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, Q_TOKENS: tl.constexpr
         n_a = tile_start + tl.arange(0, BLOCK_N)
         scores_a, page_a, slot_a, m_row_a, valid_a = compressed_scores(
             n_a, end, early_a, b, table, k_plane, meta_plane, qs, masking, q_head, row_ok,
-            MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE,
+            MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE, SINKS,
         )  # fmt: skip
         tile_max = scores_a
         if SUBTILES == 2:
             scores_b, page_b, slot_b, m_row_b, valid_b = compressed_scores(
                 n_a + BLOCK_N, end, early_b, b, table, k_plane, meta_plane, qs, masking,
-                q_head, row_ok, MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE,
+                q_head, row_ok, MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE, SINKS,
             )  # fmt: skip
             tile_max = tl.maximum(scores_a, scores_b)
         m_i, m_sub, alpha = softmax_rescale(tl.max(tile_max, axis=0), m_i)
@@ -167,6 +176,7 @@ def split_kernel(
     RING_BLOCK: tl.constexpr,
     RING_QK_F32: tl.constexpr,
     RING_F32: tl.constexpr,
+    SINKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -180,8 +190,9 @@ def split_kernel(
     query = (q_orig_ptr, stride_qb, stride_qh)
 
     # This split's token range of the compressed positions [0, ring start), from the
-    # device-side length and ring positions: [start, end). The ring run's tokens (from the ring
-    # start to the length) are read below (RING) or by the ring kernel.
+    # device-side length and ring positions: [start, end) (the sinks' positions masked). The
+    # ring run's tokens (from the ring start to the length, and the sinks) are read below
+    # (RING) or by the ring kernel.
     k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
     ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
@@ -262,13 +273,14 @@ def split_kernel(
         ONE_TILE,
         K,
         V,
+        SINKS,
     )
     unit = tl.full([], 1.0, tl.float32)
     if ((v_top > _UNIT_MAX) | (v_top < _UNIT_MIN)) & (v_top > 0):
         unit = v_top
         m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, v_top = _compressed_pass(
             1.0 / unit, tiles, MASK, Q_TOKENS, PAGE_SIZE, TOKEN_RUN, D, G_PAD, BLOCK_N, SUBTILES,
-            ONE_TILE, K, V,
+            ONE_TILE, K, V, SINKS,
         )  # fmt: skip
     acc0 *= unit
     acc1 *= unit
@@ -277,18 +289,18 @@ def split_kernel(
 
     if RING:
         # The ring run's RING_BLOCK-token tiles, round robin over the splits from the last one
-        # (which may hold fewer compressed tiles) down: each split takes about W / NUM_SPLITS
-        # more tokens, into the same softmax state and accumulators (values not rotated). The
-        # run is positions [compressed_len, len), position p at slot p mod W (a tile's rows may
-        # wrap around the ring's end).
+        # (which may hold fewer compressed tiles) down: each split takes about (W + SINKS) /
+        # NUM_SPLITS more tokens, into the same softmax state and accumulators (values not
+        # rotated). The run is positions [compressed_len, len), position p at slot p mod W (a
+        # tile's rows may wrap around the ring's end), then the sinks (slots W + p).
         rqs = ring_query(query, b, q_head, row_ok, D, D_PAD, RING_QK_F32)
-        window_len = seq_len - compressed_len
-        for r0 in tl.range((NUM_SPLITS - 1 - split) * RING_BLOCK, window_len,
+        run_len = ring_run_length(compressed_len, seq_len, SINKS)
+        for r0 in tl.range((NUM_SPLITS - 1 - split) * RING_BLOCK, run_len,
                            NUM_SPLITS * RING_BLOCK, num_stages=2):  # fmt: skip
             run = r0 + tl.arange(0, RING_BLOCK)
-            in_ring = run < window_len
-            positions = compressed_len + run
-            rows = (positions % window) * stride_w_slot
+            in_ring = run < run_len
+            positions = ring_run_positions(run, compressed_len, seq_len, SINKS)
+            rows = ring_slots(positions, window, SINKS) * stride_w_slot
             scores = ring_scores(k_window_ptr + ring + rows[:, None], in_ring, rqs, D) * q_scale
             scores = mask_scores(scores, positions, masking, b, q_head, row_ok, MASK, Q_TOKENS)
             scores = tl.where(in_ring[:, None], scores, float("-inf"))
@@ -318,13 +330,13 @@ def split_kernel(
 
 
 def split_arguments(q, q_code, q_scale, rotation, cache: PagedKVCache, block_table, seq_lens,
-                    mask_args, k_window, v_window, window_pos, part_out,
+                    mask_args, k_window, v_window, window_pos, window, part_out,
                     part_lse) -> tuple:  # fmt: skip
     """The split kernel's runtime arguments, in order (``mask_args``: ``(mask, stride_b,
     stride_h, stride_t, mask_len)``). ``k_window``/``v_window``/``window_pos`` are the rings
-    and their slots' positions, or None (then placeholders, never read). The kernel reads the ring
-    positions for where its compressed tokens end, and the rings only where its plan says."""
-    window = 0 if k_window is None else k_window.shape[2]
+    and their slots' positions, or None (then placeholders, never read); ``window`` is W, their
+    window slots (:func:`custom_ops.formats.ring_window`). The kernel reads the ring positions
+    for where its compressed tokens end, and the rings only where its plan says."""
     if k_window is None:
         rings = (unread(q), unread(q), unread(seq_lens), 0, 0, 0)
     else:

@@ -54,22 +54,27 @@ def table_entries(n, ok, b, table, PAGE_SIZE: tl.constexpr):
 def compressed_scores(n, end, early, b, table, k_plane, meta_plane, qs, masking, q_head,
                       row_ok, MASK: tl.constexpr, Q_TOKENS: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-                      ONE_TILE: tl.constexpr):  # fmt: skip
+                      ONE_TILE: tl.constexpr, SINKS: tl.constexpr):  # fmt: skip
     """Scores ``S^T = K @ Q^T`` of the compressed tokens at positions ``n [BLOCK_N]`` (``-inf``
-    at and past ``end``): ``(scores [BLOCK_N, G_PAD] float32 in log2 units, page, slot, meta
-    row pointers, valid)``.
+    at and past ``end``, and below ``SINKS``: the sinks are read from the ring): ``(scores
+    [BLOCK_N, G_PAD] float32 in log2 units, page, slot, meta row pointers, valid)``.
 
     Page ids come from the block table, or from ``early`` (entries read before the length was
     known, ``ONE_TILE``), kept only below ``end``: entries past a sequence's pages may hold
     anything and are never followed. Code rows are read unmasked, so that the loads stay
     vectorized along the tokens: tokens past the end read their page (or page 0) and get zero
-    probability (see :func:`compressed_values`).
+    probability (see :func:`compressed_values`). The sinks' entries are followed like any other
+    (the table holds their pages, never written): a run of value codes is loaded from its first
+    token's page, which may be a sink's.
     """
-    valid = n < end
+    in_pages = n < end
     if ONE_TILE:
-        entries = tl.where(valid, early, 0)
+        entries = tl.where(in_pages, early, 0)
     else:
-        entries = table_entries(n, valid, b, table, PAGE_SIZE)
+        entries = table_entries(n, in_pages, b, table, PAGE_SIZE)
+    valid = in_pages
+    if SINKS > 0:
+        valid = in_pages & (n >= SINKS)
     k_codes_ptr, k_head, stride_kc_page, stride_kc_slot = k_plane
     meta_ptr, m_head, stride_m_page, stride_m_slot = meta_plane
     q0, q1, q2, q3 = qs

@@ -80,31 +80,39 @@ def test_output_dtype(dtype, kernel_device, seeded):
     torch.testing.assert_close(act[0].cpu(), exp[0].to(dtype), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("steps", ["appends", "rewrites"])
+# (steps, window, sinks): appends and rewrites with the window; rewrites with sinks beside it,
+# more sinks than window slots, and sinks without a window
+_RINGS = [("appends", WINDOW, 0), ("rewrites", WINDOW, 0), ("rewrites", WINDOW, 3),
+          ("rewrites", 2, 5), ("rewrites", 0, 3)]  # fmt: skip
+
+
+@pytest.mark.parametrize("steps, window, sinks", _RINGS)
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "tq4_nc", "k2v4_nc"])
-def test_dequantize_window_kernel_matches_reference(fmt_name, steps, kernel_device, seeded):
+def test_dequantize_window_kernel_matches_reference(fmt_name, steps, window, sinks,
+                                                    kernel_device, seeded):  # fmt: skip
     """Dequantize with the window: compressed positions decoded, the ring run copied from the
     ring (the last W positions when appending; after rewrites, from where the rollbacks left
-    it), zeros past each length; the kernel equals the reference."""
-    seqs = Sequences(fmt_name, seeded, kernel_device)
+    it) and so are the sinks, zeros past each length; the kernel equals the reference."""
+    seqs = Sequences(fmt_name, seeded, kernel_device, window=window, sinks=sinks)
     for n_new, starts in STEPS if steps == "appends" else REWRITE_STEPS:
         seqs.append(n_new, starts, seeded, use_triton=False)
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
-    rings = (seqs.k_window, seqs.v_window, seqs.window_pos)
     args = (seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(), seqs.lens, consts,
-            CAPACITY, torch.float32, *(r.cpu() for r in rings))  # fmt: skip
+            seqs.capacity, torch.float32, *(r.cpu() for r in seqs.rings), sinks)  # fmt: skip
     expected = api.dequantize(*args)
     d = kernel_device
     with triton_kernels(d):
         actual = api.dequantize(seqs.fmt, seqs.cache, seqs.block_table, seqs.lens.to(d),
-                                seqs.consts, CAPACITY, torch.float32, *rings)  # fmt: skip
-    for e, a, exact in zip(expected, actual, (seqs.keys, seqs.values), strict=True):
+                                seqs.consts, seqs.capacity, torch.float32, *seqs.rings,
+                                sinks)  # fmt: skip
+    exact = seqs.exact(torch.arange(seqs.capacity))
+    for e, a, tokens in zip(expected, actual, (seqs.keys, seqs.values), strict=True):
         torch.testing.assert_close(a.cpu(), e, rtol=1e-5, atol=1e-5)
         for b in range(BATCH):
-            length, ring_from = int(seqs.lens[b]), int(seqs.ring_from[b])
-            assert length - ring_from <= WINDOW
-            recent = slice(ring_from, length)
-            assert torch.equal(e[b, :, recent], exact[b, :, recent].float())
+            length = int(seqs.lens[b])
+            assert length - int(seqs.ring_from[b]) <= window
+            held = exact[b, :length]
+            assert torch.equal(e[b, :, :length][:, held], tokens[b, :, :length][:, held].float())
             assert bool((e[b, :, length:] == 0).all())
 
 

@@ -96,6 +96,33 @@ def test_tokens_leaving_the_window_are_quantized_exactly_once(fmt_name, kernel_d
         assert_codes_match(codec, expected, slot_major(getattr(seqs.cache, name))[quantized])
 
 
+@pytest.mark.parametrize("window, sinks", [(WINDOW, 3), (2, 5), (0, 3)])
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "tq4_nc"])
+def test_sinks_stay_exact_and_out_of_the_pages(fmt_name, window, sinks, kernel_device, seeded):
+    """With sinks (beside the window, more of them than window slots, without a window): after
+    every rewrite step the kernel's cache and rings equal the reference's, the sink slots ``W +
+    p`` hold the first ``min(len, sinks)`` tokens bit for bit with their positions, and no
+    position below ``sinks`` ever reaches a page (its slots keep their poison)."""
+    expected = Sequences(fmt_name, torch.Generator().manual_seed(7), window=window, sinks=sinks)
+    actual = Sequences(fmt_name, torch.Generator().manual_seed(7), kernel_device, window=window,
+                       sinks=sinks)  # fmt: skip
+    poison = torch.cat(slot_rows(expected.cache), dim=1)
+    sink_slots = torch.cat([expected.slots_of(b, torch.arange(sinks)) for b in range(BATCH)])
+    for n_new, starts in REWRITE_STEPS:
+        expected.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=False)
+        actual.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=True)
+        assert_same_cache(expected.fmt, expected.cache, actual.cache)
+        for a, e in zip(actual.rings, expected.rings, strict=True):
+            assert torch.equal(a.cpu(), e), (n_new, starts)
+        for b in range(BATCH):
+            first = torch.arange(min(sinks, int(expected.lens[b])))
+            held = expected.k_window[b][:, window + first]
+            assert torch.equal(held, expected.keys[b][:, first]), (b, n_new, starts)
+            assert bool((expected.window_pos[b][:, window + first] == first).all())
+        rows = torch.cat(slot_rows(actual.cache), dim=1)[sink_slots]
+        assert torch.equal(rows, poison[sink_slots]), "a sink was quantized into its page"
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_opcheck_store_window(impl, kernel_device, seeded):
     """opcheck (schema, fake tensors, aot dispatch) for store_window."""
@@ -125,9 +152,9 @@ class TestStoreWindowBadInput(expecttest.TestCase):
         rings = (seqs.k_window, seqs.v_window, seqs.window_pos)
         snapshot = [t.clone() for t in (*seqs.cache, *rings)]
 
-        def call(key=key, value=key, rings=rings, table=seqs.block_table, start=start):
+        def call(key=key, value=key, rings=rings, table=seqs.block_table, start=start, sinks=0):
             torch.ops.tq.store_window(key, value, *seqs.cache, *rings, table, start,
-                                      *seqs.consts, "4bit_nc")  # fmt: skip
+                                      *seqs.consts, "4bit_nc", sinks)  # fmt: skip
 
         cases = {
             "float32 tokens": dict(key=key.float(), value=key.float()),
@@ -143,6 +170,8 @@ class TestStoreWindowBadInput(expecttest.TestCase):
             "start of one sequence": dict(start=start[:1]),
             "past capacity": dict(start=torch.tensor([CAPACITY - 1, 0], dtype=torch.int32)),
             "block table too short": dict(table=seqs.block_table[:1]),
+            "negative sinks": dict(sinks=-1),
+            "more sinks than ring slots": dict(sinks=9),
             "page id out of range": dict(
                 table=seqs.block_table.index_fill(1, torch.tensor([1]), 99)
             ),
@@ -159,15 +188,17 @@ class TestStoreWindowBadInput(expecttest.TestCase):
             """\
 float32 tokens: TypeError: tq.store_window: key must be bfloat16 or float16, got torch.float32
 3-D tokens: ValueError: tq.store_window: key must be [B, Hk, T, D], got shape (2, 2, 64)
-ring of another head dim: ValueError: tq.store_window: k_window and v_window must be [>= 2, 2, W >= 1, 64] (batch, kv-heads, window, head dim), got (2, 2, 8, 32) and (2, 2, 8, 32)
+ring of another head dim: ValueError: tq.store_window: k_window and v_window must be [>= 2, 2, W + sinks >= 1, 64] (batch, kv-heads, window slots + sinks=0, head dim), got (2, 2, 8, 32) and (2, 2, 8, 32)
 float32 ring: TypeError: tq.store_window: k_window and v_window must be bfloat16 or float16 of one dtype, got torch.float32 and torch.float32
 ring dtypes differ: TypeError: tq.store_window: k_window and v_window must be bfloat16 or float16 of one dtype, got torch.bfloat16 and torch.float16
 int64 ring positions: TypeError: tq.store_window: window_pos must be int32, got torch.int64
-ring positions of another window: ValueError: tq.store_window: window_pos must be a contiguous [2, 2, 8] (the rings' batch, kv-heads and window), got (2, 2, 4) with strides (16, 8, 1)
+ring positions of another window: ValueError: tq.store_window: window_pos must be a contiguous [2, 2, 8] (the rings' batch, kv-heads and slots), got (2, 2, 4) with strides (16, 8, 1)
 float start: TypeError: tq.store_window: start_pos must be int32 or int64, got torch.float32
 start of one sequence: ValueError: tq.store_window: start_pos must have shape [2], got (1,)
 past capacity: ValueError: tq.store_window: tokens up to position 36 do not fit a sequence's capacity of 36 positions (block_table pages * page_size + window)
 block table too short: ValueError: tq.store_window: block_table must be int32 [>= 2, max_pages], got torch.int32 (1, 7)
+negative sinks: ValueError: tq.store_window: sinks must be an integer >= 0, got -1
+more sinks than ring slots: ValueError: tq.store_window: k_window and v_window must be [>= 2, 2, W + sinks >= 9, 64] (batch, kv-heads, window slots + sinks=9, head dim), got (2, 2, 8, 64) and (2, 2, 8, 64)
 page id out of range: ValueError: tq.store_window: block_table[0, 1] = 99 is not a page id in [0, 16), but sequence 0 keeps its positions below start_pos + T - window = 5 in pages""",  # noqa: E501
         )
 

@@ -25,6 +25,7 @@ from window_sequences import (
     NUM_KV_HEADS,
     REWRITE_STEPS,
     STEPS,
+    WINDOW,
     Sequences,
 )
 
@@ -177,14 +178,14 @@ class TestDecodeBadInput(expecttest.TestCase):
             "splits not a power of two": dict(num_splits=3),
             "batch mismatch": dict(q=q[:2]),
             "a prefill's worth of query tokens": dict(q=q[:, :, None].expand(-1, -1, 17, -1)),
+            "sinks without rings": dict(sinks=4),
         }
         messages = []
         for case, override in cases.items():
-            args = dict(q=q, num_splits=2) | override
+            args = dict(q=q, num_splits=2, sinks=0) | override
             with self.assertRaises((ValueError, TypeError)) as ctx:
-                api.decode(
-                    fmt, args["q"], cache, table, lens, consts, num_splits=args["num_splits"]
-                )
+                api.decode(fmt, args["q"], cache, table, lens, consts,
+                           num_splits=args["num_splits"], sinks=args["sinks"])  # fmt: skip
             messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
         self.assertExpectedInline(
             "\n".join(messages),
@@ -193,7 +194,8 @@ float32 query: TypeError: tq.decode: q must be bfloat16 or float16, got torch.fl
 heads not a multiple: ValueError: tq.decode: q has 7 heads, not a multiple of the cache's 2 kv-heads
 splits not a power of two: ValueError: tq.decode: num_splits must be a power of two in [1, 512], got 3
 batch mismatch: ValueError: tq.decode: block_table has 3 rows for a batch of 2 queries
-a prefill's worth of query tokens: ValueError: tq.decode: q must be [B, Hq, D] (one query token per sequence) or [B, Hq, T, D] with 1 <= T <= 16 (each sequence's last T tokens), got shape (3, 8, 17, 64)""",  # noqa: E501
+a prefill's worth of query tokens: ValueError: tq.decode: q must be [B, Hq, D] (one query token per sequence) or [B, Hq, T, D] with 1 <= T <= 16 (each sequence's last T tokens), got shape (3, 8, 17, 64)
+sinks without rings: ValueError: tq.decode: sinks=4 needs the rings (k_window, v_window, window_pos) that hold them""",  # noqa: E501
         )
 
 
@@ -264,15 +266,14 @@ def test_kernel_mask(fmt_name, kind, kernel_device, seeded):
 
 def _expected_kv(seqs, dtype=torch.float64):
     """``(K, V)``: the dequantized cache for positions below each sequence's ring run and the
-    exact bf16 tokens in it."""
+    exact bf16 tokens in it and in its sinks."""
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
     cache = clone_cache(seqs.cache)
     k, v = reference.dequantize(seqs.fmt, cache, seqs.block_table.cpu(), seqs.lens, *consts,
                                 seqs.capacity, dtype)  # fmt: skip
-    positions = torch.arange(seqs.capacity)[None, :]
-    recent = (positions >= seqs.ring_from[:, None])[:, None, :, None]
-    k = torch.where(recent, seqs.keys.to(dtype), k)
-    return k, torch.where(recent, seqs.values.to(dtype), v)
+    exact = seqs.exact(torch.arange(seqs.capacity))[:, None, :, None]
+    k = torch.where(exact, seqs.keys.to(dtype), k)
+    return k, torch.where(exact, seqs.values.to(dtype), v)
 
 
 def _expected_attention(seqs, q, dtype=torch.float64, mask=None):
@@ -297,6 +298,30 @@ def test_decode_window_contribution_is_exact(fmt_name, group, steps, kernel_devi
         actual = seqs.decode(q, num_splits=2)
         rel = (actual.double() - expected).norm() / expected.norm()
         assert rel < 1e-3, (n_new, starts, float(rel))
+
+
+@pytest.mark.parametrize("window, sinks", [(WINDOW, 3), (2, 5), (0, 3)])
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq4_nc", "k8v4"])
+def test_decode_reads_sinks_exactly(fmt_name, window, sinks, kernel_device, seeded):
+    """With sinks (beside the window, more sinks than window slots, sinks alone) decode equals
+    float64 attention over the exact tokens of the sinks and the ring run and the dequantized
+    others (1e-3), after every write of the rewrite steps (a restart rewrites the sinks), one
+    token (group 4) and a verify step of 3 tokens; the sinks' pages (poison) are never read."""
+    seqs = Sequences(fmt_name, seeded, kernel_device, window=window, sinks=sinks)
+    for n_new, starts in REWRITE_STEPS:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+        q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half()
+        rel = rel_error(seqs.decode(q, num_splits=2), _expected_attention(seqs, q))
+        assert rel < 1e-3, (n_new, starts, float(rel))
+        tokens = min(3, int(seqs.lens.min()))
+        q, _ = _multi_token_case(seqs, tokens, 2, seeded, None)
+        k, v = _expected_kv(seqs)
+        expected = torch.stack([
+            reference.attention(q[:, :, t], k, v, seqs.lens - (tokens - 1 - t), HEAD_DIM**-0.5)
+            for t in range(tokens)
+        ], dim=2)  # fmt: skip
+        rel = rel_error(seqs.decode(q, num_splits=4), expected)
+        assert rel < 1e-3, (n_new, starts, tokens, float(rel))
 
 
 def test_decode_window_only_is_exact(kernel_device, seeded):
@@ -354,20 +379,20 @@ def test_decode_window_mask(kind, kernel_device, seeded):
     assert rel < 1e-3
 
 
+@pytest.mark.parametrize("sinks", [0, 3])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_opcheck_decode_with_rings(impl, kernel_device, seeded):
-    """opcheck for tq.decode with the recent window's rings."""
+def test_opcheck_decode_with_rings(impl, sinks, kernel_device, seeded):
+    """opcheck for tq.decode with the recent window's rings (and sinks)."""
     device = impl_device(impl, kernel_device)
-    seqs = Sequences("4bit_nc", seeded, device)
+    seqs = Sequences("4bit_nc", seeded, device, sinks=sinks)
     seqs.append(11, (0, 0), seeded, use_triton=impl == "triton")
     q = torch.randn(BATCH, NUM_KV_HEADS * 2, HEAD_DIM, generator=seeded).to(torch.bfloat16)
-    rings = (seqs.k_window, seqs.v_window, seqs.window_pos)
     with impl_context(impl, device):
         lens = seqs.lens.to(device)
         torch.library.opcheck(
             torch.ops.tq.decode.default,
             (q.to(device), *seqs.cache, seqs.block_table, lens, *seqs.consts, "4bit_nc", 2,
-             0.125, None, *rings),
+             0.125, None, *seqs.rings, sinks),
         )  # fmt: skip
 
 
