@@ -409,9 +409,9 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
             q, k_tq, v_tq, attn_mask=mask, enable_gqa=True),
         "tq.decode (raw op)": lambda: torch.ops.tq.decode(
             q_rows, *planes, table, seq_lens, cache.rotation, fmt, cache.num_splits,
-            d**-0.5, None, *rings),
+            d**-0.5, None, *rings, cache.sinks),
         "tq.store_window (raw op)": lambda: torch.ops.tq.store_window(
-            k_new, k_new, *planes, *rings, table, start_pos, cache.rotation, fmt),
+            k_new, k_new, *planes, *rings, table, start_pos, cache.rotation, fmt, cache.sinks),
     }  # fmt: skip
     rows = [dict(cache=fmt, call=call, cpu_us=host_cpu_us(fn)) for call, fn in calls.items()]
     # The append of a decode step: the ring is full, so each row also quantizes the token that

@@ -37,6 +37,7 @@ __all__ = [
     "store_window",
     "written_lengths",
     "ring_start",
+    "ring_slots",
     "overlay_window",
     "gather_rows",
     "dequantize",
@@ -322,25 +323,32 @@ def store_window(
         # new positions >= start + T - W end up in the ring, the others (sinks aside) in pages
         stay = (new_pos >= start + n_new - window) & ~sink
         direct = ~stay & ~sink
-        ring_slots = new_pos[stay] % max(window, 1)  # the ring slots written
-        held = window_pos[b][:, ring_slots].to(torch.int64)  # [Hk, C] their old positions
+        written = ring_slots(new_pos[stay], window, sinks)  # the window slots written
+        held = window_pos[b][:, written].to(torch.int64)  # [Hk, C] their old positions
         leaves = (held >= 0) & (held < start)
         leaving = torch.where(leaves, held, 0)  # (a stale position may lie past the pages)
         old_slots = torch.where(leaves, _slots_of(leaving, block_table[b], page_size), -1)
         new_slots = _slots_of(new_pos[direct], block_table[b], page_size)
         # [n, Hk, D] rows: old tokens from the ring (slots per head), then new ones that skip it
-        k_rows = torch.cat([k_window[b][:, ring_slots], key[b][:, direct]], dim=1)
-        v_rows = torch.cat([v_window[b][:, ring_slots], value[b][:, direct]], dim=1)
+        k_rows = torch.cat([k_window[b][:, written], key[b][:, direct]], dim=1)
+        v_rows = torch.cat([v_window[b][:, written], value[b][:, direct]], dim=1)
         slots = torch.cat([old_slots.T, new_slots[:, None].expand(-1, old_slots.shape[0])])
         if slots.shape[0]:
             store(fmt, k_rows.transpose(0, 1).float(), v_rows.transpose(0, 1).float(), cache,
                   slots, rotation)  # fmt: skip
         kept = stay | sink
-        kept_slots = torch.where(sink, window + new_pos, new_pos % max(window, 1))[kept]
+        kept_slots = ring_slots(new_pos, window, sinks)[kept]
         k_window[b][:, kept_slots] = key[b][:, kept].to(k_window.dtype)
         v_window[b][:, kept_slots] = value[b][:, kept].to(v_window.dtype)
         window_pos[b][:, kept_slots] = new_pos[kept].to(window_pos.dtype)
     return written_lengths(start_pos, n_new)
+
+
+def ring_slots(positions: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """The ring slots of ``positions`` in rings of ``window`` slots and ``sinks`` sinks: ``p %
+    window``, a sink's (``p < sinks``) ``window + p`` (the kernels' copy:
+    :func:`custom_ops.triton.paged.ring_slots`)."""
+    return torch.where(positions < sinks, window + positions, positions % max(window, 1))
 
 
 def written_lengths(start_pos: torch.Tensor, n_new: int) -> torch.Tensor:
@@ -356,7 +364,7 @@ def ring_start(window_pos: torch.Tensor, seq_lens: torch.Tensor, sinks: int = 0)
     (its length if none): positions from ``sinks`` up to it are read from the pages, the others
     from the ring (see :func:`store_window`)."""
     lens = seq_lens.to(torch.int64)[:, None, None]
-    window = window_pos.shape[2] - sinks
+    window = ring_window(window_pos, sinks)
     held = window_pos[: seq_lens.shape[0], :, :window].to(device=lens.device, dtype=torch.int64)
     in_run = (held >= 0) & (held < lens)
     run_or_len = torch.where(in_run, held, lens)
@@ -379,8 +387,7 @@ def overlay_window(
     first = ring_start(window_pos, seq_lens, sinks).to(dense.device)[:, :, None]  # [B, Hk, 1]
     lens = seq_lens.to(device=dense.device, dtype=torch.int64)[:, None, None]
     in_ring = ((positions >= first) | (positions < sinks)) & (positions < lens)  # [B, Hk, S]
-    slots = torch.where(positions < sinks, window + positions, positions % max(window, 1))
-    ring_rows = ring[:batch][:, :, slots]
+    ring_rows = ring[:batch][:, :, ring_slots(positions, window, sinks)]
     return torch.where(in_ring[..., None], ring_rows.to(dense.device, dense.dtype), dense)
 
 

@@ -390,6 +390,27 @@ def check_window(
             f"{'' if window_pos.is_contiguous() else ' with strides ' + str(window_pos.stride())}",
         )
     check_same_device(op, device, k_window=k_window, v_window=v_window, window_pos=window_pos)
+    if checks_values(window_pos):
+        check_ring_positions(op, window_pos, sinks)
+
+
+def check_ring_positions(op: str, window_pos: torch.Tensor, sinks: int) -> None:
+    """Each slot of ``window_pos [B, Hk, W + sinks]`` holds -1 or a position the ops put
+    there: a window slot ``s`` a position ``p >= sinks`` with ``p % W == s``, a sink slot ``W +
+    p`` its own ``p`` (rings written with another sink count fail here, not silently)."""
+    window = formats.ring_window(window_pos, sinks)
+    slots = torch.arange(window_pos.shape[2], device=window_pos.device)
+    held = window_pos.to(torch.int64)
+    in_place = (reference.ring_slots(held.clamp_min(0), window, sinks) == slots) & (
+        (held < sinks) == (slots >= window)
+    )
+    bad = (held != -1) & ~((held >= 0) & in_place)
+    if bad.any():
+        b, h, s = (int(i) for i in bad.nonzero()[0])
+        _fail(op, f"window_pos[{b}, {h}, {s}] = {int(window_pos[b, h, s])} is not a position "
+                  f"that slot {s} of a ring of {window} window slots and sinks={sinks} holds "
+                  "(-1, a position p >= sinks with p % window == slot, or a sink slot's own "
+                  "p = slot - window)")  # fmt: skip
 
 
 def check_block_table(

@@ -35,7 +35,6 @@ from examples.model import (  # noqa: E402
     prefill,
 )
 from tq_compile import TurboQuantKVConfig, kv_cache_nbytes, quantize_  # noqa: E402
-from tq_compile.cache import default_sinks  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -142,7 +141,7 @@ def main() -> None:
         if device == "cpu":
             print("  (CPU: the reference kernels and a tiny model; these rates vary with the "
                   "machine's load and say nothing about GPU speed)")  # fmt: skip
-    sinks = default_sinks(args.window, None)
+    sinks = model.layers[0].attention.kv_cache.sinks  # the quantized caches' (the last run's)
     print(f"KV cache: {tq_bytes / 1e6:,.2f} MB vs bf16 {dense_bytes / 1e6:,.2f} MB "
           f"({tq_bytes / dense_bytes:.3f}x; the last {args.window} tokens and the first "
           f"{sinks} of each sequence in bf16)")  # fmt: skip

@@ -66,8 +66,9 @@ class TurboQuantKVConfig(AOBaseConfig):
             raise ValueError("keep_first and keep_last must be >= 0")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
-        if self.sinks is not None and self.sinks < 0:
-            raise ValueError(f"sinks must be None (the default) or >= 0, got {self.sinks}")
+        if self.sinks is not None and (not isinstance(self.sinks, int) or self.sinks < 0):
+            raise ValueError(f"sinks must be None (the default) or an integer >= 0, got "
+                             f"{self.sinks!r}")  # fmt: skip
 
 
 def is_kv_cache(module: nn.Module, fqn: str = "") -> bool:

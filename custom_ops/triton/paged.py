@@ -51,8 +51,8 @@ def table_arguments(block_table: torch.Tensor) -> tuple:
 
 def ring_arguments(k_window: torch.Tensor, v_window: torch.Tensor,
                    window_pos: torch.Tensor) -> tuple:  # fmt: skip
-    """The ``rings`` tuple of ``k_window``, ``v_window [>= B, Hk, W, D]`` and ``window_pos``
-    (all contiguous)."""
+    """The ``rings`` tuple of ``k_window``, ``v_window [>= B, Hk, W + sinks, D]`` and
+    ``window_pos`` (all contiguous)."""
     return (k_window, v_window, window_pos, *k_window.stride()[:3])
 
 
@@ -103,7 +103,8 @@ def ring_run_positions(run, first, seq_len, SINKS: tl.constexpr):
 @triton.jit
 def ring_slots(positions, window, SINKS: tl.constexpr):
     """The ring slots of ``positions`` held in a ring of ``window`` slots and ``SINKS`` sinks:
-    ``p % window``, a sink's (``p < SINKS``) ``window + p``."""
+    ``p % window``, a sink's (``p < SINKS``) ``window + p`` (the reference's copy:
+    :func:`custom_ops.reference.ring_slots`)."""
     if SINKS > 0:
         return tl.where(positions < SINKS, window + positions,
                         positions % tl.maximum(window, 1))  # fmt: skip

@@ -95,15 +95,15 @@ def store_window_kernel(
     k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
     block_table_ptr, stride_bt_b, stride_bt_p = table
     in_ring = chain < window  # with sinks beyond the window, later chains only write sinks
-    slots = tl.maximum(window, 1)  # (no ring slot at all without a window)
-    ring_slot = (tl.maximum(start, 0) + chain) % slots
+    period = tl.maximum(window, 1)  # the window slots' period (none without a window)
+    ring_slot = (tl.maximum(start, 0) + chain) % period
     ring_base = b64 * stride_w_b + head64 * stride_w_h
     ring_rows = ring_base + ring_slot.to(tl.int64) * stride_w_slot
     pos_rows = ring_rows // D  # the slot's window_pos entry (contiguous planes)
 
     # The chain's last new token (the only one of it that stays in the window), loaded first:
     # its loads do not wait for the start, so they overlap the eviction's chain of loads.
-    newest = chain + slots * ((num_new - 1 - chain) // slots)
+    newest = chain + period * ((num_new - 1 - chain) // period)
     d = tl.arange(0, D_PAD)[None, :]
     newest64 = newest.to(tl.int64)
     k_src = key_ptr + b64 * stride_kb + head64 * stride_kh + newest64 * stride_kt

@@ -15,7 +15,8 @@ so values of any magnitude come out right. Value codes are stored token-minor
 (:mod:`custom_ops.formats`), so the A operand ``V^T`` (4 consecutive tokens of one byte column
 per register) is one aligned 32-bit load.
 
-With a recent window the splits cover the compressed positions ``[SINKS, len - W)``; for values
+With a recent window the splits cover the compressed positions ``[0, len - W)``, the sinks' ones
+(below ``SINKS``) masked; for values
 in the original space the kernel also reads the ring (``RING``): the tiles of its ring run (the
 window's positions, then the sinks) go round robin to the splits, ``RING_BLOCK`` places each,
 and enter the same softmax state and accumulators.

@@ -172,6 +172,7 @@ class TestStoreWindowBadInput(expecttest.TestCase):
             "block table too short": dict(table=seqs.block_table[:1]),
             "negative sinks": dict(sinks=-1),
             "more sinks than ring slots": dict(sinks=9),
+            "sinks the ring was not written with": dict(sinks=3),
             "page id out of range": dict(
                 table=seqs.block_table.index_fill(1, torch.tensor([1]), 99)
             ),
@@ -199,6 +200,7 @@ past capacity: ValueError: tq.store_window: tokens up to position 36 do not fit 
 block table too short: ValueError: tq.store_window: block_table must be int32 [>= 2, max_pages], got torch.int32 (1, 7)
 negative sinks: ValueError: tq.store_window: sinks must be an integer >= 0, got -1
 more sinks than ring slots: ValueError: tq.store_window: k_window and v_window must be [>= 2, 2, W + sinks >= 9, 64] (batch, kv-heads, window slots + sinks=9, head dim), got (2, 2, 8, 64) and (2, 2, 8, 64)
+sinks the ring was not written with: ValueError: tq.store_window: window_pos[0, 0, 0] = 8 is not a position that slot 0 of a ring of 5 window slots and sinks=3 holds (-1, a position p >= sinks with p % window == slot, or a sink slot's own p = slot - window)
 page id out of range: ValueError: tq.store_window: block_table[0, 1] = 99 is not a page id in [0, 16), but sequence 0 keeps its positions below start_pos + T - window = 5 in pages""",  # noqa: E501
         )
 
