@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import is_fake
 from custom_ops import formats, reference, splits
 from custom_ops.formats import KVFormat, PagedKVCache, get_format
 from custom_ops.schema import DecodeArgs, DequantizeArgs, StoreArgs, StoreWindowArgs
+from custom_ops.triton.launch import KeyedMemo
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 # Query tokens per sequence one decode attends with (a verify step of speculative decoding).
@@ -54,9 +55,9 @@ def _check_values_env() -> bool:
 
 
 # Results of checks that looked at metadata only, by the metadata of their arguments.
-_CHECKED: dict = {}
+_CHECKED = KeyedMemo()
 # Every launch key made, by itself: each call's key is replaced by the first equal one.
-_KEYS: dict = {}
+_KEYS = KeyedMemo()
 # launch_key's entries of tensors whose metadata is fixed (fix_metadata), by id, with a weak
 # reference to the tensor (a dead tensor's id may be reused)
 _FIXED: dict[int, tuple[weakref.ref, tuple]] = {}
@@ -131,28 +132,14 @@ def launch_key(args: tuple) -> LaunchKey | None:
         else:
             key.append(value)  # None or a plain value
     made = LaunchKey(tuple(key))
-    interned = _KEYS.get(made)
-    if interned is None:
-        if len(_KEYS) >= 4096:  # a bound, not a policy: shapes rarely vary this much
-            _KEYS.clear()
-        interned = _KEYS[made] = made
-    return interned
+    return _KEYS.get(made, lambda: made)
 
 
 def checked(check, args: tuple, key: LaunchKey | None):
     """``check(args)``, or its result for earlier arguments of the same :func:`launch_key`
     ``key`` (None: always check). Metadata checks are a function of the metadata alone, so an
     eager decode step pays for them once, not per call (a few microseconds instead of ~100)."""
-    if key is None:
-        return check(args)
-    key = (check, key)
-    result = _CHECKED.get(key)
-    if result is None:
-        result = check(args)
-        if len(_CHECKED) >= 4096:  # a bound, not a policy: shapes rarely vary this much
-            _CHECKED.clear()
-        _CHECKED[key] = result
-    return result
+    return _CHECKED.get(None if key is None else (check, key), lambda: check(args))
 
 
 def check_format(op: str, fmt: str) -> KVFormat:

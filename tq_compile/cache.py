@@ -116,10 +116,11 @@ class TurboQuantKVCache(nn.Module):
         super().__init__()
         if dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"dtype must be the model's bfloat16 or float16, got {dtype}")
+        sinks = default_sinks(window, sinks)
         for arg, value, least in (("max_batch_size", max_batch_size, 1), ("n_heads", n_heads, 1),
                                   ("max_seq_length", max_seq_length, 1),
                                   ("page_size", page_size, 1), ("window", window, 0),
-                                  ("sinks", default_sinks(window, sinks), 0)):  # fmt: skip
+                                  ("sinks", sinks, 0)):  # fmt: skip
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"{arg} must be an integer >= {least}, got {value!r}")
         if num_splits is not None and not splits.is_valid_num_splits(num_splits):
@@ -133,7 +134,7 @@ class TurboQuantKVCache(nn.Module):
         self.page_size, self.model_dtype = page_size, dtype
         self._requested_splits = num_splits
         self.window = min(window, max_seq_length)
-        self.sinks = min(default_sinks(window, sinks), max_seq_length)
+        self.sinks = min(sinks, max_seq_length)
         # Positions in the ring never need a page: the oldest S_max - W go to pages (the
         # sinks' pages are never written: a page's worth at most).
         pages_per_seq = max(1, -(-(max_seq_length - self.window) // page_size))

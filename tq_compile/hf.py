@@ -245,9 +245,10 @@ class TurboQuantCache(Cache):
         num_splits: int | None = None,
     ):
         get_format(preset)  # a clear error for an unknown preset, now
+        sinks = default_sinks(window, sinks)
         for name, value, least in (("max_cache_len", max_cache_len, 1),
                                    ("window", window, 0),
-                                   ("sinks", default_sinks(window, sinks), 0),
+                                   ("sinks", sinks, 0),
                                    ("keep_first", keep_first, 0),
                                    ("keep_last", keep_last, 0)):  # fmt: skip
             if not isinstance(value, int) or value < least:
@@ -265,7 +266,7 @@ class TurboQuantCache(Cache):
             )
         count = len(layer_types)
         kept = set(range(keep_first)) | set(range(count - keep_last, count))
-        self.preset, self.window, self.sinks = preset, window, default_sinks(window, sinks)
+        self.preset, self.window, self.sinks = preset, window, sinks
         layers = [
             StaticLayer(max_cache_len) if index in kept else TurboQuantLayer(
                 max_cache_len, preset=preset, window=window, sinks=sinks,
