@@ -171,9 +171,11 @@ def kernel_times(model: Transformer, step, batch: int, position: int, steps: int
 
 
 def set_caches(model: Transformer, cache: str, batch: int, context: int,
-               num_splits: int | None = None, sinks: int | None = None) -> None:  # fmt: skip
+               num_splits: int | None = None, sinks: int | None = None,
+               center_keys: bool = False) -> None:  # fmt: skip
     """Give ``model`` caches of kind ``cache`` (``DENSE`` names or a format; ``num_splits``:
-    the TurboQuant caches' split count, default theirs; ``sinks``: theirs)."""
+    the TurboQuant caches' split count, default theirs; ``sinks``: theirs; ``center_keys``:
+    theirs)."""
     gqa = DENSE.get(cache, "enable_gqa")
     for layer in model.layers:
         layer.attention.gqa = gqa
@@ -182,7 +184,13 @@ def set_caches(model: Transformer, cache: str, batch: int, context: int,
     factory = (
         KVCache
         if cache in DENSE
-        else functools.partial(TurboQuantKVCache, fmt=cache, num_splits=num_splits, sinks=sinks)
+        else functools.partial(
+            TurboQuantKVCache,
+            fmt=cache,
+            num_splits=num_splits,
+            sinks=sinks,
+            center_keys=center_keys,
+        )
     )
     model.setup_caches(batch, context, cache_factory=factory)
 
@@ -285,7 +293,7 @@ def _time_interleaved(model: Transformer, args, batch: int, context: int,
 def _filled_caches(model: Transformer, args, batch: int, context: int, cache: str) -> int:
     """Give ``model`` caches of kind ``cache`` holding the positions a cell's steps start
     from (room left for the warm-up, the timed and the profiled steps); that position."""
-    set_caches(model, cache, batch, context, args.splits, args.sinks)
+    set_caches(model, cache, batch, context, args.splits, args.sinks, args.center)
     filled = context - args.steps - 4 - args.kernels
     fill_caches(model, batch, filled, torch.Generator(model.output.weight.device).manual_seed(1))
     return filled
@@ -503,6 +511,8 @@ def main() -> None:
         type=int,
         help="the TurboQuant caches' attention sinks (default: theirs, TurboQuantKVCache.sinks)",
     )
+    parser.add_argument("--center", action="store_true", help="TurboQuant caches with key "
+                        "centering (TurboQuantKVCache.center_keys)")  # fmt: skip
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="also profile N steps per cell: GPU time per kernel")  # fmt: skip
     parser.add_argument("--host", action="store_true", help="also the host-overhead table")
@@ -517,7 +527,7 @@ def main() -> None:
     require_cuda("benchmarks/e2e.py")
     cfg = ModelArgs.from_name(args.preset)
     payload = dict(gpu=gpu_name(), preset=args.preset, kv_budget_gb=args.kv_budget_gb,
-                   num_splits=args.splits, sinks=args.sinks)  # fmt: skip
+                   num_splits=args.splits, sinks=args.sinks, center_keys=args.center)  # fmt: skip
     if args.host:
         payload["host"] = host_table(cfg, args.formats)
         print(f"{gpu_name()}: one layer of {args.preset} at B=1, 4096 tokens")

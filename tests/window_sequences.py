@@ -31,10 +31,11 @@ REWRITE_STEPS = [(11, (0, 0)), (3, (11, 5)), (2, (4, 8)), (1, (6, 10)), (12, (3,
 
 class Sequences:
     """Two sequences in a paged cache with a shuffled block table, their rings (``window``
-    slots and ``sinks``) and every token appended so far (bf16 ``[B, Hk, S, D]``)."""
+    slots and ``sinks``), with ``center`` their keys' centres (``key_center [B, Hk, D]``,
+    stored centred), and every token appended so far (bf16 ``[B, Hk, S, D]``)."""
 
     def __init__(self, fmt_name, gen, device="cpu", dtype=torch.bfloat16, window=WINDOW,
-                 sinks=0):  # fmt: skip
+                 sinks=0, center=False):  # fmt: skip
         self.fmt = get_format(fmt_name)
         self.window, self.sinks = window, sinks
         self.capacity = PAGE_SIZE * PAGES_PER_SEQ + window
@@ -47,6 +48,7 @@ class Sequences:
         self.k_window = torch.randn(shape, generator=gen).to(dtype)  # poison: never read
         self.v_window = torch.randn(shape, generator=gen).to(dtype)
         self.window_pos = torch.full(shape[:3], -1, dtype=torch.int32)  # no slot holds one yet
+        self.key_center = torch.zeros(BATCH, NUM_KV_HEADS, HEAD_DIM) if center else None
         self.keys = torch.zeros(BATCH, NUM_KV_HEADS, self.capacity, HEAD_DIM, dtype=torch.bfloat16)
         self.values = torch.zeros_like(self.keys)
         self.lens = torch.zeros(BATCH, dtype=torch.int32)
@@ -58,8 +60,9 @@ class Sequences:
     def to(self, device):
         self.cache = clone_cache(self.cache, device)
         self.consts = api.KVConstants(*(c.to(device) for c in self.consts))
-        for name in ("block_table", "k_window", "v_window", "window_pos"):
-            setattr(self, name, getattr(self, name).to(device))
+        for name in ("block_table", "k_window", "v_window", "window_pos", "key_center"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
         self.device = device
         return self
 
@@ -83,7 +86,8 @@ class Sequences:
         with triton_kernels(d) if use_triton else torch.no_grad():
             lens = api.store_window(self.fmt, self.cache, key.to(d), value.to(d), self.k_window,
                                     self.v_window, self.window_pos, self.block_table,
-                                    start_pos.to(d), self.consts, self.sinks)  # fmt: skip
+                                    start_pos.to(d), self.consts, self.sinks,
+                                    self.key_center)  # fmt: skip
         # the op returns the written sequences' lengths, 0 for the skipped ones
         assert torch.equal(lens.cpu(), torch.where(start_pos >= 0, self.lens, 0)), lens
 

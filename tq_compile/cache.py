@@ -32,7 +32,13 @@ from custom_ops.formats import PagedKVCache, get_format
 from custom_ops.schema import StoreArgs, StoreWindowArgs
 from tq_compile.kv_tensor import TurboQuantKVTensor
 
-__all__ = ["TurboQuantKVCache", "kv_cache_nbytes", "DEFAULT_SINKS", "default_sinks"]
+__all__ = [
+    "TurboQuantKVCache",
+    "kv_cache_nbytes",
+    "DEFAULT_SINKS",
+    "default_sinks",
+    "check_center_keys",
+]
 
 # Attention sinks a cache with a recent window keeps by default: on SmolLM2 four first tokens
 # in bf16 lower every low-bit format's perplexity cost by 5-30% (int8's moves within noise),
@@ -49,6 +55,17 @@ def default_sinks(window: int, sinks: int | None) -> int:
     return DEFAULT_SINKS if isinstance(window, int) and window > 0 else 0
 
 
+def check_center_keys(center_keys: bool, window: int, sinks: int) -> None:
+    """Raise unless ``center_keys`` is a bool that a cache of ``window`` and ``sinks`` (the
+    resolved count) can honour: centring needs a ring (a window or sinks)."""
+    if type(center_keys) is not bool:
+        raise TypeError(f"center_keys must be a bool, got {center_keys!r}")
+    if center_keys and window == 0 and sinks == 0:
+        raise ValueError("center_keys=True needs a window or sinks (window > 0 or sinks > 0): "
+                         "the centre is set from keys held in the ring before any is "
+                         "quantized")  # fmt: skip
+
+
 class _Operands(NamedTuple):
     """The buffers a cache passes to the ops for its first ``B`` sequences."""
 
@@ -56,6 +73,7 @@ class _Operands(NamedTuple):
     rings: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
     table: torch.Tensor  # [B, pages_per_seq] int32
     rotation: torch.Tensor
+    key_center: torch.Tensor | None  # [max_batch_size, Hk, D] float32, like the rings
 
 
 class TurboQuantKVCache(nn.Module):
@@ -89,6 +107,12 @@ class TurboQuantKVCache(nn.Module):
             quantizes every token). Real models put large attention weights and outlier keys
             there; keeping them exact cuts the perplexity cost of every low-bit format (NOTES
             "Attention sinks in the cache").
+        center_keys: store every key minus one vector per sequence and kv-head (its
+            ``key_center [B, Hk, D] float32``, the mean of the keys of positions ``[sinks,
+            sinks + W)``, set when the sequence's first position leaves the ring): attention is
+            unchanged (softmax ignores a shift that all of a query's scores share) and the
+            quantized keys lose less to the common component they no longer carry (NOTES "Key
+            centering"). Needs a window or sinks.
         device: where to allocate (default: the current default device, so that gpt-fast's
             ``with torch.device(...)`` in ``setup_caches`` places it).
 
@@ -111,6 +135,7 @@ class TurboQuantKVCache(nn.Module):
         num_splits: int | None = None,
         window: int = 128,
         sinks: int | None = None,
+        center_keys: bool = False,
         device: torch.device | str | None = None,
     ):
         super().__init__()
@@ -123,6 +148,7 @@ class TurboQuantKVCache(nn.Module):
                                   ("sinks", sinks, 0)):  # fmt: skip
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"{arg} must be an integer >= {least}, got {value!r}")
+        check_center_keys(center_keys, window, sinks)
         if num_splits is not None and not splits.is_valid_num_splits(num_splits):
             raise ValueError(
                 f"num_splits must be None (chosen per device) or a power of two in "
@@ -150,6 +176,10 @@ class TurboQuantKVCache(nn.Module):
         if self.has_rings:  # no slot holds a position yet
             rings.append(("window_pos", torch.full(ring_shape[:3], -1, dtype=torch.int32,
                                                    device=device)))  # fmt: skip
+        self.center_keys = center_keys
+        if center_keys:  # no centre yet: keys are stored as they are until one is set
+            rings.append(("key_center", torch.zeros(max_batch_size, n_heads, head_dim,
+                                                    device=device)))  # fmt: skip
         for name, tensor in (*zip(cache._fields, cache, strict=True),
                              ("block_table", table.reshape(max_batch_size, pages_per_seq)),
                              *zip(consts._fields, consts, strict=True), *rings):  # fmt: skip
@@ -204,6 +234,8 @@ class TurboQuantKVCache(nn.Module):
         self.block_table.copy_(pages.reshape(self.block_table.shape))
         if self.has_rings:
             self.window_pos.fill_(-1)
+        if self.center_keys:
+            self.key_center.zero_()
 
     def _check_update(self, input_pos: torch.Tensor, k_val: torch.Tensor, v_val: torch.Tensor):
         """Shapes always; position values where they can be read without a host sync (CPU, or
@@ -279,8 +311,8 @@ class TurboQuantKVCache(nn.Module):
                 self._eager_operands[batch] = operands
                 # the module's own buffers: only replaced (_apply), never resized in place
                 validate.fix_metadata(*operands.planes, *operands.rings, operands.table,
-                                      operands.rotation)  # fmt: skip
-        planes, rings, table, rotation = operands
+                                      operands.rotation, operands.key_center)  # fmt: skip
+        planes, rings, table, rotation, key_center = operands
         name = self.kv_format.name
         if self.has_rings:
             # positions start .. start + T - 1: the store reads the start from input_pos (a
@@ -290,7 +322,8 @@ class TurboQuantKVCache(nn.Module):
             # counts as read only.
             start = input_pos[:1].expand(batch)
             seq_lens = ops.call(StoreWindowArgs(k_val, v_val, *planes, *rings, table, start,
-                                                rotation, name, self.sinks))  # fmt: skip
+                                                rotation, name, self.sinks,
+                                                key_center))  # fmt: skip
         else:
             pos = input_pos.to(torch.int64)
             pages = table[:, pos // self.page_size]  # [B, T]
@@ -318,7 +351,8 @@ class TurboQuantKVCache(nn.Module):
         table = self.block_table if batch == self.max_batch_size else self.block_table[:batch]
         rings = (self.k_window, self.v_window, self.window_pos) if self.has_rings else (None,) * 3
         planes = PagedKVCache(self.k_codes, self.v_codes, self.meta)
-        return _Operands(planes, rings, table, self.rotation)
+        key_center = self.key_center if self.center_keys else None  # whole, like the rings
+        return _Operands(planes, rings, table, self.rotation, key_center)
 
     def _views(self, operands: _Operands, seq_lens: torch.Tensor):
         """Key and value views of ``operands``' sequences, of lengths ``seq_lens [B] int32``."""
@@ -326,7 +360,7 @@ class TurboQuantKVCache(nn.Module):
             TurboQuantKVTensor.from_cache(side, self.kv_format.name, operands.planes,
                                           operands.table, seq_lens, operands.rotation,
                                           self.max_seq_length, self.num_splits, self.model_dtype,
-                                          *operands.rings, self.sinks)
+                                          *operands.rings, self.sinks, operands.key_center)
             for side in ("key", "value")
         )  # fmt: skip
 
@@ -335,6 +369,7 @@ class TurboQuantKVCache(nn.Module):
         sinks) and their slots' positions."""
         held = [self.k_codes, self.v_codes, self.meta]
         held += [self.k_window, self.v_window, self.window_pos] if self.has_rings else []
+        held += [self.key_center] if self.center_keys else []
         return sum(t.numel() * t.element_size() for t in held)
 
     def dense_nbytes(self) -> int:
@@ -346,7 +381,7 @@ class TurboQuantKVCache(nn.Module):
     def extra_repr(self) -> str:
         return (f"fmt={self.kv_format.name}, batch={self.max_batch_size}, "
                 f"max_seq_length={self.max_seq_length}, page_size={self.page_size}, "
-                f"window={self.window}, sinks={self.sinks}, "
+                f"window={self.window}, sinks={self.sinks}, center_keys={self.center_keys}, "
                 f"num_splits={self.num_splits}")  # fmt: skip
 
 

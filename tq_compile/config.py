@@ -24,7 +24,7 @@ from torchao.quantization import quantize_ as torchao_quantize_
 from torchao.quantization.transform_module import register_quantize_module_handler
 
 from custom_ops.formats import get_format
-from tq_compile.cache import TurboQuantKVCache
+from tq_compile.cache import TurboQuantKVCache, check_center_keys, default_sinks
 
 __all__ = ["TurboQuantKVConfig", "is_kv_cache", "quantize_"]
 
@@ -36,7 +36,7 @@ class TurboQuantKVConfig(AOBaseConfig):
     Args:
         preset: format name, one of ``custom_ops.FORMATS`` (vLLM's ``k8v4``, ``4bit_nc``,
             ``k3v4_nc``, ``3bit_nc``, and ``int8``, ``fp8``, ``tq4_nc``, ``tq3_nc``, ``tq2_nc``,
-            ``k2v4_nc``, ``k2v2_nc``).
+            ``tqk4v2_nc``, ``k2v4_nc``, ``k2v2_nc``).
         seed: seed of the random-sign Hadamard rotation (shared by every layer).
         keep_first: number of leading KV caches left in full precision.
         keep_last: number of trailing KV caches left in full precision.
@@ -49,6 +49,8 @@ class TurboQuantKVConfig(AOBaseConfig):
         sinks: the first ``sinks`` tokens of each sequence stay in the model's dtype for good
             (attention sinks; default: ``tq_compile.cache.DEFAULT_SINKS`` with a window, 0
             without).
+        center_keys: store keys minus one centre per sequence and kv-head (see
+            :class:`~tq_compile.cache.TurboQuantKVCache`); needs a window or sinks.
     """
 
     preset: str = "4bit_nc"
@@ -59,6 +61,7 @@ class TurboQuantKVConfig(AOBaseConfig):
     page_size: int = 16
     window: int = 128
     sinks: int | None = None
+    center_keys: bool = False
 
     def __post_init__(self) -> None:
         get_format(self.preset)  # a clear error for an unknown preset, at construction
@@ -69,6 +72,7 @@ class TurboQuantKVConfig(AOBaseConfig):
         if self.sinks is not None and (not isinstance(self.sinks, int) or self.sinks < 0):
             raise ValueError(f"sinks must be None (the default) or an integer >= 0, got "
                              f"{self.sinks!r}")  # fmt: skip
+        check_center_keys(self.center_keys, self.window, default_sinks(self.window, self.sinks))
 
 
 def is_kv_cache(module: nn.Module, fqn: str = "") -> bool:
@@ -106,6 +110,7 @@ def _turboquant_kv_transform(module: nn.Module, config: TurboQuantKVConfig) -> n
         num_splits=config.num_splits,
         window=config.window,
         sinks=config.sinks,
+        center_keys=config.center_keys,
         device=module.k_cache.device,
     )
 

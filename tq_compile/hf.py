@@ -38,7 +38,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 from custom_ops.formats import get_format
-from tq_compile.cache import TurboQuantKVCache, default_sinks
+from tq_compile.cache import TurboQuantKVCache, check_center_keys, default_sinks
 from tq_compile.kv_tensor import TurboQuantKVTensor
 
 __all__ = ["TurboQuantCache", "TurboQuantLayer"]
@@ -57,6 +57,8 @@ class TurboQuantLayer(CacheLayerMixin):
         window: W, most recent tokens kept in the model's dtype (0: every token quantized).
         sinks: first tokens of each sequence kept in the model's dtype for good (attention
             sinks; default: ``tq_compile.cache.DEFAULT_SINKS`` with a window, 0 without).
+        center_keys: keys stored minus one centre per sequence and kv-head (see
+            :class:`~tq_compile.cache.TurboQuantKVCache`).
         max_batch_size: sequences to allocate for (default: the first ``update``'s batch);
             later calls may use a smaller batch.
         page_size, seed, num_splits: as for :class:`~tq_compile.cache.TurboQuantKVCache`.
@@ -73,6 +75,7 @@ class TurboQuantLayer(CacheLayerMixin):
         preset: str = "4bit_nc",
         window: int = 128,
         sinks: int | None = None,
+        center_keys: bool = False,
         max_batch_size: int | None = None,
         page_size: int = 16,
         seed: int = 0,
@@ -81,7 +84,7 @@ class TurboQuantLayer(CacheLayerMixin):
         super().__init__()
         self.max_cache_len = max_cache_len
         self.preset, self.window, self.max_batch_size = preset, window, max_batch_size
-        self.sinks = default_sinks(window, sinks)
+        self.sinks, self.center_keys = default_sinks(window, sinks), center_keys
         self.page_size, self.seed, self.num_splits = page_size, seed, num_splits
         self.kv: TurboQuantKVCache | None = None
         # a tensor, as in StaticLayer: positions derived from it do not recompile each step
@@ -95,7 +98,8 @@ class TurboQuantLayer(CacheLayerMixin):
         return True
 
     def __repr__(self) -> str:
-        return f"TurboQuantLayer({self.preset}, window={self.window}, sinks={self.sinks})"
+        return (f"TurboQuantLayer({self.preset}, window={self.window}, sinks={self.sinks}, "
+                f"center_keys={self.center_keys})")  # fmt: skip
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the cache for the batch, heads, head dim, dtype and device of the first
@@ -116,6 +120,7 @@ class TurboQuantLayer(CacheLayerMixin):
                                     key_states.dtype, fmt=self.preset, page_size=self.page_size,
                                     seed=self.seed, num_splits=self.num_splits,
                                     window=self.window, sinks=self.sinks,
+                                    center_keys=self.center_keys,
                                     device=key_states.device)  # fmt: skip
         self.cumulative_length = self.cumulative_length.to(self.device)
         # as StaticLayer: static addresses keep compiled graphs and CUDA graphs valid across
@@ -178,6 +183,8 @@ class TurboQuantLayer(CacheLayerMixin):
         per_seq = [t.view(self.batch_size, -1, *t.shape[1:]) for t in sequences]
         if self.kv.has_rings:
             per_seq += [self.kv.k_window, self.kv.v_window, self.kv.window_pos]
+        if self.kv.center_keys:
+            per_seq.append(self.kv.key_center)
         for tensor in per_seq:
             tensor[:batch] = tensor[:batch].index_select(0, beam_idx)
 
@@ -215,11 +222,13 @@ class TurboQuantCache(Cache):
         max_batch_size: sequences to allocate for (default: the first forward's batch).
         preset: format name, one of ``custom_ops.FORMATS`` (vLLM's ``k8v4``, ``4bit_nc``,
             ``k3v4_nc``, ``3bit_nc``, and ``int8``, ``fp8``, ``tq4_nc``, ``tq3_nc``,
-            ``tq2_nc``, ``k2v4_nc``, ``k2v2_nc``).
+            ``tq2_nc``, ``tqk4v2_nc``, ``k2v4_nc``, ``k2v2_nc``).
         window: the most recent tokens of each sequence kept in the model's dtype (default 128;
             0: every token is quantized when written).
         sinks: the first tokens of each sequence kept in the model's dtype for good (attention
             sinks; default: ``tq_compile.cache.DEFAULT_SINKS`` with a window, 0 without).
+        center_keys: keys stored minus one centre per sequence and kv-head (see
+            :class:`~tq_compile.cache.TurboQuantKVCache`; needs a window or sinks).
         keep_first, keep_last: leading / trailing layers kept in full precision (vLLM keeps
             2 + 2 for its aggressive presets).
         page_size, seed, num_splits: as for :class:`~tq_compile.cache.TurboQuantKVCache`.
@@ -238,6 +247,7 @@ class TurboQuantCache(Cache):
         preset: str = "4bit_nc",
         window: int = 128,
         sinks: int | None = None,
+        center_keys: bool = False,
         keep_first: int = 0,
         keep_last: int = 0,
         page_size: int = 16,
@@ -266,10 +276,13 @@ class TurboQuantCache(Cache):
             )
         count = len(layer_types)
         kept = set(range(keep_first)) | set(range(count - keep_last, count))
+        check_center_keys(center_keys, window, sinks)
         self.preset, self.window, self.sinks = preset, window, sinks
+        self.center_keys = center_keys
         layers = [
             StaticLayer(max_cache_len) if index in kept else TurboQuantLayer(
                 max_cache_len, preset=preset, window=window, sinks=sinks,
+                center_keys=center_keys,
                 max_batch_size=max_batch_size,
                 page_size=page_size, seed=seed, num_splits=num_splits)
             for index in range(count)

@@ -83,11 +83,11 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
     tensor_data_names = ["k_codes", "v_codes", "meta", "block_table", "seq_lens", "rotation"]
     tensor_attribute_names = ["fmt", "side", "max_seq_len", "group", "split_heads",
                               "num_splits", "model_dtype", "truncated", "sinks"]  # fmt: skip
-    optional_tensor_data_names = ["k_window", "v_window", "window_pos"]
+    optional_tensor_data_names = ["k_window", "v_window", "window_pos", "key_center"]
 
     def __new__(cls, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
                 max_seq_len, group, split_heads, num_splits, model_dtype, truncated, sinks,
-                k_window=None, v_window=None, window_pos=None):  # fmt: skip
+                k_window=None, v_window=None, window_pos=None, key_center=None):  # fmt: skip
         batch, num_kv_heads, head_dim = block_table.shape[0], k_codes.shape[1], rotation.shape[0]
         if split_heads:
             shape = (batch, num_kv_heads, group, max_seq_len, head_dim)
@@ -99,7 +99,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
 
     def __init__(self, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
                  max_seq_len, group, split_heads, num_splits, model_dtype, truncated, sinks,
-                 k_window=None, v_window=None, window_pos=None):  # fmt: skip
+                 k_window=None, v_window=None, window_pos=None, key_center=None):  # fmt: skip
         super().__init__()
         if side not in _SIDES:
             raise ValueError(f"side must be one of {_SIDES}, got {side!r}")
@@ -111,6 +111,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         self.num_splits, self.model_dtype = num_splits, model_dtype
         self.truncated, self.sinks = truncated, sinks
         self.k_window, self.v_window, self.window_pos = k_window, v_window, window_pos
+        self.key_center = key_center
 
     # ---- construction helpers -------------------------------------------------------------
 
@@ -130,6 +131,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         v_window: torch.Tensor | None = None,
         window_pos: torch.Tensor | None = None,
         sinks: int = 0,
+        key_center: torch.Tensor | None = None,
     ) -> TurboQuantKVTensor:
         """The ``side`` (``"key"`` or ``"value"``) view ``[B, Hk, max_seq_len, D]`` of a paged
         cache, before any GQA repetition.
@@ -146,10 +148,12 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             k_window, v_window: the recent-window rings ``[B, Hk, W + sinks, D]``, or None.
             window_pos: their slots' positions ``[B, Hk, W + sinks] int32``, or None.
             sinks: the rings' sink slots.
+            key_center: ``[B, Hk, D] float32`` the centre each sequence-head's keys are stored
+                minus (``tq.store_window``'s), or None.
         """
         return cls(*cache, block_table, seq_lens, rotation, fmt, side, max_seq_len, 1, False,
-                   num_splits, model_dtype, False, sinks, k_window, v_window,
-                   window_pos)  # fmt: skip
+                   num_splits, model_dtype, False, sinks, k_window, v_window, window_pos,
+                   key_center)  # fmt: skip
 
     def _with(self, **changes) -> TurboQuantKVTensor:
         """The same cache with some non-tensor attributes changed (no data is copied)."""
@@ -157,7 +161,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         attrs = {name: getattr(self, name) for name in self.tensor_attribute_names}
         attrs.update(changes)
         return TurboQuantKVTensor(*tensors, *(attrs[n] for n in self.tensor_attribute_names),
-                                  *self.rings)  # fmt: skip
+                                  *self.rings, self.key_center)  # fmt: skip
 
     @property
     def planes(self) -> PagedKVCache:
@@ -169,17 +173,19 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         window_pos)``, or ``(None, None, None)``."""
         return self.k_window, self.v_window, self.window_pos
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None, uncenter: bool = True) -> torch.Tensor:
         """Dense ``[B, H, S_max, D]`` (this view's logical shape) in ``dtype`` (default: the
-        model's); positions past each sequence's length are zero."""
+        model's); positions past each sequence's length are zero. Keys stored centred get their
+        centre back unless ``uncenter`` is False (then every key of a sequence-head is off by
+        the same vector: attention over them is the same)."""
         length = self.max_seq_len
         if self.truncated:  # sequences may run past the prefix: dequantize all, keep the prefix
             window = ring_window(self.k_window, self.sinks)
             length = sequence_capacity(self.block_table.shape[1], self.k_codes.shape[2], window)
         k, v = ops.call(DequantizeArgs(*self.planes, self.block_table, self.seq_lens,
                                        self.rotation, self.fmt, length,
-                                       dtype or self.model_dtype, *self.rings,
-                                       self.sinks))  # fmt: skip
+                                       dtype or self.model_dtype, *self.rings, self.sinks,
+                                       self.key_center if uncenter else None))  # fmt: skip
         dense = (k if self.side == "key" else v)[:, :, : self.max_seq_len]
         if self.split_heads:
             return dense[:, :, None].expand(self.shape)
@@ -415,7 +421,8 @@ def _attention(a: dict) -> torch.Tensor:
             return _decode_folded(q, k, attn_mask, scale)
     # Prefill (or a causal mask on a cache): attention over the dequantized cache, with every
     # position past a sequence's length masked out.
-    keys, values = k.dequantize(q.dtype), v.dequantize(q.dtype)
+    # (keys as stored: softmax ignores the centre that all of a query's scores share)
+    keys, values = k.dequantize(q.dtype, uncenter=False), v.dequantize(q.dtype)
     seq = k.shape[2]
     visible = torch.arange(seq, device=q.device)[None, :] < k.seq_lens[:, None]
     visible = visible[:, None, None, :]  # [B, 1, 1, S]
@@ -448,6 +455,6 @@ def _to_copy(func, types, args, kwargs):
                for n in t.tensor_data_names]  # fmt: skip
     attrs = [getattr(t, n) if n != "model_dtype" else to["dtype"]
              for n in t.tensor_attribute_names]  # fmt: skip
-    rings = [r if r is None else r.to(to["device"], non_blocking=to["non_blocking"])
-             for r in t.rings]  # fmt: skip
-    return TurboQuantKVTensor(*tensors, *attrs, *rings)
+    optional = [r if r is None else r.to(to["device"], non_blocking=to["non_blocking"])
+                for r in (*t.rings, t.key_center)]  # fmt: skip
+    return TurboQuantKVTensor(*tensors, *attrs, *optional)

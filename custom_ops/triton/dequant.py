@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.formats import KVFormat, PagedKVCache, ring_window
+from custom_ops.reference import uncenter_keys
 from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX, UNIFORM
 from custom_ops.triton.launch import Launcher
 from custom_ops.triton.paged import (
@@ -178,17 +179,21 @@ def dequantize(
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
     sinks: int = 0,
+    key_center: torch.Tensor | None = None,
     block_s: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the dequantize kernel (inputs already validated; see ``torch.ops.tq.dequantize``)."""
+    """Launch the dequantize kernel (inputs already validated; see ``torch.ops.tq.dequantize``).
+    With ``key_center`` the keys are dequantized in float32, get their centres back
+    (:func:`custom_ops.reference.uncenter_keys`) and are rounded to ``dtype`` once."""
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
     head_dim = rotation.shape[0]
     batch = block_table.shape[0]
     shape = (batch, num_kv_heads, max_seq_len, head_dim)
-    k_out = torch.empty(shape, dtype=dtype, device=cache.k_codes.device)
+    k_dtype = dtype if key_center is None or dtype == torch.float64 else torch.float32
+    k_out = torch.empty(shape, dtype=k_dtype, device=cache.k_codes.device)
     v_out = torch.empty(shape, dtype=dtype, device=cache.k_codes.device)
     if k_out.numel() == 0:
-        return k_out, v_out
+        return k_out.to(dtype), v_out
     grid = (batch * num_kv_heads, triton.cdiv(max_seq_len, block_s))
     has_window = k_window is not None
     if has_window:
@@ -201,4 +206,4 @@ def dequantize(
     launcher(grid, plane_arguments(cache), table_arguments(block_table), seq_lens, rotation, k_out,
              v_out, *window_args, num_kv_heads, page_size, block_table.shape[1],
              max_seq_len)  # fmt: skip
-    return k_out, v_out
+    return uncenter_keys(k_out, key_center, seq_lens).to(dtype), v_out

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from custom_ops.formats import KVFormat, PagedKVCache, ring_window
 from custom_ops.reference import written_lengths
+from custom_ops.triton.center import center_keys
 from custom_ops.triton.encode import encode_side
 from custom_ops.triton.launch import KeyedMemo, Launcher
 from custom_ops.triton.paged import plane_arguments, ring_arguments, row_pointers, table_arguments
@@ -57,6 +58,7 @@ def store_window_kernel(
     stride_start,
     seq_lens_ptr,
     rot_ptr,
+    center_ptr,
     num_rows,
     num_kv_heads,
     num_new,
@@ -71,6 +73,7 @@ def store_window_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     SINKS: tl.constexpr,
+    CENTER: tl.constexpr,
 ):
     """Row ``(b, chain, head)``: ring slot ``(start + chain) % W`` of sequence ``b`` (chains
     below ``W``). Its old token is quantized into its page if still part of the sequence (its
@@ -78,7 +81,10 @@ def store_window_kernel(
     ``chain, chain + W, ...`` takes the slot, unless its position is a sink's. New token
     ``chain`` at a sink's position (below ``SINKS``) takes that sink's slot ``W + start +
     chain``. Each row owns its slots and position entries, so no row reads what another
-    writes. Row ``(b, 0, 0)`` also writes the sequence's new length (0 if skipped)."""
+    writes. Row ``(b, 0, 0)`` also writes the sequence's new length (0 if skipped). With
+    ``CENTER`` every new key is written minus its sequence-head's centre (``center_ptr [B, Hk,
+    D] float32``, which :mod:`custom_ops.triton.center` set before; the ring already holds
+    centred keys, so a token leaving it is quantized as it is)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < num_rows
     head = rows % num_kv_heads
@@ -111,6 +117,10 @@ def store_window_kernel(
     new_mask = (in_range & in_ring)[:, None] & (d < D)
     k_new = tl.load(k_src[:, None] + d * stride_kd, mask=new_mask)
     v_new = tl.load(v_src[:, None] + d * stride_vd, mask=new_mask)
+    if CENTER:
+        center_rows = center_ptr + (b64 * num_kv_heads + head64)[:, None] * D + d
+        center = tl.load(center_rows, mask=in_range[:, None] & (d < D), other=0.0)
+        k_new = k_new.to(tl.float32) - center
     # a sink's position never enters the window slots (nor leaves a sink slot)
     to_ring = live & in_ring & (start + newest >= SINKS)
     copy_mask = to_ring[:, None] & (d < D)
@@ -148,6 +158,8 @@ def store_window_kernel(
                          [:, None] + d * stride_kd, mask=sink_mask)  # fmt: skip
         v_sink = tl.load(value_ptr + (b64 * stride_vb + head64 * stride_vh + chain64 * stride_vt)
                          [:, None] + d * stride_vd, mask=sink_mask)  # fmt: skip
+        if CENTER:
+            k_sink = k_sink.to(tl.float32) - center
         tl.store(k_window_ptr + sink_rows[:, None] + d, k_sink.to(k_window_ptr.dtype.element_ty),
                  mask=sink_mask)  # fmt: skip
         tl.store(v_window_ptr + sink_rows[:, None] + d, v_sink.to(v_window_ptr.dtype.element_ty),
@@ -157,21 +169,22 @@ def store_window_kernel(
 
 @functools.lru_cache(maxsize=256)
 def _launcher(key_params: CodecParams, value_params: CodecParams, head_dim: int, block_rows: int,
-              num_warps: int, sinks: int) -> Launcher:  # fmt: skip
+              num_warps: int, sinks: int, center: bool) -> Launcher:  # fmt: skip
     return Launcher(store_window_kernel, dict(
         D=head_dim, D_PAD=triton.next_power_of_2(head_dim), INV_SQRT_D=1.0 / math.sqrt(head_dim),
-        BLOCK_R=block_rows, K=key_params, V=value_params, SINKS=sinks, num_warps=num_warps,
+        BLOCK_R=block_rows, K=key_params, V=value_params, SINKS=sinks, CENTER=center,
+        num_warps=num_warps,
     ))  # fmt: skip
 
 
 def _launch(fmt: KVFormat, cache: PagedKVCache, head_dim: int, num_rows: int,
-            block_rows: int | None, num_warps: int,
-            sinks: int) -> tuple[Launcher, tuple[int]]:  # fmt: skip
+            block_rows: int | None, num_warps: int, sinks: int,
+            center: bool) -> tuple[Launcher, tuple[int]]:  # fmt: skip
     """The window store's launcher and grid for ``num_rows`` rows."""
     if block_rows is None:
         block_rows = APPEND_ROWS if num_rows <= APPEND_MAX_ROWS else 32
     launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, block_rows, num_warps,
-                         sinks)  # fmt: skip
+                         sinks, center)  # fmt: skip
     return launcher, (triton.cdiv(num_rows, block_rows),)
 
 
@@ -191,12 +204,14 @@ def store_window(
     start_pos: torch.Tensor,
     rotation: torch.Tensor,
     sinks: int = 0,
+    key_center: torch.Tensor | None = None,
     block_rows: int | None = None,
     num_warps: int = _DEFAULT_WARPS,
     launch_key: Hashable | None = None,
 ) -> torch.Tensor:
     """Launch the window store (inputs validated; see ``torch.ops.tq.store_window``); the
-    sequences' new lengths ``[B] int32``.
+    sequences' new lengths ``[B] int32``. With ``key_center`` the centres are set first
+    (:func:`custom_ops.triton.center.center_keys`) and every key is stored minus its centre.
 
     ``block_rows``: rows per program (default: :data:`APPEND_ROWS` for appends, 32 for more
     rows); ``launch_key``: the launchers' specialization key (see
@@ -207,6 +222,8 @@ def store_window(
         return written_lengths(start_pos, n_new)
     seq_lens = torch.empty(batch, dtype=torch.int32, device=key.device)
     page_size = cache.k_codes.shape[2]
+    if key_center is not None:
+        center_keys(key, k_window, window_pos, start_pos, key_center, sinks, launch_key)
     if n_new > window:
         positions = start_pos[:, None].to(torch.int64) + torch.arange(
             n_new - window, device=key.device
@@ -221,19 +238,26 @@ def store_window(
         def rows_of(x):  # [B, Hk, T, D] -> [B * (T - W), Hk, D], in the slots' order
             return x[:, :, : n_new - window].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
 
-        store(fmt, rows_of(key), rows_of(value), cache, slots.reshape(-1).to(torch.int32),
-              rotation, launch_key=launch_key)  # fmt: skip
+        # (centred keys are a new tensor: the op's launch key does not describe them)
+        direct_keys = key
+        if key_center is not None:  # [B, Hk, T - W, D] centred, rounded as the ring rounds
+            centred = key[:, :, : n_new - window].float() - key_center[:batch, :, None]
+            direct_keys = centred.to(k_window.dtype)
+        store(fmt, rows_of(direct_keys), rows_of(value), cache,
+              slots.reshape(-1).to(torch.int32), rotation,
+              launch_key=None if key_center is not None else launch_key)  # fmt: skip
     num_chains = min(n_new, max(window, sinks))
     num_rows = batch * num_chains * num_kv_heads
     # the memo holds the default launch shape's launches only
     defaults = block_rows is None and num_warps == _DEFAULT_WARPS
     launcher, grid = _LAUNCHES.get(launch_key if defaults else None, lambda: _launch(
-        fmt, cache, head_dim, num_rows, block_rows, num_warps, sinks))  # fmt: skip
+        fmt, cache, head_dim, num_rows, block_rows, num_warps, sinks,
+        key_center is not None))  # fmt: skip
     launcher(
         grid, key, value, *key.stride(), *value.stride(),
         ring_arguments(k_window, v_window, window_pos), plane_arguments(cache),
-        table_arguments(block_table),
-        start_pos, start_pos.stride(0), seq_lens, rotation, num_rows, num_kv_heads, n_new,
+        table_arguments(block_table), start_pos, start_pos.stride(0), seq_lens, rotation,
+        seq_lens if key_center is None else key_center, num_rows, num_kv_heads, n_new,
         num_chains, window, page_size, block_table.shape[1], key=launch_key,
     )  # fmt: skip
     return seq_lens

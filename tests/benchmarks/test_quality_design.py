@@ -23,20 +23,23 @@ from quality_design import Setting, format_of, quantized_attention  # noqa: E402
 BATCH, KV_HEADS, GROUP, HEAD_DIM, TOKENS, WINDOW = 1, 2, 3, 64, 40, 8
 
 
-@pytest.mark.parametrize("fmt_name, sinks", [("4bit_nc", 0), ("tq3_nc", 0), ("k2v2_nc", 0),
-                                             ("4bit_nc", 4), ("k2v2_nc", 4)])  # fmt: skip
-def test_parallel_attention_equals_decoding_through_the_cache(fmt_name, sinks):
+@pytest.mark.parametrize("fmt_name, sinks, center", [
+    ("4bit_nc", 0, False), ("tq3_nc", 0, False), ("k2v2_nc", 0, False), ("4bit_nc", 4, False),
+    ("k2v2_nc", 4, False), ("tq2_nc", 4, True), ("tqk4v2_nc", 0, True)])  # fmt: skip
+def test_parallel_attention_equals_decoding_through_the_cache(fmt_name, sinks, center):
     """Query t's output equals one-token decoding at position t (cache written up to t) to the
     rounding of the decode path's bf16 output (2^-9 relative: measured 2.1e-3; a window one
     token off measures 2e-2 or more), far below what quantization changes (the same attention
-    with nothing quantized); with the cache's attention sinks as the design measure's."""
+    with nothing quantized); with the cache's attention sinks and key centering as the design
+    measure's."""
     gen = torch.Generator().manual_seed(7)
     shape = (BATCH, KV_HEADS, TOKENS, HEAD_DIM)
     k = torch.randn(shape, generator=gen).bfloat16()
     v = torch.randn(shape, generator=gen).bfloat16()
     q = torch.randn(BATCH, KV_HEADS * GROUP, TOKENS, HEAD_DIM, generator=gen).bfloat16()
     cache = TurboQuantKVCache(BATCH, KV_HEADS, TOKENS, HEAD_DIM, fmt=fmt_name, window=WINDOW,
-                              sinks=sinks)  # fmt: skip
+                              sinks=sinks, center_keys=center)  # fmt: skip
+    k = k + 2 * torch.randn(KV_HEADS, HEAD_DIM, generator=gen)[None, :, None].bfloat16()
     decoded = torch.full((BATCH, TOKENS, KV_HEADS * GROUP, HEAD_DIM), float("nan"))
     for t in range(TOKENS):
         keys, values = cache.update(torch.tensor([t]), k[:, :, t : t + 1], v[:, :, t : t + 1])
@@ -44,8 +47,8 @@ def test_parallel_attention_equals_decoding_through_the_cache(fmt_name, sinks):
                                              values[:, :, : t + 1], enable_gqa=True)  # fmt: skip
         decoded[:, t] = out[:, :, 0].float()
     rotation = api.make_constants(fmt_name, HEAD_DIM).rotation
-    parallel, _ = quantized_attention(Setting(fmt_name, WINDOW, sinks), rotation)(None, q, k, v,
-                                                                                None)  # fmt: skip
+    setting = Setting(fmt_name, WINDOW, sinks, center)
+    parallel, _ = quantized_attention(setting, rotation)(None, q, k, v, None)
     uncompressed, _ = quantized_attention(Setting(None), rotation)(None, q, k, v, None)
     error = rel_error(parallel.float(), decoded)
     assert error < 4e-3, error

@@ -135,6 +135,7 @@ LOGIT_ERROR = {
     "k2v4_nc": 0.15,
     "tq3_nc": 0.26,
     "tq2_nc": 0.42,
+    "tqk4v2_nc": 0.43,
 }
 # Lowest next-token agreement (TQ cache vs bf16 cache, teacher-forced, 2 x 32 predictions) the
 # test's model and prompt (seed 0) must reach. Measured over seeds 0-5 (model and prompt seed)
@@ -142,9 +143,10 @@ LOGIT_ERROR = {
 # 0.953; 4bit_nc 0.766 / 0.938, 0.953; k3v4_nc 0.766 / 0.906, 0.938; 3bit_nc 0.562 / 0.562,
 # 0.562; int8 0.953 / 1.0, 1.0; fp8 0.953 / 0.984, 0.984; tq4_nc 0.719 / 0.953, 0.969; k2v2_nc
 # 0.234 / 0.625, 0.906; k2v4_nc 0.781 / 0.922, 0.953; tq3_nc 0.594 / 0.656, 0.594; tq2_nc
-# 0.344 / 0.734, 0.766. The random-weight model's logits are flat (near-ties flip), so each
-# floor is that lowest agreement minus 0.1, and at least 0.45: an all-zero attention output
-# agrees on 0.234 at seed 0 (0.0-0.08 at the other seeds), a random one on at most 0.08.
+# 0.344 / 0.734, 0.766; tqk4v2_nc 0.359 / 0.719, 0.828. The random-weight model's logits are
+# flat (near-ties flip), so each floor is that lowest agreement minus 0.1, and at least 0.45: an
+# all-zero attention output agrees on 0.234 at seed 0 (0.0-0.08 at the other seeds), a random
+# one on at most 0.08.
 AGREEMENT_FLOOR = {
     "k8v4": 0.67,
     "4bit_nc": 0.67,
@@ -157,18 +159,20 @@ AGREEMENT_FLOOR = {
     "k2v4_nc": 0.68,
     "tq3_nc": 0.49,
     "tq2_nc": 0.45,
+    "tqk4v2_nc": 0.45,
 }
 MODEL_WINDOW = 16  # the windowed runs keep the last 16 of the 64..96 tokens in bf16
 
 
 def _model(
-    fmt, seed=0, device="cpu", max_seq=MAX_SEQ, dtype=torch.bfloat16, window=0
+    fmt, seed=0, device="cpu", max_seq=MAX_SEQ, dtype=torch.bfloat16, window=0, center=False
 ) -> Transformer:
     model = init_weights(Transformer(ModelArgs.from_name("tiny")), seed)
     model = model.to(device=device, dtype=dtype)
     factory = None
     if fmt is not None:
-        factory = functools.partial(TurboQuantKVCache, fmt=fmt, window=window)
+        factory = functools.partial(TurboQuantKVCache, fmt=fmt, window=window,
+                                    center_keys=center)  # fmt: skip
     model.setup_caches(BATCH, max_seq, cache_factory=factory)
     return model
 
@@ -206,17 +210,18 @@ def test_eager_decode_against_bf16_cache(fmt, window):
     assert AGREEMENT_FLOOR[fmt] <= agreement <= 1, agreement
 
 
+@pytest.mark.parametrize("center", [False, True])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @torch.no_grad()
-def test_compiled_decode_no_graph_break_no_recompile(device):
+def test_compiled_decode_no_graph_break_no_recompile(device, center):
     """torch.compile(decode_one_token, fullgraph=True) with inductor on the TQ model with a
     recent window: one graph, no break, no recompile over 32 steps, tokens identical to eager
-    TQ decoding (fp16 model: in bf16, inductor's fused rounding can flip a near-tie argmax).
-    On CUDA inductor launches the tq kernels itself (statically: see custom_ops.triton.traced)
-    and eager decoding calls the ops."""
+    TQ decoding (fp16 model: in bf16, inductor's fused rounding can flip a near-tie argmax),
+    with and without key centering. On CUDA inductor launches the tq kernels itself
+    (statically: see custom_ops.triton.traced) and eager decoding calls the ops."""
     eager, compiled = (
-        _model("4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW),
-        _model("4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW),
+        _model("4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW, center=center),
+        _model("4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW, center=center),
     )
     prompt = _prompt(1, device)
     positions = torch.arange(PROMPT_LEN, device=device)
@@ -226,7 +231,8 @@ def test_compiled_decode_no_graph_break_no_recompile(device):
 
     # explain() runs the step (it writes a token): on a third model, so the two compared above
     # stay untouched
-    probe = _model("4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW)
+    probe = _model("4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW,
+                   center=center)  # fmt: skip
     prefill(probe, prompt, positions)
     explained = torch._dynamo.explain(decode_one_token)(
         probe, tok_compiled, torch.tensor([PROMPT_LEN], device=device)
@@ -255,15 +261,17 @@ def test_compiled_decode_no_graph_break_no_recompile(device):
 _COPY_BACK = re.compile(r"(?<!_to_)copy_")
 
 
+@pytest.mark.parametrize("center", [False, True])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @torch.no_grad()
-def test_compiled_step_copies_no_cache_buffer(device):
+def test_compiled_step_copies_no_cache_buffer(device, center):
     """Inductor's code for one decode step (window 16, so the meta record and both rings are
     written every step) mutates the cache buffers in place: no copy of a cache plane or ring
     back into its buffer (a buffer held as a view of another dtype made functionalization copy
-    it back every step, a dozen copy kernels per step). On the CPU the step calls the tq ops;
-    on CUDA inductor launches their kernels itself, and no tq op is left."""
-    model = _model("4bit_nc", device=device, window=MODEL_WINDOW)
+    it back every step, a dozen copy kernels per step), the keys' centres included. On the
+    CPU the step calls the tq ops; on CUDA inductor launches their kernels itself, and no tq
+    op is left."""
+    model = _model("4bit_nc", device=device, window=MODEL_WINDOW, center=center)
     tok, _ = prefill(model, _prompt(4, device), torch.arange(PROMPT_LEN, device=device))
     torch._dynamo.reset()
     step = torch.compile(decode_one_token, fullgraph=True)
@@ -274,6 +282,7 @@ def test_compiled_step_copies_no_cache_buffer(device):
         assert "store_window" in code and "decode" in code
     else:
         assert "store_window_kernel" in code and "split_kernel" in code and "tq." not in code
+        assert ("center_keys_kernel" in code) == center
     # the launches: each module's `call` (kernel sources above it may name a `copy_mask`)
     calls = "\n".join(c[c.index("def call(") :] for c in codes if "def call(" in c)
     copies = sorted({line.strip()[:120] for line in calls.splitlines() if _COPY_BACK.search(line)})
@@ -477,21 +486,25 @@ positions and tokens disagree: ValueError: TurboQuantKVCache.update: input_pos h
             "window=-1": dict(window=-1),
             "sinks=-4": dict(sinks=-4),
             "max_seq_length=0": dict(max_seq_length=0),
+            "center_keys without a ring": dict(window=0, center_keys=True),
+            "center_keys=1": dict(center_keys=1),
         }
         messages = []
         for case, override in cases.items():
             args = dict(max_batch_size=1, n_heads=2, max_seq_length=32, head_dim=64) | override
-            with self.assertRaises(ValueError) as ctx:
+            with self.assertRaises((ValueError, TypeError)) as ctx:
                 TurboQuantKVCache(**args)
-            messages.append(f"{case}: {ctx.exception}")
+            messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
         self.assertExpectedInline(
             "\n".join(messages),
             """\
-page_size=0: page_size must be an integer >= 1, got 0
-num_splits=3: num_splits must be None (chosen per device) or a power of two in [1, 512], got 3
-window=-1: window must be an integer >= 0, got -1
-sinks=-4: sinks must be an integer >= 0, got -4
-max_seq_length=0: max_seq_length must be an integer >= 1, got 0""",
+page_size=0: ValueError: page_size must be an integer >= 1, got 0
+num_splits=3: ValueError: num_splits must be None (chosen per device) or a power of two in [1, 512], got 3
+window=-1: ValueError: window must be an integer >= 0, got -1
+sinks=-4: ValueError: sinks must be an integer >= 0, got -4
+max_seq_length=0: ValueError: max_seq_length must be an integer >= 1, got 0
+center_keys without a ring: ValueError: center_keys=True needs a window or sinks (window > 0 or sinks > 0): the centre is set from keys held in the ring before any is quantized
+center_keys=1: TypeError: center_keys must be a bool, got 1""",  # noqa: E501
         )
 
 

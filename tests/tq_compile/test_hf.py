@@ -117,28 +117,36 @@ class _DequantizedLayer(TurboQuantLayer):
         return keys.dequantize(), values.dequantize()
 
 
-def _reference_cache(config, preset: str, window: int, sinks: int = 0) -> TurboQuantCache:
-    cache = TurboQuantCache(config, CAPACITY, preset=preset, window=window, sinks=sinks)
-    cache.layers = [_DequantizedLayer(CAPACITY, preset=preset, window=window, sinks=sinks)
-                    for _ in cache.layers]  # fmt: skip
+def _reference_cache(config, preset: str, window: int, sinks: int = 0,
+                     center: bool = False) -> TurboQuantCache:  # fmt: skip
+    options = dict(preset=preset, window=window, sinks=sinks, center_keys=center)
+    cache = TurboQuantCache(config, CAPACITY, **options)
+    cache.layers = [_DequantizedLayer(CAPACITY, **options) for _ in cache.layers]
     return cache
 
 
-@pytest.mark.parametrize(("preset", "window", "sinks"), [
-    ("4bit_nc", 0, 0), ("4bit_nc", 8, 0), ("k8v4", 0, 0), ("3bit_nc", 8, 0), ("3bit_nc", 8, 4),
-    ("4bit_nc", 0, 4),
+@pytest.mark.parametrize(("preset", "window", "sinks", "center"), [
+    ("4bit_nc", 0, 0, False), ("4bit_nc", 8, 0, False), ("k8v4", 0, 0, False),
+    ("3bit_nc", 8, 0, False), ("3bit_nc", 8, 4, False), ("4bit_nc", 0, 4, False),
+    ("tq2_nc", 8, 4, True), ("tqk4v2_nc", 8, 0, True),
 ])  # fmt: skip
-def test_quantized_logits_match_dense_attention_over_the_same_codes(preset, window, sinks):
-    """4- and 3-bit caches (with sinks too): logits equal (to bf16 rounding) those of dense SDPA
-    over the same cache dequantized, so the decode path adds no error of its own; and they
-    differ from the unquantized model by the format's error, not more."""
+def test_quantized_logits_match_dense_attention_over_the_same_codes(preset, window, sinks,
+                                                                    center):  # fmt: skip
+    """4-, 3- and 2-bit caches (with sinks and key centering too): logits equal (to bf16
+    rounding) those of dense SDPA over the same cache dequantized (centred keys given their
+    centres back), so the decode path adds no error of its own; and they differ from the
+    unquantized model by the format's error, not more."""
     config, model = tiny_model("llama")
     ids, mask = prompt_batch(seed=1)
     tokens, static_logits = static_run(model, config, ids, mask)
-    cache = TurboQuantCache(config, CAPACITY, preset=preset, window=window, sinks=sinks)
+    cache = TurboQuantCache(config, CAPACITY, preset=preset, window=window, sinks=sinks,
+                            center_keys=center)  # fmt: skip
     tq = teacher_forced_logits(model, cache, ids, mask, tokens[:, :-1])
-    reference = teacher_forced_logits(model, _reference_cache(config, preset, window, sinks), ids,
-                                      mask, tokens[:, :-1])  # fmt: skip
+    if center:
+        assert bool((cache.layers[0].kv.key_center != 0).any()), "no centre was set"
+    reference = teacher_forced_logits(model, _reference_cache(config, preset, window, sinks,
+                                                              center), ids, mask,
+                                      tokens[:, :-1])  # fmt: skip
     assert rel_error(tq, reference) < SAME_QUANTIZATION_BOUND
     assert rel_error(tq, static_logits) < 0.3  # 3-bit: 20%; zeros would be 100%
 
@@ -242,6 +250,27 @@ def test_reset_reorder_crop():
     assert torch.allclose(out.logits[:, -1].float(), plain[1], atol=1e-2)
 
 
+def test_reorder_moves_the_key_centres():
+    """reorder_cache moves each sequence's keys' centres with its pages and rings: a centring
+    cache (window 4, 2 sinks; the 12-token prompt sets the centres) filled with the batch in
+    reverse order and reordered gives the logits of one filled in order."""
+    config, model = tiny_model("llama")
+    ids, _ = prompt_batch(seed=6, left_pad=0)
+    options = dict(preset="4bit_nc", window=4, sinks=2, center_keys=True)
+    plain, swapped = (TurboQuantCache(config, CAPACITY, **options) for _ in range(2))
+    with torch.no_grad():
+        model(ids, past_key_values=plain)
+        model(ids.flip(0), past_key_values=swapped)
+        centres = swapped.layers[0].kv.key_center.clone()
+        swapped.reorder_cache(torch.tensor([1, 0]))
+        assert torch.equal(swapped.layers[0].kv.key_center, centres.flip(0))
+        assert not torch.equal(centres[0], centres[1])
+        token = ids[:, -1:]
+        expected = model(token, past_key_values=plain).logits[:, -1].float()
+        actual = model(token, past_key_values=swapped).logits[:, -1].float()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-2)
+
+
 def test_crop_with_a_window():
     """crop() with a window of 8 (prompt 12): 4 tokens push positions 4..7 out of the ring,
     crop(-4) drops the tokens, and the logits of another token at position 12 are as close to
@@ -316,7 +345,7 @@ class TestMessages(expecttest.TestCase):
         self.assertExpectedInline(
             "\n".join(lines),
             """\
-ValueError: unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq2_nc', 'tq3_nc', 'tq4_nc']
+ValueError: unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq2_nc', 'tq3_nc', 'tq4_nc', 'tqk4v2_nc']
 ValueError: max_cache_len must be an integer >= 1, got 0
 ValueError: window must be an integer >= 0, got -1
 ValueError: sinks must be an integer >= 0, got -1

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from helpers import IMPLS, impl_context, impl_device, random_kv
 
-from custom_ops import reference
+from custom_ops import api, reference
+from custom_ops.formats import get_format
 from tq_compile import TurboQuantKVCache
 
 HK, GROUP, D, CAPACITY = 2, 4, 64, 256
@@ -26,22 +27,42 @@ WRITES = [(0, 200), (150, 10), (160, 1), (161, 1), (20, 4), (24, 1), (24, 1), (2
           (5, 1)]  # fmt: skip
 
 
-def _quantized_once(keys, values, length):
+def _quantized_once(keys, values, length, center=None):
     """``(K, V) [1, Hk, length, D]`` float64: the tokens written once into a window-0 cache and
-    read back (the reference path)."""
-    once = TurboQuantKVCache(1, HK, CAPACITY, D, fmt="4bit_nc", window=0, device="cpu")
-    k_view, v_view = once.update(torch.arange(length), keys[:, :, :length], values[:, :, :length])
-    return (k_view.dequantize(torch.float64)[:, :, :length],
-            v_view.dequantize(torch.float64)[:, :, :length])  # fmt: skip
+    read back (the reference path); with ``center [Hk, D]`` the keys minus it (rounded to the
+    keys' dtype, as a centring cache's ring holds them) and it added back: what such a cache's
+    pages hold."""
+    if center is None:
+        once = TurboQuantKVCache(1, HK, CAPACITY, D, fmt="4bit_nc", window=0, device="cpu")
+        k_view, v_view = once.update(torch.arange(length), keys[:, :, :length],
+                                     values[:, :, :length])  # fmt: skip
+        return (k_view.dequantize(torch.float64)[:, :, :length],
+                v_view.dequantize(torch.float64)[:, :, :length])  # fmt: skip
+    fmt = get_format("4bit_nc")
+    cache = fmt.allocate(1, HK, length, D)
+    center = center.cpu().float()
+    rows = (keys[0, :, :length].float().transpose(0, 1) - center).to(keys.dtype)  # [T, Hk, D]
+    rotation = api.make_constants(fmt, D).rotation
+    reference.store(fmt, rows.float(), values[0, :, :length].transpose(0, 1).float(), cache,
+                    torch.arange(length, dtype=torch.int32), rotation)  # fmt: skip
+    k, v = reference.dequantize(fmt, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                torch.tensor([length], dtype=torch.int32), rotation, length,
+                                torch.float64)  # fmt: skip
+    return k + center[None, :, None].double(), v
 
 
-@pytest.mark.parametrize("window, sinks", [(0, 0), (16, 0), (128, 0), (16, 4), (0, 4)])
+@pytest.mark.parametrize("window, sinks, center", [
+    (0, 0, False), (16, 0, False), (128, 0, False), (16, 4, False), (0, 4, False),
+    (16, 4, True), (128, 0, True), (0, 4, True)])  # fmt: skip
 @pytest.mark.parametrize("impl", IMPLS)
-def test_rewrites_equal_writing_the_final_tokens_once(window, sinks, impl, kernel_device, seeded):
-    """(With sinks, the first positions are exact too, whatever was rewritten.)"""
+def test_rewrites_equal_writing_the_final_tokens_once(window, sinks, center, impl,
+                                                      kernel_device, seeded):  # fmt: skip
+    """(With sinks, the first positions are exact too, whatever was rewritten. With key
+    centering the pages hold the final keys minus the centre the cache holds: it changes only
+    while no page is live, so every live page was written with it.)"""
     device = impl_device(impl, kernel_device)
     cache = TurboQuantKVCache(1, HK, CAPACITY, D, fmt="4bit_nc", window=window, sinks=sinks,
-                              device=device)  # fmt: skip
+                              center_keys=center, device=device)  # fmt: skip
     keys = torch.zeros(1, HK, CAPACITY, D, dtype=torch.bfloat16)
     values = torch.zeros_like(keys)
     ring_from = 0  # where the ring run starts: positions below it are quantized
@@ -56,10 +77,15 @@ def test_rewrites_equal_writing_the_final_tokens_once(window, sinks, impl, kerne
         ring_from = max(min(ring_from, start), length - window)
 
         exact_k, exact_v = keys[:, :, :length].double(), values[:, :, :length].double()
-        quant_k, quant_v = _quantized_once(keys, values, length)
+        quant_k, quant_v = _quantized_once(keys, values, length,
+                                           cache.key_center[0] if center else None)  # fmt: skip
         below = (torch.arange(length) < ring_from) & (torch.arange(length) >= sinks)
         below = below[None, None, :, None]
-        expected_k = torch.where(below, quant_k, exact_k)
+        held_k = exact_k
+        if center:  # the ring holds bf16(key - centre)
+            mu = cache.key_center[0].cpu()[None, :, None]
+            held_k = (keys[:, :, :length].float() - mu).to(keys.dtype).double() + mu.double()
+        expected_k = torch.where(below, quant_k, held_k)
         expected_v = torch.where(below, quant_v, exact_v)
 
         q = torch.randn(1, HK * GROUP, D, generator=seeded).to(torch.bfloat16)

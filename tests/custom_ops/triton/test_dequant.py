@@ -116,6 +116,46 @@ def test_dequantize_window_kernel_matches_reference(fmt_name, steps, window, sin
             assert bool((e[b, :, length:] == 0).all())
 
 
+@pytest.mark.parametrize("steps, window, sinks", [("appends", WINDOW, 0), ("rewrites", WINDOW, 3),
+                                                  ("rewrites", 0, 3)])  # fmt: skip
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq2_nc"])
+def test_dequantize_gives_centred_keys_back(fmt_name, steps, window, sinks, kernel_device,
+                                            seeded):  # fmt: skip
+    """Keys stored centred come back with their centres: the kernel equals the reference, every
+    key is the stored (centred) one plus its sequence-head's centre, the exact positions (ring
+    run and sinks) equal the written keys up to the ring's bf16 roundings of ``key - centre``,
+    and values are untouched (float32 output)."""
+    seqs = Sequences(fmt_name, seeded, kernel_device, window=window, sinks=sinks, center=True)
+    for n_new, starts in STEPS if steps == "appends" else REWRITE_STEPS:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+    consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
+    center = seqs.key_center.cpu()
+    args = (seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(), seqs.lens, consts,
+            seqs.capacity, torch.float32, *(r.cpu() for r in seqs.rings), sinks)  # fmt: skip
+    stored_k, stored_v = api.dequantize(*args)
+    k, v = api.dequantize(*args, center)
+    d = kernel_device
+    with triton_kernels(d):
+        actual_k, actual_v = api.dequantize(seqs.fmt, seqs.cache, seqs.block_table,
+                                            seqs.lens.to(d), seqs.consts, seqs.capacity,
+                                            torch.float32, *seqs.rings, sinks,
+                                            seqs.key_center)  # fmt: skip
+    torch.testing.assert_close(actual_k.cpu(), k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(actual_v.cpu(), v, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v, stored_v)
+    assert bool((center != 0).any()), "no centre was set"
+    valid = torch.arange(seqs.capacity)[None, :] < seqs.lens[:, None]  # [B, S]
+    shift = torch.where(valid[:, None, :, None], center[:, :, None], 0)
+    assert torch.equal(k, stored_k + shift)
+    exact = (seqs.exact(torch.arange(seqs.capacity)) & valid)[:, None, :, None].expand_as(k)
+    written = seqs.keys.float()
+    # the ring holds bf16(key - centre), rounded again by each re-centring (a rollback to the
+    # sinks sets the centre anew): half a bf16 step of |key - centre| each time, and a centre,
+    # a mean of keys, is at most their largest magnitude per channel
+    bound = 2**-6 * written.abs().amax(dim=2, keepdim=True) + 1e-6
+    assert bool(((k - written).abs() <= bound)[exact].all())
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("fmt_name", sorted(FORMATS))
 def test_opcheck_dequantize(fmt_name, impl, kernel_device, seeded):
@@ -134,18 +174,20 @@ def test_opcheck_dequantize(fmt_name, impl, kernel_device, seeded):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_opcheck_dequantize_with_rings(impl, kernel_device, seeded):
-    """opcheck for tq.dequantize with the recent window's rings."""
+@pytest.mark.parametrize("center", [False, True])
+def test_opcheck_dequantize_with_rings(impl, center, kernel_device, seeded):
+    """opcheck for tq.dequantize with the recent window's rings (and the keys' centres)."""
     device = impl_device(impl, kernel_device)
-    seqs = Sequences("4bit_nc", seeded, device)
+    seqs = Sequences("4bit_nc", seeded, device, center=center)
     seqs.append(11, (0, 0), seeded, use_triton=impl == "triton")
     rings = (seqs.k_window, seqs.v_window, seqs.window_pos)
+    centring = (0, seqs.key_center) if center else ()
     with impl_context(impl, device):
         lens = seqs.lens.to(device)
         torch.library.opcheck(
             torch.ops.tq.dequantize.default,
             (*seqs.cache, seqs.block_table, lens, *seqs.consts, "4bit_nc", CAPACITY,
-             torch.bfloat16, *rings),
+             torch.bfloat16, *rings, *centring),
         )  # fmt: skip
 
 
@@ -168,6 +210,10 @@ class TestDequantizeBadInput(expecttest.TestCase):
             with self.assertRaises((ValueError, TypeError)) as ctx:
                 api.dequantize(fmt, cache, bt, lens, consts, max_len)
             messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
+        with self.assertRaises(ValueError) as ctx:  # no rings to have set them
+            api.dequantize(fmt, cache, table, torch.tensor([9], dtype=torch.int32), consts, 12,
+                           key_center=torch.zeros(1, 2, 128))  # fmt: skip
+        messages.append(f"key centres without rings: ValueError: {ctx.exception}")
         self.assertExpectedInline(
             "\n".join(messages),
             """\
@@ -175,5 +221,6 @@ length beyond capacity: ValueError: tq.dequantize: seq_lens must be in [0, 12], 
 length beyond max_seq_len: ValueError: tq.dequantize: seq_lens must be in [0, 8], got a length of 9
 max_seq_len beyond table: ValueError: tq.dequantize: max_seq_len 16 must be in [0, 12] (block_table pages * page_size)
 page id out of range: ValueError: tq.dequantize: block_table[0, 2] = 6 is not a page id in [0, 6), but sequence 0 keeps its positions below seq_lens = 9 in pages
-int64 block table: TypeError: tq.dequantize: block_table must be int32, got torch.int64""",  # noqa: E501
+int64 block table: TypeError: tq.dequantize: block_table must be int32, got torch.int64
+key centres without rings: ValueError: tq.dequantize: key_center needs the rings (k_window, v_window, window_pos): the centre is set from the keys a sequence holds before any is quantized""",  # noqa: E501
         )

@@ -11,10 +11,12 @@ from helpers import (
     IMPLS,
     assert_codes_match,
     assert_same_cache,
+    clone_cache,
     impl_context,
     impl_device,
     poisoned_cache,
     random_kv,
+    rel_error,
     slot_rows,
 )
 from window_sequences import (
@@ -123,22 +125,95 @@ def test_sinks_stay_exact_and_out_of_the_pages(fmt_name, window, sinks, kernel_d
         assert torch.equal(rows, poison[sink_slots]), "a sink was quantized into its page"
 
 
+def _centred_ring_matches(actual, expected):
+    """Rings of centred keys agree to one bf16 rounding step (the kernel's mean sums in
+    another order, so ``key - mu`` may round the other way)."""
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("window, sinks", [(WINDOW, 3), (WINDOW, 0), (2, 5), (0, 3)])
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq3_nc", "k8v4"])
+def test_centred_store_matches_reference(fmt_name, window, sinks, kernel_device, seeded):
+    """With key centering, after every append and rewrite step (a restart at 0 included), the
+    kernels' centres, cache and rings equal the reference's: centres to float32 rounding,
+    codes up to a tie, ring keys to one bf16 step, ring values and positions bit for bit."""
+    expected = Sequences(fmt_name, torch.Generator().manual_seed(7), window=window, sinks=sinks,
+                         center=True)  # fmt: skip
+    actual = Sequences(fmt_name, torch.Generator().manual_seed(7), kernel_device, window=window,
+                       sinks=sinks, center=True)  # fmt: skip
+    steps = REWRITE_STEPS + (STEPS if window == WINDOW else [])
+    for n_new, starts in steps:
+        if window == WINDOW and (n_new, starts) == STEPS[0]:  # the appends start afresh
+            starts = (0, 0)
+        expected.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=False)
+        actual.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=True)
+        torch.testing.assert_close(actual.key_center.cpu(), expected.key_center, rtol=1e-6,
+                                   atol=1e-6)  # fmt: skip
+        assert_same_cache(expected.fmt, expected.cache, actual.cache)
+        _centred_ring_matches(actual.k_window.cpu(), expected.k_window)
+        assert torch.equal(actual.v_window.cpu(), expected.v_window)
+        assert torch.equal(actual.window_pos.cpu(), expected.window_pos)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_centre_is_the_mean_of_the_first_window(use_triton, kernel_device, seeded):
+    """The centre of a sequence-head is 0 until its first position leaves the ring, then the
+    mean of the keys of positions ``[sinks, sinks + W)`` for good (later appends keep it); the
+    ring holds every key minus it (one bf16 rounding) and ``tq.dequantize`` gives the keys back
+    (exact ones from the ring to that rounding). A restart at position 0 resets it to 0."""
+    sinks = 3
+    seqs = Sequences("4bit_nc", seeded, kernel_device, sinks=sinks, center=True)
+    for n_new, starts in STEPS:
+        seqs.append(n_new, starts, seeded, use_triton=use_triton)
+        center = seqs.key_center.cpu()
+        for b in range(BATCH):
+            length = int(seqs.lens[b])
+            sample = seqs.keys[b, :, sinks : sinks + WINDOW].float().mean(dim=1)
+            want = sample if length > sinks + WINDOW else torch.zeros_like(sample)
+            torch.testing.assert_close(center[b], want, rtol=1e-6, atol=1e-6)
+            held = torch.arange(min(max(sinks, length - WINDOW), length), length)
+            first = torch.arange(min(sinks, length))
+            slots = torch.cat([WINDOW + first, held % WINDOW])
+            ring = seqs.k_window.cpu()[b][:, slots].float()
+            exact = seqs.keys[b][:, torch.cat([first, held])].float()
+            centred = (exact - center[b][:, None]).bfloat16().float()
+            torch.testing.assert_close(ring, centred, rtol=2**-8, atol=1e-6)
+    assert bool((center != 0).all()), "both sequences passed sinks + W: centred"
+    consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
+    k, _ = reference.dequantize(seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(),
+                                seqs.lens, *consts, seqs.capacity, torch.float32,
+                                *(r.cpu() for r in seqs.rings), sinks, center)  # fmt: skip
+    exact = seqs.exact(torch.arange(seqs.capacity))[:, None, :, None]
+    ring_error = torch.where(exact, k - seqs.keys.float(), 0).abs()
+    assert float(ring_error.max()) <= 2**-7 * float(seqs.keys.float().abs().max())
+    paged = ~exact & (torch.arange(seqs.capacity) < seqs.lens[:, None])[:, None, :, None]
+    assert rel_error(k[paged.expand_as(k)], seqs.keys.float()[paged.expand_as(k)]) < 0.15
+    seqs.append(2, (0, -1), seeded, use_triton=use_triton)  # sequence 0 restarts
+    assert bool((seqs.key_center.cpu()[0] == 0).all()) and torch.equal(seqs.key_center.cpu()[1],
+                                                                       center[1])  # fmt: skip
+
+
 @pytest.mark.parametrize("impl", IMPLS)
-def test_opcheck_store_window(impl, kernel_device, seeded):
-    """opcheck (schema, fake tensors, aot dispatch) for store_window."""
+@pytest.mark.parametrize("center", [False, True])
+def test_opcheck_store_window(impl, center, kernel_device, seeded):
+    """opcheck (schema, fake tensors, aot dispatch) for store_window; with key centering, a
+    write that sets the centres (the first positions leave the ring)."""
     device = impl_device(impl, kernel_device)
-    seqs = Sequences("4bit_nc", seeded, device)
-    seqs.append(11, (0, 0), seeded, use_triton=impl == "triton")
-    key, value = random_kv(BATCH * 2, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, seeded)
-    key = key.reshape(BATCH, NUM_KV_HEADS, 2, HEAD_DIM).to(device)
-    value = value.reshape(BATCH, NUM_KV_HEADS, 2, HEAD_DIM).to(device)
+    seqs = Sequences("4bit_nc", seeded, device, center=center)
+    seqs.append(5 if center else 11, (0, 0), seeded, use_triton=impl == "triton")
+    n_new = 6 if center else 2
+    key, value = random_kv(BATCH * n_new, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, seeded)
+    key = key.reshape(BATCH, NUM_KV_HEADS, n_new, HEAD_DIM).to(device)
+    value = value.reshape(BATCH, NUM_KV_HEADS, n_new, HEAD_DIM).to(device)
     start = seqs.lens.to(device)
     rings = (seqs.k_window, seqs.v_window, seqs.window_pos)
+    centring = (0, seqs.key_center) if center else ()
     with impl_context(impl, device):
         torch.library.opcheck(
             torch.ops.tq.store_window.default,
-            (key, value, *seqs.cache, *rings, seqs.block_table, start, *seqs.consts, "4bit_nc"),
-        )
+            (key, value, *seqs.cache, *rings, seqs.block_table, start, *seqs.consts, "4bit_nc",
+             *centring),
+        )  # fmt: skip
 
 
 class TestStoreWindowBadInput(expecttest.TestCase):
@@ -152,9 +227,12 @@ class TestStoreWindowBadInput(expecttest.TestCase):
         rings = (seqs.k_window, seqs.v_window, seqs.window_pos)
         snapshot = [t.clone() for t in (*seqs.cache, *rings)]
 
-        def call(key=key, value=key, rings=rings, table=seqs.block_table, start=start, sinks=0):
+        center = torch.zeros(BATCH, NUM_KV_HEADS, HEAD_DIM)
+
+        def call(key=key, value=key, rings=rings, table=seqs.block_table, start=start, sinks=0,
+                 center=None):  # fmt: skip
             torch.ops.tq.store_window(key, value, *seqs.cache, *rings, table, start,
-                                      *seqs.consts, "4bit_nc", sinks)  # fmt: skip
+                                      *seqs.consts, "4bit_nc", sinks, center)  # fmt: skip
 
         cases = {
             "float32 tokens": dict(key=key.float(), value=key.float()),
@@ -175,6 +253,12 @@ class TestStoreWindowBadInput(expecttest.TestCase):
             "sinks the ring was not written with": dict(sinks=3),
             "page id out of range": dict(
                 table=seqs.block_table.index_fill(1, torch.tensor([1]), 99)
+            ),
+            "bf16 key centres": dict(center=center.bfloat16()),
+            "key centres of one sequence": dict(center=center[:1]),
+            "key centres of another head dim": dict(center=center[..., :32]),
+            "strided key centres": dict(
+                center=torch.zeros(NUM_KV_HEADS, BATCH, HEAD_DIM).transpose(0, 1)
             ),
         }
         messages = []
@@ -201,7 +285,11 @@ block table too short: ValueError: tq.store_window: block_table must be int32 [>
 negative sinks: ValueError: tq.store_window: sinks must be an integer >= 0, got -1
 more sinks than ring slots: ValueError: tq.store_window: k_window and v_window must be [>= 2, 2, W + sinks >= 9, 64] (batch, kv-heads, window slots + sinks=9, head dim), got (2, 2, 8, 64) and (2, 2, 8, 64)
 sinks the ring was not written with: ValueError: tq.store_window: window_pos[0, 0, 0] = 8 is not a position that slot 0 of a ring of 5 window slots and sinks=3 holds (-1, a position p >= sinks with p % window == slot, or a sink slot's own p = slot - window)
-page id out of range: ValueError: tq.store_window: block_table[0, 1] = 99 is not a page id in [0, 16), but sequence 0 keeps its positions below start_pos + T - window = 5 in pages""",  # noqa: E501
+page id out of range: ValueError: tq.store_window: block_table[0, 1] = 99 is not a page id in [0, 16), but sequence 0 keeps its positions below start_pos + T - window = 5 in pages
+bf16 key centres: TypeError: tq.store_window: key_center must be float32, got torch.bfloat16
+key centres of one sequence: ValueError: tq.store_window: key_center must be a contiguous [2, 2, 64] (the rings' batch, kv-heads and head dim), got (1, 2, 64)
+key centres of another head dim: ValueError: tq.store_window: key_center must be a contiguous [2, 2, 64] (the rings' batch, kv-heads and head dim), got (2, 2, 32) with strides (128, 64, 1)
+strided key centres: ValueError: tq.store_window: key_center must be a contiguous [2, 2, 64] (the rings' batch, kv-heads and head dim), got (2, 2, 64) with strides (64, 128, 1)""",  # noqa: E501
         )
 
 

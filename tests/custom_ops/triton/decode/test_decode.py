@@ -281,6 +281,16 @@ def _expected_attention(seqs, q, dtype=torch.float64, mask=None):
     return reference.attention(q, *_expected_kv(seqs, dtype), seqs.lens, HEAD_DIM**-0.5, mask)
 
 
+def _expected_verify(q, k, v, lens):
+    """float64 attention of a verify step's ``q [B, Hq, T, D]`` over ``k``, ``v``: token ``t``
+    sees the positions below ``lens - T + t + 1``."""
+    tokens = q.shape[2]
+    return torch.stack([
+        reference.attention(q[:, :, t], k, v, lens - (tokens - 1 - t), HEAD_DIM**-0.5)
+        for t in range(tokens)
+    ], dim=2)  # fmt: skip
+
+
 @pytest.mark.parametrize("steps", ["appends", "rewrites"])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("fmt_name", sorted(FORMATS))
@@ -315,13 +325,37 @@ def test_decode_reads_sinks_exactly(fmt_name, window, sinks, kernel_device, seed
         assert rel < 1e-3, (n_new, starts, float(rel))
         tokens = min(3, int(seqs.lens.min()))
         q, _ = _multi_token_case(seqs, tokens, 2, seeded, None)
-        k, v = _expected_kv(seqs)
-        expected = torch.stack([
-            reference.attention(q[:, :, t], k, v, seqs.lens - (tokens - 1 - t), HEAD_DIM**-0.5)
-            for t in range(tokens)
-        ], dim=2)  # fmt: skip
+        expected = _expected_verify(q, *_expected_kv(seqs), seqs.lens)
         rel = rel_error(seqs.decode(q, num_splits=4), expected)
         assert rel < 1e-3, (n_new, starts, tokens, float(rel))
+
+
+@pytest.mark.parametrize("window, sinks", [(WINDOW, 3), (0, 3)])
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq2_nc", "tqk4v2_nc", "k8v4"])
+def test_decode_of_centred_keys_is_attention_over_the_keys(fmt_name, window, sinks,
+                                                          kernel_device, seeded):  # fmt: skip
+    """With keys stored centred decode reads them as they are, and that is attention over the
+    cache's keys with their centres back (``tq.dequantize`` with ``key_center``; float64, 1e-3),
+    since softmax ignores the shift every score of a query shares: one token (group 4) and a
+    verify step of 3 tokens after every rewrite step (centres set, reset by the restart, set
+    again)."""
+    seqs = Sequences(fmt_name, seeded, kernel_device, window=window, sinks=sinks, center=True)
+    consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
+    for n_new, starts in REWRITE_STEPS:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+        k, v = reference.dequantize(seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(),
+                                    seqs.lens, *consts, seqs.capacity, torch.float64,
+                                    *(r.cpu() for r in seqs.rings), sinks,
+                                    seqs.key_center.cpu())  # fmt: skip
+        q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half()
+        expected = reference.attention(q, k, v, seqs.lens, HEAD_DIM**-0.5)
+        rel = rel_error(seqs.decode(q, num_splits=2), expected)
+        assert rel < 1e-3, (n_new, starts, float(rel))
+        tokens = min(3, int(seqs.lens.min()))
+        q, _ = _multi_token_case(seqs, tokens, 2, seeded, None)
+        rel = rel_error(seqs.decode(q, num_splits=4), _expected_verify(q, k, v, seqs.lens))
+        assert rel < 1e-3, (n_new, starts, tokens, float(rel))
+    assert bool((seqs.key_center != 0).any()), "no centre was set"
 
 
 def test_decode_window_only_is_exact(kernel_device, seeded):

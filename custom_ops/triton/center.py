@@ -1,0 +1,158 @@
+"""Key centering on CUDA: set each sequence-head's key centre before ``tq.store_window`` writes.
+
+Every key a sequence-head holds is stored minus one vector ``mu`` (``key_center [B, Hk, D]
+float32``), which may change only while none of its positions is in a page: the write that
+first sends positions to pages sets it to the mean of the keys of positions ``[sinks, sinks +
+max(W, 1))`` and re-centres the ring on it; a write from position 0 resets it to 0
+(:func:`custom_ops.reference.center_keys`, the specification). The window store then subtracts
+it from every key it writes (``CENTER`` in :mod:`custom_ops.triton.store_window`).
+
+One program per sequence-head. Almost every call (a decode step once the sequence is past
+``sinks + W``) reads the start and the ring's ``W`` positions and writes nothing; the mean and
+the re-centring run once per sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Hashable
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.formats import ring_window
+from custom_ops.triton.launch import KeyedMemo, Launcher
+
+__all__ = ["center_keys_kernel", "center_keys"]
+
+# ring slots or new tokens per step of the kernel's loops
+_BLOCK = 32
+
+
+@triton.jit
+def center_keys_kernel(
+    key_ptr,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    k_window_ptr,
+    pos_ptr,
+    stride_w_b,
+    stride_w_h,
+    stride_w_slot,
+    center_ptr,
+    start_pos_ptr,
+    stride_start,
+    num_kv_heads,
+    num_new,
+    window,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Sequence-head ``(b, head)`` = program: reset its centre at a write from position 0; at
+    the write that sends its first positions to pages, set the centre to the sample's mean and
+    re-centre the ring's live slots (positions below the start) on it."""
+    b = tl.program_id(0) // num_kv_heads
+    head = tl.program_id(0) % num_kv_heads
+    start = tl.load(start_pos_ptr + b * stride_start)
+    start = tl.where(start >= 0, tl.minimum(start, 2**31 - 1), -1).to(tl.int32)
+    b64 = b.to(tl.int64)
+    head64 = head.to(tl.int64)
+    ring_base = b64 * stride_w_b + head64 * stride_w_h  # element offset of slot 0
+    pos_base = ring_base // D  # the ring's window_pos entries (contiguous planes)
+    slots = tl.arange(0, BLOCK)
+
+    # the least live position in the window slots (the start if none): pages hold [SINKS, it)
+    paged_to = start
+    for first in range(0, window, BLOCK):
+        slot = first + slots
+        held = tl.load(pos_ptr + pos_base + slot, mask=slot < window, other=-1)
+        live = (held >= 0) & (held < start)
+        paged_to = tl.minimum(paged_to, tl.min(tl.where(live, held, start), axis=0))
+    freeze = (start >= 0) & (paged_to <= SINKS) & (start + num_new - window > SINKS)
+    restart = start == 0
+
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    center_row = center_ptr + (b64 * num_kv_heads + head64) * D + d
+    if freeze | restart:
+        old = tl.load(center_row, mask=d_ok & ~restart, other=0.0)
+        mean = old
+        if freeze:
+            samples = tl.maximum(window, 1)
+            total = tl.zeros([D_PAD], dtype=tl.float32)
+            count = 0
+            # the sample's positions still in the ring (below the start), un-centred
+            for first in range(0, window, BLOCK):
+                slot = first + slots
+                held = tl.load(pos_ptr + pos_base + slot, mask=slot < window, other=-1)
+                sample = (held >= SINKS) & (held < start) & (held < SINKS + samples)
+                rows = ring_base + slot.to(tl.int64)[:, None] * stride_w_slot + d[None, :]
+                ring = tl.load(k_window_ptr + rows, mask=sample[:, None] & d_ok[None, :])
+                total += tl.sum(tl.where(sample[:, None], ring.to(tl.float32) + old[None, :],
+                                         0.0), axis=0)  # fmt: skip
+                count += tl.sum(sample.to(tl.int32), axis=0)
+            # and the new tokens' (token t at position start + t)
+            src = key_ptr + b64 * stride_kb + head64 * stride_kh
+            lo = tl.maximum(SINKS - start, 0)
+            hi = tl.minimum(num_new, SINKS + samples - start)
+            for first in range(lo, hi, BLOCK):
+                token = first + slots
+                sample = token < hi
+                rows = src + token.to(tl.int64)[:, None] * stride_kt + d[None, :] * stride_kd
+                new = tl.load(rows, mask=sample[:, None] & d_ok[None, :])
+                total += tl.sum(tl.where(sample[:, None], new.to(tl.float32), 0.0), axis=0)
+                count += tl.sum(sample.to(tl.int32), axis=0)
+            mean = total / tl.maximum(count, 1).to(tl.float32)
+            # re-centre every live slot, sinks included
+            for first in range(0, window + SINKS, BLOCK):
+                slot = first + slots
+                held = tl.load(pos_ptr + pos_base + slot, mask=slot < window + SINKS, other=-1)
+                live = (held >= 0) & (held < start)
+                rows = ring_base + slot.to(tl.int64)[:, None] * stride_w_slot + d[None, :]
+                ring_mask = live[:, None] & d_ok[None, :]
+                ring = tl.load(k_window_ptr + rows, mask=ring_mask).to(tl.float32)
+                moved = ring + old[None, :] - mean[None, :]
+                tl.store(k_window_ptr + rows, moved.to(k_window_ptr.dtype.element_ty),
+                         mask=ring_mask)  # fmt: skip
+        tl.store(center_row, mean, mask=d_ok)
+
+
+@functools.lru_cache(maxsize=64)
+def _launcher(head_dim: int, sinks: int) -> Launcher:
+    return Launcher(center_keys_kernel, dict(
+        D=head_dim, D_PAD=triton.next_power_of_2(head_dim), SINKS=sinks, BLOCK=_BLOCK,
+        num_warps=4,
+    ))  # fmt: skip
+
+
+# launchers of op calls by their arguments' metadata key
+_LAUNCHERS = KeyedMemo()
+
+
+def center_keys(
+    key: torch.Tensor,
+    k_window: torch.Tensor,
+    window_pos: torch.Tensor,
+    start_pos: torch.Tensor,
+    key_center: torch.Tensor,
+    sinks: int = 0,
+    launch_key: Hashable | None = None,
+) -> None:
+    """Update ``key_center [>= B, Hk, D] float32`` (and re-centre the ring ``k_window [>= B,
+    Hk, W + sinks, D]`` where it is set) before the window store writes ``key [B, Hk, T, D]``
+    from ``start_pos [B]`` on; see :func:`custom_ops.reference.center_keys` (inputs validated
+    by the op). ``launch_key``: the launcher's specialization key."""
+    batch, num_kv_heads, n_new, head_dim = key.shape
+    if batch == 0 or n_new == 0:
+        return
+    launcher = _LAUNCHERS.get(launch_key, lambda: _launcher(head_dim, sinks))
+    launcher(
+        (batch * num_kv_heads,), key, *key.stride(), k_window, window_pos,
+        *k_window.stride()[:3], key_center, start_pos, start_pos.stride(0), num_kv_heads, n_new,
+        ring_window(k_window, sinks), key=launch_key,
+    )  # fmt: skip
