@@ -7,9 +7,11 @@ max(W, 1))`` and re-centres the ring on it; a write from position 0 resets it to
 (:func:`custom_ops.reference.center_keys`, the specification). The window store then subtracts
 it from every key it writes (``CENTER`` in :mod:`custom_ops.triton.store_window`).
 
-One program per sequence-head. Almost every call (a decode step once the sequence is past
-``sinks + W``) reads the start and the ring's ``W`` positions and writes nothing; the mean and
-the re-centring run once per sequence.
+One program per sequence-head, launched before the window store of more than one token (a
+prefill chunk, a verify step) or without a window; for one new token with a window (a decode
+step) the window store sets the centres itself (``CENTER_INLINE``), one launch fewer per layer
+and step. Almost every call reads the start and the ring's ``W`` positions and writes nothing;
+the mean and the re-centring run once per sequence.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ def store_window_kernel(
     V: tl.constexpr,
     SINKS: tl.constexpr,
     CENTER: tl.constexpr,
+    CENTER_INLINE: tl.constexpr,
 ):
     """Row ``(b, chain, head)``: ring slot ``(start + chain) % W`` of sequence ``b`` (chains
     below ``W``). Its old token is quantized into its page if still part of the sequence (its
@@ -84,7 +85,11 @@ def store_window_kernel(
     writes. Row ``(b, 0, 0)`` also writes the sequence's new length (0 if skipped). With
     ``CENTER`` every new key is written minus its sequence-head's centre (``center_ptr [B, Hk,
     D] float32``, which :mod:`custom_ops.triton.center` set before; the ring already holds
-    centred keys, so a token leaving it is quantized as it is)."""
+    centred keys, so a token leaving it is quantized as it is). ``CENTER_INLINE`` (one new
+    token, a window): this kernel sets the centres itself, saving the centring launch of
+    every decode step: a row whose leaving token is position ``SINKS`` (the first to reach a
+    page) sets its centre from the window slots and re-centres the ring before quantizing it;
+    a row at position 0 resets its centre."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < num_rows
     head = rows % num_kv_heads
@@ -120,7 +125,6 @@ def store_window_kernel(
     if CENTER:
         center_rows = center_ptr + (b64 * num_kv_heads + head64)[:, None] * D + d
         center = tl.load(center_rows, mask=in_range[:, None] & (d < D), other=0.0)
-        k_new = k_new.to(tl.float32) - center
     # a sink's position never enters the window slots (nor leaves a sink slot)
     to_ring = live & in_ring & (start + newest >= SINKS)
     copy_mask = to_ring[:, None] & (d < D)
@@ -130,6 +134,40 @@ def store_window_kernel(
     leaving = tl.load(pos_ptr + pos_rows, mask=to_ring, other=-1)
     page_index = tl.maximum(leaving, 0) // page_size
     evict = to_ring & (leaving >= 0) & (leaving < start) & (page_index < max_pages)
+    if CENTER_INLINE:
+        # (custom_ops.reference.center_keys for one new token: its centre is set when position
+        # SINKS leaves, from the window slots, which then hold [SINKS, SINKS + W))
+        restart = live & (start == 0)
+        center = tl.where(restart[:, None], 0.0, center)
+        tl.store(center_rows, center, mask=restart[:, None] & (d < D))
+        freeze = evict & (leaving == SINKS)
+        if tl.max(freeze.to(tl.int32), axis=0) > 0:
+            pos_base = ring_base // D
+            total = tl.zeros([BLOCK_R, D_PAD], dtype=tl.float32)
+            count = tl.zeros([BLOCK_R], dtype=tl.int32)
+            for s in range(0, window):
+                held = tl.load(pos_ptr + pos_base + s, mask=freeze, other=-1)
+                sample = (held >= SINKS) & (held < start) & (held < SINKS + window)
+                rows_s = ring_base[:, None] + s * stride_w_slot + d
+                ring = tl.load(k_window_ptr + rows_s, mask=sample[:, None] & (d < D), other=0.0)
+                total += tl.where(sample[:, None], ring.to(tl.float32) + center, 0.0)
+                count += sample.to(tl.int32)
+            mean = total / tl.maximum(count, 1).to(tl.float32)[:, None]
+            tl.debug_barrier()
+            for s in range(0, window + SINKS):  # every live slot, sinks included
+                held = tl.load(pos_ptr + pos_base + s, mask=freeze, other=-1)
+                moved = (freeze & (held >= 0) & (held < start))[:, None] & (d < D)
+                rows_s = ring_base[:, None] + s * stride_w_slot + d
+                ring = tl.load(k_window_ptr + rows_s, mask=moved).to(tl.float32)
+                tl.store(
+                    k_window_ptr + rows_s,
+                    (ring + center - mean).to(k_window_ptr.dtype.element_ty),
+                    mask=moved,
+                )
+            center = tl.where(freeze[:, None], mean, center)
+            tl.store(center_rows, center, mask=freeze[:, None] & (d < D))
+            # the re-centred rows are written before the leaving token's is read
+            tl.debug_barrier()
     page_ptr = block_table_ptr + b64 * stride_bt_b + page_index * stride_bt_p
     page = tl.load(page_ptr, mask=evict, other=0).to(tl.int64)
     slot = (tl.maximum(leaving, 0) % page_size).to(tl.int64)
@@ -142,6 +180,8 @@ def store_window_kernel(
     tl.debug_barrier()
 
     # 2. the new token loaded above takes the slot
+    if CENTER:
+        k_new = k_new.to(tl.float32) - center
     w_dst = ring_rows[:, None] + d
     tl.store(k_window_ptr + w_dst, k_new.to(k_window_ptr.dtype.element_ty), mask=copy_mask)
     tl.store(v_window_ptr + w_dst, v_new.to(v_window_ptr.dtype.element_ty), mask=copy_mask)
@@ -169,22 +209,23 @@ def store_window_kernel(
 
 @functools.lru_cache(maxsize=256)
 def _launcher(key_params: CodecParams, value_params: CodecParams, head_dim: int, block_rows: int,
-              num_warps: int, sinks: int, center: bool) -> Launcher:  # fmt: skip
+              num_warps: int, sinks: int, center: bool,
+              center_inline: bool) -> Launcher:  # fmt: skip
     return Launcher(store_window_kernel, dict(
         D=head_dim, D_PAD=triton.next_power_of_2(head_dim), INV_SQRT_D=1.0 / math.sqrt(head_dim),
         BLOCK_R=block_rows, K=key_params, V=value_params, SINKS=sinks, CENTER=center,
-        num_warps=num_warps,
+        CENTER_INLINE=center_inline, num_warps=num_warps,
     ))  # fmt: skip
 
 
 def _launch(fmt: KVFormat, cache: PagedKVCache, head_dim: int, num_rows: int,
-            block_rows: int | None, num_warps: int, sinks: int,
-            center: bool) -> tuple[Launcher, tuple[int]]:  # fmt: skip
+            block_rows: int | None, num_warps: int, sinks: int, center: bool,
+            center_inline: bool) -> tuple[Launcher, tuple[int]]:  # fmt: skip
     """The window store's launcher and grid for ``num_rows`` rows."""
     if block_rows is None:
         block_rows = APPEND_ROWS if num_rows <= APPEND_MAX_ROWS else 32
     launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, block_rows, num_warps,
-                         sinks, center)  # fmt: skip
+                         sinks, center, center_inline)  # fmt: skip
     return launcher, (triton.cdiv(num_rows, block_rows),)
 
 
@@ -222,7 +263,9 @@ def store_window(
         return written_lengths(start_pos, n_new)
     seq_lens = torch.empty(batch, dtype=torch.int32, device=key.device)
     page_size = cache.k_codes.shape[2]
-    if key_center is not None:
+    # one new token with a window: the store kernel sets the centres itself
+    center_inline = key_center is not None and n_new == 1 and window > 0
+    if key_center is not None and not center_inline:
         center_keys(key, k_window, window_pos, start_pos, key_center, sinks, launch_key)
     if n_new > window:
         positions = start_pos[:, None].to(torch.int64) + torch.arange(
@@ -251,8 +294,8 @@ def store_window(
     # the memo holds the default launch shape's launches only
     defaults = block_rows is None and num_warps == _DEFAULT_WARPS
     launcher, grid = _LAUNCHES.get(launch_key if defaults else None, lambda: _launch(
-        fmt, cache, head_dim, num_rows, block_rows, num_warps, sinks,
-        key_center is not None))  # fmt: skip
+        fmt, cache, head_dim, num_rows, block_rows, num_warps, sinks, key_center is not None,
+        center_inline))  # fmt: skip
     launcher(
         grid, key, value, *key.stride(), *value.stride(),
         ring_arguments(k_window, v_window, window_pos), plane_arguments(cache),

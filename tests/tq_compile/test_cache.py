@@ -282,7 +282,6 @@ def test_compiled_step_copies_no_cache_buffer(device, center):
         assert "store_window" in code and "decode" in code
     else:
         assert "store_window_kernel" in code and "split_kernel" in code and "tq." not in code
-        assert ("center_keys_kernel" in code) == center
     # the launches: each module's `call` (kernel sources above it may name a `copy_mask`)
     calls = "\n".join(c[c.index("def call(") :] for c in codes if "def call(" in c)
     copies = sorted({line.strip()[:120] for line in calls.splitlines() if _COPY_BACK.search(line)})

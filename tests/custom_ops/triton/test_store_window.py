@@ -131,20 +131,30 @@ def _centred_ring_matches(actual, expected):
     torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-8, atol=1e-6)
 
 
-@pytest.mark.parametrize("window, sinks", [(WINDOW, 3), (WINDOW, 0), (2, 5), (0, 3)])
+# One token at a time (a decode loop: the window store sets the centres itself): a prefill of
+# 5, appends to 16 (the centres set on the way), sequence 0 rolled back to position 2 (below the
+# sinks of the tests: its centre is set again) and appended to again, sequence 1 skipped.
+TOKEN_STEPS = ([(5, (0, 0))] + [(1, (p, p)) for p in range(5, 16)]
+               + [(1, (p, -1)) for p in range(2, 14)])  # fmt: skip
+_CENTRED_STEPS = {"rewrites": REWRITE_STEPS, "appends": STEPS, "tokens": TOKEN_STEPS}
+
+
+@pytest.mark.parametrize("window, sinks, steps", [
+    (WINDOW, 3, "rewrites"), (WINDOW, 3, "appends"), (WINDOW, 3, "tokens"),
+    (WINDOW, 0, "appends"), (WINDOW, 0, "tokens"), (2, 5, "rewrites"), (2, 5, "tokens"),
+    (0, 3, "rewrites"), (0, 3, "tokens")])  # fmt: skip
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq3_nc", "k8v4"])
-def test_centred_store_matches_reference(fmt_name, window, sinks, kernel_device, seeded):
-    """With key centering, after every append and rewrite step (a restart at 0 included), the
-    kernels' centres, cache and rings equal the reference's: centres to float32 rounding,
-    codes up to a tie, ring keys to one bf16 step, ring values and positions bit for bit."""
+def test_centred_store_matches_reference(fmt_name, window, sinks, steps, kernel_device, seeded):
+    """With key centering, after every step of appends, rewrites (a restart at 0 included) and
+    single tokens (centres set by the window store itself, and set again after a rollback
+    below the sinks), the kernels' centres, cache and rings equal the reference's: centres to
+    float32 rounding, codes up to a tie, ring keys to one bf16 step, ring values and positions
+    bit for bit."""
     expected = Sequences(fmt_name, torch.Generator().manual_seed(7), window=window, sinks=sinks,
                          center=True)  # fmt: skip
     actual = Sequences(fmt_name, torch.Generator().manual_seed(7), kernel_device, window=window,
                        sinks=sinks, center=True)  # fmt: skip
-    steps = REWRITE_STEPS + (STEPS if window == WINDOW else [])
-    for n_new, starts in steps:
-        if window == WINDOW and (n_new, starts) == STEPS[0]:  # the appends start afresh
-            starts = (0, 0)
+    for n_new, starts in _CENTRED_STEPS[steps]:
         expected.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=False)
         actual.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=True)
         torch.testing.assert_close(actual.key_center.cpu(), expected.key_center, rtol=1e-6,
@@ -153,6 +163,7 @@ def test_centred_store_matches_reference(fmt_name, window, sinks, kernel_device,
         _centred_ring_matches(actual.k_window.cpu(), expected.k_window)
         assert torch.equal(actual.v_window.cpu(), expected.v_window)
         assert torch.equal(actual.window_pos.cpu(), expected.window_pos)
+    assert bool((expected.key_center != 0).any()), "no centre was set"
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
