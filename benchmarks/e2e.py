@@ -452,7 +452,7 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
         us = append_us(lambda r=block_rows, w=num_warps: triton_store_window.store_window(
             get_format(fmt), k16, k16, PagedKVCache(big.k_codes, big.v_codes, big.meta),
             big.k_window, big.v_window, big.window_pos, big.block_table, start16, big.rotation,
-            big.sinks, r, w))  # fmt: skip
+            big.sinks, block_rows=r, num_warps=w))  # fmt: skip
         rows.append(dict(cache=fmt, call=f"  with {block_rows} rows x {num_warps} warps: GPU us",
                          cpu_us=us))  # fmt: skip
     return rows

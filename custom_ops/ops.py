@@ -26,16 +26,15 @@ stay opaque calls.
   of them there, which one unspecified on CUDA, the last on the CPU). Returns nothing.
 * ``tq.store_window(key, value, k_codes!, v_codes!, meta!, k_window!, v_window!, window_pos!,
   block_table, start_pos, rotation, fmt, sinks=0, key_center!=None) -> seq_lens``: write
-  ``key``/``value [B, Hk,
-  T, D]`` at positions ``start_pos[b] ..`` (``[B]`` int32 or int64, any stride, so a model's
-  ``input_pos[:1].expand(B)`` as it is; at most the current length: appends, rollbacks and
-  restarts alike; negative skips the sequence) to sequences whose latest positions (a run of at
-  most ``W``) and first ``sinks`` positions (attention sinks, never quantized) live in the
-  rings ``k_window``/``v_window [>= B, Hk, W + sinks, D]`` (contiguous bf16/fp16, position
-  ``p`` at slot ``p % W``, a sink at slot ``W + p``; :func:`custom_ops.formats.ring_window`),
-  ``window_pos [>= B, Hk, W + sinks] int32`` recording each slot's position (-1: none; a new
-  cache fills it with -1). A token that leaves the ring
-  while still part of its sequence is quantized into its page exactly once
+  ``key``/``value [B, Hk, T, D]`` at positions ``start_pos[b] ..`` (``[B]`` int32 or int64,
+  any stride, so a model's ``input_pos[:1].expand(B)`` as it is; at most the current length:
+  appends, rollbacks and restarts alike; negative skips the sequence) to sequences whose latest
+  positions (a run of at most ``W``) and first ``sinks`` positions (attention sinks, never
+  quantized) live in the rings ``k_window``/``v_window [>= B, Hk, W + sinks, D]`` (contiguous
+  bf16/fp16, position ``p`` at slot ``p % W``, a sink at slot ``W + p``;
+  :func:`custom_ops.formats.ring_window`), ``window_pos [>= B, Hk, W + sinks] int32``
+  recording each slot's position (-1: none; a new cache fills it with -1). A token that leaves
+  the ring while still part of its sequence is quantized into its page exactly once
   (:func:`custom_ops.reference.store_window`); pages are needed only below ``len - W``, so a
   sequence of ``block_table [>= B, max_pages]`` holds ``max_pages * page_size + W`` positions.
   Returns the new lengths ``[B] int32`` (``start_pos + T``; 0 for a skipped sequence), what
@@ -47,11 +46,10 @@ stay opaque calls.
   stored keys as they are, since softmax ignores a shift that all of a query's scores share.
 * ``tq.dequantize(k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, max_seq_len,
   dtype, k_window=None, v_window=None, window_pos=None, sinks=0, key_center=None) -> (K, V)``:
-  dense ``[B, Hk,
-  max_seq_len, D]`` of ``dtype`` (bf16, fp16, fp32 or fp64) for ``block_table [B, max_pages]
-  int32`` and ``seq_lens [B] int32``; zeros at and past each length; with the rings, each
-  sequence-head's ring run (:func:`custom_ops.reference.ring_start` .. len) and sinks are
-  copied from them; with ``key_center`` the keys get their centres back.
+  dense ``[B, Hk, max_seq_len, D]`` of ``dtype`` (bf16, fp16, fp32 or fp64) for ``block_table
+  [B, max_pages] int32`` and ``seq_lens [B] int32``; zeros at and past each length; with the
+  rings, each sequence-head's ring run (:func:`custom_ops.reference.ring_start` .. len) and
+  sinks are copied from them; with ``key_center`` the keys get their centres back.
   ``max_seq_len`` is at most the sequence capacity.
 * ``tq.decode(q, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, num_splits,
   scale, mask=None, k_window=None, v_window=None, window_pos=None, sinks=0) -> out``: attention

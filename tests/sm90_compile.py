@@ -12,7 +12,7 @@ import torch
 
 from custom_ops import api
 from custom_ops.formats import get_format
-from custom_ops.triton import decode, dequant, store, store_window
+from custom_ops.triton import center, decode, dequant, store, store_window
 from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.decode.split import split_arguments
 from custom_ops.triton.offline import compile_offline
@@ -37,6 +37,7 @@ def kernels(name: str) -> dict:
     ring_pos = torch.empty(2, HEADS, WINDOW + SINKS, dtype=torch.int32)
     rows = torch.empty(4, HEADS, d, dtype=torch.bfloat16)
     new = torch.empty(2, HEADS, 1, d, dtype=torch.bfloat16)
+    centres = torch.empty(2, HEADS, d)
     dense = torch.empty(2, HEADS, 64, d)
     kp, vp = side_params(fmt, cache, d)
     inv = 1 / math.sqrt(d)
@@ -45,13 +46,20 @@ def kernels(name: str) -> dict:
             store.store_kernel, (1,), rows, rows, *rows.stride(), *rows.stride(),
             plane_arguments(cache), lens, rot, 8, HEADS, PAGE, PAGES * PAGE, D=d, INV_SQRT_D=inv,
             BLOCK_R=32, K=kp, V=vp, num_warps=4),
-        **{f"store_window {start.dtype}": lambda start=start: compile_offline(
+        **{f"store_window {start.dtype}{' centred' if center else ''}":
+           lambda start=start, center=center: compile_offline(
             store_window.store_window_kernel, (1,), new, new, *new.stride(), *new.stride(),
             ring_arguments(ring, ring, ring_pos), plane_arguments(cache), table_arguments(table),
-            start, start.stride(0), lens, rot, 4, HEADS, 1, 1, WINDOW, PAGE, 4, D=d, D_PAD=d,
-            INV_SQRT_D=inv, BLOCK_R=32, K=kp, V=vp, SINKS=SINKS, num_warps=4)
-            # a cache's start: input_pos[:1].expand(B), int64
-            for start in (lens, torch.zeros(1, dtype=torch.int64).expand(2))},
+            start, start.stride(0), lens, rot, centres, 4, HEADS, 1, 1, WINDOW, PAGE, 4, D=d,
+            D_PAD=d, INV_SQRT_D=inv, BLOCK_R=32, K=kp, V=vp, SINKS=SINKS, CENTER=center,
+            CENTER_INLINE=center, num_warps=4)
+            # a cache's start: input_pos[:1].expand(B), int64; centring set inline (one token)
+            for start, center in ((lens, False), (torch.zeros(1, dtype=torch.int64).expand(2),
+                                                  False), (lens, True))},
+        "center_keys": lambda: compile_offline(
+            center.center_keys_kernel, (4,), new, *new.stride(), ring, ring_pos,
+            *ring.stride()[:3], centres, lens, lens.stride(0), HEADS, 1, WINDOW, D=d, D_PAD=d,
+            SINKS=SINKS, BLOCK=32, num_warps=4),
         "dequant": lambda: compile_offline(
             dequant.dequant_kernel, (4, 2), plane_arguments(cache), table_arguments(table), lens,
             rot, dense, dense, ring_arguments(ring, ring, ring_pos), WINDOW, HEADS, PAGE, 4, 64,

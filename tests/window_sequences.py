@@ -49,6 +49,9 @@ class Sequences:
         self.v_window = torch.randn(shape, generator=gen).to(dtype)
         self.window_pos = torch.full(shape[:3], -1, dtype=torch.int32)  # no slot holds one yet
         self.key_center = torch.zeros(BATCH, NUM_KV_HEADS, HEAD_DIM) if center else None
+        # with centring, keys share a per-head offset (real models' keys do): a key stored
+        # with another centre than the others then shows
+        self.key_offset = 3 * torch.randn(NUM_KV_HEADS, 1, HEAD_DIM, generator=gen) * center
         self.keys = torch.zeros(BATCH, NUM_KV_HEADS, self.capacity, HEAD_DIM, dtype=torch.bfloat16)
         self.values = torch.zeros_like(self.keys)
         self.lens = torch.zeros(BATCH, dtype=torch.int32)
@@ -71,6 +74,8 @@ class Sequences:
         start below the length rewrites from there on)."""
         key, value = random_kv(BATCH * n_new, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, gen)
         key = key.reshape(BATCH, n_new, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)  # strided
+        if self.key_center is not None:
+            key = (key + self.key_offset).to(key.dtype)
         value = value.reshape(BATCH, n_new, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
         start_pos = torch.tensor(starts, dtype=torch.int32)
         for b, start in enumerate(starts):

@@ -15,8 +15,8 @@ static cache is the identity block table of the paged kernels.
 Every buffer is passed to the ops as it is, never as a view of another dtype: a compiled step
 then mutates the buffers in place (a view would make functionalization copy it back into its
 buffer every step). ``model.to(dtype)`` / ``model.half()`` after ``setup_caches`` would convert
-the floating-point ones (meta record, rotation, rings), so the module's ``_apply`` lets them
-follow device moves only.
+the floating-point ones (meta record, rotation, rings, keys' centres), so the module's
+``_apply`` lets them follow device moves only.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ class TurboQuantKVCache(nn.Module):
             "Attention sinks in the cache").
         center_keys: store every key minus one vector per sequence and kv-head (its
             ``key_center [B, Hk, D] float32``, the mean of the keys of positions ``[sinks,
-            sinks + W)``, set when the sequence's first position leaves the ring): attention is
+            sinks + max(W, 1))``, set when the sequence's first position leaves the ring and
+            reset by a write from position 0): attention is
             unchanged (softmax ignores a shift that all of a query's scores share) and the
             quantized keys lose less to the common component they no longer carry (NOTES "Key
             centering"). Needs a window or sinks.
@@ -178,8 +179,9 @@ class TurboQuantKVCache(nn.Module):
                                                    device=device)))  # fmt: skip
         self.center_keys = center_keys
         if center_keys:  # no centre yet: keys are stored as they are until one is set
-            rings.append(("key_center", torch.zeros(max_batch_size, n_heads, head_dim,
-                                                    device=device)))  # fmt: skip
+            centres = torch.zeros(max_batch_size, n_heads, head_dim, dtype=torch.float32,
+                                  device=device)  # fmt: skip
+            rings.append(("key_center", centres))
         for name, tensor in (*zip(cache._fields, cache, strict=True),
                              ("block_table", table.reshape(max_batch_size, pages_per_seq)),
                              *zip(consts._fields, consts, strict=True), *rings):  # fmt: skip

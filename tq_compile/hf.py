@@ -85,6 +85,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.max_cache_len = max_cache_len
         self.preset, self.window, self.max_batch_size = preset, window, max_batch_size
         self.sinks, self.center_keys = default_sinks(window, sinks), center_keys
+        check_center_keys(center_keys, window, self.sinks)
         self.page_size, self.seed, self.num_splits = page_size, seed, num_splits
         self.kv: TurboQuantKVCache | None = None
         # a tensor, as in StaticLayer: positions derived from it do not recompile each step

@@ -179,13 +179,15 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         centre back unless ``uncenter`` is False (then every key of a sequence-head is off by
         the same vector: attention over them is the same)."""
         length = self.max_seq_len
+        # (a value view's dequantize leaves the keys as stored: they are dropped)
+        centres = self.key_center if uncenter and self.side == "key" else None
         if self.truncated:  # sequences may run past the prefix: dequantize all, keep the prefix
             window = ring_window(self.k_window, self.sinks)
             length = sequence_capacity(self.block_table.shape[1], self.k_codes.shape[2], window)
         k, v = ops.call(DequantizeArgs(*self.planes, self.block_table, self.seq_lens,
                                        self.rotation, self.fmt, length,
                                        dtype or self.model_dtype, *self.rings, self.sinks,
-                                       self.key_center if uncenter else None))  # fmt: skip
+                                       centres))  # fmt: skip
         dense = (k if self.side == "key" else v)[:, :, : self.max_seq_len]
         if self.split_heads:
             return dense[:, :, None].expand(self.shape)

@@ -7,6 +7,9 @@ token that leaves the ring into the paged cache and writes the ring and the sink
 W`` the first ``T - W`` new tokens never enter the ring: one more launch of the plain store
 kernel (:mod:`custom_ops.triton.store`) quantizes those that are not sinks straight into their
 slots (computed on the device from ``start_pos``). The two launches touch disjoint memory.
+With key centering, the centring kernel (:mod:`custom_ops.triton.center`) runs first, except
+for one new token with a window, where the window store sets the centres itself; the keys that
+skip the ring are centred by torch ops before their store.
 """
 
 from __future__ import annotations

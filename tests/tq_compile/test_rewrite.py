@@ -25,6 +25,10 @@ HK, GROUP, D, CAPACITY = 2, 4, 64, 256
 # then crosses it again, a re-run position, a restart at 0
 WRITES = [(0, 200), (150, 10), (160, 1), (161, 1), (20, 4), (24, 1), (24, 1), (25, 3), (0, 5),
           (5, 1)]  # fmt: skip
+# and with key centering: a chunk that sets the centres after the restart, a rollback into the
+# sinks, one token at a time across sinks + window (the centres set again, the sinks and the
+# ring re-centred from the old centres)
+CENTRED_WRITES = WRITES + [(6, 20), (3, 1)] + [(p, 1) for p in range(4, 22)]
 
 
 def _quantized_once(keys, values, length, center=None):
@@ -66,9 +70,12 @@ def test_rewrites_equal_writing_the_final_tokens_once(window, sinks, center, imp
     keys = torch.zeros(1, HK, CAPACITY, D, dtype=torch.bfloat16)
     values = torch.zeros_like(keys)
     ring_from = 0  # where the ring run starts: positions below it are quantized
-    for start, n_new in WRITES:
+    # with centring, keys that share a per-head offset (a key centred otherwise then shows)
+    offset = 3 * torch.randn(HK, 1, D, generator=seeded) * center
+    for start, n_new in CENTRED_WRITES if center else WRITES:
         key, value = random_kv(n_new, HK, D, torch.bfloat16, seeded)
         key, value = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, Hk, T, D]
+        key = (key + offset).to(value.dtype)
         positions = torch.arange(start, start + n_new)
         with impl_context(impl, device):
             k_view, v_view = cache.update(positions.to(device), key.to(device), value.to(device))
@@ -100,8 +107,10 @@ def test_rewrites_equal_writing_the_final_tokens_once(window, sinks, center, imp
         out = out[:, :, 0].cpu().double()
         exact = attend(exact_k, exact_v)
         where = f"after writing {n_new} at {start}"
-        # the kernels' fp16 query and probabilities, bf16 output
+        # the kernels' fp16 query and probabilities, bf16 output; with centring, ring rows that
+        # a rollback into the sinks re-centred are rounded twice (the expectation rounds once)
+        bound = 1e-2 if center else 4e-3
         error = (out - attend(expected_k, expected_v)).norm() / exact.norm()
-        assert error < 4e-3, f"{where}: {float(error):.3g} from the cache written once"
+        assert error < bound, f"{where}: {float(error):.3g} from the cache written once"
         all_quantized = (attend(quant_k, quant_v) - exact).norm()
-        assert (out - exact).norm() <= all_quantized * 1.01 + 4e-3 * exact.norm(), where
+        assert (out - exact).norm() <= all_quantized * 1.01 + bound * exact.norm(), where

@@ -204,6 +204,23 @@ def test_centre_is_the_mean_of_the_first_window(use_triton, kernel_device, seede
                                                                        center[1])  # fmt: skip
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_nan_key_in_the_centre_lasts_until_a_restart(use_triton, kernel_device, seeded):
+    """A NaN key among the positions that set a centre makes the centre, and so every key the
+    sequence-head stores after, NaN, on the CPU and in the kernels alike; a write from position 0
+    resets it, and the new sequence's keys are finite again."""
+    seqs = Sequences("4bit_nc", seeded, kernel_device, sinks=3, center=True)
+    seqs.append(5, (0, 0), seeded, use_triton=use_triton)
+    seqs.k_window[0, 1, 4] = float("nan")  # position 4 (a sample position) of sequence 0, head 1
+    seqs.append(8, (5, 5), seeded, use_triton=use_triton)  # length 13 > sinks + W: centres set
+    center = seqs.key_center.cpu()
+    assert bool(center[0, 1].isnan().all()) and bool(center.isfinite()[[0, 1, 1], [0, 0, 1]].all())
+    assert bool(seqs.k_window.cpu()[0, 1, :WINDOW].isnan().all())
+    seqs.append(2, (0, -1), seeded, use_triton=use_triton)
+    assert bool((seqs.key_center.cpu()[0] == 0).all())
+    assert bool(seqs.k_window.cpu()[0, :, WINDOW : WINDOW + 2].isfinite().all())
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("center", [False, True])
 def test_opcheck_store_window(impl, center, kernel_device, seeded):

@@ -335,10 +335,12 @@ def test_decode_reads_sinks_exactly(fmt_name, window, sinks, kernel_device, seed
 def test_decode_of_centred_keys_is_attention_over_the_keys(fmt_name, window, sinks,
                                                           kernel_device, seeded):  # fmt: skip
     """With keys stored centred decode reads them as they are, and that is attention over the
-    cache's keys with their centres back (``tq.dequantize`` with ``key_center``; float64, 1e-3),
-    since softmax ignores the shift every score of a query shares: one token (group 4) and a
-    verify step of 3 tokens after every rewrite step (centres set, reset by the restart, set
-    again)."""
+    written keys where the cache holds them exactly (ring run and sinks) and the pages with
+    their centres back (``tq.dequantize`` with ``key_center``) elsewhere (float64; 8e-3: the
+    ring holds ``key - centre`` rounded to bf16, twice after a rollback into the sinks), since
+    softmax ignores the shift every score of a query shares: one token (group 4) and a verify
+    step of 3 tokens after every rewrite step (centres set, reset by the restart, set again).
+    The keys share a per-head offset, so a key stored with another centre shows."""
     seqs = Sequences(fmt_name, seeded, kernel_device, window=window, sinks=sinks, center=True)
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
     for n_new, starts in REWRITE_STEPS:
@@ -347,14 +349,16 @@ def test_decode_of_centred_keys_is_attention_over_the_keys(fmt_name, window, sin
                                     seqs.lens, *consts, seqs.capacity, torch.float64,
                                     *(r.cpu() for r in seqs.rings), sinks,
                                     seqs.key_center.cpu())  # fmt: skip
+        exact = seqs.exact(torch.arange(seqs.capacity))[:, None, :, None]
+        k = torch.where(exact, seqs.keys.double(), k)
         q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half()
         expected = reference.attention(q, k, v, seqs.lens, HEAD_DIM**-0.5)
         rel = rel_error(seqs.decode(q, num_splits=2), expected)
-        assert rel < 1e-3, (n_new, starts, float(rel))
+        assert rel < 8e-3, (n_new, starts, float(rel))
         tokens = min(3, int(seqs.lens.min()))
         q, _ = _multi_token_case(seqs, tokens, 2, seeded, None)
         rel = rel_error(seqs.decode(q, num_splits=4), _expected_verify(q, k, v, seqs.lens))
-        assert rel < 1e-3, (n_new, starts, tokens, float(rel))
+        assert rel < 8e-3, (n_new, starts, tokens, float(rel))
     assert bool((seqs.key_center != 0).any()), "no centre was set"
 
 
