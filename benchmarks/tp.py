@@ -66,7 +66,7 @@ def cells(model: Transformer, args, batch: int, world_size: int) -> list[dict]:
     cell_args = argparse.Namespace(modes=args.modes, batches=[batch], contexts=[args.context],
                                    dense=[], formats=args.formats, steps=args.steps,
                                    kv_budget_gb=args.kv_budget_gb, splits=None, sinks=None,
-                                   kernels=0)  # fmt: skip
+                                   center=False, kernels=0)  # fmt: skip
     return [dict(world_size=world_size, **row) for row in run_cells(model.eval(), cell_args)]
 
 

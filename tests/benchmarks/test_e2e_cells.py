@@ -27,7 +27,7 @@ def model() -> Transformer:
 
 def _args() -> Namespace:
     return Namespace(modes=["eager"], batches=[1], contexts=[48], formats=["4bit_nc"], dense=[],
-                     steps=STEPS, kernels=0, splits=None, sinks=None,
+                     steps=STEPS, kernels=0, splits=None, sinks=None, center=False,
                      kv_budget_gb=1.0)  # fmt: skip
 
 

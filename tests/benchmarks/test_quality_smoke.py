@@ -32,9 +32,10 @@ def test_quality_tiny_cpu_reports_bf16_and_4bit(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     table = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.strip()}
+    ppl = table["cache"].index("ppl")  # the header row names the columns
     for cache in ("bf16", "4bit_nc"):
         assert cache in table, f"no row for {cache} in:\n{result.stdout}"
-        assert math.isfinite(float(table[cache][3])), table[cache]  # the ppl column
+        assert math.isfinite(float(table[cache][ppl])), table[cache]
     rows = {(row["cache"], row["window"]): row for row in json.loads(out.read_text())["rows"]}
     assert sorted(rows, key=str) == [("4bit_nc", 0), ("4bit_nc", 8), ("bf16", None)]
     assert all(math.isfinite(row["ppl"]) and row["ppl"] > 1 for row in rows.values())
