@@ -389,10 +389,8 @@ def center_keys(
             key_center[b] = 0.0  # a new sequence: nothing it holds is centred yet
         held = window_pos[b].to(torch.int64)  # [Hk, W + sinks]
         live = (held >= 0) & (held < start)
-        # the least live position of the window slots (the start if none): pages hold
-        # [sinks, paged_to)
-        paged_to = torch.where(live[:, :window], held[:, :window], start)
-        paged_to = torch.cat([paged_to, torch.full_like(held[:, :1], start)], dim=1).amin(dim=1)
+        # pages hold [sinks, paged_to): the ring run's start for the length `start`
+        paged_to = ring_start(window_pos[b : b + 1], torch.tensor([start]), sinks)[0]  # [Hk]
         freeze = (paged_to <= sinks) & (start + n_new - window > sinks)  # [Hk]
         if freeze.any():
             old = key_center[b].clone()  # [Hk, D]

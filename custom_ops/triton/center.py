@@ -25,11 +25,47 @@ import triton.language as tl
 
 from custom_ops.formats import ring_window
 from custom_ops.triton.launch import KeyedMemo, Launcher
+from custom_ops.triton.paged import ring_start
 
-__all__ = ["center_keys_kernel", "center_keys"]
+__all__ = ["center_keys_kernel", "center_keys", "ring_sample_sum", "recenter_ring"]
 
 # ring slots or new tokens per step of the kernel's loops
 _BLOCK = 32
+
+
+@triton.jit
+def ring_sample_sum(k_window_ptr, pos_ptr, ring_base, stride_w_slot, rows, start, old, window,
+                    SINKS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
+    """For sequence-heads ``rows [R]`` (bool) whose rings start at element ``ring_base [R]``
+    (int64): the sum ``[R, D_PAD]`` float32 and the count ``[R]`` int32 of the keys that their
+    ``window`` window slots hold of the centre's sample positions ``[SINKS, SINKS + window)``
+    below ``start [R]``, un-centred (stored plus their centre ``old [R, D_PAD]``)."""
+    d = tl.arange(0, D_PAD)[None, :]
+    total = tl.zeros_like(old)
+    count = tl.zeros_like(start)
+    for s in range(0, window):
+        held = tl.load(pos_ptr + ring_base // D + s, mask=rows, other=-1)
+        sample = (held >= SINKS) & (held < start) & (held < SINKS + window)
+        ring = tl.load(k_window_ptr + ring_base[:, None] + s * stride_w_slot + d,
+                       mask=sample[:, None] & (d < D), other=0.0)  # fmt: skip
+        total += tl.where(sample[:, None], ring.to(tl.float32) + old, 0.0)
+        count += sample.to(tl.int32)
+    return total, count
+
+
+@triton.jit
+def recenter_ring(k_window_ptr, pos_ptr, ring_base, stride_w_slot, rows, start, old, new,
+                  num_slots, D: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
+    """Re-centre the live slots (positions in ``[0, start)``) of the rings of ``num_slots``
+    slots (window and sinks) of sequence-heads ``rows [R]``: stored key plus the old centre
+    ``old [R, D_PAD]``, minus the new one ``new``, rounded to the ring's dtype."""
+    d = tl.arange(0, D_PAD)[None, :]
+    for s in range(0, num_slots):
+        held = tl.load(pos_ptr + ring_base // D + s, mask=rows, other=-1)
+        moved = (rows & (held >= 0) & (held < start))[:, None] & (d < D)
+        slot_rows = k_window_ptr + ring_base[:, None] + s * stride_w_slot + d
+        ring = tl.load(slot_rows, mask=moved).to(tl.float32)
+        tl.store(slot_rows, (ring + old - new).to(k_window_ptr.dtype.element_ty), mask=moved)
 
 
 @triton.jit
@@ -57,7 +93,8 @@ def center_keys_kernel(
 ):
     """Sequence-head ``(b, head)`` = program: reset its centre at a write from position 0; at
     the write that sends its first positions to pages, set the centre to the sample's mean and
-    re-centre the ring's live slots (positions below the start) on it."""
+    re-centre the ring's live slots (positions below the start) on it. Its row is a batch of
+    one for the helpers the window store shares."""
     b = tl.program_id(0) // num_kv_heads
     head = tl.program_id(0) % num_kv_heads
     start = tl.load(start_pos_ptr + b * stride_start)
@@ -65,62 +102,39 @@ def center_keys_kernel(
     b64 = b.to(tl.int64)
     head64 = head.to(tl.int64)
     ring_base = b64 * stride_w_b + head64 * stride_w_h  # element offset of slot 0
-    pos_base = ring_base // D  # the ring's window_pos entries (contiguous planes)
-    slots = tl.arange(0, BLOCK)
 
     # the least live position in the window slots (the start if none): pages hold [SINKS, it)
-    paged_to = start
-    for first in range(0, window, BLOCK):
-        slot = first + slots
-        held = tl.load(pos_ptr + pos_base + slot, mask=slot < window, other=-1)
-        live = (held >= 0) & (held < start)
-        paged_to = tl.minimum(paged_to, tl.min(tl.where(live, held, start), axis=0))
+    paged_to = ring_start(pos_ptr + ring_base // D, start, window, BLOCK)
     freeze = (start >= 0) & (paged_to <= SINKS) & (start + num_new - window > SINKS)
     restart = start == 0
 
-    d = tl.arange(0, D_PAD)
+    d = tl.arange(0, D_PAD)[None, :]
     d_ok = d < D
-    center_row = center_ptr + (b64 * num_kv_heads + head64) * D + d
+    center_row = center_ptr + (b64 * num_kv_heads + head64) * D + d  # [1, D_PAD]
     if freeze | restart:
         old = tl.load(center_row, mask=d_ok & ~restart, other=0.0)
         mean = old
         if freeze:
+            one = tl.zeros([1], dtype=tl.int32)  # the helpers' batch of one row
+            rows, starts, bases = one == 0, one + start, one.to(tl.int64) + ring_base
             samples = tl.maximum(window, 1)
-            total = tl.zeros([D_PAD], dtype=tl.float32)
-            count = 0
             # the sample's positions still in the ring (below the start), un-centred
-            for first in range(0, window, BLOCK):
-                slot = first + slots
-                held = tl.load(pos_ptr + pos_base + slot, mask=slot < window, other=-1)
-                sample = (held >= SINKS) & (held < start) & (held < SINKS + samples)
-                rows = ring_base + slot.to(tl.int64)[:, None] * stride_w_slot + d[None, :]
-                ring = tl.load(k_window_ptr + rows, mask=sample[:, None] & d_ok[None, :])
-                total += tl.sum(tl.where(sample[:, None], ring.to(tl.float32) + old[None, :],
-                                         0.0), axis=0)  # fmt: skip
-                count += tl.sum(sample.to(tl.int32), axis=0)
+            total, count = ring_sample_sum(k_window_ptr, pos_ptr, bases, stride_w_slot, rows,
+                                           starts, old, window, SINKS, D, D_PAD)  # fmt: skip
             # and the new tokens' (token t at position start + t)
             src = key_ptr + b64 * stride_kb + head64 * stride_kh
             lo = tl.maximum(SINKS - start, 0)
             hi = tl.minimum(num_new, SINKS + samples - start)
             for first in range(lo, hi, BLOCK):
-                token = first + slots
-                sample = token < hi
-                rows = src + token.to(tl.int64)[:, None] * stride_kt + d[None, :] * stride_kd
-                new = tl.load(rows, mask=sample[:, None] & d_ok[None, :])
-                total += tl.sum(tl.where(sample[:, None], new.to(tl.float32), 0.0), axis=0)
-                count += tl.sum(sample.to(tl.int32), axis=0)
-            mean = total / tl.maximum(count, 1).to(tl.float32)
+                token = (first + tl.arange(0, BLOCK))[:, None]
+                new = tl.load(src + token.to(tl.int64) * stride_kt + d * stride_kd,
+                              mask=(token < hi) & d_ok)  # fmt: skip
+                total += tl.sum(tl.where(token < hi, new.to(tl.float32), 0.0), axis=0)[None, :]
+                count += tl.sum((token < hi).to(tl.int32))
+            mean = total / tl.maximum(count, 1).to(tl.float32)[:, None]
             # re-centre every live slot, sinks included
-            for first in range(0, window + SINKS, BLOCK):
-                slot = first + slots
-                held = tl.load(pos_ptr + pos_base + slot, mask=slot < window + SINKS, other=-1)
-                live = (held >= 0) & (held < start)
-                rows = ring_base + slot.to(tl.int64)[:, None] * stride_w_slot + d[None, :]
-                ring_mask = live[:, None] & d_ok[None, :]
-                ring = tl.load(k_window_ptr + rows, mask=ring_mask).to(tl.float32)
-                moved = ring + old[None, :] - mean[None, :]
-                tl.store(k_window_ptr + rows, moved.to(k_window_ptr.dtype.element_ty),
-                         mask=ring_mask)  # fmt: skip
+            recenter_ring(k_window_ptr, pos_ptr, bases, stride_w_slot, rows, starts, old, mean,
+                          window + SINKS, D, D_PAD)  # fmt: skip
         tl.store(center_row, mean, mask=d_ok)
 
 

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from custom_ops.formats import KVFormat, PagedKVCache, ring_window
 from custom_ops.reference import written_lengths
-from custom_ops.triton.center import center_keys
+from custom_ops.triton.center import center_keys, recenter_ring, ring_sample_sum
 from custom_ops.triton.encode import encode_side
 from custom_ops.triton.launch import KeyedMemo, Launcher
 from custom_ops.triton.paged import plane_arguments, ring_arguments, row_pointers, table_arguments
@@ -145,28 +145,24 @@ def store_window_kernel(
         tl.store(center_rows, center, mask=restart[:, None] & (d < D))
         freeze = evict & (leaving == SINKS)
         if tl.max(freeze.to(tl.int32), axis=0) > 0:
-            pos_base = ring_base // D
-            total = tl.zeros([BLOCK_R, D_PAD], dtype=tl.float32)
-            count = tl.zeros([BLOCK_R], dtype=tl.int32)
-            for s in range(0, window):
-                held = tl.load(pos_ptr + pos_base + s, mask=freeze, other=-1)
-                sample = (held >= SINKS) & (held < start) & (held < SINKS + window)
-                rows_s = ring_base[:, None] + s * stride_w_slot + d
-                ring = tl.load(k_window_ptr + rows_s, mask=sample[:, None] & (d < D), other=0.0)
-                total += tl.where(sample[:, None], ring.to(tl.float32) + center, 0.0)
-                count += sample.to(tl.int32)
+            total, count = ring_sample_sum(k_window_ptr, pos_ptr, ring_base, stride_w_slot,
+                                           freeze, start, center, window, SINKS, D,
+                                           D_PAD)  # fmt: skip
             mean = total / tl.maximum(count, 1).to(tl.float32)[:, None]
             tl.debug_barrier()
-            for s in range(0, window + SINKS):  # every live slot, sinks included
-                held = tl.load(pos_ptr + pos_base + s, mask=freeze, other=-1)
-                moved = (freeze & (held >= 0) & (held < start))[:, None] & (d < D)
-                rows_s = ring_base[:, None] + s * stride_w_slot + d
-                ring = tl.load(k_window_ptr + rows_s, mask=moved).to(tl.float32)
-                tl.store(
-                    k_window_ptr + rows_s,
-                    (ring + center - mean).to(k_window_ptr.dtype.element_ty),
-                    mask=moved,
-                )
+            recenter_ring(
+                k_window_ptr,
+                pos_ptr,
+                ring_base,
+                stride_w_slot,
+                freeze,
+                start,
+                center,
+                mean,
+                window + SINKS,
+                D,
+                D_PAD,
+            )  # every live slot, sinks included
             center = tl.where(freeze[:, None], mean, center)
             tl.store(center_rows, center, mask=freeze[:, None] & (d < D))
             # the re-centred rows are written before the leaving token's is read
