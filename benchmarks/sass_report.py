@@ -108,6 +108,9 @@ def main() -> None:
     parser.add_argument("--format", default="4bit_nc")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--group", type=int, default=4)
+    parser.add_argument(
+        "--tokens", type=int, default=1, help="query tokens per sequence (a verify step's T)"
+    )
     parser.add_argument("--block-n", type=int, help="default: the launch plan's")
     parser.add_argument("--warps", type=int, help="default: the launch plan's")
     parser.add_argument("--stages", type=int, help="default: the launch plan's")
@@ -135,7 +138,7 @@ def main() -> None:
     batch, hk, page, pages = 1, 8, 16, 64
     cache = fmt.allocate(pages, hk, page, args.head_dim)
     consts = api.make_constants(fmt, args.head_dim)
-    q = torch.zeros(batch, hk * args.group, args.head_dim, dtype=torch.bfloat16)
+    q = torch.zeros(batch, hk * args.group, args.tokens, args.head_dim, dtype=torch.bfloat16)
     table = torch.zeros(batch, pages, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
     ring = torch.zeros(batch, hk, args.window + args.sinks, args.head_dim, dtype=torch.bfloat16)
@@ -157,7 +160,8 @@ def main() -> None:
     report(
         compiled,
         block_n * subtiles,
-        f"{args.format} D={args.head_dim} group={args.group} BLOCK_N={block_n} x {subtiles}, "
+        f"{args.format} D={args.head_dim} group={args.group} T={args.tokens} "
+        f"BLOCK_N={block_n} x {subtiles}, "
         f"{kwargs['num_warps']} warps, maxnreg {kwargs.get('maxnreg')}",
     )
 

@@ -190,14 +190,16 @@ def compile_split_kernel(
     window_pos: torch.Tensor | None = None,
     sinks: int = 0,
 ):
-    """Compile (not launch) the split kernel of this decode through ``compile_fn(kernel, grid,
-    *args, **kwargs)``; ``benchmarks/sass_report.py`` compiles it for sm_90 without a GPU
-    (``split_config`` overrides the plan's launch, register cap included)."""
+    """Compile (not launch) the split kernel of this decode (``q [B, Hq, D]`` or ``[B, Hq, T,
+    D]``) through ``compile_fn(kernel, grid, *args, **kwargs)``; ``benchmarks/sass_report.py``
+    compiles it for sm_90 without a GPU (``split_config`` overrides the plan's launch, register
+    cap included)."""
     plan = plan_for(fmt, q, cache, block_table, num_splits, None, k_window, fast, split_config,
                     sinks=sinks)  # fmt: skip
     mask_args = _mask_arguments(None, seq_lens)
-    q_code, part_out, part_lse = _buffers(plan, q)
-    arguments = split_arguments(q, q_code, LOG2E, rotation, cache, block_table, seq_lens,
+    rows = q.reshape(q.shape[0], -1, q.shape[-1])  # [B, Hq * T, D]
+    q_code, part_out, part_lse = _buffers(plan, rows)
+    arguments = split_arguments(rows, q_code, LOG2E, rotation, cache, block_table, seq_lens,
                                 mask_args, k_window, v_window, window_pos,
                                 ring_window(k_window, sinks), part_out, part_lse)  # fmt: skip
     return compile_split(plan.split, arguments, compile_fn)

@@ -6,10 +6,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["LOG2E", "causal_ends", "mask_scores", "softmax_rescale", "partial_normalizer"]
+__all__ = [
+    "LOG2E",
+    "RESCALE_SLACK",
+    "causal_ends",
+    "mask_scores",
+    "needs_rescale",
+    "softmax_rescale",
+    "partial_normalizer",
+]
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
+# How far (log2 units) a tile's scores may rise above the maximum the split kernel's
+# probabilities are taken against before it moves that maximum and rescales its accumulators:
+# probabilities then reach 2**RESCALE_SLACK, and after the first tiles a rescale is rare
+# instead of a multiply of every accumulator per tile (NOTES "Rescale past a slack").
+RESCALE_SLACK = tl.constexpr(4)
 
 
 @triton.jit
@@ -44,6 +57,14 @@ def mask_scores(scores, positions, masking, b, q_head, row_ok, MASK: tl.constexp
             bias = tl.load(mask_ptrs, mask=in_mask, other=float("-inf")).to(tl.float32)
             scores = scores + bias * _LOG2E
     return scores
+
+
+@triton.jit
+def needs_rescale(tile_max, m_i):
+    """Whether some query row's tile maximum ``tile_max [G_PAD]`` exceeds the maximum ``m_i``
+    its probabilities are taken against by more than :data:`RESCALE_SLACK` (a scalar; a row
+    that saw no key so far, ``m = -inf``, counts once it sees one)."""
+    return tl.max((tile_max > m_i + RESCALE_SLACK).to(tl.int32), axis=0) > 0
 
 
 @triton.jit

@@ -33,8 +33,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from custom_ops.formats import PagedKVCache
 from custom_ops.triton.decode.query import query_part, ring_query, rotate_query
 from custom_ops.triton.decode.softmax import (
+    RESCALE_SLACK,
     causal_ends,
     mask_scores,
+    needs_rescale,
     partial_normalizer,
     softmax_rescale,
 )
@@ -67,8 +69,9 @@ QUERY_PREPARED = tl.constexpr(1)
 QUERY_ROTATED_HERE = tl.constexpr(2)
 
 
-# The largest value scale (or norm) whose products p * v_scale the split pass takes as they are.
-_UNIT_MAX = tl.constexpr(2.0**15)
+# The largest value scale (or norm) whose products p * v_scale the split pass takes as they are
+# (p <= 2**RESCALE_SLACK: the products stay below 2**15, fp16's largest power of two).
+_UNIT_MAX = tl.constexpr(2.0 ** (15 - RESCALE_SLACK.value))
 _UNIT_MIN = tl.constexpr(2.0**-10)
 
 
@@ -80,10 +83,16 @@ def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, Q_TOKENS: tl.constexpr
                      K: tl.constexpr, V: tl.constexpr, SINKS: tl.constexpr):  # fmt: skip
     """The online softmax over the compressed tokens ``[start, end)`` of ``tiles``: ``(m, l,
     acc0..3, zero_acc, v_top)``, the value products accumulated in units of ``1 / inv_unit``
-    and ``v_top`` the largest value scale seen."""
+    and ``v_top`` the largest value scale seen.
+
+    ``m`` is the maximum the probabilities are taken against, not always the scores' running
+    maximum: it moves (and the accumulators are rescaled) only when a tile's scores rise above
+    it by more than ``RESCALE_SLACK``, so probabilities reach ``2**RESCALE_SLACK``; ``l`` and
+    the accumulators are relative to it, which is all the partial needs."""
     start, end, early_a, early_b, b, table, k_plane, meta_plane, v_plane, qs, masking, \
         q_head, row_ok = tiles  # fmt: skip
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    m_sub = tl.zeros([G_PAD], tl.float32)  # m_i, 0 where -inf: what exp2 subtracts
     l_i = tl.zeros([G_PAD], tl.float32)
     # O^T = V^T @ P^T per value part: [V_PC_PAD, G_PAD] float32
     V_PC_PAD: tl.constexpr = V.PC_PAD
@@ -109,18 +118,21 @@ def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, Q_TOKENS: tl.constexpr
                 q_head, row_ok, MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE, SINKS,
             )  # fmt: skip
             tile_max = tl.maximum(scores_a, scores_b)
-        m_i, m_sub, alpha = softmax_rescale(tl.max(tile_max, axis=0), m_i)
+        tile_max = tl.max(tile_max, axis=0)
+        if needs_rescale(tile_max, m_i):
+            m_i, m_sub, alpha = softmax_rescale(tile_max, m_i)
+            l_i *= alpha
+            zero_acc *= alpha
+            acc0 *= alpha[None, :]
+            acc1 *= alpha[None, :]
+            acc2 *= alpha[None, :]
+            acc3 *= alpha[None, :]
         p_a = tl.math.exp2(scores_a - m_sub[None, :])
         p_sum = p_a
         if SUBTILES == 2:
             p_b = tl.math.exp2(scores_b - m_sub[None, :])
             p_sum = p_a + p_b
-        l_i = l_i * alpha + tl.sum(p_sum, axis=0)
-        zero_acc *= alpha
-        acc0 *= alpha[None, :]
-        acc1 *= alpha[None, :]
-        acc2 *= alpha[None, :]
-        acc3 *= alpha[None, :]
+        l_i += tl.sum(p_sum, axis=0)
         v_mul_a = value_multipliers(m_row_a, valid_a, V)
         v_seen = tl.maximum(v_seen, v_mul_a)
         acc0, acc1, acc2, acc3, zero_acc = compressed_values(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import expecttest
 import pytest
 import torch
+import triton
 from conftest import CUDA, triton_kernels
 from helpers import (
     IMPLS,
@@ -15,6 +16,7 @@ from helpers import (
     impl_context,
     impl_device,
     longer_table,
+    random_kv,
     rel_error,
     stale_tables,
 )
@@ -30,9 +32,10 @@ from window_sequences import (
 )
 
 from custom_ops import api, reference
-from custom_ops.formats import FORMATS
+from custom_ops.formats import FORMATS, get_format
 from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode import MergeConfig, SplitConfig
+from custom_ops.triton.decode.softmax import LOG2E
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
 
@@ -68,6 +71,42 @@ def test_kernel_matches_float64_attention(fmt_name, group, kernel_device, seeded
     expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
     actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device, num_splits=4)
     assert bool((actual[1] == 0).all()), "a sequence of length 0 attends to nothing"
+    assert rel_error(actual, expected) < 1e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4"])
+def test_scores_rising_along_the_sequence(fmt_name, tokens, kernel_device, seeded):
+    """One split streams ten 32-token tiles whose scores rise and fall along the sequence: some
+    tiles raise the maximum by less than the split kernel's rescale slack (probabilities above
+    1 against the maximum it keeps), some by more (the accumulators rescaled), some not at all.
+    Each of T query tokens (causal among them in the last tile) equals float64 attention."""
+    fmt = get_format(fmt_name)
+    head_dim, num_kv_heads, group, page_size = 64, 2, 4, 16
+    n_tokens = 10 * 32 - 5
+    consts = api.make_constants(fmt, head_dim, seed=3)
+    key, value = random_kv(n_tokens, num_kv_heads, head_dim, torch.float32, seeded)
+    key, value = key * 0.05, value
+    # Every query is 2 * u plus a little noise, so a key's component c * u adds about
+    # 2 * c / sqrt(D) * log2(e) to its scores (log2 units): offsets per tile, rising by 2 (under
+    # the slack of 4) or 6 (over it).
+    offsets = torch.tensor([0.0, 2, 8, 0, 8, 14, 3, 16, 18, 18]).repeat_interleave(32)[:n_tokens]
+    u = torch.nn.functional.normalize(torch.randn(head_dim, generator=seeded), dim=0)
+    key = key + (offsets / (2 * head_dim**-0.5 * LOG2E))[:, None, None] * u
+    num_pages = triton.cdiv(n_tokens, page_size)
+    cache = fmt.allocate(num_pages, num_kv_heads, page_size, head_dim)
+    reference.store(fmt, key.to(torch.bfloat16), value.to(torch.bfloat16), cache,
+                    torch.arange(n_tokens, dtype=torch.int32), *consts)  # fmt: skip
+    table = torch.arange(num_pages, dtype=torch.int32)[None]
+    lens = torch.tensor([n_tokens], dtype=torch.int32)
+    noise = torch.randn(1, num_kv_heads * group, tokens, head_dim, generator=seeded)
+    q = (2 * u + 0.1 * noise).to(torch.float16)
+    expected = torch.stack([
+        reference.decode(fmt, q[:, :, t], cache, table, lens - (tokens - 1 - t), *consts,
+                         head_dim**-0.5, torch.float64)
+        for t in range(tokens)
+    ], 2)  # fmt: skip
+    actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device, num_splits=1)
     assert rel_error(actual, expected) < 1e-3
 
 
