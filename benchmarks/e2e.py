@@ -448,7 +448,7 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
         big.block_table, start16, big.rotation, fmt, big.sinks))  # fmt: skip
     rows.append(dict(cache=fmt, call="tq.store_window B=16, T=1, ring full: GPU us",
                      cpu_us=op_us))  # fmt: skip
-    for block_rows, num_warps in ((16, 4), (16, 2), (8, 1)):  # the append's launch shape
+    for block_rows, num_warps in ((1, 1), (2, 1), (16, 4)):  # the append's launch shape
         us = append_us(lambda r=block_rows, w=num_warps: triton_store_window.store_window(
             get_format(fmt), k16, k16, PagedKVCache(big.k_codes, big.v_codes, big.meta),
             big.k_window, big.v_window, big.window_pos, big.block_table, start16, big.rotation,

@@ -46,16 +46,19 @@ def kernels(name: str) -> dict:
             store.store_kernel, (1,), rows, rows, *rows.stride(), *rows.stride(),
             plane_arguments(cache), lens, rot, 8, HEADS, PAGE, PAGES * PAGE, D=d, INV_SQRT_D=inv,
             BLOCK_R=32, K=kp, V=vp, num_warps=4),
-        **{f"store_window {start.dtype}{' centred' if center else ''}":
-           lambda start=start, center=center: compile_offline(
+        **{f"store_window {start.dtype}{' centred' if center else ''} {launch}":
+           lambda start=start, center=center, launch=launch: compile_offline(
             store_window.store_window_kernel, (1,), new, new, *new.stride(), *new.stride(),
             ring_arguments(ring, ring, ring_pos), plane_arguments(cache), table_arguments(table),
             start, start.stride(0), lens, rot, centres, 4, HEADS, 1, 1, WINDOW, PAGE, 4, D=d,
-            D_PAD=d, INV_SQRT_D=inv, BLOCK_R=32, K=kp, V=vp, SINKS=SINKS, CENTER=center,
-            CENTER_INLINE=center, num_warps=4)
-            # a cache's start: input_pos[:1].expand(B), int64; centring set inline (one token)
-            for start, center in ((lens, False), (torch.zeros(1, dtype=torch.int64).expand(2),
-                                                  False), (lens, True))},
+            D_PAD=d, INV_SQRT_D=inv, BLOCK_R=launch[0], K=kp, V=vp, SINKS=SINKS, CENTER=center,
+            CENTER_INLINE=center, num_warps=launch[1])
+            # a cache's start: input_pos[:1].expand(B), int64; centring set inline (one token);
+            # the launch shapes of appends and of prefill chunks
+            for start, center, launch in (
+                (lens, False, store_window.PREFILL_LAUNCH),
+                (torch.zeros(1, dtype=torch.int64).expand(2), False, store_window.APPEND_LAUNCH),
+                (lens, True, store_window.APPEND_LAUNCH))},
         "center_keys": lambda: compile_offline(
             center.center_keys_kernel, (4,), new, *new.stride(), ring, ring_pos,
             *ring.stride()[:3], centres, lens, lens.stride(0), HEADS, 1, WINDOW, D=d, D_PAD=d,

@@ -10,6 +10,7 @@ from helpers import clone_cache, poisoned_cache, random_kv
 
 from custom_ops import api
 from custom_ops.formats import get_format
+from custom_ops.triton import store_window as triton_store_window
 
 BATCH, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, WINDOW, PAGES_PER_SEQ = 2, 2, 64, 4, 8, 7
 # A sequence holds its table's positions plus the window: only the oldest len - W need pages.
@@ -69,9 +70,10 @@ class Sequences:
         self.device = device
         return self
 
-    def append(self, n_new, starts, gen, use_triton):
+    def append(self, n_new, starts, gen, use_triton, launch=None):
         """Write ``n_new`` random tokens at ``starts`` (a negative start skips the sequence; a
-        start below the length rewrites from there on)."""
+        start below the length rewrites from there on); ``launch``: the window store's ``(rows
+        per program, warps)`` instead of its default (the Triton launcher called directly)."""
         key, value = random_kv(BATCH * n_new, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, gen)
         key = key.reshape(BATCH, n_new, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)  # strided
         if self.key_center is not None:
@@ -88,11 +90,19 @@ class Sequences:
                 from_start = min(int(self.ring_from[b]), start)
                 self.ring_from[b] = max(from_start, start + n_new - self.window)
         d = self.device
-        with triton_kernels(d) if use_triton else torch.no_grad():
-            lens = api.store_window(self.fmt, self.cache, key.to(d), value.to(d), self.k_window,
-                                    self.v_window, self.window_pos, self.block_table,
-                                    start_pos.to(d), self.consts, self.sinks,
-                                    self.key_center)  # fmt: skip
+        if launch is not None:
+            with triton_kernels(d):
+                lens = triton_store_window.store_window(
+                    self.fmt, key.to(d), value.to(d), self.cache, self.k_window, self.v_window,
+                    self.window_pos, self.block_table, start_pos.to(d), self.consts.rotation,
+                    self.sinks, self.key_center, block_rows=launch[0], num_warps=launch[1],
+                )  # fmt: skip
+        else:
+            with triton_kernels(d) if use_triton else torch.no_grad():
+                lens = api.store_window(self.fmt, self.cache, key.to(d), value.to(d),
+                                        self.k_window, self.v_window, self.window_pos,
+                                        self.block_table, start_pos.to(d), self.consts,
+                                        self.sinks, self.key_center)  # fmt: skip
         # the op returns the written sequences' lengths, 0 for the skipped ones
         assert torch.equal(lens.cpu(), torch.where(start_pos >= 0, self.lens, 0)), lens
 

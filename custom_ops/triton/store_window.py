@@ -31,15 +31,27 @@ from custom_ops.triton.paged import plane_arguments, ring_arguments, row_pointer
 from custom_ops.triton.planes import CodecParams
 from custom_ops.triton.store import side_params, store
 
-__all__ = ["store_window_kernel", "store_window", "APPEND_ROWS", "APPEND_MAX_ROWS"]
+__all__ = [
+    "store_window_kernel",
+    "store_window",
+    "APPEND_LAUNCH",
+    "INTERPRETED_APPEND_LAUNCH",
+    "PREFILL_LAUNCH",
+    "APPEND_MAX_ROWS",
+]
 
-# Rows per program of the window store: 16 for appends (at most APPEND_MAX_ROWS rows, a decode
-# step or a short verify: twice the programs of 32-row blocks, each one's chain of quantizing
-# half as long; B16 x Hk 8 at T=1 on an H100: 4bit_nc 11.9 -> 7.1 us, k8v4 6.1 -> 3.3 us, NOTES
-# "End to end"), 32 otherwise (prefill chunks).
-APPEND_ROWS = 16
+# (rows per program, warps) of the window store: appends (at most APPEND_MAX_ROWS rows, a decode
+# step or a verify step) take one row per one-warp program, so each program's chain of loads
+# and quantizing is as short as it gets (ring full, H200: 4bit_nc B1 5.0 -> 3.7 us, tq3_nc B64
+# 10.5 -> 5.0 us against 16 rows on 4 warps; NOTES "Store: one row per program"); prefill
+# chunks take 32 rows on 4 warps. Triton's interpreter (CPU) runs a launch's programs one after
+# another in Python: there appends keep 16 rows on 4 warps (one row per program made the store
+# tests 5x slower); the bytes written do not depend on the shape (test_store_window.py checks
+# APPEND_LAUNCH against the reference on the CPU too).
+APPEND_LAUNCH = (1, 1)
+INTERPRETED_APPEND_LAUNCH = (16, 4)
+PREFILL_LAUNCH = (32, 4)
 APPEND_MAX_ROWS = 4096
-_DEFAULT_WARPS = 4
 
 
 @triton.jit
@@ -218,11 +230,15 @@ def _launcher(key_params: CodecParams, value_params: CodecParams, head_dim: int,
 
 
 def _launch(fmt: KVFormat, cache: PagedKVCache, head_dim: int, num_rows: int,
-            block_rows: int | None, num_warps: int, sinks: int, center: bool,
+            block_rows: int | None, num_warps: int | None, sinks: int, center: bool,
             center_inline: bool) -> tuple[Launcher, tuple[int]]:  # fmt: skip
-    """The window store's launcher and grid for ``num_rows`` rows."""
-    if block_rows is None:
-        block_rows = APPEND_ROWS if num_rows <= APPEND_MAX_ROWS else 32
+    """The window store's launcher and grid for ``num_rows`` rows (``block_rows`` and
+    ``num_warps`` None: :data:`APPEND_LAUNCH`'s, :data:`INTERPRETED_APPEND_LAUNCH`'s off a GPU,
+    or :data:`PREFILL_LAUNCH`'s)."""
+    append = APPEND_LAUNCH if cache.k_codes.is_cuda else INTERPRETED_APPEND_LAUNCH
+    default_rows, default_warps = append if num_rows <= APPEND_MAX_ROWS else PREFILL_LAUNCH
+    block_rows = block_rows or default_rows
+    num_warps = num_warps or default_warps
     launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, block_rows, num_warps,
                          sinks, center, center_inline)  # fmt: skip
     return launcher, (triton.cdiv(num_rows, block_rows),)
@@ -246,16 +262,16 @@ def store_window(
     sinks: int = 0,
     key_center: torch.Tensor | None = None,
     block_rows: int | None = None,
-    num_warps: int = _DEFAULT_WARPS,
+    num_warps: int | None = None,
     launch_key: Hashable | None = None,
 ) -> torch.Tensor:
     """Launch the window store (inputs validated; see ``torch.ops.tq.store_window``); the
     sequences' new lengths ``[B] int32``. With ``key_center`` the centres are set first
     (:func:`custom_ops.triton.center.center_keys`) and every key is stored minus its centre.
 
-    ``block_rows``: rows per program (default: :data:`APPEND_ROWS` for appends, 32 for more
-    rows); ``launch_key``: the launchers' specialization key (see
-    :class:`~custom_ops.triton.launch.Launcher`)."""
+    ``block_rows``, ``num_warps``: rows per program and its warps (default: :data:`APPEND_LAUNCH`
+    for appends on a GPU, :data:`PREFILL_LAUNCH` for more rows); ``launch_key``: the launchers'
+    specialization key (see :class:`~custom_ops.triton.launch.Launcher`)."""
     batch, num_kv_heads, n_new, head_dim = key.shape
     window = ring_window(k_window, sinks)
     if batch == 0 or n_new == 0:
@@ -291,7 +307,7 @@ def store_window(
     num_chains = min(n_new, max(window, sinks))
     num_rows = batch * num_chains * num_kv_heads
     # the memo holds the default launch shape's launches only
-    defaults = block_rows is None and num_warps == _DEFAULT_WARPS
+    defaults = block_rows is None and num_warps is None
     launcher, grid = _LAUNCHES.get(launch_key if defaults else None, lambda: _launch(
         fmt, cache, head_dim, num_rows, block_rows, num_warps, sinks, key_center is not None,
         center_inline))  # fmt: skip

@@ -32,6 +32,7 @@ from window_sequences import (
 
 from custom_ops import api, reference
 from custom_ops.formats import FORMATS, get_format
+from custom_ops.triton import store_window as triton_store_window
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
 
@@ -137,6 +138,31 @@ def _centred_ring_matches(actual, expected):
 TOKEN_STEPS = ([(5, (0, 0))] + [(1, (p, p)) for p in range(5, 16)]
                + [(1, (p, -1)) for p in range(2, 14)])  # fmt: skip
 _CENTRED_STEPS = {"rewrites": REWRITE_STEPS, "appends": STEPS, "tokens": TOKEN_STEPS}
+
+
+@pytest.mark.parametrize(
+    "fmt_name, center", [("4bit_nc", False), ("k8v4", False), ("4bit_nc", True), ("tq3_nc", True)]
+)
+def test_append_launch_matches_reference(fmt_name, center, kernel_device, seeded):
+    """The GPU's launch shape of appends (``APPEND_LAUNCH``: one row per one-warp program; the
+    interpreter's default is 16 rows on 4 warps) over the appends and rewrites, with and
+    without centring (single tokens set the centres inline): the reference's cache, rings and
+    centres."""
+    sinks = 3 if center else 0
+    expected = Sequences(fmt_name, torch.Generator().manual_seed(7), sinks=sinks, center=center)
+    actual = Sequences(fmt_name, torch.Generator().manual_seed(7), kernel_device, sinks=sinks,
+                       center=center)  # fmt: skip
+    for n_new, starts in REWRITE_STEPS + _CENTRED_STEPS["tokens"]:
+        expected.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=False)
+        actual.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=True,
+                      launch=triton_store_window.APPEND_LAUNCH)  # fmt: skip
+        assert_same_cache(expected.fmt, expected.cache, actual.cache)
+        _centred_ring_matches(actual.k_window.cpu(), expected.k_window)
+        assert torch.equal(actual.v_window.cpu(), expected.v_window)
+        assert torch.equal(actual.window_pos.cpu(), expected.window_pos)
+        if center:
+            torch.testing.assert_close(actual.key_center.cpu(), expected.key_center, rtol=1e-6,
+                                       atol=1e-6)  # fmt: skip
 
 
 @pytest.mark.parametrize("window, sinks, steps", [
