@@ -5,10 +5,12 @@ fails to compile."""
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
 import torch
+import triton
 
 from custom_ops import api
 from custom_ops.formats import get_format
@@ -46,19 +48,16 @@ def kernels(name: str) -> dict:
             store.store_kernel, (1,), rows, rows, *rows.stride(), *rows.stride(),
             plane_arguments(cache), lens, rot, 8, HEADS, PAGE, PAGES * PAGE, D=d, INV_SQRT_D=inv,
             BLOCK_R=32, K=kp, V=vp, num_warps=4),
-        **{f"store_window {start.dtype}{' centred' if center else ''} {launch}":
-           lambda start=start, center=center, launch=launch: compile_offline(
-            store_window.store_window_kernel, (1,), new, new, *new.stride(), *new.stride(),
-            ring_arguments(ring, ring, ring_pos), plane_arguments(cache), table_arguments(table),
-            start, start.stride(0), lens, rot, centres, 4, HEADS, 1, 1, WINDOW, PAGE, 4, D=d,
-            D_PAD=d, INV_SQRT_D=inv, BLOCK_R=launch[0], K=kp, V=vp, SINKS=SINKS, CENTER=center,
-            CENTER_INLINE=center, num_warps=launch[1])
-            # a cache's start: input_pos[:1].expand(B), int64; centring set inline (one token);
-            # the launch shapes of appends and of prefill chunks
-            for start, center, launch in (
-                (lens, False, store_window.PREFILL_LAUNCH),
-                (torch.zeros(1, dtype=torch.int64).expand(2), False, store_window.APPEND_LAUNCH),
-                (lens, True, store_window.APPEND_LAUNCH))},
+        # a cache's start: input_pos[:1].expand(B), int64; centring set inline (one token);
+        # the launch shapes of appends and of prefill chunks; a padded head dim (its rotation
+        # by products, one row per program in appends)
+        **{f"store_window D={dim} {start.dtype}{' centred' if center else ''} {launch}":
+           functools.partial(_store_window_job, fmt, dim, start, center, launch)
+           for dim, start, center, launch in (
+               (d, lens, False, store_window.PREFILL_LAUNCH),
+               (d, torch.zeros(1, dtype=torch.int64).expand(2), False, store_window.APPEND_LAUNCH),
+               (d, lens, True, store_window.APPEND_LAUNCH),
+               (96, lens, False, store_window.APPEND_LAUNCH))},
         "center_keys": lambda: compile_offline(
             center.center_keys_kernel, (4,), new, *new.stride(), ring, ring_pos,
             *ring.stride()[:3], centres, lens, lens.stride(0), HEADS, 1, WINDOW, D=d, D_PAD=d,
@@ -111,6 +110,26 @@ def kernels(name: str) -> dict:
             for kernel, (launch, args) in launches.items():
                 jobs[f"{kernel} ({label} splits, fast={fast})"] = _compile_job(launch, args)
     return jobs
+
+
+def _store_window_job(fmt, d, start, center, launch):
+    """Compile the window store for head dim ``d`` with ``start`` (int32 or int64 starts),
+    centring set inline or not, and ``launch`` ``(rows per program, warps)``."""
+    cache = fmt.allocate(PAGES, HEADS, PAGE, d)
+    kp, vp = side_params(fmt, cache, d)
+    d_pad = triton.next_power_of_2(d)
+    ring = torch.empty(2, HEADS, WINDOW + SINKS, d, dtype=torch.bfloat16)
+    ring_pos = torch.empty(2, HEADS, WINDOW + SINKS, dtype=torch.int32)
+    new = torch.empty(2, HEADS, 1, d, dtype=torch.bfloat16)
+    lens = torch.zeros(2, dtype=torch.int32)
+    return compile_offline(
+        store_window.store_window_kernel, (1,), new, new, *new.stride(), *new.stride(),
+        ring_arguments(ring, ring, ring_pos), plane_arguments(cache),
+        table_arguments(torch.zeros(2, 4, dtype=torch.int32)), start, start.stride(0), lens,
+        api.make_constants(fmt, d).rotation, torch.empty(2, HEADS, d), 4, HEADS, 1, 1, WINDOW,
+        PAGE, 4, D=d, D_PAD=d_pad, INV_SQRT_D=1 / math.sqrt(d), BLOCK_R=launch[0], K=kp, V=vp,
+        SINKS=SINKS, CENTER=center, CENTER_INLINE=center, num_warps=launch[1],
+    )  # fmt: skip
 
 
 def _compile_job(launch, args):

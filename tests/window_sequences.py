@@ -91,6 +91,7 @@ class Sequences:
                 self.ring_from[b] = max(from_start, start + n_new - self.window)
         d = self.device
         if launch is not None:
+            assert use_triton, "a launch shape is the Triton kernels'"
             with triton_kernels(d):
                 lens = triton_store_window.store_window(
                     self.fmt, key.to(d), value.to(d), self.cache, self.k_window, self.v_window,

@@ -269,9 +269,10 @@ def store_window(
     sequences' new lengths ``[B] int32``. With ``key_center`` the centres are set first
     (:func:`custom_ops.triton.center.center_keys`) and every key is stored minus its centre.
 
-    ``block_rows``, ``num_warps``: rows per program and its warps (default: :data:`APPEND_LAUNCH`
-    for appends on a GPU, :data:`PREFILL_LAUNCH` for more rows); ``launch_key``: the launchers'
-    specialization key (see :class:`~custom_ops.triton.launch.Launcher`)."""
+    ``block_rows``, ``num_warps``: rows per program and its warps (each None: that of
+    :data:`APPEND_LAUNCH` for appends on a GPU, of :data:`PREFILL_LAUNCH` for more rows);
+    ``launch_key``: the launchers' specialization key (see
+    :class:`~custom_ops.triton.launch.Launcher`)."""
     batch, num_kv_heads, n_new, head_dim = key.shape
     window = ring_window(k_window, sinks)
     if batch == 0 or n_new == 0:

@@ -64,7 +64,9 @@ def needs_rescale(tile_max, m_i):
     """Whether some query row's tile maximum ``tile_max [G_PAD]`` exceeds the maximum ``m_i``
     its probabilities are taken against by more than :data:`RESCALE_SLACK` (a scalar; a row
     that saw no key so far, ``m = -inf``, counts once it sees one)."""
-    return tl.max((tile_max > m_i + RESCALE_SLACK).to(tl.int32), axis=0) > 0
+    # the difference, not tile_max > m_i + SLACK: at |m| >= 2**26 the sum would round by 8
+    # (a row still masked gives -inf - -inf = NaN: no rescale)
+    return tl.max((tile_max - m_i > RESCALE_SLACK).to(tl.int32), axis=0) > 0
 
 
 @triton.jit

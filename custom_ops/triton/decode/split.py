@@ -268,10 +268,11 @@ def split_kernel(
     masking = (mask_args, causal_ends(seq_len, q_head, Q_TOKENS))
     tiles = (start, end, early_a, early_b, b, table, k_plane, meta_plane, v_plane, qs, masking,
              q_head, row_ok)  # fmt: skip
-    # The value products' fp16 operands are p * v_scale <= v_scale: where the largest scale
-    # could overflow fp16 or sit where its rounding is coarse, the pass runs again in units of
-    # it (operands <= 1). Values of ordinary size take one pass. (A while loop around one copy
-    # of the pass kept the registers but lost the loop's speed; the plan caps the registers.)
+    # The value products' fp16 operands are p * v_scale <= 2**RESCALE_SLACK * v_scale: where
+    # the largest scale could overflow fp16 or sit where its rounding is coarse, the pass runs
+    # again in units of it (operands <= 2**RESCALE_SLACK). Values of ordinary size take one
+    # pass. (A while loop around one copy of the pass kept the registers but lost the loop's
+    # speed; the plan caps the registers.)
     m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, v_top = _compressed_pass(
         1.0,
         tiles,

@@ -110,9 +110,10 @@ def compressed_values(p, v_rel, page, slot, m_row, valid, acc0, acc1, acc2, acc3
                       v_plane, PAGE_SIZE: tl.constexpr, TOKEN_RUN: tl.constexpr,
                       D: tl.constexpr, V: tl.constexpr):  # fmt: skip
     """Add one tile's ``O^T += V^T @ (p * v_rel)^T`` per value part (``p [BLOCK_N, G_PAD]``;
-    ``v_rel [BLOCK_N]`` the tokens' value multipliers relative to the accumulators' unit, at
-    most 1, so that the fp16 products neither overflow nor flush to zero whatever the values'
-    magnitude), and ``sum(p * v_zero)`` (absolute) to ``zero_acc`` for uniform values.
+    ``v_rel [BLOCK_N]`` the tokens' value multipliers relative to the accumulators' unit, which
+    the split kernel keeps within ``[2**-10, 2**11]`` (``p <= 2**4``), so that the fp16 products
+    neither overflow nor flush to zero whatever the values' magnitude), and ``sum(p *
+    v_zero)`` (absolute) to ``zero_acc`` for uniform values.
 
     Value codes of tokens past the end enter the product with zero probability, which is only
     safe for codes that decode to finite numbers: fp8 bytes there (stale or never written) can

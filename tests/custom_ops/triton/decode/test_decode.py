@@ -74,25 +74,31 @@ def test_kernel_matches_float64_attention(fmt_name, group, kernel_device, seeded
     assert rel_error(actual, expected) < 1e-3
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4"])
-def test_scores_rising_along_the_sequence(fmt_name, tokens, kernel_device, seeded):
+@pytest.mark.parametrize(
+    "fmt_name, tokens, value_scale",
+    [("4bit_nc", 1, 1.0), ("4bit_nc", 3, 1.0), ("k8v4", 1, 1.0), ("k8v4", 3, 1.0),
+     ("tq4_nc", 1, 1.0), ("tq4_nc", 1, 2.0**10)],
+)  # fmt: skip
+def test_scores_rising_along_the_sequence(fmt_name, tokens, value_scale, kernel_device, seeded):
     """One split streams ten 32-token tiles whose scores rise and fall along the sequence: some
-    tiles raise the maximum by less than the split kernel's rescale slack (probabilities above
-    1 against the maximum it keeps), some by more (the accumulators rescaled), some not at all.
-    Each of T query tokens (causal among them in the last tile) equals float64 attention."""
+    tiles raise a query row's maximum by less than the split kernel's rescale slack (then its
+    probabilities exceed 1, up to 2**3.5, against the maximum it keeps), some by more (the
+    accumulators rescaled), some not at all; half the rows see the scores fall instead. Each
+    of T query tokens (causal among them in the last tile) equals float64 attention; with
+    value norms near 2**13 (tq4_nc: rotated values, one norm per token), where such
+    probabilities times the norms overflow fp16, through the pass in units of the largest."""
     fmt = get_format(fmt_name)
     head_dim, num_kv_heads, group, page_size = 64, 2, 4, 16
     n_tokens = 10 * 32 - 5
     consts = api.make_constants(fmt, head_dim, seed=3)
     key, value = random_kv(n_tokens, num_kv_heads, head_dim, torch.float32, seeded)
-    key, value = key * 0.05, value
-    # Every query is 2 * u plus a little noise, so a key's component c * u adds about
-    # 2 * c / sqrt(D) * log2(e) to its scores (log2 units): offsets per tile, rising by 2 (under
-    # the slack of 4) or 6 (over it).
-    offsets = torch.tensor([0.0, 2, 8, 0, 8, 14, 3, 16, 18, 18]).repeat_interleave(32)[:n_tokens]
+    key, value = key * 0.05, torch.randn(value.shape, generator=seeded) * value_scale
+    # A query 2 * u (plus a little noise) gets about 2 * c / sqrt(D) * log2(e) (log2 units) from
+    # a key's component c * u: offsets per tile, rising by 3.5 (under the slack of 4), 5.5 or 6
+    # (over it), 1.5 or not at all; queries -2 * u see them fall.
+    offsets = torch.tensor([0.0, 3.5, 9, 0, 9, 15, 3, 18.5, 20, 20]).repeat_interleave(32)
     u = torch.nn.functional.normalize(torch.randn(head_dim, generator=seeded), dim=0)
-    key = key + (offsets / (2 * head_dim**-0.5 * LOG2E))[:, None, None] * u
+    key = key + (offsets[:n_tokens] / (2 * head_dim**-0.5 * LOG2E))[:, None, None] * u
     num_pages = triton.cdiv(n_tokens, page_size)
     cache = fmt.allocate(num_pages, num_kv_heads, page_size, head_dim)
     reference.store(fmt, key.to(torch.bfloat16), value.to(torch.bfloat16), cache,
@@ -100,7 +106,8 @@ def test_scores_rising_along_the_sequence(fmt_name, tokens, kernel_device, seede
     table = torch.arange(num_pages, dtype=torch.int32)[None]
     lens = torch.tensor([n_tokens], dtype=torch.int32)
     noise = torch.randn(1, num_kv_heads * group, tokens, head_dim, generator=seeded)
-    q = (2 * u + 0.1 * noise).to(torch.float16)
+    sign = 1 - 2 * (torch.arange(num_kv_heads * group) % 2)  # +u, -u, ... per query head
+    q = (2 * sign[None, :, None, None] * u + 0.1 * noise).to(torch.float16)
     expected = torch.stack([
         reference.decode(fmt, q[:, :, t], cache, table, lens - (tokens - 1 - t), *consts,
                          head_dim**-0.5, torch.float64)
