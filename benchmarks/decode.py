@@ -61,7 +61,11 @@ COLD_BYTES = 256 << 20
 
 
 def capture(calls) -> torch.cuda.CUDAGraph:
-    """A CUDA graph that makes all ``calls`` (compiled and warmed up outside the capture)."""
+    """A CUDA graph that makes all ``calls`` (compiled and warmed up outside the capture).
+
+    The graph holds addresses, not tensors: the caller keeps ``calls`` (and so every tensor
+    they read) alive for as long as it replays the graph. A ring freed after the capture is
+    reused by the next allocation, and the graph then reads whatever lands there."""
     for call in calls:
         call()
     torch.cuda.synchronize()
@@ -252,18 +256,18 @@ def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,), sink_coun
                 ]
                 configs += [({}, max(1, int(splits_default * f))) for f in SPLIT_FACTORS]
             for config, splits in configs:
+                # the calls hold the rings their graph reads: kept until every graph is timed
+                ring_calls = {
+                    ring: tq_calls(fmt, inputs, window_rings(inputs, *ring), splits, **config)
+                    for ring in rings
+                }
                 try:
-                    graphs = {
-                        ring: capture(
-                            tq_calls(fmt, inputs, window_rings(inputs, *ring), splits, **config)
-                        )
-                        for ring in rings
-                    }
+                    graphs = {ring: capture(calls) for ring, calls in ring_calls.items()}
                 except Exception as err:  # a sweep point that does not compile or fit
                     print(f"  {name} {config}: {type(err).__name__}: {str(err)[:160]}")
                     continue
                 times = time_windows(graphs, len(inputs))
-                del graphs
+                del graphs, ring_calls
                 label = _config_label(config)
                 for (window, sinks), us in times.items():
                     t1 = one_token_us.setdefault((shape, name, (window, sinks), label), us)
