@@ -217,9 +217,13 @@ def plan_decode(
     block_n = split_config.block_n or TOKENS_PER_STEP // subtiles
     one_tile = capacity <= num_splits * subtiles * block_n
     query = _query_mode(fmt, keys, head_dim, capacity, num_splits, g_pad)
-    ring_places = window + sinks  # the longest ring run: the window's positions and the sinks
-    ring_in_split = ring_places > 0 and not fmt.value.rotated
-    window_parts, slots_per_part = ring.window_parts(0 if ring_in_split else ring_places)
+    ring_in_split = window + sinks > 0 and not fmt.value.rotated
+    # rotated values: the ring kernel's parts (the split kernel reads none)
+    window_parts, slots_per_part = (
+        (0, 0)
+        if ring_in_split
+        else ring.window_parts(window, sinks, batch * num_kv_heads, sm_count)
+    )
     num_partials = num_splits + window_parts
     split_grid = (num_splits, num_kv_heads, batch)
     num_warps = split_config.num_warps
@@ -277,7 +281,8 @@ def plan_decode(
             ring.ring_partials_kernel, dict(
             MASK=mask_kind, Q_TOKENS=q_tokens, D=head_dim, D_PAD=d_pad, GROUP=group,
             G_PAD=triton.next_power_of_2(group),
-            BLOCK_W=ring.BLOCK_W, SLOTS_PER_PART=slots_per_part, NUM_SPLITS=num_splits,
+            BLOCK_W=ring.BLOCK_W, SLOTS_PER_PART=slots_per_part,
+            SINK_BLOCK=ring.sink_block(sinks), NUM_SPLITS=num_splits,
             NUM_PARTIALS=num_partials, WINDOW_QK_F32=not fast or ring_dtype != q_dtype,
             WINDOW_F32=not fast, SINKS=sinks, PDL=pdl, num_warps=ring.NUM_WARPS, **later,
         )))  # fmt: skip

@@ -26,15 +26,16 @@ from custom_ops.triton.decode.softmax import (
     softmax_rescale,
 )
 from custom_ops.triton.decode.tiles import ring_product, split_probabilities
-from custom_ops.triton.paged import (
-    ring_arguments,
-    ring_run_length,
-    ring_run_positions,
-    ring_slots,
-    ring_start,
-)
+from custom_ops.triton.paged import ring_arguments, ring_slots, ring_start
 
-__all__ = ["BLOCK_W", "NUM_WARPS", "window_parts", "ring_partials_kernel", "launch_ring"]
+__all__ = [
+    "BLOCK_W",
+    "NUM_WARPS",
+    "window_parts",
+    "sink_block",
+    "ring_partials_kernel",
+    "launch_ring",
+]
 
 # Ring slots per tile and warps per program; a ring is split over at most MAX_PARTS programs
 # per (sequence, kv-head).
@@ -43,15 +44,65 @@ NUM_WARPS = 4
 MAX_PARTS = 8
 
 
-def window_parts(window: int) -> tuple[int, int]:
-    """``(parts, slots_per_part)`` of a ring of ``window`` slots (sinks included): this
-    kernel's programs per (sequence, kv-head), each over whole ``BLOCK_W`` tiles; ``(0, 0)``
-    without a ring."""
+def window_parts(window: int, sinks: int = 0, sequence_heads: int = 0,
+                 sm_count: int | None = None) -> tuple[int, int]:  # fmt: skip
+    """``(parts, slots_per_part)`` of rings of ``window`` window slots and ``sinks`` sink slots:
+    this kernel's programs per (sequence, kv-head), each over whole ``BLOCK_W`` tiles of the
+    window's places, the last one also over the sinks; ``(0, 0)`` without a ring.
+
+    Where one part more for each of the ``sequence_heads`` (B x Hk) would still leave each of
+    a GPU's ``sm_count`` SMs at most one program (one sequence, few heads), the sinks get that
+    part of their own, past the window's places: their tile then runs beside the window's
+    instead of after one of them. On fuller grids the extra programs would wait for SMs
+    instead, so there (and off a GPU, ``sm_count`` None) the sinks share the window's last part
+    (NOTES "The sinks' decode cost: a benchmark that read freed rings")."""
     if window == 0:
-        return 0, 0
+        return (1 if sinks else 0), 0
     parts = min(MAX_PARTS, triton.cdiv(window, BLOCK_W))
     slots = triton.cdiv(triton.cdiv(window, parts), BLOCK_W) * BLOCK_W
-    return triton.cdiv(window, slots), slots
+    parts = triton.cdiv(window, slots)
+    apart = sinks > 0 and sm_count is not None and (parts + 1) * sequence_heads <= sm_count
+    return parts + apart, slots
+
+
+def sink_block(sinks: int) -> int:
+    """Sink places per tile of the last part: the sinks padded to a power of two, at least the
+    tensor cores' M = 16 and at most ``BLOCK_W``."""
+    return max(16, min(BLOCK_W, triton.next_power_of_2(max(sinks, 1))))
+
+
+@triton.jit
+def _ring_rows(rows, in_tile, ring_ptrs, D: tl.constexpr, D_PAD: tl.constexpr):
+    """``(k [N, D_PAD], v_t [D_PAD, N])``: the key rows and the transposed value rows at ring
+    rows ``rows [N]`` (element offsets into ``ring_ptrs = (k_window_ptr, v_window_ptr)``),
+    zeros where not ``in_tile``."""
+    k_window_ptr, v_window_ptr = ring_ptrs
+    d = tl.arange(0, D_PAD)
+    k = tl.load(k_window_ptr + rows[:, None] + d[None, :],
+                mask=in_tile[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    v_t = tl.load(v_window_ptr + rows[None, :] + d[:, None],
+                  mask=in_tile[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+    return k, v_t
+
+
+@triton.jit
+def _attend_rows(state, k, v_t, in_tile, positions, query, MASK: tl.constexpr,
+                 Q_TOKENS: tl.constexpr, WINDOW_F32: tl.constexpr):  # fmt: skip
+    """One tile of ring places (:func:`_ring_rows`) holding ``positions [N]``: ``state = (m
+    [G_PAD], l [G_PAD], O^T [D_PAD, G_PAD])`` after them. ``query = (q_orig, q_scale,
+    masking, b, q_head, row_ok)``."""
+    m_w, l_w, acc_w = state
+    q_orig, q_scale, masking, b, q_head, row_ok = query
+    scores = tl.dot(k.to(q_orig.dtype), q_orig)
+    scores = mask_scores(scores * q_scale, positions, masking, b, q_head, row_ok, MASK,
+                         Q_TOKENS)  # fmt: skip
+    scores = tl.where(in_tile[:, None], scores, float("-inf"))
+    m_w, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_w)
+    p = tl.math.exp2(scores - m_sub[None, :])
+    l_w = l_w * alpha + tl.sum(p, axis=0)
+    p_hi, p_lo = split_probabilities(p, v_t.dtype, WINDOW_F32)
+    acc_w = ring_product(v_t, p_hi, p_lo, acc_w * alpha[None, :], WINDOW_F32)
+    return m_w, l_w, acc_w
 
 
 @triton.jit
@@ -76,6 +127,7 @@ def ring_partials_kernel(
     G_PAD: tl.constexpr,
     BLOCK_W: tl.constexpr,
     SLOTS_PER_PART: tl.constexpr,
+    SINK_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NUM_PARTIALS: tl.constexpr,
     WINDOW_QK_F32: tl.constexpr,
@@ -84,17 +136,19 @@ def ring_partials_kernel(
     PDL: tl.constexpr,
 ):
     """Attention of a GQA group's queries over places ``[part * SLOTS_PER_PART, ..)`` of the
-    recent window's ring run (grid ``(window parts, Hk, B)``), stored as the rows' partial
-    ``NUM_SPLITS + part`` (normalized, original space) with its lse (log2 domain).
+    recent window's run, and in the last part also over the sinks (grid ``(window parts, Hk,
+    B)``), stored as the rows' partial ``NUM_SPLITS + part`` (normalized, original space) with
+    its lse (log2 domain).
 
-    The ring run is the positions ``first .. len - 1`` (``first`` from the slots' positions,
-    :func:`~custom_ops.triton.paged.ring_start`), position ``p`` at slot ``p`` mod ``W``, then
-    the sinks below ``min(SINKS, len)`` (slot ``W + p``). ``S^T = K
-    @ Q^T`` against the original query in the ring's dtype (tf32, exact for 16-bit inputs, when the
-    query's dtype differs), ``O^T += V^T @ P^T`` with the values in the ring's dtype and ``P``
-    split into two terms of it (:func:`~custom_ops.triton.decode.tiles.ring_product`: bf16 values
-    beyond fp16's range stay finite), float32 accumulation; all float32 under the interpreter,
-    which cannot run 16-bit dots. With PDL it waits for the split kernel at its end, so the merge,
+    The window's run is the positions ``first .. len - 1`` (``first`` from the slots'
+    positions, :func:`~custom_ops.triton.paged.ring_start`), position ``p`` at slot ``p`` mod
+    ``W``; the sinks are the positions below ``min(SINKS, len)`` (slot ``W + p``), read in
+    ``SINK_BLOCK``-place tiles. ``S^T = K @ Q^T`` against the original query in the ring's
+    dtype (tf32, exact for 16-bit inputs, when the query's dtype differs), ``O^T += V^T @ P^T``
+    with the values in the ring's dtype and ``P`` split into two terms of it
+    (:func:`~custom_ops.triton.decode.tiles.ring_product`: bf16 values beyond fp16's range stay
+    finite), float32 accumulation; all float32 under the interpreter, which cannot run 16-bit
+    dots. With PDL it waits for the split kernel at its end, so the merge,
     which waits for this kernel, sees both.
     """
     part = tl.program_id(0)
@@ -105,8 +159,6 @@ def ring_partials_kernel(
     k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
     ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_len)
-    first = ring_start(pos_ptr + ring // D, seq_len, window)
-    run_len = ring_run_length(first, seq_len, SINKS)
     g = tl.arange(0, G_PAD)
     row_ok = g < GROUP
     q_head = head * GROUP + g
@@ -115,28 +167,46 @@ def ring_partials_kernel(
     d = tl.arange(0, D_PAD)
     q_orig = original_query((q_ptr, stride_qb, stride_qh), b, q_head, row_ok, D, D_PAD,
                             WINDOW_QK_F32)  # fmt: skip
-    m_w = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_w = tl.zeros([G_PAD], tl.float32)
-    acc_w = tl.zeros([D_PAD, G_PAD], tl.float32)  # O^T
-    slot_end = tl.minimum((part + 1) * SLOTS_PER_PART, run_len)
-    for r0 in range(part * SLOTS_PER_PART, slot_end, BLOCK_W):
-        r = r0 + tl.arange(0, BLOCK_W)  # places in the run
-        in_window = r < slot_end
-        positions = ring_run_positions(r, first, seq_len, SINKS)
-        rows = ring + ring_slots(positions, window, SINKS).to(tl.int64) * stride_w_slot
-        k = tl.load(k_window_ptr + rows[:, None] + d[None, :],
-                    mask=in_window[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
-        scores = tl.dot(k.to(q_orig.dtype), q_orig)
-        scores = mask_scores(scores * q_scale, positions, masking, b, q_head, row_ok, MASK,
-                             Q_TOKENS)  # fmt: skip
-        scores = tl.where(in_window[:, None], scores, float("-inf"))
-        m_w, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_w)
-        p = tl.math.exp2(scores - m_sub[None, :])
-        l_w = l_w * alpha + tl.sum(p, axis=0)
-        p_hi, p_lo = split_probabilities(p, v_window_ptr.dtype.element_ty, WINDOW_F32)
-        v_t = tl.load(v_window_ptr + rows[None, :] + d[:, None],
-                      mask=in_window[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
-        acc_w = ring_product(v_t, p_hi, p_lo, acc_w * alpha[None, :], WINDOW_F32)
+    # (m, l, O^T)
+    state = (tl.full([G_PAD], float("-inf"), tl.float32), tl.zeros([G_PAD], tl.float32),
+             tl.zeros([D_PAD, G_PAD], tl.float32))  # fmt: skip
+    query = (q_orig, q_scale, masking, b, q_head, row_ok)
+    ring_ptrs = (k_window_ptr, v_window_ptr)
+    if SINKS > 0:
+        # The sinks [0, min(SINKS, len)) at slots W + p are read by the last part: one past
+        # the window's places on short grids, the window's last on full ones (window_parts).
+        # Their first tile is loaded here, since it depends on the length only, and attended
+        # after the window's tiles, so that its loads wait beside theirs.
+        num_sinks = tl.where(part == tl.num_programs(0) - 1, tl.minimum(SINKS, seq_len), 0)
+        sink_positions = tl.arange(0, SINK_BLOCK)
+        in_sinks = sink_positions < num_sinks
+        sink_rows = ring + (window + sink_positions).to(tl.int64) * stride_w_slot
+        k_sinks, v_sinks = _ring_rows(sink_rows, in_sinks, ring_ptrs, D, D_PAD)
+    # the window's positions [first, len), position p at slot p mod W (a part past the
+    # window's places, the sinks' own, reads no slot positions: first = len)
+    first = ring_start(pos_ptr + ring // D, seq_len,
+                       tl.where(part * SLOTS_PER_PART < window, window, 0))  # fmt: skip
+    place_end = tl.minimum((part + 1) * SLOTS_PER_PART, seq_len - first)
+    for r0 in range(part * SLOTS_PER_PART, place_end, BLOCK_W):
+        r = r0 + tl.arange(0, BLOCK_W)  # places of the window's run
+        positions = first + r
+        in_tile = r < place_end
+        rows = ring + ring_slots(positions, window, 0).to(tl.int64) * stride_w_slot
+        k, v_t = _ring_rows(rows, in_tile, ring_ptrs, D, D_PAD)
+        state = _attend_rows(state, k, v_t, in_tile, positions, query, MASK, Q_TOKENS,
+                             WINDOW_F32)  # fmt: skip
+    if SINKS > 0:
+        if num_sinks > 0:  # the other parts skip the tile's products
+            state = _attend_rows(state, k_sinks, v_sinks, in_sinks, sink_positions, query, MASK,
+                                 Q_TOKENS, WINDOW_F32)  # fmt: skip
+            for s0 in range(SINK_BLOCK, num_sinks, SINK_BLOCK):  # more than one tile of sinks
+                positions = s0 + tl.arange(0, SINK_BLOCK)
+                in_tile = positions < num_sinks
+                rows = ring + (window + positions).to(tl.int64) * stride_w_slot
+                k, v_t = _ring_rows(rows, in_tile, ring_ptrs, D, D_PAD)
+                state = _attend_rows(state, k, v_t, in_tile, positions, query, MASK, Q_TOKENS,
+                                     WINDOW_F32)  # fmt: skip
+    m_w, l_w, acc_w = state
     lse, inv_l = partial_normalizer(m_w, l_w)
     part_rows = q_rows * NUM_PARTIALS + NUM_SPLITS + part
     out_ptrs = part_out_ptr + part_rows[None, :] * D + d[:, None]

@@ -376,6 +376,63 @@ def test_decode_reads_sinks_exactly(fmt_name, window, sinks, kernel_device, seed
         assert rel < 1e-3, (n_new, starts, tokens, float(rel))
 
 
+@pytest.mark.parametrize("window, sinks", [(72, 3), (48, 70)])
+def test_ring_kernel_parts_and_sink_tiles(window, sinks, kernel_device, seeded):
+    """Rotated values (tq4_nc) read the ring in a kernel of its own, in parts of whole 64-place
+    tiles of the window's run, the last part also reading the sinks in tiles of at most 64: a
+    72-slot window (two parts, the second of up to 8 places, then 3 sinks) and 70 sinks (two
+    sink tiles, the second of 6). Decode, one token (group 4) and a verify step of 3 tokens,
+    equals float64 attention over the exact ring run and sinks and the dequantized pages
+    (1e-3) after a prefill, a rewrite, appends and a rollback."""
+    seqs = Sequences("tq4_nc", seeded, kernel_device, window=window, sinks=sinks)
+    for n_new, starts in [(50, (0, 0)), (20, (50, 30)), (3, (70, 50)), (1, (10, 53))]:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+        q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half()
+        rel = rel_error(seqs.decode(q, num_splits=2), _expected_attention(seqs, q))
+        assert rel < 1e-3, (n_new, starts, float(rel))
+        q, _ = _multi_token_case(seqs, 3, 2, seeded, None)
+        expected = _expected_verify(q, *_expected_kv(seqs), seqs.lens)
+        rel = rel_error(seqs.decode(q, num_splits=4), expected)
+        assert rel < 1e-3, (n_new, starts, float(rel))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_sinks_apart_on_short_grids_and_in_the_last_part_on_full_ones(seeded):
+    """On a GPU the ring kernel gives the sinks a part of their own where that part still
+    leaves every SM at most one program (one sequence) and the window's last part otherwise
+    (as many sequences as SMs): both equal float64 attention over the exact window run and
+    sinks and the dequantized pages (1e-3; tq4_nc, a 72-slot window in two parts, 3 sinks,
+    full-length and shorter sequences)."""
+    sm_count = torch.cuda.get_device_properties("cuda").multi_processor_count
+    fmt = get_format("tq4_nc")
+    window, sinks, heads, dim, page, pages_per_seq = 72, 3, 2, 64, 16, 8
+    consts = api.make_constants(fmt, dim, seed=3, device="cuda")
+    for batch, parts in ((1, 3), (sm_count, 2)):
+        num_pages = batch * pages_per_seq
+        cache = fmt.allocate(num_pages, heads, page, dim, "cuda")
+        key, value = (torch.randn(num_pages * page, heads, dim, generator=seeded).cuda()
+                      for _ in range(2))  # fmt: skip
+        slots = torch.arange(num_pages * page, dtype=torch.int32, device="cuda")
+        api.store(fmt, cache, key.bfloat16(), value.bfloat16(), slots, consts)
+        table = torch.randperm(num_pages, generator=seeded).to(torch.int32).reshape(batch, -1)
+        lens = torch.randint(window + sinks, pages_per_seq * page + 1, (batch,),
+                             generator=seeded, dtype=torch.int32)  # fmt: skip
+        rings = [torch.randn(batch, heads, window + sinks, dim, generator=seeded).bfloat16().cuda()
+                 for _ in range(2)]  # fmt: skip
+        window_pos = api.appended_window_positions(lens.cuda(), heads, window, sinks)
+        q = torch.randn(batch, heads * 4, dim, generator=seeded).half()
+        plan = triton_decode.plan_for(fmt, q.cuda(), cache, table.cuda(), 4, None, rings[0],
+                                      sinks=sinks)  # fmt: skip
+        assert plan.ring.grid[0] == parts, (batch, plan.ring.grid)
+        actual = api.decode(fmt, q.cuda(), cache, table.cuda(), lens.cuda(), consts, num_splits=4,
+                            k_window=rings[0], v_window=rings[1], window_pos=window_pos,
+                            sinks=sinks)  # fmt: skip
+        k, v = api.dequantize(fmt, cache, table.cuda(), lens.cuda(), consts, pages_per_seq * page,
+                              torch.float32, *rings, window_pos, sinks)  # fmt: skip
+        expected = reference.attention(q, k.cpu().double(), v.cpu().double(), lens, dim**-0.5)
+        assert rel_error(actual.cpu(), expected) < 1e-3, batch
+
+
 @pytest.mark.parametrize("window, sinks", [(WINDOW, 3), (0, 3)])
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq2_nc", "tqk4v2_nc", "k8v4"])
 def test_decode_of_centred_keys_is_attention_over_the_keys(fmt_name, window, sinks,
