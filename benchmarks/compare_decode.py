@@ -38,7 +38,7 @@ def worker(tree: Path) -> None:
         return api.num_splits_for(batch, bench.NUM_KV_HEADS, seq, "cuda")  # older trees
 
     graphs, inputs = {}, None
-    held = []  # the calls of every graph, with the rings they read: a graph holds no tensors
+    held = {}  # each graph's calls, with the rings they read: a graph holds no tensors
     for line in sys.stdin:
         request = json.loads(line)
         if request["op"] == "prepare":
@@ -51,12 +51,12 @@ def worker(tree: Path) -> None:
                 calls = bench.tq_calls(fmt, inputs, bench.window_rings(inputs, window),
                                        splits_for(batch, seq))  # fmt: skip
                 graphs[window] = bench.capture(calls)
-                held.append(calls)
+                held[window] = calls
             reply = {"ok": True}
         elif request["op"] == "time":
             reply = {"us": bench.replay_us(graphs[request["window"]], len(inputs))}
         else:  # drop
-            graphs, inputs, held = {}, None, []
+            graphs, inputs, held = {}, None, {}
             torch.cuda.empty_cache()
             reply = {"ok": True}
         print(json.dumps(reply), flush=True)

@@ -256,12 +256,13 @@ def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,), sink_coun
                 ]
                 configs += [({}, max(1, int(splits_default * f))) for f in SPLIT_FACTORS]
             for config, splits in configs:
-                # the calls hold the rings their graph reads: kept until every graph is timed
-                ring_calls = {
-                    ring: tq_calls(fmt, inputs, window_rings(inputs, *ring), splits, **config)
-                    for ring in rings
-                }
                 try:
+                    # the calls hold the rings their graph reads: kept until every graph is
+                    # timed
+                    ring_calls = {
+                        ring: tq_calls(fmt, inputs, window_rings(inputs, *ring), splits, **config)
+                        for ring in rings
+                    }
                     graphs = {ring: capture(calls) for ring, calls in ring_calls.items()}
                 except Exception as err:  # a sweep point that does not compile or fit
                     print(f"  {name} {config}: {type(err).__name__}: {str(err)[:160]}")

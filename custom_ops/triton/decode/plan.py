@@ -282,7 +282,7 @@ def plan_decode(
             MASK=mask_kind, Q_TOKENS=q_tokens, D=head_dim, D_PAD=d_pad, GROUP=group,
             G_PAD=triton.next_power_of_2(group),
             BLOCK_W=ring.BLOCK_W, SLOTS_PER_PART=slots_per_part,
-            SINK_BLOCK=ring.sink_block(sinks), NUM_SPLITS=num_splits,
+            SINK_BLOCK=ring.SINK_BLOCK, NUM_SPLITS=num_splits,
             NUM_PARTIALS=num_partials, WINDOW_QK_F32=not fast or ring_dtype != q_dtype,
             WINDOW_F32=not fast, SINKS=sinks, PDL=pdl, num_warps=ring.NUM_WARPS, **later,
         )))  # fmt: skip

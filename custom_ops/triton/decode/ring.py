@@ -32,16 +32,17 @@ __all__ = [
     "BLOCK_W",
     "NUM_WARPS",
     "window_parts",
-    "sink_block",
     "ring_partials_kernel",
     "launch_ring",
 ]
 
-# Ring slots per tile and warps per program; a ring is split over at most MAX_PARTS programs
-# per (sequence, kv-head).
+# Ring slots per tile and warps per program; a window is split over at most MAX_PARTS programs
+# per (sequence, kv-head), and the sinks may take one more (window_parts). The sinks are read in
+# tiles of SINK_BLOCK places (the tensor cores' M).
 BLOCK_W = 64
 NUM_WARPS = 4
 MAX_PARTS = 8
+SINK_BLOCK = 16
 
 
 def window_parts(window: int, sinks: int = 0, sequence_heads: int = 0,
@@ -65,33 +66,31 @@ def window_parts(window: int, sinks: int = 0, sequence_heads: int = 0,
     return parts + apart, slots
 
 
-def sink_block(sinks: int) -> int:
-    """Sink places per tile of the last part: the sinks padded to a power of two, at least the
-    tensor cores' M = 16 and at most ``BLOCK_W``."""
-    return max(16, min(BLOCK_W, triton.next_power_of_2(max(sinks, 1))))
-
-
 @triton.jit
-def _ring_rows(rows, in_tile, ring_ptrs, D: tl.constexpr, D_PAD: tl.constexpr):
-    """``(k [N, D_PAD], v_t [D_PAD, N])``: the key rows and the transposed value rows at ring
-    rows ``rows [N]`` (element offsets into ``ring_ptrs = (k_window_ptr, v_window_ptr)``),
-    zeros where not ``in_tile``."""
-    k_window_ptr, v_window_ptr = ring_ptrs
+def _ring_keys(k_window_ptr, rows, in_tile, D: tl.constexpr, D_PAD: tl.constexpr):
+    """``k [N, D_PAD]``: the key rows at ring rows ``rows [N]`` (element offsets), zeros where
+    not ``in_tile``."""
     d = tl.arange(0, D_PAD)
-    k = tl.load(k_window_ptr + rows[:, None] + d[None, :],
-                mask=in_tile[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
-    v_t = tl.load(v_window_ptr + rows[None, :] + d[:, None],
-                  mask=in_tile[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
-    return k, v_t
+    return tl.load(k_window_ptr + rows[:, None] + d[None, :],
+                   mask=in_tile[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
 
 
 @triton.jit
-def _attend_rows(state, k, v_t, in_tile, positions, query, MASK: tl.constexpr,
-                 Q_TOKENS: tl.constexpr, WINDOW_F32: tl.constexpr):  # fmt: skip
-    """One tile of ring places (:func:`_ring_rows`) holding ``positions [N]``: ``state = (m
-    [G_PAD], l [G_PAD], O^T [D_PAD, G_PAD])`` after them. ``query = (q_orig, q_scale,
-    masking, b, q_head, row_ok)``."""
-    m_w, l_w, acc_w = state
+def _ring_values(v_window_ptr, rows, in_tile, D: tl.constexpr, D_PAD: tl.constexpr):
+    """``v_t [D_PAD, N]``: the value rows at ring rows ``rows [N]``, transposed, zeros where
+    not ``in_tile``."""
+    d = tl.arange(0, D_PAD)
+    return tl.load(v_window_ptr + rows[None, :] + d[:, None],
+                   mask=in_tile[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+
+
+@triton.jit
+def _probabilities(m_w, l_w, k, in_tile, positions, query, MASK: tl.constexpr,
+                   Q_TOKENS: tl.constexpr):  # fmt: skip
+    """The online softmax's step over a tile of ring places holding ``positions [N]`` with
+    keys ``k`` (:func:`_ring_keys`): ``(m, l, alpha, p [N, G_PAD])``, the accumulators to be
+    rescaled by ``alpha`` when the values are added (:func:`_add_values`). ``query = (q_orig,
+    q_scale, masking, b, q_head, row_ok)``."""
     q_orig, q_scale, masking, b, q_head, row_ok = query
     scores = tl.dot(k.to(q_orig.dtype), q_orig)
     scores = mask_scores(scores * q_scale, positions, masking, b, q_head, row_ok, MASK,
@@ -99,10 +98,28 @@ def _attend_rows(state, k, v_t, in_tile, positions, query, MASK: tl.constexpr,
     scores = tl.where(in_tile[:, None], scores, float("-inf"))
     m_w, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_w)
     p = tl.math.exp2(scores - m_sub[None, :])
-    l_w = l_w * alpha + tl.sum(p, axis=0)
+    return m_w, l_w * alpha + tl.sum(p, axis=0), alpha, p
+
+
+@triton.jit
+def _add_values(acc_w, alpha, p, v_t, WINDOW_F32: tl.constexpr):
+    """``O^T [D_PAD, G_PAD]`` rescaled by ``alpha`` plus ``v_t @ p`` (:func:`_probabilities`,
+    :func:`_ring_values`)."""
     p_hi, p_lo = split_probabilities(p, v_t.dtype, WINDOW_F32)
-    acc_w = ring_product(v_t, p_hi, p_lo, acc_w * alpha[None, :], WINDOW_F32)
-    return m_w, l_w, acc_w
+    return ring_product(v_t, p_hi, p_lo, acc_w * alpha[None, :], WINDOW_F32)
+
+
+@triton.jit
+def _attend_tile(m_w, l_w, acc_w, rows, in_tile, positions, query, ring_ptrs,
+                 MASK: tl.constexpr, Q_TOKENS: tl.constexpr, D: tl.constexpr,
+                 D_PAD: tl.constexpr, WINDOW_F32: tl.constexpr):  # fmt: skip
+    """``(m, l, O^T)`` after one tile of ring places: its keys, the softmax step, then its
+    values, loaded after the scores (``ring_ptrs = (k_window_ptr, v_window_ptr)``)."""
+    k_window_ptr, v_window_ptr = ring_ptrs
+    k = _ring_keys(k_window_ptr, rows, in_tile, D, D_PAD)
+    m_w, l_w, alpha, p = _probabilities(m_w, l_w, k, in_tile, positions, query, MASK, Q_TOKENS)
+    v_t = _ring_values(v_window_ptr, rows, in_tile, D, D_PAD)
+    return m_w, l_w, _add_values(acc_w, alpha, p, v_t, WINDOW_F32)
 
 
 @triton.jit
@@ -159,6 +176,11 @@ def ring_partials_kernel(
     k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
     ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_len)
+    # the window's positions [first, len), position p at slot p mod W (a part past the
+    # window's places, the sinks' own, reads no slot positions: first = len)
+    first = ring_start(pos_ptr + ring // D, seq_len,
+                       tl.where(part * SLOTS_PER_PART < window, window, 0))  # fmt: skip
+    place_end = tl.minimum((part + 1) * SLOTS_PER_PART, seq_len - first)
     g = tl.arange(0, G_PAD)
     row_ok = g < GROUP
     q_head = head * GROUP + g
@@ -167,46 +189,29 @@ def ring_partials_kernel(
     d = tl.arange(0, D_PAD)
     q_orig = original_query((q_ptr, stride_qb, stride_qh), b, q_head, row_ok, D, D_PAD,
                             WINDOW_QK_F32)  # fmt: skip
-    # (m, l, O^T)
-    state = (tl.full([G_PAD], float("-inf"), tl.float32), tl.zeros([G_PAD], tl.float32),
-             tl.zeros([D_PAD, G_PAD], tl.float32))  # fmt: skip
+    m_w = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_w = tl.zeros([G_PAD], tl.float32)
+    acc_w = tl.zeros([D_PAD, G_PAD], tl.float32)  # O^T
     query = (q_orig, q_scale, masking, b, q_head, row_ok)
     ring_ptrs = (k_window_ptr, v_window_ptr)
-    if SINKS > 0:
-        # The sinks [0, min(SINKS, len)) at slots W + p are read by the last part: one past
-        # the window's places on short grids, the window's last on full ones (window_parts).
-        # Their first tile is loaded here, since it depends on the length only, and attended
-        # after the window's tiles, so that its loads wait beside theirs.
-        num_sinks = tl.where(part == tl.num_programs(0) - 1, tl.minimum(SINKS, seq_len), 0)
-        sink_positions = tl.arange(0, SINK_BLOCK)
-        in_sinks = sink_positions < num_sinks
-        sink_rows = ring + (window + sink_positions).to(tl.int64) * stride_w_slot
-        k_sinks, v_sinks = _ring_rows(sink_rows, in_sinks, ring_ptrs, D, D_PAD)
-    # the window's positions [first, len), position p at slot p mod W (a part past the
-    # window's places, the sinks' own, reads no slot positions: first = len)
-    first = ring_start(pos_ptr + ring // D, seq_len,
-                       tl.where(part * SLOTS_PER_PART < window, window, 0))  # fmt: skip
-    place_end = tl.minimum((part + 1) * SLOTS_PER_PART, seq_len - first)
     for r0 in range(part * SLOTS_PER_PART, place_end, BLOCK_W):
         r = r0 + tl.arange(0, BLOCK_W)  # places of the window's run
         positions = first + r
-        in_tile = r < place_end
         rows = ring + ring_slots(positions, window, 0).to(tl.int64) * stride_w_slot
-        k, v_t = _ring_rows(rows, in_tile, ring_ptrs, D, D_PAD)
-        state = _attend_rows(state, k, v_t, in_tile, positions, query, MASK, Q_TOKENS,
-                             WINDOW_F32)  # fmt: skip
+        m_w, l_w, acc_w = _attend_tile(m_w, l_w, acc_w, rows, r < place_end, positions, query,
+                                       ring_ptrs, MASK, Q_TOKENS, D, D_PAD,
+                                       WINDOW_F32)  # fmt: skip
     if SINKS > 0:
-        if num_sinks > 0:  # the other parts skip the tile's products
-            state = _attend_rows(state, k_sinks, v_sinks, in_sinks, sink_positions, query, MASK,
-                                 Q_TOKENS, WINDOW_F32)  # fmt: skip
-            for s0 in range(SINK_BLOCK, num_sinks, SINK_BLOCK):  # more than one tile of sinks
-                positions = s0 + tl.arange(0, SINK_BLOCK)
-                in_tile = positions < num_sinks
-                rows = ring + (window + positions).to(tl.int64) * stride_w_slot
-                k, v_t = _ring_rows(rows, in_tile, ring_ptrs, D, D_PAD)
-                state = _attend_rows(state, k, v_t, in_tile, positions, query, MASK, Q_TOKENS,
-                                     WINDOW_F32)  # fmt: skip
-    m_w, l_w, acc_w = state
+        # The sinks [0, min(SINKS, len)) at slots W + p, read by the last part: one past the
+        # window's places on short grids, the window's last on full ones (window_parts). The
+        # other parts skip the loop, and so the products of a tile of masked places.
+        num_sinks = tl.where(part == tl.num_programs(0) - 1, tl.minimum(SINKS, seq_len), 0)
+        for s0 in range(0, num_sinks, SINK_BLOCK):
+            positions = s0 + tl.arange(0, SINK_BLOCK)
+            rows = ring + (window + positions).to(tl.int64) * stride_w_slot
+            m_w, l_w, acc_w = _attend_tile(m_w, l_w, acc_w, rows, positions < num_sinks,
+                                           positions, query, ring_ptrs, MASK, Q_TOKENS, D,
+                                           D_PAD, WINDOW_F32)  # fmt: skip
     lse, inv_l = partial_normalizer(m_w, l_w)
     part_rows = q_rows * NUM_PARTIALS + NUM_SPLITS + part
     out_ptrs = part_out_ptr + part_rows[None, :] * D + d[:, None]

@@ -379,9 +379,9 @@ def test_decode_reads_sinks_exactly(fmt_name, window, sinks, kernel_device, seed
 @pytest.mark.parametrize("window, sinks", [(72, 3), (48, 70)])
 def test_ring_kernel_parts_and_sink_tiles(window, sinks, kernel_device, seeded):
     """Rotated values (tq4_nc) read the ring in a kernel of its own, in parts of whole 64-place
-    tiles of the window's run, the last part also reading the sinks in tiles of at most 64: a
-    72-slot window (two parts, the second of up to 8 places, then 3 sinks) and 70 sinks (two
-    sink tiles, the second of 6). Decode, one token (group 4) and a verify step of 3 tokens,
+    tiles of the window's run, the last part also reading the sinks in 16-place tiles: a
+    72-slot window (two parts, the second of up to 8 places, then 3 sinks) and 70 sinks (five
+    sink tiles, the last of 6). Decode, one token (group 4) and a verify step of 3 tokens,
     equals float64 attention over the exact ring run and sinks and the dequantized pages
     (1e-3) after a prefill, a rewrite, appends and a rollback."""
     seqs = Sequences("tq4_nc", seeded, kernel_device, window=window, sinks=sinks)
@@ -396,41 +396,54 @@ def test_ring_kernel_parts_and_sink_tiles(window, sinks, kernel_device, seeded):
         assert rel < 1e-3, (n_new, starts, float(rel))
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_sinks_apart_on_short_grids_and_in_the_last_part_on_full_ones(seeded):
-    """On a GPU the ring kernel gives the sinks a part of their own where that part still
-    leaves every SM at most one program (one sequence) and the window's last part otherwise
-    (as many sequences as SMs): both equal float64 attention over the exact window run and
-    sinks and the dequantized pages (1e-3; tq4_nc, a 72-slot window in two parts, 3 sinks,
-    full-length and shorter sequences)."""
-    sm_count = torch.cuda.get_device_properties("cuda").multi_processor_count
+@pytest.mark.parametrize("sinks", [3, 20])
+def test_sinks_in_a_ring_part_of_their_own_or_the_last(sinks, kernel_device, seeded):
+    """The ring kernel reads the sinks in a part of their own where one part more still leaves
+    every SM of a GPU at most one program (one sequence), and in the window's last part
+    otherwise (as many sequences as SMs; always off a GPU): both equal float64 attention over
+    the exact window run and sinks and the dequantized pages (1e-3; tq4_nc, a 72-slot window in
+    two parts; 3 sinks in one tile, 20 in two), one token (group 4) and a verify step of 3, at
+    lengths from below the sinks and the window to the capacity."""
+    device = kernel_device
+    # as many sequences as a GPU has SMs (3 off a GPU, whose plans never give the sinks a part)
+    full_batch = torch.cuda.get_device_properties(device).multi_processor_count if CUDA else 3
     fmt = get_format("tq4_nc")
-    window, sinks, heads, dim, page, pages_per_seq = 72, 3, 2, 64, 16, 8
-    consts = api.make_constants(fmt, dim, seed=3, device="cuda")
-    for batch, parts in ((1, 3), (sm_count, 2)):
+    window, page, pages_per_seq = 72, 16, 8
+    capacity = page * pages_per_seq
+    consts = api.make_constants(fmt, HEAD_DIM, seed=3, device=device)
+    for batch, own_part in ((1, CUDA), (full_batch, False)):
         num_pages = batch * pages_per_seq
-        cache = fmt.allocate(num_pages, heads, page, dim, "cuda")
-        key, value = (torch.randn(num_pages * page, heads, dim, generator=seeded).cuda()
+        key, value = (torch.randn(num_pages * page, NUM_KV_HEADS, HEAD_DIM, generator=seeded)
                       for _ in range(2))  # fmt: skip
-        slots = torch.arange(num_pages * page, dtype=torch.int32, device="cuda")
-        api.store(fmt, cache, key.bfloat16(), value.bfloat16(), slots, consts)
         table = torch.randperm(num_pages, generator=seeded).to(torch.int32).reshape(batch, -1)
-        lens = torch.randint(window + sinks, pages_per_seq * page + 1, (batch,),
-                             generator=seeded, dtype=torch.int32)  # fmt: skip
-        rings = [torch.randn(batch, heads, window + sinks, dim, generator=seeded).bfloat16().cuda()
-                 for _ in range(2)]  # fmt: skip
-        window_pos = api.appended_window_positions(lens.cuda(), heads, window, sinks)
-        q = torch.randn(batch, heads * 4, dim, generator=seeded).half()
-        plan = triton_decode.plan_for(fmt, q.cuda(), cache, table.cuda(), 4, None, rings[0],
-                                      sinks=sinks)  # fmt: skip
-        assert plan.ring.grid[0] == parts, (batch, plan.ring.grid)
-        actual = api.decode(fmt, q.cuda(), cache, table.cuda(), lens.cuda(), consts, num_splits=4,
-                            k_window=rings[0], v_window=rings[1], window_pos=window_pos,
-                            sinks=sinks)  # fmt: skip
-        k, v = api.dequantize(fmt, cache, table.cuda(), lens.cuda(), consts, pages_per_seq * page,
-                              torch.float32, *rings, window_pos, sinks)  # fmt: skip
-        expected = reference.attention(q, k.cpu().double(), v.cpu().double(), lens, dim**-0.5)
-        assert rel_error(actual.cpu(), expected) < 1e-3, batch
+        lens = torch.randint(3, capacity + 1, (batch,), generator=seeded, dtype=torch.int32)
+        lens[:2] = torch.tensor([capacity, 3])[:batch]
+        shape = (batch, NUM_KV_HEADS, window + sinks, HEAD_DIM)
+        rings = [torch.randn(shape, generator=seeded).bfloat16().to(device) for _ in range(2)]
+        window_pos = api.appended_window_positions(lens.to(device), NUM_KV_HEADS, window, sinks)
+        with triton_kernels(device):
+            cache = fmt.allocate(num_pages, NUM_KV_HEADS, page, HEAD_DIM, device)
+            slots = torch.arange(num_pages * page, dtype=torch.int32, device=device)
+            api.store(fmt, cache, key.bfloat16().to(device), value.bfloat16().to(device), slots,
+                      consts)  # fmt: skip
+        rings_cpu = [r.cpu() for r in (*rings, window_pos)]
+        k, v = reference.dequantize(fmt, clone_cache(cache), table, lens,
+                                    *(c.cpu() for c in consts), capacity, torch.float64,
+                                    *rings_cpu, sinks)  # fmt: skip
+        with triton_kernels(device):
+            for q in (
+                torch.randn(batch, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half(),
+                torch.randn(batch, NUM_KV_HEADS * 4, 3, HEAD_DIM, generator=seeded).half(),
+            ):
+                plan = triton_decode.plan_for(fmt, q.to(device), cache, table.to(device), 4, None,
+                                              rings[0], sinks=sinks)  # fmt: skip
+                assert plan.ring.grid[0] == 2 + own_part, (batch, plan.ring.grid)
+                actual = api.decode(fmt, q.to(device), cache, table.to(device), lens.to(device),
+                                    consts, num_splits=4, k_window=rings[0], v_window=rings[1],
+                                    window_pos=window_pos, sinks=sinks)  # fmt: skip
+                expected = (reference.attention(q, k, v, lens, HEAD_DIM**-0.5) if q.dim() == 3
+                            else _expected_verify(q, k, v, lens))  # fmt: skip
+                assert rel_error(actual.cpu(), expected) < 1e-3, (batch, q.dim())
 
 
 @pytest.mark.parametrize("window, sinks", [(WINDOW, 3), (0, 3)])
