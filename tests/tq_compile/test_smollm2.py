@@ -16,9 +16,12 @@ from tq_compile.hf import TurboQuantCache  # noqa: E402
 from tq_compile.smollm2 import load_smollm2, smollm2_config, smollm2_gguf  # noqa: E402
 
 NEW = 32
-# bf16 logits of this model are ~10-30: their spacing there is 0.06-0.125, so two candidates
-# within 0.5 are a near-tie that any rounding difference may flip
-NEAR_TIE = 0.5
+# A near-tie: bf16's top two logits closer than quantizing the cache may move them. This
+# model's logits are ~10-30 (bf16 spacing 0.06-0.125); quantizing most of the prompt moves them
+# by 6.5% of their norm (test_triton_kernels_match_the_reference_path). The sky prompt departs
+# where bf16's top two are 0.500 apart on one CPU (torch 2.13, numpy 2.3.5, at 6925ed4 too)
+# and not on another: 0.5 was the edge of what quantizing does, not a bound on it.
+NEAR_TIE = 1.0
 PROMPTS = (
     "List three uses of a hash table.",
     "Explain in three sentences why the sky is blue.",
