@@ -208,7 +208,7 @@ def ring_partials_kernel(
         num_sinks = tl.where(part == tl.num_programs(0) - 1, tl.minimum(SINKS, seq_len), 0)
         for s0 in range(0, num_sinks, SINK_BLOCK):
             positions = s0 + tl.arange(0, SINK_BLOCK)
-            rows = ring + (window + positions).to(tl.int64) * stride_w_slot
+            rows = ring + ring_slots(positions, window, SINKS).to(tl.int64) * stride_w_slot
             m_w, l_w, acc_w = _attend_tile(m_w, l_w, acc_w, rows, positions < num_sinks,
                                            positions, query, ring_ptrs, MASK, Q_TOKENS, D,
                                            D_PAD, WINDOW_F32)  # fmt: skip
