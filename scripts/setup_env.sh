@@ -28,6 +28,7 @@ REQUIREMENTS=(
     "torchao==0.18.0"
     "numpy<2.4"
     "pytest"
+    "pytest-xdist==3.8.0"
     "expecttest==0.3.0"
     # the [hf] extra: tq_compile.hf, the real model, the main job
     "transformers==5.23.0"

