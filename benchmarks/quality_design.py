@@ -55,7 +55,7 @@ ATTENTION = "tq_quality_design"
 
 
 class WideLloydMax(NamedTuple):
-    """A rotated, norm-corrected Lloyd-Max side wider than the cache's codecs store (5 to 8
+    """A rotated, norm-corrected Lloyd-Max side wider than the cache's codecs store (6 to 8
     bits), in reference math only (:func:`custom_ops.reference.lloyd_max_codes`, the norm in
     the meta dtype): how a format with such a side would measure."""
 
@@ -84,15 +84,15 @@ class DesignFormat(NamedTuple):
 # the sides a "<keys>+<values>" format spec names: Lloyd-Max (rotated, norm-corrected) or
 # uniform, and the width
 _SPEC_CODECS = (
-    {f"lm{bits}": Codec(Kind.LLOYD_MAX, bits, True) for bits in (1, 2, 3, 4)}
-    | {f"lm{bits}": WideLloydMax(bits) for bits in (5, 6, 7, 8)}
+    {f"lm{bits}": Codec(Kind.LLOYD_MAX, bits, True) for bits in (1, 2, 3, 4, 5)}
+    | {f"lm{bits}": WideLloydMax(bits) for bits in (6, 7, 8)}
     | {f"u{bits}": Codec(Kind.UNIFORM, bits) for bits in (2, 3, 4)}
 )
 
 
 def format_of(name: str) -> KVFormat | DesignFormat:
     """A format of ``custom_ops.FORMATS`` by name, or one that pairs two sides, written
-    ``<keys>+<values>`` with each side ``lm1`` .. ``lm8`` (Lloyd-Max; from 5 bits a
+    ``<keys>+<values>`` with each side ``lm1`` .. ``lm8`` (Lloyd-Max; from 6 bits a
     :class:`WideLloydMax`) or ``u2`` .. ``u4`` (uniform) and a bf16 meta record: ``lm4+lm2``
     spends a 3-bit budget on 4-bit keys."""
     if "+" not in name:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import rel_error
 
 from custom_ops import api
-from custom_ops.formats import get_format
+from custom_ops.formats import Codec, get_format
 from tq_compile import TurboQuantKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -71,20 +71,21 @@ def test_codec_pairs_name_formats():
 
 
 def test_wide_lloyd_max_sides():
-    """A side wider than the cache stores (``lm5`` .. ``lm8``) counts its bytes (5-bit keys
-    and 3-bit values at D=128: 80 + 48 code bytes, two bf16 norms) and reads back closer to
-    the input than the 4-bit codec, in whose convention it is computed (a 4-bit side through
+    """A side wider than the cache stores (``lm6`` .. ``lm8``) counts its bytes (6-bit keys
+    and 2-bit values at D=128: 96 + 32 code bytes, two bf16 norms) and reads back closer to
+    the input than the 5-bit codec, in whose convention it is computed (a 5-bit side through
     the same function equals the storable codec's round trip)."""
-    fmt = format_of("lm5+lm3")
+    fmt = format_of("lm6+lm2")
     assert fmt.bytes_per_token_head(128) == 132
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(1, 2, 64, 128, generator=gen).bfloat16().float()
     rotation = api.make_constants("4bit_nc", 128).rotation
-    four = format_of("lm4+lm4").key
-    four_bits = quality_design.WideLloydMax(4)
-    torch.testing.assert_close(quality_design.round_trip(four_bits, x, rotation, torch.bfloat16),
-                               quality_design.round_trip(four, x, rotation, torch.bfloat16),
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    five = format_of("lm5+lm3").key
+    assert isinstance(five, Codec) and five.bits == 5
+    torch.testing.assert_close(
+        quality_design.round_trip(quality_design.WideLloydMax(5), x, rotation, torch.bfloat16),
+        quality_design.round_trip(five, x, rotation, torch.bfloat16), rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
     errors = [rel_error(x, quality_design.round_trip(side, x, rotation, torch.bfloat16))
-              for side in (four, fmt.key)]  # fmt: skip
+              for side in (five, fmt.key)]  # fmt: skip
     assert errors[1] < 0.6 * errors[0], errors

@@ -36,6 +36,7 @@ tq4_nc       68    84   100   132   260
 tq3_nc       52    64    76   100   196
 tq2_nc       36    44    52    68   132
 tqk4v2_nc    52    64    76   100   196
+tqk5v3_nc    68    84   100   132   260
 k2v2_nc      38    46    54    70   134
 k2v4_nc      54    66    78   102   198""",
         )
@@ -62,6 +63,7 @@ tq4_nc: ['k_norm', 'v_norm'] torch.bfloat16 k:0+64@4b; v:0+64@4b
 tq3_nc: ['k_norm', 'v_norm'] torch.bfloat16 k:0+32@2b,32+16@1b; v:0+32@2b,32+16@1b
 tq2_nc: ['k_norm', 'v_norm'] torch.bfloat16 k:0+32@2b; v:0+32@2b
 tqk4v2_nc: ['k_norm', 'v_norm'] torch.bfloat16 k:0+64@4b; v:0+32@2b
+tqk5v3_nc: ['k_norm', 'v_norm'] torch.bfloat16 k:0+64@4b,64+16@1b; v:0+32@2b,32+16@1b
 k2v2_nc: ['k_norm', 'v_scale', 'v_zero'] torch.bfloat16 k:0+32@2b; v:0+32@2b
 k2v4_nc: ['k_norm', 'v_scale', 'v_zero'] torch.bfloat16 k:0+32@2b; v:0+64@4b""",
         )
@@ -82,7 +84,7 @@ meta: (3, 2, 16, 3) torch.bfloat16""",
             get_format("5bit")
         self.assertExpectedInline(
             str(ctx.exception),
-            """unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq2_nc', 'tq3_nc', 'tq4_nc', 'tqk4v2_nc']""",  # noqa: E501
+            """unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq2_nc', 'tq3_nc', 'tq4_nc', 'tqk4v2_nc', 'tqk5v3_nc']""",  # noqa: E501
         )
 
 

@@ -1,8 +1,8 @@
 """Code rows -> fp16 tensor-core operands: the decode kernels' dequantization of one tile.
 
 The bit planes of :mod:`custom_ops.formats` are strided, so shifting a row of code bytes yields
-a *contiguous part* of the head dim: 4-bit codes give two halves (low / high nibbles), 3- and
-2-bit codes four quarters, 8-bit codes one part. Each part is decoded straight into its own
+a *contiguous part* of the head dim: 4- and 5-bit codes give two halves (low / high nibbles),
+3- and 2-bit codes four quarters, 8-bit codes one part. Each part is decoded straight into its own
 ``tl.dot`` operand and multiplied with the matching part of the query: nothing is shuffled. On
 the GPU the parts are decoded by inline PTX (:mod:`custom_ops.triton.decode.ptx`, the codec's
 ``ASM``); under the interpreter, which cannot run PTX, by plain Triton (``ASM == ""``).
@@ -32,7 +32,7 @@ class PartParams(NamedTuple):
         KIND: the codec's :class:`custom_ops.formats.Kind` (an int).
         BITS: code width per element.
         META: meta column of the side's first scalar (0 when it has none).
-        OFF1: byte offset of the second bit plane (3-bit codes' sign plane), else 0.
+        OFF1: byte offset of the second bit plane (3- and 5-bit codes' sign plane), else 0.
         PARTS: contiguous parts of the head dim decoded separately (1, 2 or 4).
         PC: elements per part, ``D / PARTS``.
         PC_PAD: PC rounded up to a power of two.
@@ -75,6 +75,32 @@ def _values(codes, P: tl.constexpr):
 
 
 @triton.jit
+def _sign_tile(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.constexpr,
+               BYTE_STRIDE: tl.constexpr, TOKEN_RUN: tl.constexpr):  # fmt: skip
+    """The 1-bit sign plane of 3- and 5-bit codes, re-read as a *sign tile* that matches the low
+    plane's tile: its byte ``j`` is the sign plane's byte ``j mod D/8``, whose bit ``r`` is the
+    sign of element ``j mod D/8 + r D/8``. Returns ``(signs, sign_shift)``, ``sign_shift = j //
+    (D/8)``: element ``j + q D/4``'s sign (3 bits) is bit ``2q`` of ``signs >> sign_shift``,
+    element ``j + h D/2``'s (5 bits) bit ``4h``. The inline asm shifts 4 packed bytes at once:
+    along the tokens (values) they share ``j``, along ``j`` (keys) they do when D/8 is a
+    multiple of 4; elsewhere (plain Triton, and keys at D = 80) ``signs`` comes shifted and the
+    shift is 0."""
+    ASM: tl.constexpr = P.ASM
+    D8: tl.constexpr = D // 8
+    sign_offsets = row_offsets + (P.OFF1 + j % D8) * BYTE_STRIDE
+    if TOKEN_RUN > 1:
+        sign_offsets = tl.max_contiguous(
+            tl.multiple_of(sign_offsets, [1, TOKEN_RUN]), [1, TOKEN_RUN]
+        )
+    signs = tl.load(codes_ptr + sign_offsets, mask=mask, other=0)
+    sign_shift = tl.broadcast_to((j // D8).to(tl.uint8), signs.shape)
+    if (ASM == "") | ((BYTE_STRIDE == 1) & (D8 % 4 != 0)):
+        signs = (signs >> sign_shift).to(tl.uint8)
+        sign_shift = tl.zeros_like(sign_shift)
+    return signs, sign_shift
+
+
+@triton.jit
 def decode_tile(
     codes_ptr,
     row_offsets,
@@ -112,23 +138,26 @@ def decode_tile(
             p1 = _values(plane >> 4, P)
         p2 = p0
         p3 = p0
+    elif P.BITS == 5:
+        # 4-bit plane byte j: element j's magnitude in the low nibble, element j + D/2's in the
+        # high nibble; their signs are bits 0 and 4 of the sign tile (see _sign_tile)
+        signs, sign_shift = _sign_tile(codes_ptr, row_offsets, j, mask, P, D, BYTE_STRIDE,
+                                       TOKEN_RUN)  # fmt: skip
+        if ASM != "":
+            p0, p1 = tl.inline_asm_elementwise(
+                ASM, "=r,=r,=r,=r,r,r,r", [plane, signs, sign_shift], dtype=(tl.float16,) * 2,
+                is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            p0 = _values((plane & 15) | ((signs & 1) << 4), P)
+            p1 = _values((plane >> 4) | (signs & 16), P)
+        p2 = p0
+        p3 = p0
     elif P.BITS == 3:
-        # 2-bit plane byte j holds element j + q*D/4 at bits 2q; the 1-bit plane's byte j' holds
-        # element j' + r*D/8 at bit r, re-read here as a sign tile whose byte j is the 1-bit
-        # plane's byte j mod D/8: element j + q*D/4's top bit is its bit 2q + j // (D/8).
-        D8: tl.constexpr = D // 8
-        sign_offsets = row_offsets + (P.OFF1 + j % D8) * BYTE_STRIDE
-        if TOKEN_RUN > 1:
-            sign_offsets = tl.max_contiguous(
-                tl.multiple_of(sign_offsets, [1, TOKEN_RUN]), [1, TOKEN_RUN]
-            )
-        signs = tl.load(codes_ptr + sign_offsets, mask=mask, other=0)
-        sign_shift = tl.broadcast_to((j // D8).to(tl.uint8), plane.shape)
-        # The asm shifts 4 packed bytes at once: along the tokens (values) they share j, along
-        # j (keys) they do when D/8 is a multiple of 4 (not at D = 80: shift here instead).
-        if (ASM == "") | ((BYTE_STRIDE == 1) & (D8 % 4 != 0)):
-            signs = (signs >> sign_shift).to(tl.uint8)
-            sign_shift = tl.zeros_like(sign_shift)
+        # 2-bit plane byte j holds element j + q*D/4 at bits 2q; element j + q*D/4's top bit is
+        # bit 2q of the sign tile (see _sign_tile)
+        signs, sign_shift = _sign_tile(codes_ptr, row_offsets, j, mask, P, D, BYTE_STRIDE,
+                                       TOKEN_RUN)  # fmt: skip
         if ASM != "":
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 ASM,

@@ -18,6 +18,10 @@ following the strided bit planes of :mod:`custom_ops.formats`:
   ``$10`` (the sign shift of the 4 bytes, equal, in each byte); outputs ``$2q $2q+1`` for
   quarter ``q``. One 32-bit shift lines up the 4 bytes' top bits (bit 7, which gets the next
   byte's bit 0, is never read).
+* 5 bits, a 4-bit plane (magnitudes: byte ``j`` = element ``j`` in the low nibble, ``j + D/2``
+  in the high nibble) and the sign tile of the 3-bit case, whose bit ``4h + s`` is element
+  ``j + h D/2``'s sign. Inputs ``$4`` (4-bit plane bytes), ``$5`` (sign tile bytes), ``$6`` (the
+  sign shift); outputs ``$0 $1`` (low half), ``$2 $3`` (high half).
 * 2 bits, one plane: bits ``2q`` of byte ``j`` = element ``j + q D/4``. Input ``$8``; outputs
   ``$2q $2q+1`` for quarter ``q``. A 4-entry fp16 table covers every code, so Lloyd-Max and
   uniform codes share one string (``lut2_asm``) with different tables.
@@ -40,6 +44,7 @@ from custom_ops.formats import Codec, Kind
 __all__ = [
     "decode_asm",
     "lut4_asm",
+    "lut5_asm",
     "lut3_asm",
     "lut2_asm",
     "UINT4_ASM",
@@ -51,6 +56,7 @@ __all__ = [
 # lop3 truth tables, from F(a=0xF0, b=0xCC, c=0xAA)
 _A_OR_B_AND_C = 0xF8  # a | (b & c)
 _A_AND_B_OR_C = 0xEA  # (a & b) | c
+_C_SELECTS_B_OVER_A = 0xD8  # (c & b) | (~c & a)
 
 
 def _fp16_bits(values: Sequence[float]) -> list[int]:
@@ -99,6 +105,60 @@ lop3.b32 $3, $3, t, 0x80008000, {_A_OR_B_AND_C:#x};
 }}"""
 
 
+def lut5_asm(levels: Sequence[float]) -> str:
+    """5-bit sign-magnitude Lloyd-Max codes (a 4-bit magnitude plane and a sign tile) -> fp16
+    levels (``levels``: ``[32]`` signed).
+
+    The 16 magnitudes' low and high bytes fill two pairs of 8-byte tables each (magnitudes 0-7
+    and 8-15); ``prmt`` looks each nibble's low 3 bits up in both, and a byte mask of each
+    nibble's bit 3 (``prmt``'s sign-replicate mode on the plane with its low nibbles' bit 3
+    moved to bit 7) selects between them. Pairing and signs as in :func:`lut4_asm` and
+    :func:`lut3_asm`.
+    """
+    mags = _fp16_bits(levels[:16])
+
+    def word(values):
+        return values[0] | values[1] << 8 | values[2] << 16 | values[3] << 24
+
+    low, high = [m & 0xFF for m in mags], [m >> 8 for m in mags]
+    tables = [word(bytes_[i : i + 4]) for bytes_ in (low, high) for i in range(0, 16, 4)]
+    lines = [
+        "{",
+        ".reg .b32 tl0, tl1, tl2, tl3, th0, th1, th2, th3, m, a, b, k, x, y, t, sl, sh;",
+        *(f"mov.b32 {name}, {tables[i]:#010x};"
+          for i, name in enumerate(("tl0", "tl1", "tl2", "tl3", "th0", "th1", "th2", "th3"))),
+        "and.b32 m, $4, 0x77777777;",
+        "shl.b32 t, $4, 4;",  # each byte's bit 3 (its low nibble's top bit) at bit 7
+    ]  # fmt: skip
+    # nibbles 0-3 of m: the low / high nibbles of bytes j, j+1 (then j+2, j+3); the mask's
+    # selector takes bit 7 of t's byte (low nibble) and of $4's byte (high nibble) in that order
+    for lo, hi, mask_selector in (("$0", "$2", 0xD9C8), ("$1", "$3", 0xFBEA)):
+        lines += [
+            "prmt.b32 a, tl0, tl1, m;",
+            "prmt.b32 b, tl2, tl3, m;",
+            f"prmt.b32 k, t, $4, {mask_selector:#06x};",
+            f"lop3.b32 x, a, b, k, {_C_SELECTS_B_OVER_A:#x};",
+            "prmt.b32 a, th0, th1, m;",
+            "prmt.b32 b, th2, th3, m;",
+            f"lop3.b32 y, a, b, k, {_C_SELECTS_B_OVER_A:#x};",
+            f"prmt.b32 {lo}, x, y, 0x6240;",
+            f"prmt.b32 {hi}, x, y, 0x7351;",
+            "shr.b32 m, m, 16;",
+        ]
+    lines += [
+        *_shifted_signs("$5", "$6"),
+        "prmt.b32 sl, t, 0, 0x1404;",
+        "prmt.b32 sh, t, 0, 0x3424;",
+    ]
+    # the low half's signs are bit 0 of each sign byte, the high half's bit 4: under bit 15
+    for out, source, left in (("$0", "sl", 7), ("$2", "sl", 3), ("$1", "sh", 7), ("$3", "sh", 3)):
+        lines += [
+            f"shl.b32 t, {source}, {left};",
+            f"lop3.b32 {out}, {out}, t, 0x80008000, {_A_OR_B_AND_C:#x};",
+        ]
+    return "\n".join([*lines, "}"])
+
+
 UINT4_ASM = f"""{{
 .reg .b32 t, magic;
 mov.b32 magic, 0x64006400;
@@ -139,8 +199,10 @@ def _quarter_lookup(q: int) -> list[str]:
     ]
 
 
-# t = the sign tile $9 shifted right by the sign shift (the low byte of $10)
-_SIGN_SHIFT = ("and.b32 t, $10, 0xff;", "shr.b32 t, $9, t;")
+def _shifted_signs(signs: str, shift: str) -> tuple[str, str]:
+    """``t`` = the sign tile ``signs`` shifted right by the sign shift (the low byte of
+    ``shift``)."""
+    return f"and.b32 t, {shift}, 0xff;", f"shr.b32 t, {signs}, t;"
 
 
 def lut3_asm(levels: Sequence[float]) -> str:
@@ -156,7 +218,7 @@ def lut3_asm(levels: Sequence[float]) -> str:
         ".reg .b32 tab0, tab1, m, p, sl, sh, t;",
         f"mov.b32 tab0, {mags[0] | mags[1] << 16:#010x};",
         f"mov.b32 tab1, {mags[2] | mags[3] << 16:#010x};",
-        *_SIGN_SHIFT,
+        *_shifted_signs("$9", "$10"),
         "prmt.b32 sl, t, 0, 0x1404;",
         "prmt.b32 sh, t, 0, 0x3424;",
     ]
@@ -180,7 +242,7 @@ def _uint3_asm() -> str:
         "mov.b32 magic, 0x64006400;",
         "prmt.b32 tl, $8, 0, 0x4140;",  # bytes j, j+1 into the two 16-bit lanes
         "prmt.b32 th, $8, 0, 0x4342;",  # bytes j+2, j+3
-        *_SIGN_SHIFT,
+        *_shifted_signs("$9", "$10"),
         "prmt.b32 sl, t, 0, 0x4140;",
         "prmt.b32 sh, t, 0, 0x4342;",
     ]
@@ -234,16 +296,16 @@ sub.rn.f16x2 $1, $1, magic;
 
 def parts_of(codec: Codec) -> int:
     """How many contiguous parts of the head dim the decode kernel splits a side into: one
-    ``tl.dot`` per part, each fed straight from the bit planes (2 for 4 bits, 4 for 3 and 2
-    bits)."""
-    return {4: 2, 3: 4, 2: 4}.get(codec.bits, 1)
+    ``tl.dot`` per part, each fed straight from the bit planes (2 for 5 and 4 bits, 4 for 3 and
+    2 bits)."""
+    return {5: 2, 4: 2, 3: 4, 2: 4}.get(codec.bits, 1)
 
 
 def decode_asm(codec: Codec, head_dim: int) -> str:
     """The inline PTX that decodes one side on the GPU ("" where plain Triton is used)."""
     if codec.kind == Kind.INT8_ABSMAX:
         return INT8_ASM
-    if codec.bits not in (2, 3, 4):
+    if codec.bits not in (2, 3, 4, 5):
         return ""
     if codec.bits == 2:
         if codec.kind == Kind.UNIFORM:
@@ -251,5 +313,5 @@ def decode_asm(codec: Codec, head_dim: int) -> str:
         return lut2_asm(signed_level_values(2, head_dim))
     if codec.kind == Kind.UNIFORM:
         return UINT4_ASM if codec.bits == 4 else UINT3_ASM
-    builder = lut4_asm if codec.bits == 4 else lut3_asm
+    builder = {5: lut5_asm, 4: lut4_asm, 3: lut3_asm}[codec.bits]
     return builder(signed_level_values(codec.bits, head_dim))

@@ -247,20 +247,16 @@ sinks without rings: ValueError: tq.decode: sinks=4 needs the rings (k_window, v
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_fast_and_portable_paths_agree(seeded):
-    """On the GPU, the inline-PTX decoding of the codes (4, 3, 2 bits, int8) equals the
-    plain-Triton decoding."""
-    for fmt_name in (
-        "4bit_nc",
-        "tq4_nc",
-        "tq3_nc",
-        "tq2_nc",
-        "k8v4",
-        "3bit_nc",
-        "k2v2_nc",
-        "k2v4_nc",
-        "int8",
-    ):
-        fmt, consts, cache, table, lens, q = decode_case(fmt_name, 128, 4, seeded)
+    """On the GPU, the inline-PTX decoding of the codes (5, 4, 3, 2 bits, int8) equals the
+    plain-Triton decoding; sign planes also at D = 80, whose key signs are shifted in Triton,
+    and D = 64."""
+    formats = ["4bit_nc", "tq4_nc", "tq3_nc", "tq2_nc", "tqk5v3_nc", "k8v4", "3bit_nc", "k2v2_nc",
+               "k2v4_nc", "int8"]  # fmt: skip
+    cases = [(name, 128) for name in formats] + [
+        (name, head_dim) for name in ("tqk5v3_nc", "tq3_nc") for head_dim in (64, 80)
+    ]
+    for fmt_name, head_dim in cases:
+        fmt, consts, cache, table, lens, q = decode_case(fmt_name, head_dim, 4, seeded)
         cuda_cache = clone_cache(cache, "cuda")
         args = (fmt, q.cuda(), cuda_cache, table.cuda(), lens.cuda(), *(c.cuda() for c in consts))
         fast = triton_decode.decode(*args, num_splits=2, scale=0.1)
