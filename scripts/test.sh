@@ -18,6 +18,7 @@ fi
 # runs them in one process.
 WORKERS=()
 if "$PY" -c "import xdist" 2>/dev/null; then
-    WORKERS=(-n "${TQ_TEST_WORKERS:-auto}")
+    # loadgroup: a module marked xdist_group (a model loaded once per module) stays on one worker
+    WORKERS=(-n "${TQ_TEST_WORKERS:-auto}" --dist loadgroup)
 fi
 exec "$PY" -m pytest -q ${WORKERS[@]+"${WORKERS[@]}"} "$@"

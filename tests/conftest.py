@@ -38,9 +38,12 @@ if not CUDA:
 
 # Under pytest-xdist (scripts/test.sh runs a worker per core) each worker's torch takes its
 # share of the cores: two workers of two threads each on CI's 2 cores would oversubscribe them.
+# The examples they start as processes inherit the share through OMP_NUM_THREADS.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+    _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -35,6 +35,9 @@ from examples.model import (
 from examples.tp import apply_tp, parallelize_dtensor, process_group, shard_config
 from tq_compile import TurboQuantKVCache, TurboQuantKVConfig, kv_cache_nbytes, quantize_
 
+# one pytest-xdist worker runs this module, so its ranks are spawned once
+pytestmark = pytest.mark.xdist_group("tp")
+
 # tiny's layers with 8 query / 4 kv heads, so that 4 ranks hold one kv-head each.
 CONFIG = dict(transformer_configs["tiny"], n_head=8, n_local_heads=4)
 BATCH, PROMPT_LEN, STEPS = 2, 12, 10
@@ -243,7 +246,7 @@ def test_torchrun_cli_on_cpu():
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "examples/tp.py", "--device", "cpu", "--new-tokens", "4", "--batch", "2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=SPAWN_TIMEOUT_S,
     )  # fmt: skip

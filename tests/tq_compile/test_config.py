@@ -99,7 +99,7 @@ class TestQuantizeErrors(expecttest.TestCase):
             """\
 caches not set up: ValueError: TurboQuantKVConfig('4bit_nc') matched no KV cache to quantize: 0 module(s) passed the filter and 0 are kept in full precision (keep_first / keep_last). Set the caches up first (gpt-fast: model.setup_caches(...)), or pass a filter_fn that selects them.
 everything kept: ValueError: TurboQuantKVConfig('4bit_nc') matched no KV cache to quantize: 2 module(s) passed the filter and 2 are kept in full precision (keep_first / keep_last). Set the caches up first (gpt-fast: model.setup_caches(...)), or pass a filter_fn that selects them.
-unknown preset: ValueError: unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq2_nc', 'tq3_nc', 'tq4_nc', 'tqk4v2_nc']
+unknown preset: ValueError: unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq2_nc', 'tq3_nc', 'tq4_nc', 'tqk4v2_nc', 'tqk5v3_nc']
 negative window: ValueError: window must be >= 0, got -1
 negative sinks: ValueError: sinks must be None (the default) or an integer >= 0, got -1
 torchao default filter: TypeError: TurboQuantKVConfig applies to KV-cache modules (with k_cache / v_cache buffers [B, Hk, S_max, D]), not Linear: torchao's quantize_ selects nn.Linear layers by default. Call tq_compile.quantize_(model, config), or pass filter_fn=tq_compile.is_kv_cache.""",  # noqa: E501

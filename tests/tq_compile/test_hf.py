@@ -345,7 +345,7 @@ class TestMessages(expecttest.TestCase):
         self.assertExpectedInline(
             "\n".join(lines),
             """\
-ValueError: unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq2_nc', 'tq3_nc', 'tq4_nc', 'tqk4v2_nc']
+ValueError: unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq2_nc', 'tq3_nc', 'tq4_nc', 'tqk4v2_nc', 'tqk5v3_nc']
 ValueError: max_cache_len must be an integer >= 1, got 0
 ValueError: window must be an integer >= 0, got -1
 ValueError: sinks must be an integer >= 0, got -1

@@ -15,6 +15,9 @@ from transformers import StaticCache  # noqa: E402
 from tq_compile.hf import TurboQuantCache  # noqa: E402
 from tq_compile.smollm2 import load_smollm2, smollm2_config, smollm2_gguf  # noqa: E402
 
+# one pytest-xdist worker runs this module, so the model loads once (about a minute on CI)
+pytestmark = pytest.mark.xdist_group("smollm2")
+
 NEW = 32
 # A near-tie: bf16's top two logits closer than quantizing the cache may move them. This
 # model's logits are ~10-30 (bf16 spacing 0.06-0.125); quantizing most of the prompt moves them

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from helpers import run_compiler_script
 
-# LM keys of 2, 3 and 4 bits; uniform values of 3 and 4 bits; rotated LM values of 2, 3 and 4
-# bits (prep, ring kernels); int8 and fp8 absmax (the int8 PTX, the fp8 finite decode)
-FORMATS = ["3bit_nc", "tq4_nc", "tq3_nc", "tq2_nc", "k2v4_nc", "int8", "fp8"]
+# LM keys of 2, 3, 4 and 5 bits; uniform values of 3 and 4 bits; rotated LM values of 2, 3
+# (tqk5v3_nc's) and 4 bits (prep, ring kernels); int8 and fp8 absmax (the int8 PTX, the fp8
+# finite decode)
+FORMATS = ["3bit_nc", "tq4_nc", "tqk5v3_nc", "tq2_nc", "k2v4_nc", "int8", "fp8"]
 
 
 def test_every_kernel_compiles_for_sm90():
