@@ -41,7 +41,7 @@ DECODE_TUNING: dict[str, DecodeTuning] = {
     "tq3_nc": DecodeTuning(),
     "tq2_nc": DecodeTuning(),
     "tqk4v2_nc": DecodeTuning(),
-    "tqk5v3_nc": DecodeTuning(),
+    "tqk5v3_nc": DecodeTuning(subtiles_long=2),
     "k2v2_nc": DecodeTuning(),
     "k2v4_nc": DecodeTuning(subtiles_long=2),
 }
