@@ -66,15 +66,21 @@ def _fp16_bits(values: Sequence[float]) -> list[int]:
     return np.asarray(values, dtype=np.float32).astype(np.float16).view(np.uint16).tolist()
 
 
+def _byte_tables(magnitudes: Sequence[float]) -> list[int]:
+    """The ``prmt`` tables of a Lloyd-Max lookup: the fp16 ``magnitudes``' low bytes, then their
+    high bytes, 4 to a 32-bit word (byte ``i`` of word ``w`` of each half: magnitude ``4w +
+    i``)."""
+    words = []
+    for byte_shift in (0, 8):
+        column = [(bits >> byte_shift) & 0xFF for bits in _fp16_bits(magnitudes)]
+        words += [column[i] | column[i + 1] << 8 | column[i + 2] << 16 | column[i + 3] << 24
+                  for i in range(0, len(column), 4)]  # fmt: skip
+    return words
+
+
 def lut4_asm(levels: Sequence[float]) -> str:
     """4-bit sign-magnitude Lloyd-Max codes -> fp16 levels (``levels``: ``[16]`` signed)."""
-    mags = _fp16_bits(levels[:8])
-
-    def word(values):
-        return values[0] | values[1] << 8 | values[2] << 16 | values[3] << 24
-
-    low, high = [m & 0xFF for m in mags], [m >> 8 for m in mags]
-    tables = (word(low[:4]), word(low[4:]), word(high[:4]), word(high[4:]))
+    tables = _byte_tables(levels[:8])  # tl0, tl1, th0, th1
     # x / y: low / high bytes of the levels of nibbles 0-3 (then 4-7) of $4, i.e. of the low
     # and high nibbles of bytes j, j+1 (then j+2, j+3); the 0x6240 / 0x7351 selectors pair each
     # level's two bytes into fp16x2 words, then each nibble's bit 3 (sign) goes to bit 15.
@@ -116,13 +122,7 @@ def lut5_asm(levels: Sequence[float]) -> str:
     moved to bit 7) selects between them. Pairing and signs as in :func:`lut4_asm` and
     :func:`lut3_asm`.
     """
-    mags = _fp16_bits(levels[:16])
-
-    def word(values):
-        return values[0] | values[1] << 8 | values[2] << 16 | values[3] << 24
-
-    low, high = [m & 0xFF for m in mags], [m >> 8 for m in mags]
-    tables = [word(bytes_[i : i + 4]) for bytes_ in (low, high) for i in range(0, 16, 4)]
+    tables = _byte_tables(levels[:16])
     lines = [
         "{",
         ".reg .b32 tl0, tl1, tl2, tl3, th0, th1, th2, th3, m, a, b, k, x, y, t, sl, sh;",
