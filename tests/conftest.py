@@ -41,7 +41,9 @@ if not CUDA:
 # The examples they start as processes inherit the share through OMP_NUM_THREADS.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    # the cores this process may use (sched_getaffinity is Linux only)
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    _THREADS = max(1, (_CORES or 1) // _WORKERS)
     torch.set_num_threads(_THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
