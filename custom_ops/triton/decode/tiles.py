@@ -74,7 +74,14 @@ def compressed_scores(n, end, early, b, table, k_plane, meta_plane, qs, masking,
         entries = table_entries(n, in_pages, b, table, PAGE_SIZE)
     valid = in_pages
     if SINKS > 0:
-        valid = in_pages & (n >= SINKS)
+        if ONE_TILE:
+            valid = in_pages & (n >= SINKS)
+        else:
+            # SINKS <= n < end as one unsigned compare (n - SINKS wraps below the sinks):
+            # streaming splits then pay 0-3% for 4 sinks instead of up to 5%, a one-tile split
+            # pays more that way (benchmarks/NOTES.md, "The sinks' mask in the split kernel")
+            limit = (tl.maximum(end, SINKS) - SINKS).to(tl.uint32, bitcast=True)
+            valid = (n - SINKS).to(tl.uint32, bitcast=True) < limit
     k_codes_ptr, k_head, stride_kc_page, stride_kc_slot = k_plane
     meta_ptr, m_head, stride_m_page, stride_m_slot = meta_plane
     q0, q1, q2, q3 = qs
