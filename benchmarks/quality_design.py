@@ -28,6 +28,7 @@ the attention against a ``TurboQuantKVCache`` decoded one token at a time.
 
     python benchmarks/quality_design.py --formats 4bit_nc tq3_nc --sinks 0 4 --center off on
     python benchmarks/quality_design.py --texts 4 --formats lm4+lm2 --sinks 4   # a codec pair
+    python benchmarks/quality_design.py --texts 4 --formats lm2+bf16 bf16+lm2 --sinks 4  # one side
 """
 
 from __future__ import annotations
@@ -66,13 +67,24 @@ class WideLloydMax(NamedTuple):
         return head_dim * self.bits // 8
 
 
+class Exact(NamedTuple):
+    """A side kept as the model computed it (``bf16``: 16 bits, no meta record): pairs such as
+    ``lm2+bf16`` measure one side's quantization alone."""
+
+    meta_fields: tuple[str, ...] = ()
+
+    def code_bytes(self, head_dim: int) -> int:
+        return head_dim * 2
+
+
 class DesignFormat(NamedTuple):
-    """A ``<keys>+<values>`` pair with a :class:`WideLloydMax` side (what :func:`format_of`
-    gives instead of a :class:`KVFormat`, which holds storable codecs only)."""
+    """A ``<keys>+<values>`` pair with a :class:`WideLloydMax` or :class:`Exact` side (what
+    :func:`format_of` gives instead of a :class:`KVFormat`, which holds storable codecs
+    only)."""
 
     name: str
-    key: Codec | WideLloydMax
-    value: Codec | WideLloydMax
+    key: Codec | WideLloydMax | Exact
+    value: Codec | WideLloydMax | Exact
     meta_dtype: torch.dtype
 
     def bytes_per_token_head(self, head_dim: int) -> int:
@@ -87,14 +99,16 @@ _SPEC_CODECS = (
     {f"lm{bits}": Codec(Kind.LLOYD_MAX, bits, True) for bits in (1, 2, 3, 4, 5)}
     | {f"lm{bits}": WideLloydMax(bits) for bits in (6, 7, 8)}
     | {f"u{bits}": Codec(Kind.UNIFORM, bits) for bits in (2, 3, 4)}
+    | {"bf16": Exact()}
 )
 
 
 def format_of(name: str) -> KVFormat | DesignFormat:
     """A format of ``custom_ops.FORMATS`` by name, or one that pairs two sides, written
     ``<keys>+<values>`` with each side ``lm1`` .. ``lm8`` (Lloyd-Max; from 6 bits a
-    :class:`WideLloydMax`) or ``u2`` .. ``u4`` (uniform) and a bf16 meta record: ``lm4+lm2``
-    spends a 3-bit budget on 4-bit keys."""
+    :class:`WideLloydMax`), ``u2`` .. ``u4`` (uniform) or ``bf16`` (:class:`Exact`) and a bf16
+    meta record: ``lm4+lm2`` spends a 3-bit budget on 4-bit keys, ``lm2+bf16`` measures 2-bit
+    keys alone."""
     if "+" not in name:
         return get_format(name)
     sides = name.split("+")
@@ -107,9 +121,11 @@ def format_of(name: str) -> KVFormat | DesignFormat:
     return DesignFormat(name, key, value, torch.bfloat16)
 
 
-def round_trip(side: Codec | WideLloydMax, x: torch.Tensor, rotation: torch.Tensor,
+def round_trip(side: Codec | WideLloydMax | Exact, x: torch.Tensor, rotation: torch.Tensor,
                meta_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """``x [B, H, T, D]`` as one side of a format reads it back (float32)."""
+    if isinstance(side, Exact):
+        return x
     if isinstance(side, Codec):
         return quantized(side, x, rotation, meta_dtype)
     rows = x.reshape(-1, x.shape[-1]).float()

@@ -1,10 +1,10 @@
 """Quality of a Hugging Face model's KV cache, measured through the decode path.
 
-``teacher_forced(model, cache, ids)`` feeds a text one token at a time through ``cache``, so
-every prediction attends to keys and values read back from the cache (compressed ones for a
-``TurboQuantCache``), and keeps each step's negative log-likelihood of the next token and its
-argmax. ``perplexity`` and ``agreement`` summarize two such runs; ``StepTimer`` times the
-decode steps of ``generate``. ``reference_text`` is the
+``teacher_forced(model, cache, ids)`` feeds a text one token at a time (or ``chunk`` at a
+time) through ``cache``, so every prediction attends to keys and values read back from the
+cache (compressed ones for a ``TurboQuantCache``), and keeps each position's negative
+log-likelihood of the next token and its argmax. ``perplexity`` and ``agreement`` summarize
+two such runs; ``StepTimer`` times the decode steps of ``generate``. ``reference_text`` is the
 evaluation text: the "Execution model" chapter of the Python language reference, as CPython
 ships it (``pydoc_data.topics``), English technical prose that any Python has offline.
 """
@@ -69,25 +69,38 @@ def teacher_forced(
     cache,
     ids: torch.Tensor,
     progress: Callable[[int, int], None] | None = None,
+    chunk: int = 1,
 ) -> DecodeRun:
-    """Feed ``ids [T]`` (int64) one token per forward through ``cache``.
+    """Feed ``ids [T]`` (int64) through ``cache``, ``chunk`` tokens per forward.
+
+    With ``chunk=1`` every prediction is a decode step. With ``chunk=C > 1`` (at most 16 for
+    a ``TurboQuantCache``: its multi-token decode) each forward appends C tokens and their C
+    queries attend causally over the cache, as a speculative verify step does: C times fewer
+    forwards, and the same attention except that a query ``c`` places before the chunk's last
+    sees the ``c`` oldest positions of the recent window already quantized (they leave the
+    window when the whole chunk is written).
 
     Args:
         model: a causal LM (``model(input_ids, past_key_values=cache)``).
         cache: an empty transformers ``Cache`` with room for ``T`` tokens at batch 1.
         ids: the token ids.
-        progress: called as ``progress(done, total)`` every 64 steps and at the end.
+        progress: called as ``progress(done, total)`` about every 64 positions and at the end.
+        chunk: tokens per forward (>= 1).
     """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk!r}")
     steps = ids.shape[0] - 1
     nll, argmax = torch.empty(steps), torch.empty(steps, dtype=torch.long)
     start = time.perf_counter()
-    for t in range(steps):
-        out = model(ids[None, t : t + 1], past_key_values=cache, use_cache=True)
-        logits = out.logits[0, -1].float()
-        nll[t] = (torch.logsumexp(logits, -1) - logits[ids[t + 1]]).cpu()
-        argmax[t] = logits.argmax().cpu()
-        if progress and ((t + 1) % 64 == 0 or t + 1 == steps):
-            progress(t + 1, steps)
+    for t in range(0, steps, chunk):
+        end = min(t + chunk, steps)
+        out = model(ids[None, t:end], past_key_values=cache, use_cache=True)
+        logits = out.logits[0].float()  # [end - t, V]: position i predicts token i + 1
+        targets = ids[t + 1 : end + 1, None]
+        nll[t:end] = (torch.logsumexp(logits, -1) - logits.gather(-1, targets)[:, 0]).cpu()
+        argmax[t:end] = logits.argmax(-1).cpu()
+        if progress and (end // 64 > t // 64 or end == steps):
+            progress(end, steps)
     return DecodeRun(nll, argmax, time.perf_counter() - start)
 
 

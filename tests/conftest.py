@@ -71,6 +71,17 @@ def triton_kernels(device: str):
         yield
 
 
+def require_smollm2() -> None:
+    """Skip the calling test where SmolLM2's GGUF cannot be had (offline, and no copy under
+    ``$TQ_CACHE_DIR``); otherwise it is on disk, downloaded once."""
+    from tq_compile.smollm2 import smollm2_gguf
+
+    try:
+        smollm2_gguf(quiet=True)
+    except RuntimeError as error:
+        pytest.skip(f"SmolLM2 not available: {error}")
+
+
 @pytest.fixture
 def seeded() -> torch.Generator:
     """A fresh, seeded generator per test (inputs are random, never zeros)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, require_smollm2
 from helpers import run_example
 
 BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
@@ -24,12 +24,7 @@ def test_snippet_runs(index, tmp_path):
     code = SNIPPETS[index]
     if "load_smollm2" in code:
         pytest.importorskip("transformers")
-        from tq_compile.smollm2 import smollm2_gguf
-
-        try:
-            smollm2_gguf(quiet=True)
-        except RuntimeError as error:
-            pytest.skip(f"SmolLM2 not available: {error}")
+        require_smollm2()
     script = tmp_path / f"readme_snippet_{index}.py"
     script.write_text(code)
     run_example(str(script), timeout=600)

@@ -7,9 +7,8 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, require_smollm2
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from attention_error import attention  # noqa: E402
@@ -45,12 +44,7 @@ def test_attention_reads_the_ring_for_the_window(seeded):
 def test_runs_on_smollm2(tmp_path):
     """Two formats on 16 tokens: a finite error per row, int8's far below 4bit_nc's, the extra
     record (float32) beside each format's own."""
-    from tq_compile.smollm2 import smollm2_gguf
-
-    try:
-        smollm2_gguf(quiet=True)
-    except RuntimeError as error:
-        pytest.skip(f"SmolLM2 not available: {error}")
+    require_smollm2()
     out = tmp_path / "ae.json"
     env = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
     result = subprocess.run(

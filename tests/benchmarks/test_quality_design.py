@@ -89,3 +89,33 @@ def test_wide_lloyd_max_sides():
     errors = [rel_error(x, quality_design.round_trip(side, x, rotation, torch.bfloat16))
               for side in (five, fmt.key)]  # fmt: skip
     assert errors[1] < 0.6 * errors[0], errors
+
+
+def test_exact_side_measures_the_other_alone():
+    """``bf16`` keeps a side as the model computed it (2 bytes per element, no meta record):
+    ``lm2+bf16`` at D=128 is 32 code bytes and one bf16 norm beside 256 value bytes, its values
+    read back unchanged and its keys as the 2-bit codec's round trip; the attention of a pair
+    with one exact side differs from the uncompressed one by less than the full pair's."""
+    fmt = format_of("lm2+bf16")
+    assert fmt.bytes_per_token_head(128) == 32 + 256 + 2
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 2, 64, 128, generator=gen).bfloat16().float()
+    rotation = api.make_constants("4bit_nc", 128).rotation
+    assert quality_design.round_trip(fmt.value, x, rotation, torch.bfloat16) is x
+    torch.testing.assert_close(
+        quality_design.round_trip(fmt.key, x, rotation, torch.bfloat16),
+        quality_design.round_trip(format_of("lm2+lm2").key, x, rotation, torch.bfloat16),
+    )  # fmt: skip
+    shape = (BATCH, KV_HEADS, TOKENS, HEAD_DIM)
+    k, v = (torch.randn(shape, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(BATCH, KV_HEADS * GROUP, TOKENS, HEAD_DIM, generator=gen).bfloat16()
+    rotation = api.make_constants("4bit_nc", HEAD_DIM).rotation
+
+    def attention(name):
+        setting = Setting(name, WINDOW) if name else Setting(None)
+        return quantized_attention(setting, rotation)(None, q, k, v, None)[0].float()
+
+    exact = attention(None)
+    both, keys_only, values_only = (rel_error(attention(n), exact)
+                                    for n in ("lm2+lm2", "lm2+bf16", "bf16+lm2"))  # fmt: skip
+    assert 0 < keys_only < both and 0 < values_only < both, (keys_only, values_only, both)

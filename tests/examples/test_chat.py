@@ -9,22 +9,17 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, require_smollm2
 from helpers import run_example
 
 pytest.importorskip("transformers")
-
-from tq_compile.smollm2 import smollm2_gguf  # noqa: E402
 
 
 def test_chat_answers_with_both_caches():
     """A short run prints both answers (real English), tokens/s of both caches, the KV bytes
     ratio, where the answers agree and both perplexities on the fixed text (16 tokens: with
     window 4 and 4 sinks, 8 of them are read back quantized)."""
-    try:
-        smollm2_gguf(quiet=True)
-    except RuntimeError as error:
-        pytest.skip(f"SmolLM2 not available: {error}")
+    require_smollm2()
     out = run_example("examples/chat.py", "--device", "cpu", "--prompt",
                       "What is the capital of France?", "--new-tokens", "12", "--window", "4",
                       "--ppl-tokens", "16", timeout=600)  # fmt: skip

@@ -195,6 +195,36 @@ def test_triton_kernels_match_reference_path():
     assert rel_error(kernels.cpu(), reference) < SAME_QUANTIZATION_BOUND
 
 
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_teacher_forced_chunks_equal_one_parallel_forward(chunk):
+    """``examples.hf_eval.teacher_forced`` with ``chunk`` tokens per forward (5: the last chunk
+    shorter) gives each position's next-token NLL and argmax as one parallel forward does
+    (float32 StaticCache: rounding only, 1e-4; targets one position off differ by 0.1 or
+    more); a TurboQuantCache without a window reads the same codes whatever the chunk (bf16
+    rounding of the logits, as in the bounds above); progress reaches the end; a chunk below
+    1 is refused."""
+    from examples.hf_eval import teacher_forced
+
+    config, model = tiny_model("llama")
+    model = model.float()
+    ids = torch.randint(3, 256, (23,), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0, :-1]
+    nll = torch.logsumexp(logits, -1) - logits.gather(-1, ids[1:, None])[:, 0]
+    seen = []
+    run = teacher_forced(model, StaticCache(config, CAPACITY), ids,
+                         lambda done, total: seen.append((done, total)), chunk=chunk)  # fmt: skip
+    torch.testing.assert_close(run.nll, nll, rtol=0, atol=1e-4)
+    assert torch.equal(run.argmax, logits.argmax(-1))
+    assert seen[-1] == (22, 22)
+    model = model.bfloat16()
+    one, chunked = (teacher_forced(model, TurboQuantCache(config, CAPACITY, window=0), ids,
+                                   chunk=c) for c in (1, chunk))  # fmt: skip
+    assert rel_error(chunked.nll, one.nll) < SAME_QUANTIZATION_BOUND
+    with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
+        teacher_forced(model, StaticCache(config, CAPACITY), ids, chunk=0)
+
+
 def test_views_reach_the_decode_op(monkeypatch):
     """update() returns TurboQuantKVTensor views [B, Hk, max_cache_len, D]; a decode step calls
     tq.decode once per layer and never dequantizes."""
