@@ -4,9 +4,13 @@ the model file cannot be fetched (offline)."""
 
 from __future__ import annotations
 
+import argparse
+import math
+import sys
+
 import pytest
 import torch
-from conftest import triton_kernels
+from conftest import ROOT, require_smollm2, triton_kernels
 
 pytest.importorskip("transformers")
 
@@ -34,10 +38,7 @@ PROMPTS = (
 
 @pytest.fixture(scope="module")
 def smollm2():
-    try:
-        smollm2_gguf(quiet=True)
-    except RuntimeError as error:
-        pytest.skip(f"SmolLM2 not available: {error}")
+    require_smollm2()
     return load_smollm2(quiet=True)
 
 
@@ -116,6 +117,29 @@ def test_triton_kernels_match_the_reference_path(smollm2):
     rel = ((logits.cpu() - ref_logits).norm() / ref_logits.norm()).item()
     quantization = ((ref_logits - dense_logits).norm() / dense_logits.norm()).item()
     assert rel < 0.05 and rel < quantization, (rel, quantization)
+
+
+def test_quality_benchmark_averages_texts_through_chunks(smollm2, monkeypatch):
+    """``benchmarks/quality.py --model smollm2 --texts 2 --chunk 8`` (on the loaded model): each
+    row averages the two longest reference chapters (its ``per_text`` increases, their smallest
+    and largest), bf16 is each text's zero, and the payload names the texts, chunk and dtype."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import quality
+
+    monkeypatch.setattr("tq_compile.smollm2.load_smollm2", lambda **_: smollm2)
+    args = argparse.Namespace(model="smollm2", device="cpu", dtype="bfloat16", eval_len=40,
+                              texts=2, chunk=8, formats=["4bit_nc"], windows=[8], sinks=[0],
+                              center=["off"])  # fmt: skip
+    payload = quality.run_smollm2(args)
+    assert (payload["chunk"], payload["dtype"], payload["eval_seqs"]) == (8, "bfloat16", 2)
+    assert len(set(payload["texts"])) == 2
+    bf16, row = payload["rows"]
+    assert bf16["per_text"] == [0.0, 0.0] and bf16["top1_pct"] == 100
+    assert (row["cache"], row["window"], len(row["per_text"])) == ("4bit_nc", 8, 2)
+    assert row["min_pct"] <= row["ppl_delta_pct"] <= row["max_pct"]
+    assert row["ppl_delta_pct"] == pytest.approx(sum(row["per_text"]) / 2)
+    assert row["min_pct"] < row["max_pct"]  # two different texts
+    assert all(math.isfinite(d) for d in row["per_text"]) and row["ppl"] > 1
 
 
 def test_download_error_says_what_to_do(tmp_path, monkeypatch):
