@@ -492,13 +492,14 @@ def run_smollm2(args) -> dict:
               f"{rows[-1]['top1_pct']:.2f}%, {rows[-1]['seconds']:.0f} s", flush=True)  # fmt: skip
     on = gpu_name() if args.device == "cuda" else "cpu"
     names = [name for name, _ in chapters]
-    print(f"\n{on}, SmolLM2-135M-Instruct ({args.dtype}), {len(chapters)} x {eval_len} tokens "
+    evaluated = min(int(ids.shape[0]) for _, ids in chapters)  # a chapter may be shorter
+    print(f"\n{on}, SmolLM2-135M-Instruct ({args.dtype}), {len(chapters)} x {evaluated} tokens "
           f"of CPython's reference ({', '.join(names)}) teacher-forced through the cache, "
           f"{args.chunk} per forward; bytes per token-head at D={head_dim}")  # fmt: skip
     print_rows(rows)
     return dict(device=on, torch=torch.__version__, model="smollm2", dtype=args.dtype,
                 chunk=args.chunk, model_args=dict(head_dim=head_dim), eval_seqs=len(chapters),
-                eval_len=eval_len, texts=names,
+                eval_len=evaluated, texts=names,
                 eval_corpus=dict(root=f"pydoc_data.topics[{', '.join(names)}]"),
                 rows=rows)  # fmt: skip
 
@@ -684,6 +685,8 @@ def main() -> None:
     if args.replot:
         plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
         return
+    if args.texts < 0 or args.chunk < 1:
+        parser.error(f"--texts must be >= 0 and --chunk >= 1, got {args.texts} and {args.chunk}")
     if args.model == "smollm2":
         if args.out == parser.get_default("out"):
             args.out = "quality_smollm2.json"

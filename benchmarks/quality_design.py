@@ -68,7 +68,8 @@ class WideLloydMax(NamedTuple):
 
 
 class Exact(NamedTuple):
-    """A side kept as the model computed it (``bf16``: 16 bits, no meta record): pairs such as
+    """A side left unquantized (``bf16``: 16 bits, no meta record; centred keys still round
+    ``key - mu`` to the model's dtype, as a centring cache's ring does): pairs such as
     ``lm2+bf16`` measure one side's quantization alone."""
 
     meta_fields: tuple[str, ...] = ()
