@@ -460,16 +460,16 @@ def run_smollm2(args) -> dict:
     rows, references = [], None
     for fmt, window, sinks, center in configurations(args):
         label = config_label(fmt, window, sinks, center)
+        bytes_per = (
+            4 * head_dim if window is None else get_format(fmt).bytes_per_token_head(head_dim)
+        )
         runs = []
         for i, (_, ids) in enumerate(chapters):
             if window is None:
                 cache = StaticCache(model.config, max_cache_len=ids.shape[0])
-                bytes_per = 4 * head_dim
             else:
                 cache = TurboQuantCache(model.config, ids.shape[0], preset=fmt, window=window,
                                         sinks=sinks, center_keys=center)  # fmt: skip
-                bytes_per = get_format(fmt).bytes_per_token_head(head_dim)
-
             text_label = f"{label}, text {i + 1}/{len(chapters)}"
 
             def progress(done, total, text_label=text_label):
