@@ -13,9 +13,11 @@ written and whether it built (``ok`` or ``FAILED``); exits 1 if a kernel fails t
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -27,7 +29,11 @@ from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from torch._inductor.codegen.wrapper import (
     user_defined_triton_kernel_transitive_closure_source_code as inductor_kernel_source,
 )
-from torch._inductor.runtime.triton_heuristics import config_from_dict, config_to_dict
+from torch._inductor.runtime.triton_heuristics import (
+    CachingAutotuner,
+    config_from_dict,
+    config_to_dict,
+)
 from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -71,10 +77,11 @@ def trace(fmt: str, window: int, batch: int, tokens: int):
     return graph
 
 
-def build(node) -> None:
+def build(node, label: str) -> None:
     """Build the kernel of a ``triton_kernel_wrapper_functional`` node as inductor does: the
     source of its transitive closure in a fresh module, its constexprs through their repr,
-    compiled for sm_90."""
+    compiled for sm_90 with the options inductor makes of its config; print ``<label> maxnreg:
+    <the register cap in its PTX, or None>``."""
     kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
     constants = kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"])
     # the constexprs by repr, then the kernel, undecorated (inductor writes its decorators,
@@ -102,13 +109,18 @@ def build(node) -> None:
         else:
             signature[param.name] = "fp64" if isinstance(value, float) else "i32"
     # the config as inductor writes it into its code and reads it back (the register cap
-    # rides in its keyword arguments)
+    # rides in its keyword arguments), and the compile options inductor makes of it
     (config,) = kernel.configs
     config = config_from_dict(config_to_dict(config))
-    options = {k: v for k, v in config.all_kwargs().items() if v is not None}
+    compile_meta = {"num_warps": config.num_warps, "num_stages": config.num_stages,
+                    "debug": False}  # fmt: skip
+    cuda = SimpleNamespace(device_props=SimpleNamespace(type="cuda"))
+    options = CachingAutotuner._create_compile_options(cuda, config, compile_meta)
     with offline_target():
-        triton.compile(ASTSource(built, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                       options=options)  # fmt: skip
+        compiled = triton.compile(ASTSource(built, signature, constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
+    cap = re.search(r"^\.maxnreg (\d+)", compiled.asm["ptx"], re.MULTILINE)
+    print(f"{label} maxnreg: {cap and cap.group(1)}", flush=True)
 
 
 def main(cases: list[str]) -> int:
@@ -130,7 +142,10 @@ def main(cases: list[str]) -> int:
                     name = kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__
                     written = " ".join(node.kwargs["tensors_to_clone"])
                     print(f"{case} {name} writes: {written}", flush=True)
-                    results.append(report(f"{case} {name}", lambda node=node: build(node)))
+                    label = f"{case} {name}"
+                    results.append(
+                        report(label, lambda node=node, label=label: build(node, label))
+                    )
     return 0 if all(results) else 1
 
 

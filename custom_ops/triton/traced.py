@@ -18,6 +18,13 @@ Launch options travel in a one-config ``triton.autotune`` (``wrap_triton`` takes
 ``maxnreg``); programmatic dependent launch is not available to inductor's launches, so the
 kernels are traced with their ``PDL`` constexpr off.
 
+Inductor compiles a user kernel with its config's ``num_warps`` and ``num_stages`` but drops
+its ``maxnreg`` (PyTorch 2.11 and 2.13: ``CachingAutotuner._create_compile_options`` copies
+neither it nor ``num_ctas``): the long-split decode compiled at 157-166 registers instead of
+its cap of 128, 16% (4bit_nc) to 35% (k8v4) slower alone at 16 x 32768, and 9% of 4bit_nc's
+split time in the 1b-shape model's plain-compiled step (NOTES "End to end"). Importing
+:mod:`custom_ops` mends that (:func:`honour_register_caps`).
+
 Inductor launches such user-defined kernels with Triton's Python launcher unless
 ``torch._inductor.config.static_launch_user_defined_triton_kernels`` is on; importing
 :mod:`custom_ops` turns it on (:func:`static_launch_by_default`): its static CUDA launcher took
@@ -35,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
 import linecache
 import math
 import os
@@ -54,6 +62,7 @@ __all__ = [
     "importable_repr",
     "STATIC_LAUNCH_ENV",
     "static_launch_by_default",
+    "honour_register_caps",
 ]
 
 # Inductor's switch for launching user-defined Triton kernels through its static CUDA launcher
@@ -79,6 +88,36 @@ def static_launch_by_default() -> None:
     # has no static launcher for user kernels: nothing to do)
     if config is not None and hasattr(config, "static_launch_user_defined_triton_kernels"):
         config.static_launch_user_defined_triton_kernels = True
+
+
+def honour_register_caps() -> None:
+    """Have inductor compile a kernel whose config sets ``maxnreg`` (a traced launch's register
+    cap, :func:`_configured`) under that cap: wraps ``CachingAutotuner._create_compile_options``,
+    which builds the options of ``triton.compile`` from a config and leaves the cap out, so
+    that a config's cap reaches them (a cap the options already hold is kept: a PyTorch that
+    passes it is left as it is). Configs without a cap, all of inductor's own kernels', compile
+    as before.
+
+    Called when :mod:`custom_ops` is imported and before a capped launch is traced. Inductor's
+    compile workers import :mod:`custom_ops` while they load such a kernel, before compiling it:
+    its constexprs name our classes (:func:`importable_repr`), and the module that defines the
+    autotuner class is imported by then. Does nothing where that module is not imported yet
+    (it is imported again here only by :func:`launch_traced`) or has no such method."""
+    heuristics = sys.modules.get("torch._inductor.runtime.triton_heuristics")
+    tuner = getattr(heuristics, "CachingAutotuner", None)
+    create = getattr(tuner, "_create_compile_options", None)
+    if create is None or getattr(create, "honours_register_caps", False):
+        return
+
+    @functools.wraps(create)
+    def create_compile_options(self, cfg, compile_meta: dict) -> dict:
+        options = create(self, cfg, compile_meta)
+        if getattr(cfg, "maxnreg", None) is not None and self.device_props.type == "cuda":
+            options.setdefault("maxnreg", cfg.maxnreg)
+        return options
+
+    create_compile_options.honours_register_caps = True
+    tuner._create_compile_options = create_compile_options
 
 
 # The launch options a Launcher's kwargs may hold besides the kernel's constexprs: the ones an
@@ -219,6 +258,9 @@ def launch_traced(kernel, kwargs: dict, grid: tuple[int, ...], args: tuple) -> N
     PTX that the mutation analysis of the launch cannot see through (not pure), so with it every
     argument would count as written."""
     options = {k: kwargs[k] for k in CONFIG_OPTIONS if k in kwargs}
+    if "maxnreg" in options:
+        importlib.import_module("torch._inductor.runtime.triton_heuristics")  # the class to mend
+        honour_register_caps()
     constexprs = {k: v for k, v in kwargs.items() if k not in (*CONFIG_OPTIONS, PDL_OPTION)}
     if "PDL" in constexprs:
         constexprs["PDL"] = False
@@ -238,7 +280,8 @@ def _configured(entry, options: tuple):
     """``entry`` under a one-config ``triton.autotune`` with launch ``options``. The register
     cap goes in the config's keyword arguments: inductor writes a user kernel's configs into
     its code as the keyword arguments, ``num_warps`` and ``num_stages`` (a ``maxnreg`` option
-    would be lost), and reads ``maxnreg`` back from there as the option."""
+    would be lost), and reads ``maxnreg`` back from there into the config; from the config to
+    the compile only :func:`honour_register_caps` takes it."""
     options = dict(options)
     registers = {"maxnreg": options.pop("maxnreg")} if "maxnreg" in options else {}
     return triton.autotune(configs=[triton.Config(registers, **options)], key=[])(entry)

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from triton import knobs
 
-from custom_ops import ops
+from custom_ops import api, ops
 from custom_ops.formats import get_format
 from custom_ops.triton import traced
 from custom_ops.triton.decode.codes import part_params
@@ -105,6 +105,12 @@ def test_inductor_builds_every_traced_kernel():
     assert len(calls) == len(cases) and not [c for c in calls if "tq." in c], "\n".join(calls)
     # store or store_window, split, merge; and the ring kernel of tq3_nc's rotated values
     assert len(built) == 3 * len(cases) + 1, result.stdout
+    # the plan's register caps reach the compile through inductor's options: the long split's
+    # 128, a 4-token verify step's 192 (16 rows); no other kernel has one
+    caps = {line.split("_flat_")[0]: line.split(": ")[1] for line in lines if " maxnreg: " in line}
+    assert caps["4bit_nc:16:2:1 split_kernel"] == "128", caps
+    assert caps["k8v4:16:1:4 split_kernel"] == "192", caps
+    assert {cap for name, cap in caps.items() if "split_kernel" not in name} == {"None"}, caps
     if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
         written = {line.split(" writes: ")[0].split()[1].split("_flat_")[0]: line.split(": ")[1]
                    for line in lines if " writes: " in line}  # fmt: skip
@@ -116,6 +122,41 @@ def test_inductor_builds_every_traced_kernel():
             "ring_partials_kernel": "part_out_ptr part_lse_ptr",
             "merge_kernel": "out_ptr",
         }, written
+
+
+@pytest.mark.skipif(not CUDA, reason="inductor compiles the kernels for a GPU")
+def test_inductor_compiles_the_long_split_under_its_register_cap():
+    """A plain-compiled decode over splits of several tiles: inductor (its compile workers
+    included) builds the split kernel under the plan's cap of 128 registers, which it would
+    otherwise drop (157-166 on an H200, 16-35% slower: traced.honour_register_caps), and the
+    output equals the eager decode's."""
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    fmt, heads, head_dim, seq = get_format("4bit_nc"), 2, 128, 2048
+    consts = api.make_constants(fmt, head_dim, device="cuda")
+    cache = fmt.allocate(seq // 16, heads, 16, head_dim, "cuda")
+    key, value = (torch.randn(seq, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                  for _ in "kv")  # fmt: skip
+    api.store(fmt, cache, key, value, torch.arange(seq, device="cuda", dtype=torch.int32), consts)
+    table = torch.arange(seq // 16, device="cuda", dtype=torch.int32)[None]
+    lens = torch.tensor([seq - 5], device="cuda", dtype=torch.int32)
+    q = torch.randn(1, 4 * heads, head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def attend(q):  # 4 splits of 512 tokens: 16 tiles each
+        return api.decode(fmt, q, cache, table, lens, consts, num_splits=4)
+
+    loaded = len(PyCodeCache.modules)
+    torch._dynamo.reset()
+    out = torch.compile(attend, fullgraph=True)(q)
+    torch._dynamo.reset()
+    registers = [launcher.n_regs
+                 for module in PyCodeCache.modules[loaded:]
+                 for name, tuner in vars(module).items()
+                 if isinstance(tuner, CachingAutotuner) and name.startswith("split_kernel_flat")
+                 for launcher in tuner.launchers]  # fmt: skip
+    assert registers and all(0 < n <= 128 for n in registers), registers
+    torch.testing.assert_close(out, attend(q), atol=0, rtol=0)
 
 
 def test_traced_launch_has_no_programmatic_dependent_launch():
