@@ -216,9 +216,11 @@ SWEEP = [
     (32, 4, 2, 2),
 ]
 SPLIT_FACTORS = (0.5, 2, 4)
-# Sweep of a verify step (several query tokens): (num_warps, register cap) of one 32-token tile
-# per softmax step, the plan's choice for many query rows.
-VERIFY_SWEEP = [(1, 128), (1, 192), (1, 255), (2, 128), (2, 192), (2, 255), (4, 128), (4, 255)]
+# Sweep of a verify step (several query tokens): (tokens per tile, num_warps, register cap) of
+# one tile per softmax step, the plan's choice for many query rows; 16-token tiles hold half
+# the scores and decoded codes (32 rows at 32 tokens spill at 255 registers).
+VERIFY_SWEEP = [(32, 1, 128), (32, 1, 192), (32, 1, 255), (32, 2, 128), (32, 2, 192),
+                (32, 2, 255), (32, 4, 128), (32, 4, 255), (16, 1, 192), (16, 1, 255)]  # fmt: skip
 
 
 def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,), sink_counts=(0,)) -> dict:
@@ -246,8 +248,8 @@ def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,), sink_coun
             configs = [({}, splits_default)]
             if sweep and tokens > 1:
                 configs = [
-                    ({"split_config": SplitConfig(32, 1, w, 2, regs)}, splits_default)
-                    for w, regs in VERIFY_SWEEP
+                    ({"split_config": SplitConfig(bn, 1, w, 2, regs)}, splits_default)
+                    for bn, w, regs in VERIFY_SWEEP
                 ]
             elif sweep:
                 configs = [
