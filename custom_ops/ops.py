@@ -284,4 +284,3 @@ _define("store_window", StoreWindowArgs, _store_window, _store_window_fake,
 _define("dequantize", DequantizeArgs, _dequantize, _dequantize_fake, returns="(Tensor, Tensor)")
 _define("decode", DecodeArgs, _decode, _decode_fake, returns="Tensor", traceable=True)
 traced.static_launch_by_default()
-traced.honour_register_caps()

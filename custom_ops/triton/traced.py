@@ -22,8 +22,9 @@ Inductor compiles a user kernel with its config's ``num_warps`` and ``num_stages
 its ``maxnreg`` (PyTorch 2.11 and 2.13: ``CachingAutotuner._create_compile_options`` copies
 neither it nor ``num_ctas``): the long-split decode compiled at 157-166 registers instead of
 its cap of 128, 16% (4bit_nc) to 35% (k8v4) slower alone at 16 x 32768, and 9% of 4bit_nc's
-split time in the 1b-shape model's plain-compiled step (NOTES "End to end"). Importing
-:mod:`custom_ops` mends that (:func:`honour_register_caps`).
+split time in the 1b-shape model's plain-compiled step (NOTES "End to end"). Every process
+that loads such a kernel to compile it mends that first (:func:`honour_register_caps`, called
+by :func:`rebuilt`; the capped kernel, the split kernel, has NamedTuple constexprs).
 
 Inductor launches such user-defined kernels with Triton's Python launcher unless
 ``torch._inductor.config.static_launch_user_defined_triton_kernels`` is on; importing
@@ -33,8 +34,10 @@ end").
 
 Inductor writes the constexprs into its generated module as their ``repr``; the NamedTuple
 constexprs (:class:`~custom_ops.triton.planes.CodecParams`,
-:class:`~custom_ops.triton.decode.codes.PartParams`) therefore print as an expression that
-imports their class (:func:`importable_repr`).
+:class:`~custom_ops.triton.decode.codes.PartParams`) therefore print as a call of
+:func:`rebuilt` (:func:`importable_repr`), which every process evaluates before compiling the
+kernel: the compile workers, and the parent when it compiles itself (its pool not ready yet, a
+cache hit that skipped the trace).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ __all__ = [
     "unread",
     "launch_traced",
     "importable_repr",
+    "rebuilt",
     "STATIC_LAUNCH_ENV",
     "static_launch_by_default",
     "honour_register_caps",
@@ -93,31 +97,28 @@ def static_launch_by_default() -> None:
 def honour_register_caps() -> None:
     """Have inductor compile a kernel whose config sets ``maxnreg`` (a traced launch's register
     cap, :func:`_configured`) under that cap: wraps ``CachingAutotuner._create_compile_options``,
-    which builds the options of ``triton.compile`` from a config and leaves the cap out, so
-    that a config's cap reaches them (a cap the options already hold is kept: a PyTorch that
-    passes it is left as it is). Configs without a cap, all of inductor's own kernels', compile
-    as before.
+    which makes a config's ``triton.compile`` options and leaves the cap out, so that the cap
+    reaches them (a cap the options already hold is kept: a PyTorch that passes it is left as it
+    is). Configs without a cap, all of inductor's own kernels', compile as before.
 
-    Called when :mod:`custom_ops` is imported and before a capped launch is traced. Inductor's
-    compile workers import :mod:`custom_ops` while they load such a kernel, before compiling it:
-    its constexprs name our classes (:func:`importable_repr`), and the module that defines the
-    autotuner class is imported by then. Does nothing where that module is not imported yet
-    (it is imported again here only by :func:`launch_traced`) or has no such method."""
+    Does nothing until inductor's ``triton_heuristics`` module is imported (importing it costs
+    ~2 s: not done for an eager user), or where it has no such method. :func:`rebuilt` calls it
+    where inductor loads a kernel of ours, after that import."""
     heuristics = sys.modules.get("torch._inductor.runtime.triton_heuristics")
-    tuner = getattr(heuristics, "CachingAutotuner", None)
-    create = getattr(tuner, "_create_compile_options", None)
-    if create is None or getattr(create, "honours_register_caps", False):
+    autotuner = getattr(heuristics, "CachingAutotuner", None)
+    options_without_cap = getattr(autotuner, "_create_compile_options", None)
+    if options_without_cap is None or getattr(options_without_cap, "honours_register_caps", False):
         return
 
-    @functools.wraps(create)
-    def create_compile_options(self, cfg, compile_meta: dict) -> dict:
-        options = create(self, cfg, compile_meta)
+    @functools.wraps(options_without_cap)
+    def create_compile_options(self, cfg, *args, **kwargs) -> dict:
+        options = options_without_cap(self, cfg, *args, **kwargs)
         if getattr(cfg, "maxnreg", None) is not None and self.device_props.type == "cuda":
             options.setdefault("maxnreg", cfg.maxnreg)
         return options
 
     create_compile_options.honours_register_caps = True
-    tuner._create_compile_options = create_compile_options
+    autotuner._create_compile_options = create_compile_options
 
 
 # The launch options a Launcher's kwargs may hold besides the kernel's constexprs: the ones an
@@ -154,15 +155,26 @@ def unread(like: torch.Tensor) -> torch.Tensor:
 
 
 def importable_repr(value: tuple) -> str:
-    """``repr`` of a NamedTuple constexpr that evaluates anywhere: inductor's generated module
-    has none of our names, so the class is reached through ``__import__``; and without a
-    backslash: inductor embeds the kernel's module, constexprs included, in a string literal,
-    which would turn the escaped line breaks of an inline-PTX string into real ones."""
+    """``repr`` of a NamedTuple constexpr that evaluates anywhere, to an equal tuple: a call of
+    :func:`rebuilt` reached through ``__import__`` (inductor's generated module has none of our
+    names), without a backslash (inductor embeds the kernel's module, constexprs included, in a
+    string literal, which would turn the escaped line breaks of an inline-PTX string into real
+    ones)."""
     cls = type(value)
-    fields = ", ".join(f"{name}={_literal(item)}"
-                       for name, item in zip(cls._fields, value, strict=True))  # fmt: skip
-    return (f"__import__({cls.__module__!r}, fromlist=[{cls.__name__!r}])."
-            f"{cls.__name__}({fields})")  # fmt: skip
+    fields = "".join(f", {name}={_literal(item)}"
+                     for name, item in zip(cls._fields, value, strict=True))  # fmt: skip
+    return (f"__import__({__name__!r}, fromlist=['rebuilt'])."
+            f"rebuilt({cls.__module__!r}, {cls.__name__!r}{fields})")  # fmt: skip
+
+
+def rebuilt(module: str, name: str, /, **fields) -> tuple:
+    """The NamedTuple ``module.name(**fields)``, as inductor's generated code rebuilds a
+    constexpr (:func:`importable_repr`). Whichever process evaluates a kernel's constexprs is
+    about to compile it (a compile worker, or the parent, on a cache hit too) and has imported
+    inductor's autotuner module: :func:`honour_register_caps` first, so that the kernel keeps
+    its register cap."""
+    honour_register_caps()
+    return getattr(importlib.import_module(module), name)(**fields)
 
 
 def _literal(value) -> str:
@@ -258,9 +270,6 @@ def launch_traced(kernel, kwargs: dict, grid: tuple[int, ...], args: tuple) -> N
     PTX that the mutation analysis of the launch cannot see through (not pure), so with it every
     argument would count as written."""
     options = {k: kwargs[k] for k in CONFIG_OPTIONS if k in kwargs}
-    if "maxnreg" in options:
-        importlib.import_module("torch._inductor.runtime.triton_heuristics")  # the class to mend
-        honour_register_caps()
     constexprs = {k: v for k, v in kwargs.items() if k not in (*CONFIG_OPTIONS, PDL_OPTION)}
     if "PDL" in constexprs:
         constexprs["PDL"] = False

@@ -36,7 +36,9 @@ PROMPTS = (
 )
 
 
-@pytest.fixture(scope="module")
+# session-scoped: the worker may run other modules' tests between this module's, and a module
+# fixture then loads the model again (twice per CI run, ~45 s each)
+@pytest.fixture(scope="session")
 def smollm2():
     require_smollm2()
     return load_smollm2(quiet=True)

@@ -124,16 +124,48 @@ def test_inductor_builds_every_traced_kernel():
         }, written
 
 
+# A fresh process: the compile options inductor makes of a config with and without a register
+# cap, before and after it evaluates one of our constexprs as its generated code does.
+_REGISTER_CAP_PROBE = """
+from types import SimpleNamespace
+import triton
+from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+from custom_ops.formats import get_format
+from custom_ops.triton.decode.codes import part_params
+
+def cap(config):
+    cuda = SimpleNamespace(device_props=SimpleNamespace(type="cuda"))
+    meta = {"num_warps": 1, "num_stages": 2, "debug": False}
+    return CachingAutotuner._create_compile_options(cuda, config, meta).get("maxnreg")
+
+capped, plain = triton.Config({}, num_warps=1, maxnreg=128), triton.Config({}, num_warps=1)
+before = cap(capped)
+eval(repr(part_params(get_format("4bit_nc"), "k", 128, True)), {})
+print(before, cap(capped), cap(plain))
+"""
+
+
+def test_inductor_keeps_a_register_cap_once_it_loads_our_constexprs():
+    """Inductor's compile options drop a config's ``maxnreg`` until the process evaluates one
+    of our NamedTuple constexprs, as it does loading one of our kernels to compile it (a
+    compile worker, or the parent): then a capped config keeps its cap and an uncapped one
+    gets none."""
+    result = run_python(["-c", _REGISTER_CAP_PROBE])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[-2] == "None 128 None"
+
+
 @pytest.mark.skipif(not CUDA, reason="inductor compiles the kernels for a GPU")
 def test_inductor_compiles_the_long_split_under_its_register_cap():
-    """A plain-compiled decode over splits of several tiles: inductor (its compile workers
-    included) builds the split kernel under the plan's cap of 128 registers, which it would
-    otherwise drop (157-166 on an H200, 16-35% slower: traced.honour_register_caps), and the
-    output equals the eager decode's."""
+    """A plain-compiled decode with a window over splits of several tiles, in fresh inductor
+    caches: inductor builds the split kernel under the plan's cap of 128 registers, which it
+    would otherwise drop (157-166 on an H200 for this kernel, 16-35% slower:
+    traced.honour_register_caps), and the output equals the eager decode's."""
     from torch._inductor.codecache import PyCodeCache
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    from torch._inductor.utils import fresh_cache
 
-    fmt, heads, head_dim, seq = get_format("4bit_nc"), 2, 128, 2048
+    fmt, heads, head_dim, seq, window = get_format("4bit_nc"), 2, 128, 2048, 128
     consts = api.make_constants(fmt, head_dim, device="cuda")
     cache = fmt.allocate(seq // 16, heads, 16, head_dim, "cuda")
     key, value = (torch.randn(seq, heads, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -141,20 +173,25 @@ def test_inductor_compiles_the_long_split_under_its_register_cap():
     api.store(fmt, cache, key, value, torch.arange(seq, device="cuda", dtype=torch.int32), consts)
     table = torch.arange(seq // 16, device="cuda", dtype=torch.int32)[None]
     lens = torch.tensor([seq - 5], device="cuda", dtype=torch.int32)
+    rings = [torch.randn(1, heads, window, head_dim, device="cuda", dtype=torch.bfloat16)
+             for _ in "kv"]  # fmt: skip
+    positions = api.appended_window_positions(lens, heads, window, 0)
     q = torch.randn(1, 4 * heads, head_dim, device="cuda", dtype=torch.bfloat16)
 
     def attend(q):  # 4 splits of 512 tokens: 16 tiles each
-        return api.decode(fmt, q, cache, table, lens, consts, num_splits=4)
+        return api.decode(fmt, q, cache, table, lens, consts, num_splits=4, k_window=rings[0],
+                          v_window=rings[1], window_pos=positions)  # fmt: skip
 
-    loaded = len(PyCodeCache.modules)
     torch._dynamo.reset()
-    out = torch.compile(attend, fullgraph=True)(q)
+    with fresh_cache():  # empties PyCodeCache.modules on entry and on exit: read inside
+        out = torch.compile(attend, fullgraph=True)(q)
+        registers = [launcher.n_regs
+                     for module in PyCodeCache.modules
+                     for name, tuner in vars(module).items()
+                     if isinstance(tuner, CachingAutotuner)
+                     and name.startswith("split_kernel_flat")
+                     for launcher in tuner.launchers]  # fmt: skip
     torch._dynamo.reset()
-    registers = [launcher.n_regs
-                 for module in PyCodeCache.modules[loaded:]
-                 for name, tuner in vars(module).items()
-                 if isinstance(tuner, CachingAutotuner) and name.startswith("split_kernel_flat")
-                 for launcher in tuner.launchers]  # fmt: skip
     assert registers and all(0 < n <= 128 for n in registers), registers
     torch.testing.assert_close(out, attend(q), atol=0, rtol=0)
 
