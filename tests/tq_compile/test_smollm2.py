@@ -36,9 +36,7 @@ PROMPTS = (
 )
 
 
-# session-scoped: the worker may run other modules' tests between this module's, and a module
-# fixture then loads the model again (twice per CI run, ~45 s each)
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2():
     require_smollm2()
     return load_smollm2(quiet=True)
