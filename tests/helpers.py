@@ -146,6 +146,16 @@ def stale_tables(table: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor,
     return stale, long_stale
 
 
+def inductor_flat_kernels(modules) -> dict:
+    """The compiled kernels of our traced launches (their flat entries,
+    ``custom_ops.triton.traced``) in inductor's generated ``modules`` (``PyCodeCache.modules``):
+    ``{name: CachingAutotuner}``."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    return {name: tuner for module in modules for name, tuner in vars(module).items()
+            if isinstance(tuner, CachingAutotuner) and "_flat_" in name}  # fmt: skip
+
+
 def run_python(argv: list[str], timeout: int = 300, drop: tuple[str, ...] = (),
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     """Run ``python *argv`` in the repository with it on ``PYTHONPATH``, the environment

@@ -13,7 +13,7 @@ import torch
 import torch._dynamo
 import torch._dynamo.testing
 import torch.nn.functional as F
-from helpers import rel_error
+from helpers import inductor_flat_kernels, rel_error
 from kv_views import GROUP, HK, S_MAX, WINDOW, B, D, filled_tq_cache
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import run_and_get_code
@@ -295,7 +295,6 @@ def test_compiled_step_launches_the_kernels_statically():
     launcher (a ``StaticTritonCompileResult``), which importing custom_ops turned on, not
     through Triton's Python launcher (custom_ops.triton.traced)."""
     from torch._inductor.codecache import PyCodeCache
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
     model = _model("4bit_nc", device="cuda", window=MODEL_WINDOW)
     tok, _ = prefill(model, _prompt(5, "cuda"), torch.arange(PROMPT_LEN, device="cuda"))
@@ -307,10 +306,8 @@ def test_compiled_step_launches_the_kernels_statically():
     torch._dynamo.reset()
     launches = {
         name: sorted({type(result).__name__ for result in tuner.compile_results})
-        for module in PyCodeCache.modules[loaded:]
-        for name, tuner in vars(module).items()
-        if isinstance(tuner, CachingAutotuner) and "_flat_" in name
-    }  # fmt: skip
+        for name, tuner in inductor_flat_kernels(PyCodeCache.modules[loaded:]).items()
+    }
     assert any(name.startswith("split_kernel") for name in launches), launches
     assert all(kinds == ["StaticTritonCompileResult"] for kinds in launches.values()), launches
 

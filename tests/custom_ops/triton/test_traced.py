@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from conftest import CUDA, triton_kernels
-from helpers import run_compiler_script, run_python
+from helpers import inductor_flat_kernels, run_compiler_script, run_python
 from torch._inductor import config as inductor_config
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -162,7 +162,6 @@ def test_inductor_compiles_the_long_split_under_its_register_cap():
     would otherwise drop (157-166 on an H200 for this kernel, 16-35% slower:
     traced.honour_register_caps), and the output equals the eager decode's."""
     from torch._inductor.codecache import PyCodeCache
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     from torch._inductor.utils import fresh_cache
 
     fmt, heads, head_dim, seq, window = get_format("4bit_nc"), 2, 128, 2048, 128
@@ -186,10 +185,8 @@ def test_inductor_compiles_the_long_split_under_its_register_cap():
     with fresh_cache():  # empties PyCodeCache.modules on entry and on exit: read inside
         out = torch.compile(attend, fullgraph=True)(q)
         registers = [launcher.n_regs
-                     for module in PyCodeCache.modules
-                     for name, tuner in vars(module).items()
-                     if isinstance(tuner, CachingAutotuner)
-                     and name.startswith("split_kernel_flat")
+                     for name, tuner in inductor_flat_kernels(PyCodeCache.modules).items()
+                     if name.startswith("split_kernel")
                      for launcher in tuner.launchers]  # fmt: skip
     torch._dynamo.reset()
     assert registers and all(0 < n <= 128 for n in registers), registers
