@@ -272,6 +272,9 @@ def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,), sink_coun
                 times = time_windows(graphs, len(inputs))
                 del graphs, ring_calls
                 label = _config_label(config)
+                # the split count the plan took: a verify step's may be below the cache's
+                q, cache, _, table, _ = inputs[0]
+                plan = triton_decode.plan_for(fmt, q, cache, table, splits, **config)
                 for (window, sinks), us in times.items():
                     t1 = one_token_us.setdefault((shape, name, (window, sinks), label), us)
                     rows.append(dict(
@@ -279,7 +282,7 @@ def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,), sink_coun
                         copy_pct=100 * nbytes / us / 1e-6 / copy_bw, speedup=base_us / us,
                         window=window, sinks=sinks,
                         vs_window0=times.get((0, 0), float("nan")) / us, vs_t1=us / t1,
-                        splits=splits, config=label,
+                        splits=plan.num_splits, config=label,
                     ))  # fmt: skip
             del inputs
             torch.cuda.empty_cache()

@@ -10,13 +10,23 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MAX_SPLITS", "is_valid_num_splits", "choose_num_splits", "num_splits_for"]
+__all__ = [
+    "MAX_SPLITS",
+    "is_valid_num_splits",
+    "choose_num_splits",
+    "num_splits_for",
+    "splits_in_one_wave",
+]
 
 MAX_SPLITS = 512
 # Programs of the split kernel per SM that the count aims at, and the fewest tokens worth a
 # split of its own.
 PROGRAMS_PER_SM = 8
 MIN_SPLIT_TOKENS = 32
+# 32-bit registers of one SM (every CUDA GPU since compute capability 5.0), and the granularity
+# a thread's registers are allocated in.
+REGISTERS_PER_SM = 65536
+REGISTER_UNIT = 8
 
 
 def is_valid_num_splits(num_splits: int) -> bool:
@@ -54,3 +64,27 @@ def num_splits_for(
         return 1
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     return choose_num_splits(batch, num_kv_heads, capacity, sm_count)
+
+
+def splits_in_one_wave(num_splits: int, programs_per_split: int, num_warps: int,
+                       max_registers: int, sm_count: int) -> int:  # fmt: skip
+    """The split count of a launch whose programs hold many registers: ``num_splits``, or the
+    largest power of two below it whose grid is resident on the GPU at once (at least 1).
+
+    The count a cache chooses (:func:`choose_num_splits`) is sized for the one-token kernel (a
+    warp of 128 registers, 16 programs per SM); a verify step's 16 or 32 query rows take 192
+    or 255 registers, so 10 or 8 of its programs fit an SM, and that grid would run in two
+    waves. One wave of longer splits also writes fewer partials (``rows x D`` float32 per
+    program: 16 KB at 32 rows, against 36 MB of 4-bit cache per layer at 1 x 32768, 2048
+    programs): NOTES "Verify steps: one wave of splits".
+
+    Args:
+        num_splits: the cache's split count (a power of two).
+        programs_per_split: programs per split in the grid (``B * Hk``).
+        num_warps, max_registers: each program's warps and register cap per thread.
+        sm_count: the GPU's streaming multiprocessors.
+    """
+    per_thread = -(-max_registers // REGISTER_UNIT) * REGISTER_UNIT
+    resident = max(1, REGISTERS_PER_SM // (32 * num_warps * per_thread)) * sm_count
+    fitting = max(1, resident // max(1, programs_per_split))
+    return min(num_splits, 1 << (fitting.bit_length() - 1))

@@ -22,6 +22,7 @@ import torch
 import triton
 
 from custom_ops.formats import KVFormat
+from custom_ops.splits import splits_in_one_wave
 from custom_ops.triton.decode import merge, prep, ring
 from custom_ops.triton.decode.codes import PartParams, part_params
 from custom_ops.triton.decode.split import split_kernel
@@ -98,7 +99,8 @@ class DecodePlan:
     """Everything ``tq.decode`` decides on the host for one key (see :func:`plan_decode`).
 
     Attributes:
-        num_splits: splits per (sequence, kv-head).
+        num_splits: splits per (sequence, kv-head): the cache's, or fewer for many query
+            rows per program (:func:`~custom_ops.splits.splits_in_one_wave`).
         num_partials: partials per query row: the splits', then the ring kernel's.
         query: how the split kernel gets its queries.
         one_tile: every split holds at most one softmax step of tokens at a fixed place, so it
@@ -184,7 +186,8 @@ def plan_decode(
         window: W, the rings' window slots (0: none).
         q_dtype, ring_dtype: dtypes of the query and of the rings (None without rings).
         mask_kind: 0 no mask, 1 boolean, 2 additive.
-        num_splits: splits per (sequence, kv-head), a power of two.
+        num_splits: splits per (sequence, kv-head), a power of two (the cache's); a launch
+            of 16 or 32 query rows per program on a GPU takes at most what is resident at once.
         device: where the kernels run (a CPU device: compiled offline or interpreted).
         fast: inline-PTX decoding and programmatic dependent launch where available.
         split_config: overrides of the split kernel's defaults.
@@ -208,9 +211,20 @@ def plan_decode(
     # splits are one step long does not depend on the format's choice.
     split_config = split_config or SplitConfig()
     tuning = decode_tuning(fmt)
-    short = capacity <= num_splits * TOKENS_PER_STEP
     g_pad = triton.next_power_of_2(group)
     many_rows = g_pad >= MANY_ROWS  # a verify step's tokens, or a large GQA group
+    num_warps = split_config.num_warps
+    max_registers = split_config.max_registers
+    if many_rows:
+        # [D, rows] accumulators: one warp with more registers up to 32 rows, eight warps from
+        # 64 (NOTES "Multi-token decode"); as many splits as are resident at once
+        rows_warps, rows_registers = MANY_ROWS_LAUNCH[min(g_pad, max(MANY_ROWS_LAUNCH))]
+        num_warps = num_warps or rows_warps
+        max_registers = max_registers or rows_registers
+        if cuda and max_registers is not None:
+            num_splits = splits_in_one_wave(num_splits, batch * num_kv_heads, num_warps,
+                                            max_registers, sm_count)  # fmt: skip
+    short = capacity <= num_splits * TOKENS_PER_STEP
     subtiles = split_config.subtiles or (
         1 if many_rows else tuning.subtiles_short if short else tuning.subtiles_long
     )
@@ -226,14 +240,6 @@ def plan_decode(
     )
     num_partials = num_splits + window_parts
     split_grid = (num_splits, num_kv_heads, batch)
-    num_warps = split_config.num_warps
-    max_registers = split_config.max_registers
-    if many_rows:
-        # [D, rows] accumulators: one warp with more registers up to 32 rows, eight warps from
-        # 64 (NOTES "Multi-token decode")
-        rows_warps, rows_registers = MANY_ROWS_LAUNCH[min(g_pad, max(MANY_ROWS_LAUNCH))]
-        num_warps = num_warps or rows_warps
-        max_registers = max_registers or rows_registers
     if num_warps is None:
         # two warps where the grid leaves SMs idle (at most two programs per SM): each decodes
         # half of its tile, shortening the chain short contexts wait for (NOTES "Decode v7")

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CUDA
-from helpers import clone_cache, decode_case, longer_table, stale_tables
+from helpers import clone_cache, decode_case, longer_table, rel_error, stale_tables
 
+from custom_ops import api, reference
+from custom_ops.splits import splits_in_one_wave
 from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode import MergeConfig, QueryMode
 
@@ -70,3 +72,28 @@ def test_verify_step_warps_and_register_caps(tokens, kernel_device, seeded):
     overridden = triton_decode.plan_for(fmt, q, cache, longer_table(table), 2, split_config=(
         triton_decode.SplitConfig(num_warps=4, max_registers=96))).split.kwargs  # fmt: skip
     assert (overridden["num_warps"], overridden["maxnreg"]) == (4, 96)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [4, 8])
+def test_verify_step_takes_one_wave_of_splits(tokens, seeded):
+    """A verify step's programs (16 or 32 query rows: 192 or 255 registers) take at most the
+    splits resident on the GPU at once, fewer than a count sized for the one-token kernel, and
+    give the same attention with them (float64 reference, 1e-3)."""
+    sm_count = torch.cuda.get_device_properties("cuda").multi_processor_count
+    fmt, consts, cache, table, _, _ = decode_case("4bit_nc", 64, 4, seeded)
+    lens = torch.tensor([13, 9, 16], dtype=torch.int32)
+    q = torch.randn(3, 8, tokens, 64, generator=seeded).half()
+    requested = 512
+    gpu_cache = clone_cache(cache, "cuda")
+    plan = triton_decode.plan_for(fmt, q.cuda(), gpu_cache, table.cuda(), requested)
+    launch = plan.split.kwargs
+    # 3 sequences x 2 kv-heads per split
+    fitting = splits_in_one_wave(requested, 6, launch["num_warps"], launch["maxnreg"], sm_count)
+    assert plan.num_splits == plan.split.grid[0] == launch["NUM_SPLITS"] == fitting < requested
+    assert plan.merge.kwargs["NUM_SPLITS"] == plan.num_splits
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
+    gpu_consts = api.KVConstants(*(c.cuda() for c in consts))
+    actual = api.decode(fmt, q.cuda(), gpu_cache, table.cuda(), lens.cuda(), gpu_consts,
+                        num_splits=requested)  # fmt: skip
+    assert rel_error(actual.cpu(), expected) < 1e-3
