@@ -59,7 +59,8 @@ stay opaque calls.
   ``len - T + t + 1``, ``[B, Hq, T, D]`` (``mask`` then also ``[B or 1, Hq or 1, T, M]``, per
   token). Block-table entries past a sequence's pages may hold anything (short contexts read
   them early but never follow them); a sequence of length 0 gives zeros. ``num_splits`` is the
-  fixed split count (a power of two, :mod:`custom_ops.splits`), ``scale`` the softmax scale,
+  fixed split count (a power of two, :mod:`custom_ops.splits`; launches of many query rows
+  per program may use fewer), ``scale`` the softmax scale,
   ``mask`` an optional ``[B or 1, Hq or 1, M]`` bool (False masks out) or additive float mask
   over cache positions (positions ``>= M`` masked out; a query with no visible key gets zeros).
   With the rings, each sequence-head's ring run and sinks are read from them in full precision.

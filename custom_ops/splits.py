@@ -3,7 +3,9 @@ kernels.
 
 Decode splits each sequence's positions over a *fixed* number of programs per (sequence,
 kv-head). The count is chosen once per cache from its capacity and the GPU's SM count, never
-from the current lengths, so a captured CUDA graph stays valid as sequences grow.
+from the current lengths, so a captured CUDA graph stays valid as sequences grow; launches of
+many query rows per program take at most as many as are resident at once
+(:func:`splits_in_one_wave`), which depends on the step's shape only.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ MAX_SPLITS = 512
 # split of its own.
 PROGRAMS_PER_SM = 8
 MIN_SPLIT_TOKENS = 32
-# 32-bit registers of one SM (every CUDA GPU since compute capability 5.0), and the granularity
-# a thread's registers are allocated in.
-REGISTERS_PER_SM = 65536
-REGISTER_UNIT = 8
+# Registers of one SM (every CUDA GPU since compute capability 5.0): 4 sub-partitions of 16384
+# 32-bit registers, each warp's taken from one sub-partition in units of 256
+# (cudaOccMaxBlocksPerSMRegsLimit in CUDA's cuda_occupancy.h).
+SUB_PARTITIONS = 4
+REGISTERS_PER_SUB_PARTITION = 16384
+WARP_REGISTER_UNIT = 256
 
 
 def is_valid_num_splits(num_splits: int) -> bool:
@@ -73,10 +77,10 @@ def splits_in_one_wave(num_splits: int, programs_per_split: int, num_warps: int,
 
     The count a cache chooses (:func:`choose_num_splits`) is sized for the one-token kernel (a
     warp of 128 registers, 16 programs per SM); a verify step's 16 or 32 query rows take 192
-    or 255 registers, so 10 or 8 of its programs fit an SM, and that grid would run in two
-    waves. One wave of longer splits also writes fewer partials (``rows x D`` float32 per
-    program: 16 KB at 32 rows, against 36 MB of 4-bit cache per layer at 1 x 32768, 2048
-    programs): NOTES "Verify steps: one wave of splits".
+    or 255 registers, so 8 of its programs fit an SM, and that grid would run in two waves. One
+    wave of longer splits also writes fewer partials (``rows x D`` float32 per program: 16 KB
+    at 32 rows, 33.5 MB over the 2048 programs of 1 x 32768, as much as the 4-bit cache's 35.1
+    MB): NOTES "Verify steps: one wave of splits".
 
     Args:
         num_splits: the cache's split count (a power of two).
@@ -84,7 +88,8 @@ def splits_in_one_wave(num_splits: int, programs_per_split: int, num_warps: int,
         num_warps, max_registers: each program's warps and register cap per thread.
         sm_count: the GPU's streaming multiprocessors.
     """
-    per_thread = -(-max_registers // REGISTER_UNIT) * REGISTER_UNIT
-    resident = max(1, REGISTERS_PER_SM // (32 * num_warps * per_thread)) * sm_count
+    warp_registers = -(-32 * max_registers // WARP_REGISTER_UNIT) * WARP_REGISTER_UNIT
+    warps_per_sm = REGISTERS_PER_SUB_PARTITION // warp_registers * SUB_PARTITIONS
+    resident = max(1, warps_per_sm // num_warps) * sm_count
     fitting = max(1, resident // max(1, programs_per_split))
     return min(num_splits, 1 << (fitting.bit_length() - 1))

@@ -10,20 +10,24 @@ from custom_ops.splits import splits_in_one_wave
 @pytest.mark.parametrize(
     "num_splits, programs_per_split, num_warps, max_registers, expected",
     [
-        (256, 8, 1, 255, 128),  # T = 8 at 1 x 32768: 8 programs of 255 registers per SM
-        (16, 128, 1, 255, 8),  # T = 8 at 16 x 8192
-        (256, 8, 1, 192, 128),  # T = 4: 10 per SM
-        (16, 128, 1, 192, 8),
-        (256, 8, 1, 128, 256),  # the one-token kernel's grid is resident already
+        # 255 registers: warps of 8192, 2 per sub-partition, 8 per SM; 1056 resident programs
+        (256, 8, 1, 255, 128),  # T = 8 at 1 x 32768: 132 splits fit
+        (16, 128, 1, 255, 8),  # T = 8 at 16 x 8192: 8.25 fit
+        # 192 registers: warps of 6144, still 2 per sub-partition (8 per SM, not 65536 / 6144
+        # = 10): 26 splits of 40 programs fit (33 at 10 per SM)
+        (64, 40, 1, 192, 16),
+        # 170 registers: warps of 5632 in units of 256 (5440 unrounded would fit 3 per
+        # sub-partition): 8 per SM again
+        (64, 40, 1, 170, 16),
+        (64, 40, 2, 192, 8),  # two-warp programs: 4 per SM, 528 resident
+        (256, 8, 1, 128, 256),  # the one-token kernel (16 per SM): its grid is resident already
         (4, 6, 1, 255, 4),  # a small grid keeps the cache's count
         (512, 100_000, 8, 255, 1),  # more programs than ever fit: one split
     ],
 )
 def test_splits_in_one_wave(num_splits, programs_per_split, num_warps, max_registers, expected):
     """On 132 SMs (an H100): the largest power of two up to the cache's count whose grid is
-    resident at once, at 8 registers' granularity (255 takes 256)."""
-    splits = splits_in_one_wave(num_splits, programs_per_split, num_warps, max_registers, 132)
-    assert splits == expected
-    per_sm = 65536 // (32 * num_warps * -(-max_registers // 8) * 8)
-    assert splits == 1 or splits * programs_per_split <= per_sm * 132
-    assert splits == num_splits or 2 * splits * programs_per_split > per_sm * 132
+    resident at once, registers allocated per warp in units of 256 from one of the SM's four
+    sub-partitions of 16384."""
+    assert splits_in_one_wave(num_splits, programs_per_split, num_warps, max_registers,
+                              132) == expected  # fmt: skip

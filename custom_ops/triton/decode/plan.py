@@ -296,6 +296,13 @@ def plan_decode(
         rotate_by_product = fmt.value.rotated and head_dim != d_pad
         merge_config = merge.merge_config(num_rows, num_splits, d_pad, rotate_by_product,
                                           sm_count)  # fmt: skip
+    elif num_splits % merge_config.split_chunk:
+        # the merge reads whole chunks of partials: a chunk past the splits would read the
+        # ring's partials or the next row's
+        raise ValueError(
+            f"merge_config.split_chunk must divide the plan's split count {num_splits}, got "
+            f"{merge_config.split_chunk}"
+        )
     merge_launch = KernelLaunch((triton.cdiv(num_rows, merge_config.block_m),), Launcher(
         merge.merge_kernel, dict(
         common, NUM_SPLITS=num_splits, WINDOW_PARTS=window_parts,

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CUDA
-from helpers import clone_cache, decode_case, longer_table, rel_error, stale_tables
+from helpers import clone_cache, decode_case, filled_cache, longer_table, rel_error, stale_tables
 
 from custom_ops import api, reference
+from custom_ops.formats import get_format
 from custom_ops.splits import splits_in_one_wave
 from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode import MergeConfig, QueryMode
+from custom_ops.triton.decode.plan import TOKENS_PER_STEP
 
 
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k2v4_nc", "tq4_nc"])
@@ -77,23 +79,44 @@ def test_verify_step_warps_and_register_caps(tokens, kernel_device, seeded):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("tokens", [4, 8])
 def test_verify_step_takes_one_wave_of_splits(tokens, seeded):
-    """A verify step's programs (16 or 32 query rows: 192 or 255 registers) take at most the
-    splits resident on the GPU at once, fewer than a count sized for the one-token kernel, and
-    give the same attention with them (float64 reference, 1e-3)."""
+    """A verify step's programs (16 or 32 query rows: 192 or 255 registers, 8 per SM) take at
+    most the splits resident on the GPU at once, fewer than the count asked for, in every
+    kernel of the plan (the split grid and constexprs, the merge, the partials); and over
+    sequences longer than that many one-tile splits (so that a split kernel still dividing the
+    positions by the count asked for would leave some unread) attention equals float64's
+    (1e-3)."""
     sm_count = torch.cuda.get_device_properties("cuda").multi_processor_count
-    fmt, consts, cache, table, _, _ = decode_case("4bit_nc", 64, 4, seeded)
-    lens = torch.tensor([13, 9, 16], dtype=torch.int32)
+    fmt = get_format("4bit_nc")
+    consts = api.make_constants(fmt, 64, seed=3)
+    requested, page_size, pages = 512, 16, 512  # 8192 positions per sequence
+    cache = filled_cache(fmt, 3 * pages, 2, page_size, 64, consts, seeded)
+    table = torch.randperm(3 * pages, generator=seeded).to(torch.int32).reshape(3, pages)
     q = torch.randn(3, 8, tokens, 64, generator=seeded).half()
-    requested = 512
     gpu_cache = clone_cache(cache, "cuda")
     plan = triton_decode.plan_for(fmt, q.cuda(), gpu_cache, table.cuda(), requested)
     launch = plan.split.kwargs
     # 3 sequences x 2 kv-heads per split
     fitting = splits_in_one_wave(requested, 6, launch["num_warps"], launch["maxnreg"], sm_count)
     assert plan.num_splits == plan.split.grid[0] == launch["NUM_SPLITS"] == fitting < requested
-    assert plan.merge.kwargs["NUM_SPLITS"] == plan.num_splits
+    assert plan.merge.kwargs["NUM_SPLITS"] == plan.num_partials == plan.num_splits
+    one_tile_each = fitting * TOKENS_PER_STEP
+    assert one_tile_each < pages * page_size, (fitting, sm_count)
+    lens = torch.tensor([pages * page_size, one_tile_each + 37, one_tile_each // 2],
+                        dtype=torch.int32)  # fmt: skip
     expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
     gpu_consts = api.KVConstants(*(c.cuda() for c in consts))
     actual = api.decode(fmt, q.cuda(), gpu_cache, table.cuda(), lens.cuda(), gpu_consts,
                         num_splits=requested)  # fmt: skip
     assert rel_error(actual.cpu(), expected) < 1e-3
+
+
+def test_merge_chunk_must_divide_the_split_count(kernel_device, seeded):
+    """A merge configuration whose chunk of partials does not divide the plan's split count
+    (it would read the ring's partials or the next row's) is refused by the plan."""
+    fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 64, 4, seeded)
+    with pytest.raises(ValueError) as error:
+        triton_decode.plan_for(fmt, q.to(kernel_device), cache, table, 2,
+                               merge_config=MergeConfig(1, 4, 1))  # fmt: skip
+    assert str(error.value) == (
+        "merge_config.split_chunk must divide the plan's split count 2, got 4"
+    )
