@@ -186,8 +186,9 @@ def plan_decode(
         window: W, the rings' window slots (0: none).
         q_dtype, ring_dtype: dtypes of the query and of the rings (None without rings).
         mask_kind: 0 no mask, 1 boolean, 2 additive.
-        num_splits: splits per (sequence, kv-head), a power of two (the cache's); a launch
-            of 16 or 32 query rows per program on a GPU takes at most what is resident at once.
+        num_splits: splits per (sequence, kv-head), a power of two (the cache's); on a GPU
+            a launch of many query rows per program under a register cap (16 or 32 rows, or
+            an overridden cap) takes at most what is resident at once.
         device: where the kernels run (a CPU device: compiled offline or interpreted).
         fast: inline-PTX decoding and programmatic dependent launch where available.
         split_config: overrides of the split kernel's defaults.
