@@ -49,6 +49,7 @@ from examples.model import (  # noqa: E402
     prefill,
 )
 from tq_compile import TurboQuantKVConfig, quantize_  # noqa: E402
+from tq_compile.cache import default_sinks  # noqa: E402
 
 
 def verify(model: Transformer, tokens: Tensor, input_pos: Tensor) -> Tensor:
@@ -229,6 +230,10 @@ def main() -> None:
     print(f"{cfg.n_layer}-layer model (Hq={cfg.n_head}, Hk={cfg.n_local_heads}, D="
           f"{cfg.head_dim}) on {device}, {args.format} cache (window {args.window}); "
           f"{n_new} tokens after a {args.prompt_len}-token prompt")  # fmt: skip
+    if max_seq <= args.window + default_sinks(args.window, None):
+        # the ring and the sink slots hold every position: the pages are never read
+        print(f"  (window and sinks hold all {max_seq} positions, so no token is quantized: "
+              "--window 16 runs the compressed cache)")  # fmt: skip
     step = compiled(decode_one_token)
     for label in ("warm-up", "plain"):  # the first run compiles and captures
         fresh_caches()
