@@ -18,7 +18,12 @@ Drafts come from
 * ``--draft replay``: the plain run's own tokens, each replaced by another with probability
   ``1 - --accept``: a stand-in for a draft model that agrees with the target that often, to
   time the verify steps and rollbacks at a chosen acceptance rate (the random-weight example
-  model is no good at predicting itself: prompt lookup and early exit accept few drafts).
+  model is no good at predicting itself: prompt lookup and early exit accept few drafts). The
+  replay decides acceptance itself (the drafts up to the first replaced one) and continues
+  with the plain run's tokens: the verify steps run and cost as in a real run, but a random
+  model's top logits nearly tie so often that the verify path's other rounding would soon
+  leave the plain run's tokens, after which no replayed draft would match. It reports how
+  often the verify step's own choice was the replayed token.
 
 The verify step (and the draft model's step) is compiled with ``mode="reduce-overhead"``
 (CUDA graphs) on CUDA: captured once, replayed across rollbacks, positions in device tensors.
@@ -93,6 +98,8 @@ class Result:
     timed_tokens: int  # tokens generated in that time
     proposed: int = 0  # drafts proposed
     accepted: int = 0  # drafts accepted
+    checked: int = 0  # replay: positions taken from it (accepted drafts, the token after)
+    matched: int = 0  # replay: of those, where the verify step chose the same token
     margins: list[float] | None = None  # plain decoding: each choice's top-2 logit gap
 
 
@@ -126,7 +133,9 @@ def speculative_greedy(model, prompt: Tensor, n_new: int, k: int, verify_fn, dev
                        accept: float = 1.0, seed: int = 0) -> Result:  # fmt: skip
     """Greedy decoding of ``n_new`` tokens after ``prompt [1, P]``, ``k`` drafts per round from
     ``draft`` (a model with its own caches, stepped by ``draft_step``), from ``replay`` (the
-    tokens to expect, each kept with probability ``accept``) or by prompt lookup."""
+    tokens to expect, each kept with probability ``accept``; the kept ones up to the first
+    replaced one are accepted and the replayed token follows, whatever the verify step chose)
+    or by prompt lookup."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     prompt_len = prompt.shape[1]
@@ -139,11 +148,11 @@ def speculative_greedy(model, prompt: Tensor, n_new: int, k: int, verify_fn, dev
     pos, draft_len, start = prompt_len, prompt_len, None  # draft_len: positions in its cache
     while len(result.tokens) < n_new:
         if replay is not None:
-            expected = replay[len(result.tokens) : len(result.tokens) + k]
-            expected += [expected[-1] if expected else 0] * (k - len(expected))
+            expected = replay[len(result.tokens) : len(result.tokens) + k + 1]
+            expected += [expected[-1] if expected else 0] * (k + 1 - len(expected))
             kept = torch.rand(k, generator=gen) < accept
-            other = (torch.tensor(expected) + torch.randint(1, vocab, (k,), generator=gen)) % vocab
-            drafts = torch.where(kept, torch.tensor(expected), other)[None].to(device)
+            other = torch.tensor(expected[:k]) + torch.randint(1, vocab, (k,), generator=gen)
+            drafts = torch.where(kept, torch.tensor(expected[:k]), other % vocab)[None].to(device)
         elif draft is None:
             drafts = torch.tensor([lookup_drafts(history, k)], device=device)
         else:
@@ -159,14 +168,24 @@ def speculative_greedy(model, prompt: Tensor, n_new: int, k: int, verify_fn, dev
             draft_len = pos + k
         tokens = torch.cat([token, drafts], dim=1)  # [1, k + 1]
         chosen = verify_fn(model, tokens, torch.arange(pos, pos + k + 1, device=device))
-        agree = (chosen[0, :k] == drafts[0]).int().cumprod(dim=0)
-        n_accepted = int(agree.sum())  # the round's one host sync
-        new = drafts[0, :n_accepted].tolist() + [int(chosen[0, n_accepted])]
+        if replay is None:
+            agree = (chosen[0, :k] == drafts[0]).int().cumprod(dim=0)
+            n_accepted = int(agree.sum())  # the round's one host sync
+            new = drafts[0, :n_accepted].tolist() + [int(chosen[0, n_accepted])]
+        else:  # the replay decides; the verify step's choices are read all the same
+            n_accepted = int(kept.int().cumprod(dim=0).sum())
+            new = expected[: n_accepted + 1]
+            same = chosen[0, : n_accepted + 1].cpu() == torch.tensor(new)  # the host sync
+            result.checked += n_accepted + 1
+            result.matched += int(same.sum())
         result.proposed += k
         result.accepted += n_accepted
         result.tokens += new
         history += new
-        token = chosen[:, n_accepted : n_accepted + 1].clone()
+        if replay is None:
+            token = chosen[:, n_accepted : n_accepted + 1].clone()
+        else:
+            token = torch.tensor([new[-1:]], device=device)
         pos += n_accepted + 1
         draft_len = min(draft_len, pos)  # positions from pos on are rewritten next round
         if start is None:  # the first round compiles and captures: not timed
@@ -255,6 +274,10 @@ def main() -> None:
           "tokens per verify step")  # fmt: skip
     print(f"tokens/s: plain {plain_rate:,.1f}, speculative {spec_rate:,.1f} "
           f"({spec_rate / plain_rate:.2f}x)")  # fmt: skip
+    if replay is not None:  # the replay's tokens are the plain run's by construction
+        print(f"verify steps chose the replayed token at {spec.matched} of {spec.checked} "
+              "accepted positions (and their next tokens)")  # fmt: skip
+        return
     print(f"output equal to plain greedy decoding: {same} of {n_new} tokens")
     if same < n_new:
         median = sorted(plain.margins)[len(plain.margins) // 2]
