@@ -20,10 +20,10 @@ Drafts come from
   time the verify steps and rollbacks at a chosen acceptance rate (the random-weight example
   model is no good at predicting itself: prompt lookup and early exit accept few drafts). The
   replay decides acceptance itself (the drafts up to the first replaced one) and continues
-  with the plain run's tokens: the verify steps run and cost as in a real run, but a random
-  model's top logits nearly tie so often that the verify path's other rounding would soon
-  leave the plain run's tokens, after which no replayed draft would match. It reports how
-  often the verify step's own choice was the replayed token.
+  with the plain run's tokens (a random model's top logits nearly tie so often that the verify
+  path's other rounding would soon leave them, after which no replayed draft would match): the
+  verify steps run and cost as in a real run, plus one small copy of the next token to the
+  device per round. It reports how often the verify step's own choice was the replayed token.
 
 The verify step (and the draft model's step) is compiled with ``mode="reduce-overhead"``
 (CUDA graphs) on CUDA: captured once, replayed across rollbacks, positions in device tensors.
@@ -150,7 +150,10 @@ def speculative_greedy(model, prompt: Tensor, n_new: int, k: int, verify_fn, dev
         if replay is not None:
             expected = replay[len(result.tokens) : len(result.tokens) + k + 1]
             expected += [expected[-1] if expected else 0] * (k + 1 - len(expected))
-            kept = torch.rand(k, generator=gen) < accept
+            # a draft past the plain run's tokens cannot be accepted: the round's tokens stay
+            # within them
+            within = torch.arange(k) < len(replay) - len(result.tokens) - 1
+            kept = (torch.rand(k, generator=gen) < accept) & within
             other = torch.tensor(expected[:k]) + torch.randint(1, vocab, (k,), generator=gen)
             drafts = torch.where(kept, torch.tensor(expected[:k]), other % vocab)[None].to(device)
         elif draft is None:
