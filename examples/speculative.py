@@ -154,8 +154,9 @@ def speculative_greedy(model, prompt: Tensor, n_new: int, k: int, verify_fn, dev
             # within them
             within = torch.arange(k) < len(replay) - len(result.tokens) - 1
             kept = (torch.rand(k, generator=gen) < accept) & within
-            other = torch.tensor(expected[:k]) + torch.randint(1, vocab, (k,), generator=gen)
-            drafts = torch.where(kept, torch.tensor(expected[:k]), other % vocab)[None].to(device)
+            replayed = torch.tensor(expected[:k])
+            other = (replayed + torch.randint(1, vocab, (k,), generator=gen)) % vocab
+            drafts = torch.where(kept, replayed, other)[None].to(device)
         elif draft is None:
             drafts = torch.tensor([lookup_drafts(history, k)], device=device)
         else:
@@ -175,20 +176,18 @@ def speculative_greedy(model, prompt: Tensor, n_new: int, k: int, verify_fn, dev
             agree = (chosen[0, :k] == drafts[0]).int().cumprod(dim=0)
             n_accepted = int(agree.sum())  # the round's one host sync
             new = drafts[0, :n_accepted].tolist() + [int(chosen[0, n_accepted])]
+            token = chosen[:, n_accepted : n_accepted + 1].clone()
         else:  # the replay decides; the verify step's choices are read all the same
             n_accepted = int(kept.int().cumprod(dim=0).sum())
             new = expected[: n_accepted + 1]
             same = chosen[0, : n_accepted + 1].cpu() == torch.tensor(new)  # the host sync
             result.checked += n_accepted + 1
             result.matched += int(same.sum())
+            token = torch.tensor([new[-1:]], device=device)
         result.proposed += k
         result.accepted += n_accepted
         result.tokens += new
         history += new
-        if replay is None:
-            token = chosen[:, n_accepted : n_accepted + 1].clone()
-        else:
-            token = torch.tensor([new[-1:]], device=device)
         pos += n_accepted + 1
         draft_len = min(draft_len, pos)  # positions from pos on are rewritten next round
         if start is None:  # the first round compiles and captures: not timed
