@@ -2,7 +2,7 @@
 
 Inline asm does not run under Triton's interpreter, so the CPU tests run the asm strings here
 instead: ``mov``, ``and``, ``xor``, ``shl``, ``shr``, ``mad.lo``, ``prmt`` (default mode),
-``lop3`` and ``sub.rn.f16x2`` on 32-bit registers.
+``lop3`` and ``sub.rn.f16x2`` on 32-bit registers, and ``mov.b32 {lo, hi}, r`` into 16-bit ones.
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ def run(asm: str, inputs: dict[int, int]) -> dict[int, int]:
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
+        unpack = re.fullmatch(r"mov\.b32\s+\{(\S+),\s*(\S+)\},\s*(\S+)", line)
+        if unpack:  # a 32-bit register's halves into two 16-bit ones
+            lo, hi, src = unpack.groups()
+            regs[lo], regs[hi] = value(src) & 0xFFFF, value(src) >> 16
+            continue
         dst, *src = [a.strip() for a in args.split(",")]
         vals = [value(s) for s in src]
         if op == "mov.b32":

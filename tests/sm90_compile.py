@@ -15,6 +15,7 @@ import triton
 from custom_ops import api
 from custom_ops.formats import get_format
 from custom_ops.triton import center, decode, dequant, store, store_window
+from custom_ops.triton.decode import verify
 from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.decode.split import split_arguments
 from custom_ops.triton.offline import compile_offline
@@ -150,9 +151,39 @@ def report(label: str, compile_it) -> bool:
     return True
 
 
+def verify_kernels() -> dict:
+    """``{label: zero-argument compile}`` of the Gluon verify kernel (4bit_nc, 32 rows: T = 8 at
+    GQA 4) without a mask and with either kind, with a ring and sinks and without (its plans
+    are made on a GPU only, so its constexprs are given here as the plan gives them)."""
+    fmt = get_format("4bit_nc")
+    cache = fmt.allocate(PAGES, HEADS, PAGE, HEAD_DIM)
+    rows, tokens, splits = HEADS * verify.ROWS, 8, 2
+    q_code = torch.empty(2, rows, HEAD_DIM, dtype=torch.float16)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    lens = torch.zeros(2, dtype=torch.int32)
+    ring_pos = torch.empty(2, HEADS, WINDOW + SINKS, dtype=torch.int32)
+    jobs = {}
+    for mask_kind, mask in ((0, None), (1, torch.empty(2, rows, 64, dtype=torch.bool)),
+                            (2, torch.empty(1, 1, 64))):  # fmt: skip
+        for window, sinks, positions in ((0, 0, None), (WINDOW, SINKS, ring_pos)):
+            mask_args = (lens, 0, 0, 0, 0) if mask is None else (mask, 0, 64, 0, 64)
+            part_out = torch.empty(2, rows, splits + 1, HEAD_DIM)
+            part_lse = torch.empty(2, rows, splits + 1)
+            args = verify.verify_arguments(q_code, cache, table, lens, positions, mask_args,
+                                           part_out, part_lse)  # fmt: skip
+            kwargs = verify.verify_constexprs(fmt, 0, 1, tokens, PAGE, window, sinks, mask_kind,
+                                              splits, splits + 1)  # fmt: skip
+            jobs[f"verify (mask {mask_kind}, window {window}, sinks {sinks})"] = functools.partial(
+                compile_offline, verify.verify_kernel, (splits, HEADS, 2), *args, **kwargs
+            )
+    return jobs
+
+
 def main(names: list[str]) -> int:
     results = [report(f"{name} {kernel}", compile_it)
                for name in names for kernel, compile_it in kernels(name).items()]  # fmt: skip
+    results += [report(f"4bit_nc {label}", compile_it)
+                for label, compile_it in verify_kernels().items()]  # fmt: skip
     return 0 if all(results) else 1
 
 

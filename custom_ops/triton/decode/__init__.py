@@ -8,9 +8,11 @@ cached launch plan (:mod:`~custom_ops.triton.decode.plan`):
    softmax can use ``exp2``;
 2. the split kernel (:mod:`~custom_ops.triton.decode.split`): one program per (sequence,
    kv-head, split) streams its compressed tokens (and, for values in the original space, its
-   share of the recent window's ring) into a partial softmax state;
-3. the ring kernel (:mod:`~custom_ops.triton.decode.ring`; rotated values with a window): the
-   ring's partials in the original space;
+   share of the recent window's ring) into a partial softmax state; a verify step's 32 query
+   rows per kv-head of ``4bit_nc`` on a Hopper GPU take the verify kernel instead
+   (:mod:`~custom_ops.triton.decode.verify`, Gluon; the ring kernel then reads the rings);
+3. the ring kernel (:mod:`~custom_ops.triton.decode.ring`; rotated values with a window, or the
+   verify kernel's plans): the ring's partials in the original space;
 4. the merge (:mod:`~custom_ops.triton.decode.merge`): log-sum-exp of the partials, rotated
    values back to the original space, the query's dtype.
 
@@ -33,8 +35,9 @@ from custom_ops.triton.decode.prep import launch_prep
 from custom_ops.triton.decode.ring import launch_ring
 from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.decode.split import compile_split, launch_split, split_arguments
+from custom_ops.triton.decode.verify import verify_arguments
 from custom_ops.triton.launch import KeyedMemo
-from custom_ops.triton.traced import unread
+from custom_ops.triton.traced import tracing, unread
 
 __all__ = [
     "DecodePlan",
@@ -71,7 +74,7 @@ def plan_for(
     return plan_decode(fmt, batch, num_q_heads * q_tokens, num_kv_heads, head_dim, page_size,
                        block_table.shape[1], ring_window(k_window, sinks), q.dtype, ring_dtype,
                        mask_kind, num_splits, q.device, fast, split_config, merge_config,
-                       q_tokens, sinks)  # fmt: skip
+                       q_tokens, sinks, tracing())  # fmt: skip
 
 
 # Plans of op calls by their arguments' metadata key (plan_decode's own cache is keyed by the
@@ -146,7 +149,8 @@ def decode(
     if batch == 0:
         return q.new_empty(q.shape)
     overridden = fast is not None or split_config is not None or merge_config is not None
-    key = None if overridden else launch_key
+    # a graph traced for inductor gets Triton kernels only (see plan_decode's ``traced``)
+    key = None if overridden or launch_key is None else (launch_key, tracing())
     plan = _PLANS.get(key, lambda: plan_for(
         fmt, q, cache, block_table, num_splits, mask, k_window, fast, split_config, merge_config,
         sinks,
@@ -162,10 +166,14 @@ def decode(
     # with programmatic dependent launch where the plan says so.
     if plan.prep is not None:
         launch_prep(plan.prep, rows, rotation, q_code, q_scale, key)
-    launch_split(plan.split, split_arguments(
-        rows, q_code, q_scale, rotation, cache, block_table, seq_lens, mask_args, k_window,
-        v_window, window_pos, window, part_out, part_lse,
-    ), key)  # fmt: skip
+    if plan.verify:
+        plan.split(*verify_arguments(q_code, cache, block_table, seq_lens, window_pos, mask_args,
+                                     part_out, part_lse), key=key)  # fmt: skip
+    else:
+        launch_split(plan.split, split_arguments(
+            rows, q_code, q_scale, rotation, cache, block_table, seq_lens, mask_args, k_window,
+            v_window, window_pos, window, part_out, part_lse,
+        ), key)  # fmt: skip
     if plan.ring is not None:
         capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2], window)
         launch_ring(plan.ring, rows, q_scale, k_window, v_window, window_pos, window, seq_lens,

@@ -23,7 +23,7 @@ import triton
 
 from custom_ops.formats import KVFormat
 from custom_ops.splits import splits_in_one_wave
-from custom_ops.triton.decode import merge, prep, ring
+from custom_ops.triton.decode import merge, prep, ring, verify
 from custom_ops.triton.decode.codes import PartParams, part_params
 from custom_ops.triton.decode.split import split_kernel
 from custom_ops.triton.launch import KernelLaunch, Launcher
@@ -105,6 +105,9 @@ class DecodePlan:
         query: how the split kernel gets its queries.
         one_tile: every split holds at most one softmax step of tokens at a fixed place, so it
             reads its block-table entries before the length (short contexts).
+        verify: the split launch is the verify kernel (:mod:`~custom_ops.triton.decode.verify`,
+            Gluon: 32 query rows per kv-head of ``4bit_nc`` on a Hopper GPU, launched eagerly),
+            not the split kernel; the ring kernel then reads the rings.
         ring_in_split: the split kernel reads the recent window's ring itself.
         keys, values: the sides' :class:`~custom_ops.triton.decode.codes.PartParams`.
         q_code_columns: columns of the prepared query (0 without preparation).
@@ -120,6 +123,7 @@ class DecodePlan:
     num_partials: int
     query: QueryMode
     one_tile: bool
+    verify: bool
     ring_in_split: bool
     keys: PartParams
     values: PartParams
@@ -175,6 +179,7 @@ def plan_decode(
     merge_config: merge.MergeConfig | None = None,
     q_tokens: int = 1,
     sinks: int = 0,
+    traced: bool = False,
 ) -> DecodePlan:
     """The plan of a decode over a paged cache (cached per argument tuple).
 
@@ -197,6 +202,8 @@ def plan_decode(
             of query head ``h``).
         sinks: the rings' sink slots (the first positions of each sequence, read with the
             ring run). Rings exist where ``window + sinks > 0``.
+        traced: the launches are traced for inductor, which launches Triton kernels only (not
+            the Gluon verify kernel).
     """
     cuda = device.type == "cuda"
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if cuda else None
@@ -232,7 +239,14 @@ def plan_decode(
     block_n = split_config.block_n or TOKENS_PER_STEP // subtiles
     one_tile = capacity <= num_splits * subtiles * block_n
     query = _query_mode(fmt, keys, head_dim, capacity, num_splits, g_pad)
-    ring_in_split = window + sinks > 0 and not fmt.value.rotated
+    # the verify kernel where it serves (NOTES "The verify step in Gluon"); sweeps and tests
+    # that configure the split kernel get the split kernel
+    use_verify = (
+        not traced
+        and split_config == SplitConfig()
+        and verify.serves(fmt, head_dim, page_size, group, device, fast)
+    )
+    ring_in_split = window + sinks > 0 and not fmt.value.rotated and not use_verify
     # rotated values: the ring kernel's parts (the split kernel reads none)
     window_parts, slots_per_part = (
         (0, 0)
@@ -258,16 +272,26 @@ def plan_decode(
         # without the preparation, what runs before the split kernel is not ours: launch it
         # normally
         launch_options["launch_pdl"] = True
-    split = KernelLaunch(split_grid, Launcher(split_kernel, dict(
-        MASK=mask_kind, Q_TOKENS=q_tokens, PAGE_SIZE=page_size,
-        TOKEN_RUN=_token_run(page_size, block_n),
-        D=head_dim, D_PAD=d_pad, LOG2_D=d_pad.bit_length() - 1, GROUP=group,
-        G_PAD=g_pad, BLOCK_N=block_n, SUBTILES=subtiles,
-        NUM_SPLITS=num_splits, NUM_PARTIALS=num_partials, ONE_TILE=one_tile, K=keys, V=values,
-        QUERY=int(query), INV_SQRT_D=common["INV_SQRT_D"], RING=ring_in_split,
-        RING_BLOCK=RING_BLOCK, RING_QK_F32=ring_in_split and (not fast or ring_dtype != q_dtype),
-        RING_F32=not fast, SINKS=sinks, PDL=pdl, **launch_options,
-    )))  # fmt: skip
+    if use_verify:
+        # one warp at 255 registers, the launch the splits were counted for above (no PDL: the
+        # kernel reads the preparation's q_code without waiting for it)
+        assert query == QueryMode.PREPARED and (num_warps, max_registers) == (1, 255)
+        split = KernelLaunch(split_grid, Launcher(verify.verify_kernel, verify.verify_constexprs(
+            fmt, keys.META, values.META, q_tokens, page_size, window, sinks, mask_kind,
+            num_splits, num_partials,
+        )))  # fmt: skip
+    else:
+        split = KernelLaunch(split_grid, Launcher(split_kernel, dict(
+            MASK=mask_kind, Q_TOKENS=q_tokens, PAGE_SIZE=page_size,
+            TOKEN_RUN=_token_run(page_size, block_n),
+            D=head_dim, D_PAD=d_pad, LOG2_D=d_pad.bit_length() - 1, GROUP=group,
+            G_PAD=g_pad, BLOCK_N=block_n, SUBTILES=subtiles,
+            NUM_SPLITS=num_splits, NUM_PARTIALS=num_partials, ONE_TILE=one_tile, K=keys, V=values,
+            QUERY=int(query), INV_SQRT_D=common["INV_SQRT_D"], RING=ring_in_split,
+            RING_BLOCK=RING_BLOCK,
+            RING_QK_F32=ring_in_split and (not fast or ring_dtype != q_dtype),
+            RING_F32=not fast, SINKS=sinks, PDL=pdl, **launch_options,
+        )))  # fmt: skip
 
     num_rows = batch * num_q_heads
     prep_launch = None
@@ -312,6 +336,6 @@ def plan_decode(
         ROTATE_BACK=fmt.value.rotated, LOG2_D=d_pad.bit_length() - 1,
         num_warps=merge_config.num_warps, **later,
     )))  # fmt: skip
-    return DecodePlan(num_splits, num_partials, query, one_tile, ring_in_split, keys, values,
-                      q_code_columns, pdl, prep_launch, split, ring_launch, merge_launch,
+    return DecodePlan(num_splits, num_partials, query, one_tile, use_verify, ring_in_split, keys,
+                      values, q_code_columns, pdl, prep_launch, split, ring_launch, merge_launch,
                       merge_config)  # fmt: skip

@@ -35,6 +35,7 @@ emulator.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -52,6 +53,7 @@ __all__ = [
     "UINT3_ASM",
     "INT8_ASM",
     "parts_of",
+    "words_asm",
 ]
 
 # lop3 truth tables, from F(a=0xF0, b=0xCC, c=0xAA)
@@ -317,3 +319,23 @@ def decode_asm(codec: Codec, head_dim: int) -> str:
         return UINT4_ASM if codec.bits == 4 else UINT3_ASM
     builder = {5: lut5_asm, 4: lut4_asm, 3: lut3_asm}[codec.bits]
     return builder(signed_level_values(codec.bits, head_dim))
+
+
+def words_asm(asm: str) -> str:
+    """A 4-bit string (``lut4_asm``, ``UINT4_ASM``: bytes ``$4`` -> fp16 pairs ``$0 .. $3``) for
+    the verify kernel (:mod:`custom_ops.triton.decode.verify`), which decodes whole 32-bit words:
+    ``tl.inline_asm_elementwise(asm, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], pack=1)``. Input
+    ``$8`` (4 code bytes); outputs ``$0 .. $3`` the fp16 of the bytes' low nibbles, ``$4 .. $7``
+    of their high nibbles, one value per 16-bit register: consecutive outputs are halves of one
+    32-bit register, which the kernel's operands take as they are."""
+    if set(re.findall(r"\$\d+", asm)) != {"$0", "$1", "$2", "$3", "$4"}:
+        raise ValueError("words_asm takes a 4-bit string with outputs $0..$3 and input $4")
+    body = re.sub(r"\$(\d)", lambda m: "$8" if m.group(1) == "4" else f"w{m.group(1)}",
+                  asm.strip())  # fmt: skip
+    return (
+        "{\n.reg .b32 w0, w1, w2, w3;\n"
+        + body
+        + "\n"
+        + "".join(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, w{i};\n" for i in range(4))
+        + "}"
+    )

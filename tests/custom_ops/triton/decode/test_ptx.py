@@ -16,6 +16,7 @@ from custom_ops.triton.decode.ptx import (
     lut3_asm,
     lut4_asm,
     lut5_asm,
+    words_asm,
 )
 
 
@@ -36,6 +37,25 @@ def _random_words(gen, extra=()):
 
 def _bytes(word: int) -> list[int]:
     return [(word >> (8 * i)) & 0xFF for i in range(4)]
+
+
+@pytest.mark.parametrize("side", ["k", "v"])
+def test_words_asm(side, seeded):
+    """The verify kernel's strings: a word's 4 bytes' low nibbles, then their high nibbles, one
+    fp16 value per 16-bit output, as the 4-bit strings decode them."""
+    levels = signed_levels(4, 128)
+    asm = words_asm(lut4_asm(levels) if side == "k" else UINT4_ASM)
+    value = (lambda c: levels[c].item()) if side == "k" else float
+    for word in _random_words(seeded, [0x76543210, 0xFEDCBA98, 0xFFFFFFFF]):
+        regs = run(asm, {8: word})
+        halves = torch.tensor([regs[i] for i in range(8)], dtype=torch.int32).to(torch.int16)
+        expected = [value(b & 15) for b in _bytes(word)] + [value(b >> 4) for b in _bytes(word)]
+        assert halves.view(torch.float16).tolist() == expected
+
+
+def test_words_asm_needs_a_four_bit_string():
+    with pytest.raises(ValueError, match="4-bit string"):
+        words_asm(INT8_ASM)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

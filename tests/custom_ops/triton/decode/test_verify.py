@@ -1,0 +1,132 @@
+"""The verify kernel (``custom_ops/triton/decode/verify.py``, Gluon): which decodes the plan
+gives it, and its decodes against float64 attention. Gluon kernels do not run under Triton's
+interpreter, so these tests need a Hopper GPU; its sm_90 build is checked on the CPU by
+``test_offline.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CUDA
+from helpers import poisoned_cache, random_kv, rel_error
+
+from custom_ops import api, reference
+from custom_ops.formats import get_format
+from custom_ops.triton import decode as triton_decode
+from custom_ops.triton.decode import SplitConfig
+from custom_ops.triton.decode.plan import plan_decode
+
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
+pytestmark = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (Gluon, no interpreter)")
+
+HEAD_DIM, NUM_KV_HEADS, GROUP, TOKENS, PAGE_SIZE = 128, 2, 4, 8, 16
+LENS = (13, 300, 1000)  # one tile, a split's worth, several splits; pages partly filled
+
+
+def _plan(fmt_name="4bit_nc", tokens=TOKENS, group=GROUP, head_dim=HEAD_DIM, **kwargs):
+    fmt = get_format(fmt_name)
+    return plan_decode(fmt, 2, NUM_KV_HEADS * group * tokens, NUM_KV_HEADS, head_dim, PAGE_SIZE,
+                       64, 0, torch.float16, None, 0, 8, torch.device("cuda"), True,
+                       q_tokens=tokens, **kwargs)  # fmt: skip
+
+
+def test_plan_takes_the_verify_kernel_for_32_rows_of_4bit_nc():
+    """32 query rows per kv-head of 4bit_nc at D = 128 (T = 8 at GQA 4, T = 4 at GQA 8) take the
+    verify kernel, with the ring kernel for the rings; other row counts, formats and head dims,
+    a configured split kernel and inductor's traced launches take the split kernel."""
+    plan = _plan()
+    assert plan.verify and plan.split.launcher.kernel.__name__ == "verify_kernel"
+    assert _plan(tokens=4, group=8).verify
+    assert not _plan(tokens=4).verify  # 16 rows
+    assert not _plan("k8v4").verify and not _plan("tq4_nc").verify
+    assert not _plan(head_dim=64).verify
+    assert not _plan(split_config=SplitConfig(block_n=32)).verify
+    assert not _plan(traced=True).verify
+    fmt = get_format("4bit_nc")
+    ringed = plan_decode(fmt, 2, 64, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, 64, 16, torch.float16,
+                         torch.bfloat16, 1, 8, torch.device("cuda"), True, q_tokens=TOKENS,
+                         sinks=4)  # fmt: skip
+    assert ringed.verify and not ringed.ring_in_split and ringed.ring is not None
+
+
+def _case(window, sinks, mask_kind, gen):
+    """Three sequences (``LENS``) in a poisoned cache with shuffled pages and table entries past
+    each length that point nowhere; rings holding each sequence's first ``sinks`` positions
+    (slot ``window + p``) and its last ``window`` after them (slot ``p % window``, as the
+    window's store leaves them); verify queries ``[3, Hq,
+    T, D]`` and a mask (None, boolean per token and shorter than the longest length, or
+    additive and shared)."""
+    fmt = get_format("4bit_nc")
+    consts = api.make_constants(fmt, HEAD_DIM, seed=7)
+    pages_per_seq = -(-max(LENS) // PAGE_SIZE)
+    num_pages = len(LENS) * pages_per_seq + 3
+    cache = poisoned_cache(fmt, num_pages, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM, gen)
+    table = torch.full((len(LENS), pages_per_seq + 4), 2**30, dtype=torch.int32)
+    pages = torch.randperm(num_pages, generator=gen)
+    shape = (len(LENS), NUM_KV_HEADS, window + sinks, HEAD_DIM)
+    k_window = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    v_window = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    window_pos = torch.full(shape[:3], -1, dtype=torch.int32)
+    for b, length in enumerate(LENS):
+        used = pages[b * pages_per_seq : b * pages_per_seq + -(-length // PAGE_SIZE)]
+        table[b, : len(used)] = used.to(torch.int32)
+        key, value = random_kv(length, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, gen)
+        positions = torch.arange(length)
+        slots = table[b, positions // PAGE_SIZE].long() * PAGE_SIZE + positions % PAGE_SIZE
+        reference.store(fmt, key, value, cache, slots.to(torch.int32), consts.rotation)
+        for p in range(max(sinks, length - window), length):  # the sinks are not in the window
+            window_pos[b, :, p % window] = p
+        for p in range(min(sinks, length)):
+            window_pos[b, :, window + p] = p
+    rings = (k_window, v_window, window_pos) if window + sinks else (None, None, None)
+    num_q_heads = NUM_KV_HEADS * GROUP
+    q = torch.randn(len(LENS), num_q_heads, TOKENS, HEAD_DIM, generator=gen).half()
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(len(LENS), num_q_heads, TOKENS, 900, generator=gen) > 0.3
+        mask[..., 0] = True  # every query keeps a key
+    elif mask_kind == "additive":
+        mask = torch.randn(1, 1, 1100, generator=gen)
+    return fmt, consts, cache, table, torch.tensor(LENS, dtype=torch.int32), q, mask, rings
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
+@pytest.mark.parametrize("window, sinks", [(0, 0), (16, 0), (128, 4), (16, 20)])
+def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, seeded):
+    """A verify step of 8 tokens at GQA 4 (token t sees the positions below len - 7 + t, and
+    the mask) through the verify kernel equals float64 attention over the dequantized pages and
+    the exact rings (within 1e-3), and the split kernel's decode of the same step (within
+    2e-3), at one, several and many tiles, with the window's ring, sinks (masked in the pages)
+    and either mask."""
+    fmt, consts, cache, table, lens, q, mask, rings = _case(window, sinks, mask_kind, seeded)
+    expected = reference.decode(fmt, q, cache, table, lens, consts.rotation, HEAD_DIM**-0.5,
+                                torch.float64, mask, *rings, sinks)  # fmt: skip
+    cuda = [x.cuda() if isinstance(x, torch.Tensor) else x for x in (q, table, lens, mask)]
+    q_cuda, table_cuda, lens_cuda, mask_cuda = cuda
+    cache_cuda = type(cache)(*(plane.cuda() for plane in cache))
+    rings_cuda = tuple(None if r is None else r.cuda() for r in rings)
+    rotation = consts.rotation.cuda()
+    num_splits = api.default_num_splits(len(LENS), NUM_KV_HEADS, table.shape[1], PAGE_SIZE,
+                                        window, torch.device("cuda"))  # fmt: skip
+    outputs = {}
+    for name, split_config in (("verify", None), ("split", SplitConfig(block_n=32))):
+        plan = triton_decode.plan_for(
+            fmt,
+            q_cuda,
+            cache_cuda,
+            table_cuda,
+            num_splits,
+            mask_cuda,
+            rings_cuda[0],
+            split_config=split_config,
+            sinks=sinks,
+        )
+        assert plan.verify == (name == "verify")
+        outputs[name] = triton_decode.decode(
+            fmt, q_cuda, cache_cuda, table_cuda, lens_cuda, rotation, num_splits,
+            HEAD_DIM**-0.5, mask_cuda, *rings_cuda, sinks, split_config=split_config,
+        ).cpu()  # fmt: skip
+    actual = outputs["verify"]
+    assert actual.shape == q.shape and actual.isfinite().all()
+    assert rel_error(actual, expected) < 1e-3, rel_error(actual, expected)
+    assert rel_error(actual, outputs["split"]) < 2e-3, rel_error(actual, outputs["split"])
