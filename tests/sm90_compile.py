@@ -172,7 +172,7 @@ def verify_kernels() -> dict:
             args = verify.verify_arguments(q_code, cache, table, lens, positions, mask_args,
                                            part_out, part_lse)  # fmt: skip
             kwargs = verify.verify_constexprs(fmt, 0, 1, tokens, PAGE, window, sinks, mask_kind,
-                                              splits, splits + 1)  # fmt: skip
+                                              splits, splits + 1, True)  # fmt: skip
             jobs[f"verify (mask {mask_kind}, window {window}, sinks {sinks})"] = functools.partial(
                 compile_offline, verify.verify_kernel, (splits, HEADS, 2), *args, **kwargs
             )

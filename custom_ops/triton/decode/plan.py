@@ -273,12 +273,13 @@ def plan_decode(
         # normally
         launch_options["launch_pdl"] = True
     if use_verify:
-        # one warp at 255 registers, the launch the splits were counted for above (no PDL: the
-        # kernel reads the preparation's q_code without waiting for it)
+        # one warp at 255 registers, the launch the splits were counted for above; after the
+        # query preparation (PREPARED), with programmatic dependent launch where the split
+        # kernel would have it
         assert query == QueryMode.PREPARED and (num_warps, max_registers) == (1, 255)
         split = KernelLaunch(split_grid, Launcher(verify.verify_kernel, verify.verify_constexprs(
             fmt, keys.META, values.META, q_tokens, page_size, window, sinks, mask_kind,
-            num_splits, num_partials,
+            num_splits, num_partials, pdl,
         )))  # fmt: skip
     else:
         split = KernelLaunch(split_grid, Launcher(split_kernel, dict(

@@ -78,15 +78,16 @@ def serves(fmt: KVFormat, head_dim: int, page_size: int, rows: int, device: torc
 
 def verify_constexprs(fmt: KVFormat, key_meta: int, value_meta: int, q_tokens: int,
                       page_size: int, window: int, sinks: int, mask_kind: int, num_splits: int,
-                      num_partials: int) -> dict:  # fmt: skip
-    """The kernel's compile-time arguments and launch options for a plan."""
+                      num_partials: int, pdl: bool) -> dict:  # fmt: skip
+    """The kernel's compile-time arguments and launch options for a plan (``pdl``: launched
+    with programmatic dependent launch after the query preparation, which it waits for)."""
     head_dim = _D.value
     return dict(
         K_ASM=words_asm(decode_asm(fmt.key, head_dim)),
         V_ASM=words_asm(decode_asm(fmt.value, head_dim)),
         K_META=key_meta, V_META=value_meta, Q_TOKENS=q_tokens, PAGE_SIZE=page_size,
         WINDOW=window, SINKS=sinks, MASK=mask_kind, NUM_SPLITS=num_splits,
-        NUM_PARTIALS=num_partials, num_warps=1,
+        NUM_PARTIALS=num_partials, PDL=pdl, num_warps=1, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -106,6 +107,15 @@ def verify_arguments(q_code: torch.Tensor, cache: PagedKVCache, block_table: tor
         block_table.stride(0), block_table.shape[1], seq_lens, *positions, *mask_args, part_out,
         part_lse, k_codes.shape[1],
     )  # fmt: skip
+
+
+@gluon.jit
+def _grid_dependency(INSTRUCTION: gl.constexpr):
+    """``griddepcontrol.<INSTRUCTION>`` (programmatic dependent launch; Triton's ``gdc_wait`` /
+    ``gdc_launch_dependents``, which Gluon lacks): ``wait`` for the kernel before, or let the
+    next one launch (``launch_dependents``)."""
+    gl.inline_asm_elementwise(f"griddepcontrol.{INSTRUCTION}; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -232,7 +242,7 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
                 MASK: gl.constexpr):  # fmt: skip
     """The online softmax over tokens ``[start, end)``: ``(m, l, zero_acc, acc_lo, acc_hi,
     v_top)``, probabilities relative to ``m``, value products in units of ``1 / inv_unit``,
-    ``v_top`` the largest value scale seen (per lane)."""
+    ``v_top`` the largest value scale seen."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                   instr_shape=[16, 8])  # fmt: skip
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -350,14 +360,18 @@ def verify_kernel(q_code, k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_
                   part_out, part_lse, num_kv_heads, K_ASM: gl.constexpr, V_ASM: gl.constexpr,
                   K_META: gl.constexpr, V_META: gl.constexpr, Q_TOKENS: gl.constexpr,
                   PAGE_SIZE: gl.constexpr, WINDOW: gl.constexpr, SINKS: gl.constexpr,
-                  MASK: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                  NUM_PARTIALS: gl.constexpr):  # fmt: skip
+                  MASK: gl.constexpr, NUM_SPLITS: gl.constexpr, NUM_PARTIALS: gl.constexpr,
+                  PDL: gl.constexpr):  # fmt: skip
     """One (split, kv-head, sequence): the partial ``[32 rows, D]`` and lse (log2) of the
     sequence's 32 query rows of this kv-head over the split's compressed tokens (see the
     module docstring; arguments from :func:`verify_arguments`)."""
     split = gl.program_id(0)
     head = gl.program_id(1)
     b = gl.program_id(2)
+    if PDL:
+        # the ring kernel (or the merge) may launch now: it waits for this one before it
+        # writes (reads) partials, and runs beside this kernel's tail
+        _grid_dependency("launch_dependents")
     HALF: gl.constexpr = _D // 2
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                   instr_shape=[16, 8])  # fmt: skip
@@ -384,6 +398,8 @@ def verify_kernel(q_code, k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_
     end = gl.minimum(start + per_split, compressed_len)
 
     q_row = (b * num_kv_heads + head) * _ROWS
+    if PDL:
+        _grid_dependency("wait")  # for the preparation kernel's q_code
     rows_l = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, QL))
     k_l = gl.arange(0, 32, layout=gl.SliceLayout(0, QL))
     q_at = q_code + (q_row + rows_l)[:, None].to(gl.int64) * _D
