@@ -153,26 +153,28 @@ def report(label: str, compile_it) -> bool:
 
 def verify_kernels() -> dict:
     """``{label: zero-argument compile}`` of the Gluon verify kernel (4bit_nc, 32 rows: T = 8 at
-    GQA 4) without a mask and with either kind, with a ring and sinks and without (its plans
-    are made on a GPU only, so its constexprs are given here as the plan gives them)."""
+    GQA 4) without a mask and with either kind, with rings (a window and sinks) and without (its
+    plans are made on a GPU only, so its constexprs are given here as the plan gives them)."""
     fmt = get_format("4bit_nc")
     cache = fmt.allocate(PAGES, HEADS, PAGE, HEAD_DIM)
     rows, tokens, splits = HEADS * verify.ROWS, 8, 2
+    q = torch.empty(2, rows, HEAD_DIM, dtype=torch.bfloat16)
     q_code = torch.empty(2, rows, HEAD_DIM, dtype=torch.float16)
     table = torch.zeros(2, 4, dtype=torch.int32)
     lens = torch.zeros(2, dtype=torch.int32)
+    ring = torch.empty(2, HEADS, WINDOW + SINKS, HEAD_DIM, dtype=torch.bfloat16)
     ring_pos = torch.empty(2, HEADS, WINDOW + SINKS, dtype=torch.int32)
+    part_out = torch.empty(2, rows, splits, HEAD_DIM)
+    part_lse = torch.empty(2, rows, splits)
     jobs = {}
     for mask_kind, mask in ((0, None), (1, torch.empty(2, rows, 64, dtype=torch.bool)),
                             (2, torch.empty(1, 1, 64))):  # fmt: skip
-        for window, sinks, positions in ((0, 0, None), (WINDOW, SINKS, ring_pos)):
+        for window, sinks, rings in ((0, 0, (None,) * 3), (WINDOW, SINKS, (ring, ring, ring_pos))):
             mask_args = (lens, 0, 0, 0, 0) if mask is None else (mask, 0, 64, 0, 64)
-            part_out = torch.empty(2, rows, splits + 1, HEAD_DIM)
-            part_lse = torch.empty(2, rows, splits + 1)
-            args = verify.verify_arguments(q_code, cache, table, lens, positions, mask_args,
-                                           part_out, part_lse)  # fmt: skip
+            args = verify.verify_arguments(q, q_code, LOG2E, cache, table, lens, *rings,
+                                           mask_args, part_out, part_lse)  # fmt: skip
             kwargs = verify.verify_constexprs(fmt, 0, 1, tokens, PAGE, window, sinks, mask_kind,
-                                              splits, splits + 1, True)  # fmt: skip
+                                              splits, splits, True)  # fmt: skip
             jobs[f"verify (mask {mask_kind}, window {window}, sinks {sinks})"] = functools.partial(
                 compile_offline, verify.verify_kernel, (splits, HEADS, 2), *args, **kwargs
             )

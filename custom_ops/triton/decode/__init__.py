@@ -10,9 +10,9 @@ cached launch plan (:mod:`~custom_ops.triton.decode.plan`):
    kv-head, split) streams its compressed tokens (and, for values in the original space, its
    share of the recent window's ring) into a partial softmax state; a verify step's 32 query
    rows per kv-head of ``4bit_nc`` on a Hopper GPU take the verify kernel instead
-   (:mod:`~custom_ops.triton.decode.verify`, Gluon; the ring kernel then reads the rings);
-3. the ring kernel (:mod:`~custom_ops.triton.decode.ring`; rotated values with a window, or the
-   verify kernel's plans): the ring's partials in the original space;
+   (:mod:`~custom_ops.triton.decode.verify`, Gluon, which reads the rings too);
+3. the ring kernel (:mod:`~custom_ops.triton.decode.ring`; rotated values with a window): the
+   ring's partials in the original space;
 4. the merge (:mod:`~custom_ops.triton.decode.merge`): log-sum-exp of the partials, rotated
    values back to the original space, the query's dtype.
 
@@ -167,8 +167,9 @@ def decode(
     if plan.prep is not None:
         launch_prep(plan.prep, rows, rotation, q_code, q_scale, key)
     if plan.verify:
-        plan.split(*verify_arguments(q_code, cache, block_table, seq_lens, window_pos, mask_args,
-                                     part_out, part_lse), key=key)  # fmt: skip
+        plan.split(*verify_arguments(rows, q_code, q_scale, cache, block_table, seq_lens,
+                                     k_window, v_window, window_pos, mask_args, part_out,
+                                     part_lse), key=key)  # fmt: skip
     else:
         launch_split(plan.split, split_arguments(
             rows, q_code, q_scale, rotation, cache, block_table, seq_lens, mask_args, k_window,

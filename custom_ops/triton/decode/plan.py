@@ -106,8 +106,8 @@ class DecodePlan:
         one_tile: every split holds at most one softmax step of tokens at a fixed place, so it
             reads its block-table entries before the length (short contexts).
         verify: the split launch is the verify kernel (:mod:`~custom_ops.triton.decode.verify`,
-            Gluon: 32 query rows per kv-head of ``4bit_nc`` on a Hopper GPU, launched eagerly),
-            not the split kernel; the ring kernel then reads the rings.
+            Gluon: 32 query rows per kv-head of ``4bit_nc`` on a Hopper GPU, launched eagerly;
+            it reads the rings too), not the split kernel.
         ring_in_split: the split kernel reads the recent window's ring itself.
         keys, values: the sides' :class:`~custom_ops.triton.decode.codes.PartParams`.
         q_code_columns: columns of the prepared query (0 without preparation).
@@ -244,9 +244,9 @@ def plan_decode(
     use_verify = (
         not traced
         and split_config == SplitConfig()
-        and verify.serves(fmt, head_dim, page_size, group, device, fast)
+        and verify.serves(fmt, head_dim, page_size, group, q_dtype, ring_dtype, device, fast)
     )
-    ring_in_split = window + sinks > 0 and not fmt.value.rotated and not use_verify
+    ring_in_split = window + sinks > 0 and not fmt.value.rotated
     # rotated values: the ring kernel's parts (the split kernel reads none)
     window_parts, slots_per_part = (
         (0, 0)

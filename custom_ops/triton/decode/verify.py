@@ -25,8 +25,9 @@ every tile again (NOTES "The verify step in Gluon"). This kernel keeps one warp 
 
 What it serves (:func:`serves`, the plan's choice): 4-bit Lloyd-Max keys and 4-bit uniform
 values (``4bit_nc``), D = 128, pages of 16 tokens or more (powers of two), exactly 32 query rows
-per kv-head, masks of either kind, sinks (masked here: the ring holds them) and the recent
-window, whose ring the ring kernel reads. Its partials are the split kernel's, merged by the
+per kv-head, masks of either kind, and the recent window's rings (the window and the sinks,
+read in full precision after the compressed tokens, a share per split, as the split kernel
+does; rings of the query's dtype). Its partials are the split kernel's, merged by the
 merge. Gluon kernels do not run under Triton's interpreter and inductor does not launch them, so
 the plan takes this kernel for eager launches on Hopper GPUs only; its tests run on a GPU.
 """
@@ -40,12 +41,14 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from custom_ops.formats import Kind, KVFormat, PagedKVCache
 from custom_ops.triton.decode.ptx import decode_asm, words_asm
+from custom_ops.triton.traced import unread
 
 __all__ = ["ROWS", "BLOCK_N", "serves", "verify_constexprs", "verify_arguments", "verify_kernel"]
 
 ROWS = 32  # query rows per program: two m16 tiles in one warp
 BLOCK_N = 32  # tokens per tile
 _ROWS = gl.constexpr(ROWS)
+_RING_BLOCK = gl.constexpr(16)  # ring places per tile (plan.RING_BLOCK)
 _BLOCK_N = gl.constexpr(BLOCK_N)
 _D = gl.constexpr(128)
 _SLACK = gl.constexpr(4.0)  # softmax.RESCALE_SLACK
@@ -56,13 +59,16 @@ _UNIT_MIN = gl.constexpr(2.0**-10)
 _LOG2E = gl.constexpr(1.4426950408889634)
 
 
-def serves(fmt: KVFormat, head_dim: int, page_size: int, rows: int, device: torch.device,
-           fast: bool) -> bool:  # fmt: skip
+def serves(fmt: KVFormat, head_dim: int, page_size: int, rows: int, q_dtype: torch.dtype,
+           ring_dtype: torch.dtype | None, device: torch.device, fast: bool) -> bool:  # fmt: skip
     """Whether this kernel takes a decode's split work: ``rows`` query rows per kv-head (Hq / Hk
-    times the query tokens), on a Hopper GPU with the inline-PTX path (``fast``)."""
+    times the query tokens), on a Hopper GPU with the inline-PTX path (``fast``); rings, if
+    any, of the query's dtype, fp16 or bf16 (the tensor cores' operands)."""
     key, value = fmt.key, fmt.value
     return (
         fast
+        and ring_dtype in (None, q_dtype)
+        and q_dtype in (torch.float16, torch.bfloat16)
         and device.type == "cuda"
         and torch.cuda.get_device_capability(device)[0] == 9
         and key.kind == Kind.LLOYD_MAX
@@ -91,21 +97,30 @@ def verify_constexprs(fmt: KVFormat, key_meta: int, value_meta: int, q_tokens: i
     )  # fmt: skip
 
 
-def verify_arguments(q_code: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, window_pos: torch.Tensor | None, mask_args: tuple,
-                     part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple:  # fmt: skip
-    """The kernel's runtime arguments: the prepared query rows ``q_code [B, Hq * T, D] fp16``,
-    the cache (contiguous planes), ``block_table [B, max_pages]``, ``seq_lens [B]``, the ring
-    slots' positions ``window_pos [>= B, Hk, W + sinks]`` (None without rings: ``seq_lens``,
-    never read), ``mask_args`` (``(mask, stride_b, stride_h, stride_t, mask_len)``) and the
-    partials ``[B, Hq * T, num_partials, D]`` and their lse."""
+def verify_arguments(rows: torch.Tensor, q_code: torch.Tensor, q_scale: float,
+                     cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     k_window: torch.Tensor | None, v_window: torch.Tensor | None,
+                     window_pos: torch.Tensor | None, mask_args: tuple, part_out: torch.Tensor,
+                     part_lse: torch.Tensor) -> tuple:  # fmt: skip
+    """The kernel's runtime arguments: the query rows ``rows [B, Hq * T, D]`` (the rings' dtype;
+    read for the rings), their prepared form ``q_code [B, Hq * T, D] fp16`` and ``q_scale``
+    (``scale * log2(e)``), the cache (contiguous planes), ``block_table [B, max_pages]``,
+    ``seq_lens [B]``, the rings ``[>= B, Hk, W + sinks, D]`` and their slots' positions
+    ``window_pos [>= B, Hk, W + sinks]`` (None without rings: placeholders, never read),
+    ``mask_args`` (``(mask, stride_b, stride_h, stride_t, mask_len)``) and the partials ``[B,
+    Hq * T, num_partials, D]`` and their lse."""
     k_codes, v_codes, meta = cache
-    positions = (seq_lens, 0, 0) if window_pos is None else (window_pos, *window_pos.stride()[:2])
+    if k_window is None:
+        rings = (unread(rows), unread(rows), 0, 0, 0, unread(seq_lens), 0, 0)
+    else:
+        rings = (k_window, v_window, *k_window.stride()[:3], window_pos,
+                 *window_pos.stride()[:2])  # fmt: skip
     return (
-        q_code, k_codes, v_codes, meta, k_codes.stride(0), k_codes.stride(1), v_codes.stride(0),
-        v_codes.stride(1), meta.stride(0), meta.stride(1), meta.stride(2), block_table,
-        block_table.stride(0), block_table.shape[1], seq_lens, *positions, *mask_args, part_out,
-        part_lse, k_codes.shape[1],
+        q_code, rows, rows.stride(0), rows.stride(1), q_scale, k_codes, v_codes, meta,
+        k_codes.stride(0), k_codes.stride(1), v_codes.stride(0), v_codes.stride(1),
+        meta.stride(0), meta.stride(1), meta.stride(2), block_table, block_table.stride(0),
+        block_table.shape[1], seq_lens, *rings, *mask_args, part_out, part_lse,
+        k_codes.shape[1],
     )  # fmt: skip
 
 
@@ -213,19 +228,17 @@ def _ring_start(pos_ptr, seq_len, WINDOW: gl.constexpr):
 
 
 @gluon.jit
-def _masked_scores(x, n_tok, end, row_end, q_rows, b, masking, MASK: gl.constexpr,
-                   Q_TOKENS: gl.constexpr, SINKS: gl.constexpr):  # fmt: skip
-    """``x [32, 32]`` (log2 units) with the positions past the split or the row's causal end,
-    the sinks' and the mask's own (``softmax.mask_scores``) at ``-inf`` (additive: added)."""
+def _masked_scores(x, seen, positions, q_rows, b, masking, MASK: gl.constexpr,
+                   Q_TOKENS: gl.constexpr):  # fmt: skip
+    """``x [32, N]`` (log2 units) at ``-inf`` outside ``seen [32, N]``, and the attention mask
+    at key ``positions [N]`` of the query rows ``q_rows`` (``softmax.mask_scores``: boolean,
+    False masks out; additive, natural-log units)."""
     mask_ptr, stride_b, stride_h, stride_t, mask_len = masking
-    seen = (n_tok[None, :] < end) & (n_tok[None, :] < row_end[:, None])
-    if SINKS > 0:
-        seen = seen & (n_tok[None, :] >= SINKS)
     x = gl.where(seen, x, float("-inf"))
     if MASK != 0:
         rows = (q_rows // Q_TOKENS) * stride_h + (q_rows % Q_TOKENS) * stride_t
-        at = mask_ptr + b.to(gl.int64) * stride_b + rows[:, None] + n_tok[None, :]
-        in_mask = (n_tok < mask_len)[None, :] & (q_rows >= 0)[:, None]
+        at = mask_ptr + b.to(gl.int64) * stride_b + rows[:, None] + positions[None, :]
+        in_mask = (positions < mask_len)[None, :] & (q_rows >= 0)[:, None]
         if MASK == 1:
             x = gl.where(gl.load(at, mask=in_mask, other=0) != 0, x, float("-inf"))
         else:
@@ -235,14 +248,46 @@ def _masked_scores(x, n_tok, end, row_end, q_rows, b, masking, MASK: gl.constexp
 
 
 @gluon.jit
+def _seen(positions, end, row_end, SINKS: gl.constexpr):
+    """``[32, N]``: which compressed ``positions`` each row sees (below the split's end and the
+    row's causal end; the sinks' are read from the ring)."""
+    seen = (positions[None, :] < end) & (positions[None, :] < row_end[:, None])
+    if SINKS > 0:
+        seen = seen & (positions[None, :] >= SINKS)
+    return seen
+
+
+@gluon.jit
+def _softmax_step(x, state):
+    """One tile's online-softmax step: ``(p, state)`` for scores ``x [32, N]`` relative to the
+    rows' references (``state = (m, l, zero_acc, acc_lo, acc_hi)``). A row moves its reference
+    to its maximum on its first keys, or when a tile's scores pass it by the slack (the
+    accumulators rescaled, a branch of the one warp); a row that saw no key keeps it."""
+    m_ref, l_i, zero_acc, acc_lo, acc_hi = state
+    x_max = gl.max(x, axis=1)
+    moves = (x_max > _SLACK) | ((l_i == 0.0) & (x_max > float("-inf")))
+    if gl.max(moves.to(gl.int32), axis=0) > 0:
+        shift = gl.where(moves, x_max, 0.0)
+        alpha = gl.exp2(-shift)
+        m_ref += shift
+        x = x - shift[:, None]
+        l_i *= alpha
+        zero_acc *= alpha
+        acc_lo *= alpha[:, None]
+        acc_hi *= alpha[:, None]
+    p = gl.exp2(x)
+    return p, (m_ref, l_i + gl.sum(p, axis=1), zero_acc, acc_lo, acc_hi)
+
+
+@gluon.jit
 def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_mul_s,
                 v_mul_s, v_zero_s, planes, bt, masking, K_ASM: gl.constexpr, V_ASM: gl.constexpr,
                 K_META: gl.constexpr, V_META: gl.constexpr, Q_TOKENS: gl.constexpr,
                 PAGE_SIZE: gl.constexpr, SINKS: gl.constexpr,
                 MASK: gl.constexpr):  # fmt: skip
-    """The online softmax over tokens ``[start, end)``: ``(m, l, zero_acc, acc_lo, acc_hi,
-    v_top)``, probabilities relative to ``m``, value products in units of ``1 / inv_unit``,
-    ``v_top`` the largest value scale seen."""
+    """The online softmax over the split's compressed tokens ``[start, end)``: ``(state,
+    v_top)``, ``state = (m, l, zero_acc, acc_lo, acc_hi)`` (:func:`_softmax_step`) with the
+    value products in units of ``1 / inv_unit``, ``v_top`` the largest value scale seen."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                   instr_shape=[16, 8])  # fmt: skip
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -266,11 +311,9 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
     rows = gl.arange(0, _ROWS, layout=ROW)
     q_rows = head * _ROWS + rows  # the rows' index among the sequence's Hq * T
     row_end = seq_len - (Q_TOKENS - 1 - q_rows % Q_TOKENS)
-    m_ref = gl.zeros([_ROWS], gl.float32, ROW)
-    l_i = gl.zeros([_ROWS], gl.float32, ROW)
-    zero_acc = gl.zeros([_ROWS], gl.float32, ROW)
-    acc_lo = gl.zeros([_ROWS, HALF], gl.float32, MMA)  # dims 0..63
-    acc_hi = gl.zeros([_ROWS, HALF], gl.float32, MMA)  # dims 64..127
+    zeros = gl.zeros([_ROWS], gl.float32, ROW)
+    acc = gl.zeros([_ROWS, HALF], gl.float32, MMA)
+    state = (zeros, zeros, zeros, acc, acc)  # m, l, zero_acc, acc dims 0..63, dims 64..127
     t_m = _tile_token(gl.arange(0, _BLOCK_N, layout=ML))
     t_c = _tile_token(gl.arange(0, _BLOCK_N, layout=COL))
     v_top = gl.zeros([_BLOCK_N], gl.float32, ML)
@@ -312,29 +355,17 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
         s = mma_v2(q_smem.index(1).load(A_OP), _pair(e2, e3, 32, _BLOCK_N, B_OP), s)
         s = mma_v2(q_smem.index(2).load(A_OP), _pair(e4, e5, 32, _BLOCK_N, B_OP), s)
         s = mma_v2(q_smem.index(3).load(A_OP), _pair(e6, e7, 32, _BLOCK_N, B_OP), s)
-        x = s * k_mul_s.load(COL)[None, :] - m_ref[:, None]
+        x = s * k_mul_s.load(COL)[None, :] - state[0][:, None]
+        positions = tile + t_c
         if MASK != 0:
-            x = _masked_scores(x, tile + t_c, end, row_end, q_rows, b, masking, MASK, Q_TOKENS,
-                               SINKS)  # fmt: skip
+            x = _masked_scores(x, _seen(positions, end, row_end, SINKS), positions, q_rows, b,
+                               masking, MASK, Q_TOKENS)  # fmt: skip
         elif (tile < SINKS) | (tile + _BLOCK_N > end) | (tile + _BLOCK_N > seq_len - Q_TOKENS + 1):
             # only a split's last tile, the causal block's and the sinks' have masked positions
-            x = _masked_scores(x, tile + t_c, end, row_end, q_rows, b, masking, MASK, Q_TOKENS,
-                               SINKS)  # fmt: skip
-        # a row moves its reference to its maximum on its first keys, or when a tile's scores
-        # pass it by the slack; a row that saw no key keeps it (-inf - m: no move)
-        x_max = gl.max(x, axis=1)
-        moves = (x_max > _SLACK) | ((l_i == 0.0) & (x_max > float("-inf")))
-        if gl.max(moves.to(gl.int32), axis=0) > 0:
-            shift = gl.where(moves, x_max, 0.0)
-            alpha = gl.exp2(-shift)
-            m_ref += shift
-            x = x - shift[:, None]
-            l_i *= alpha
-            zero_acc *= alpha
-            acc_lo *= alpha[:, None]
-            acc_hi *= alpha[:, None]
-        p = gl.exp2(x)
-        l_i += gl.sum(p, axis=1)
+            x = _masked_scores(x, _seen(positions, end, row_end, SINKS), positions, q_rows, b,
+                               masking, MASK, Q_TOKENS)  # fmt: skip
+        p, state = _softmax_step(x, state)
+        m_ref, l_i, zero_acc, acc_lo, acc_hi = state
         zero_acc += gl.sum(p * v_zero_s.load(COL)[None, :], axis=1)
         p_op = gl.convert_layout((p * v_mul_s.load(COL)[None, :]).to(gl.float16), A_OP)
 
@@ -343,6 +374,7 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
         f0, f1, f2, f3, f4, f5, f6, f7 = _words(v_words.permute([1, 0]).load(W_OP), V_ASM)
         acc_lo = mma_v2(p_op, _value_operand(f0, f1, f2, f3, HALF, B_OP), acc_lo)
         acc_hi = mma_v2(p_op, _value_operand(f4, f5, f6, f7, HALF, B_OP), acc_hi)
+        state = (m_ref, l_i, zero_acc, acc_lo, acc_hi)
         gl.thread_barrier()  # this tile's scalars are read before the next ones are stored
         k_mul = next_k_mul
         v_mul = next_v_mul
@@ -350,27 +382,117 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
         buf = 1 - buf
     async_copy.wait_group(0)
     gl.thread_barrier()
-    return m_ref, l_i, zero_acc, acc_lo, acc_hi, gl.max(v_top, axis=0)
+    return state, gl.max(v_top, axis=0)
 
 
 @gluon.jit
-def verify_kernel(q_code, k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_head, m_page,
-                  m_head, m_slot, table, stride_bt_b, max_pages, seq_lens, pos_ptr, stride_pos_b,
-                  stride_pos_h, mask_ptr, stride_mask_b, stride_mask_h, stride_mask_t, mask_len,
-                  part_out, part_lse, num_kv_heads, K_ASM: gl.constexpr, V_ASM: gl.constexpr,
-                  K_META: gl.constexpr, V_META: gl.constexpr, Q_TOKENS: gl.constexpr,
-                  PAGE_SIZE: gl.constexpr, WINDOW: gl.constexpr, SINKS: gl.constexpr,
-                  MASK: gl.constexpr, NUM_SPLITS: gl.constexpr, NUM_PARTIALS: gl.constexpr,
+def _ring_places(r0, run_len, window_len, compressed_len, WINDOW: gl.constexpr,
+                 SINKS: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
+    """``(in_ring, positions, slots)`` of the ring run's places ``r0 .. r0 + RING_BLOCK - 1``:
+    the window's positions from ``compressed_len`` (slot ``p % W``), then the sinks (slot
+    ``W + p``) (``paged.ring_run_positions``, ``paged.ring_slots``)."""
+    run = r0 + gl.arange(0, _RING_BLOCK, layout=LAYOUT)
+    positions = compressed_len + run
+    slots = positions % gl.maximum(WINDOW, 1)
+    if SINKS > 0:
+        positions = gl.where(run < window_len, positions, run - window_len)
+        slots = gl.where(positions < SINKS, WINDOW + positions, positions % gl.maximum(WINDOW, 1))
+    return run < run_len, positions, slots
+
+
+@gluon.jit
+def _issue_ring(k_ring_s, v_ring_s, r0, ring_run, rings, WINDOW: gl.constexpr,
+                SINKS: gl.constexpr):  # fmt: skip
+    """Start copying the keys and values of ring places ``r0 ..`` to ``k_ring_s``, ``v_ring_s
+    [RING_BLOCK, D]`` (one commit group; places past the run are zero-filled)."""
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])  # [places, dims]
+    run_len, window_len, compressed_len, ring = ring_run
+    k_window, v_window, stride_w_b, stride_w_h, stride_w_slot = rings
+    in_ring, _, slots = _ring_places(r0, run_len, window_len, compressed_len, WINDOW, SINKS,
+                                     gl.SliceLayout(1, LOAD))  # fmt: skip
+    dims = gl.arange(0, _D, layout=gl.SliceLayout(0, LOAD))
+    rows = ring + slots[:, None] * stride_w_slot + dims[None, :]
+    full = in_ring[:, None] & (dims >= 0)[None, :]
+    async_copy.async_copy_global_to_shared(k_ring_s, k_window + rows, mask=full)
+    async_copy.async_copy_global_to_shared(v_ring_s, v_window + rows, mask=full)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _ring_pass(state, b, head, seq_len, ring_run, first, q_orig, q_scale, rings, k_ring_s,
+               v_ring_s, masking, WINDOW: gl.constexpr, SINKS: gl.constexpr, MASK: gl.constexpr,
+               Q_TOKENS: gl.constexpr, NUM_SPLITS: gl.constexpr):  # fmt: skip
+    """The ring run's ``RING_BLOCK``-place tiles from ``first``, every ``NUM_SPLITS``-th (the
+    split kernel's ``RING`` share), into ``state``: exact values in the original space (as the
+    compressed ones, not rotated), ``S = Q K^T`` against the original query in the rings'
+    dtype and ``O += P V`` with ``P`` as two terms of it (``tiles.split_probabilities``). The
+    first tile's keys and values are already on their way to ``k_ring_s``, ``v_ring_s``
+    (:func:`_issue_ring`), the others are copied here."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
+                                                  instr_shape=[16, 8])  # fmt: skip
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+    COL: gl.constexpr = gl.SliceLayout(0, MMA)
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])  # [rows, dims]
+    HALF: gl.constexpr = _D // 2
+    run_len, window_len, compressed_len = ring_run[0], ring_run[1], ring_run[2]
+    q_ptr, stride_qb, stride_qh = q_orig
+    rows = gl.arange(0, _ROWS, layout=ROW)
+    q_rows = head * _ROWS + rows
+    row_end = seq_len - (Q_TOKENS - 1 - q_rows % Q_TOKENS)
+    # the rows' original queries [32, D / 2] twice (A operands), read per tile
+    q_l = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, LOAD))
+    q_at = q_ptr + b.to(gl.int64) * stride_qb + (head * _ROWS + q_l)[:, None] * stride_qh
+    q_at += gl.arange(0, HALF, layout=gl.SliceLayout(0, LOAD))[None, :]
+    for r0 in range(first, run_len, NUM_SPLITS * _RING_BLOCK):
+        if r0 != first:
+            _issue_ring(k_ring_s, v_ring_s, r0, ring_run, rings, WINDOW, SINKS)
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        s = gl.zeros([_ROWS, _RING_BLOCK], gl.float32, MMA)
+        for half in gl.static_range(2):
+            q_op = gl.convert_layout(gl.load(q_at + half * HALF), A_OP)
+            k_op = k_ring_s.slice(half * HALF, HALF, dim=1).permute([1, 0]).load(B_OP)
+            s = mma_v2(q_op, k_op, s)
+        in_ring, positions, _ = _ring_places(r0, run_len, window_len, compressed_len, WINDOW,
+                                             SINKS, COL)  # fmt: skip
+        seen = in_ring[None, :] & (positions[None, :] < row_end[:, None])
+        x = _masked_scores(s * q_scale - state[0][:, None], seen, positions, q_rows, b, masking,
+                           MASK, Q_TOKENS)  # fmt: skip
+        p, state = _softmax_step(x, state)
+        m_ref, l_i, zero_acc, acc_lo, acc_hi = state
+        p_hi = p.to(k_ring_s.dtype)
+        p_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(k_ring_s.dtype), A_OP)
+        p_hi = gl.convert_layout(p_hi, A_OP)
+        v_lo = v_ring_s.slice(0, HALF, dim=1).load(B_OP)
+        acc_lo = mma_v2(p_lo, v_lo, mma_v2(p_hi, v_lo, acc_lo))
+        v_hi = v_ring_s.slice(HALF, HALF, dim=1).load(B_OP)
+        acc_hi = mma_v2(p_lo, v_hi, mma_v2(p_hi, v_hi, acc_hi))
+        state = (m_ref, l_i, zero_acc, acc_lo, acc_hi)
+        gl.thread_barrier()  # the tile is read before the next one is copied
+    return state
+
+
+@gluon.jit
+def verify_kernel(q_code, q_ptr, stride_qb, stride_qh, q_scale, k_codes, v_codes, meta, kc_page,
+                  kc_head, vc_page, vc_head, m_page, m_head, m_slot, table, stride_bt_b,
+                  max_pages, seq_lens, k_window, v_window, stride_w_b, stride_w_h,
+                  stride_w_slot, pos_ptr, stride_pos_b, stride_pos_h, mask_ptr, stride_mask_b,
+                  stride_mask_h, stride_mask_t, mask_len, part_out, part_lse, num_kv_heads,
+                  K_ASM: gl.constexpr, V_ASM: gl.constexpr, K_META: gl.constexpr,
+                  V_META: gl.constexpr, Q_TOKENS: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                  WINDOW: gl.constexpr, SINKS: gl.constexpr, MASK: gl.constexpr,
+                  NUM_SPLITS: gl.constexpr, NUM_PARTIALS: gl.constexpr,
                   PDL: gl.constexpr):  # fmt: skip
     """One (split, kv-head, sequence): the partial ``[32 rows, D]`` and lse (log2) of the
-    sequence's 32 query rows of this kv-head over the split's compressed tokens (see the
-    module docstring; arguments from :func:`verify_arguments`)."""
+    sequence's 32 query rows of this kv-head over the split's compressed tokens and its share
+    of the rings (see the module docstring; arguments from :func:`verify_arguments`)."""
     split = gl.program_id(0)
     head = gl.program_id(1)
     b = gl.program_id(2)
     if PDL:
-        # the ring kernel (or the merge) may launch now: it waits for this one before it
-        # writes (reads) partials, and runs beside this kernel's tail
+        # the merge may launch now: it waits for this kernel before it reads the partials
         _grid_dependency("launch_dependents")
     HALF: gl.constexpr = _D // 2
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
@@ -396,6 +518,22 @@ def verify_kernel(q_code, k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_
     per_split = gl.cdiv(gl.cdiv(compressed_len, NUM_SPLITS), _BLOCK_N) * _BLOCK_N
     start = split * per_split
     end = gl.minimum(start + per_split, compressed_len)
+    if WINDOW + SINKS > 0:
+        # this split's first ring tile, copied to shared memory while the compressed tokens
+        # stream (the ring run: the window's positions from compressed_len, then the sinks)
+        ring = b.to(gl.int64) * stride_w_b + head.to(gl.int64) * stride_w_h
+        ring_run = (seq_len - compressed_len + gl.minimum(seq_len, SINKS),
+                    seq_len - compressed_len, compressed_len, ring)  # fmt: skip
+        rings = (k_window, v_window, stride_w_b, stride_w_h, stride_w_slot)
+        RING_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                       element_bitwidth=16, rank=2)  # fmt: skip
+        k_ring_s = gl.allocate_shared_memory(k_window.dtype.element_ty, [_RING_BLOCK, _D],
+                                             RING_SMEM)  # fmt: skip
+        v_ring_s = gl.allocate_shared_memory(k_window.dtype.element_ty, [_RING_BLOCK, _D],
+                                             RING_SMEM)  # fmt: skip
+        first = (NUM_SPLITS - 1 - split) * _RING_BLOCK
+        if first < ring_run[0]:
+            _issue_ring(k_ring_s, v_ring_s, first, ring_run, rings, WINDOW, SINKS)
 
     q_row = (b * num_kv_heads + head) * _ROWS
     if PDL:
@@ -409,30 +547,35 @@ def verify_kernel(q_code, k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_
     planes = (k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_head, m_page, m_head, m_slot)
     bt = table + b.to(gl.int64) * stride_bt_b
     masking = (mask_ptr, stride_mask_b, stride_mask_h, stride_mask_t, mask_len)
-    m_ref, l_i, zero_acc, acc_lo, acc_hi, v_top = _split_pass(
+    state, v_top = _split_pass(
         1.0, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_mul_s, v_mul_s, v_zero_s,
         planes, bt, masking, K_ASM, V_ASM, K_META, V_META, Q_TOKENS, PAGE_SIZE, SINKS, MASK,
     )  # fmt: skip
-    unit = 1.0
     if ((v_top > _UNIT_MAX) | (v_top < _UNIT_MIN)) & (v_top > 0):
         # value scales whose products could overflow fp16 (or lose its precision): again in
         # units of the largest
-        unit = v_top
-        m_ref, l_i, zero_acc, acc_lo, acc_hi, v_top = _split_pass(
-            1.0 / unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_mul_s, v_mul_s,
+        state, _ = _split_pass(
+            1.0 / v_top, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_mul_s, v_mul_s,
             v_zero_s, planes, bt, masking, K_ASM, V_ASM, K_META, V_META, Q_TOKENS, PAGE_SIZE,
             SINKS, MASK,
         )  # fmt: skip
+        m_ref, l_i, zero_acc, acc_lo, acc_hi = state
+        state = (m_ref, l_i, zero_acc, acc_lo * v_top, acc_hi * v_top)
+    if WINDOW + SINKS > 0:
+        state = _ring_pass(state, b, head, seq_len, ring_run, first, (q_ptr, stride_qb, stride_qh),
+                           q_scale, rings, k_ring_s, v_ring_s, masking, WINDOW, SINKS, MASK,
+                           Q_TOKENS, NUM_SPLITS)  # fmt: skip
 
+    m_ref, l_i, zero_acc, acc_lo, acc_hi = state
     has_keys = l_i > 0
     safe_l = gl.where(has_keys, l_i, 1.0)
     lse = gl.where(has_keys, m_ref + gl.log2(safe_l), float("-inf"))
-    scale = unit / safe_l
-    zero_term = zero_acc / safe_l
+    inv_l = 1.0 / safe_l
+    zero_term = zero_acc * inv_l
     rows = gl.arange(0, _ROWS, layout=ROW)
     part_rows = (q_row + rows).to(gl.int64) * NUM_PARTIALS + split
     cols = gl.arange(0, HALF, layout=COL)
     out_at = part_out + part_rows[:, None] * _D + cols[None, :]
-    gl.store(out_at, acc_lo * scale[:, None] + zero_term[:, None])
-    gl.store(out_at + HALF, acc_hi * scale[:, None] + zero_term[:, None])
+    gl.store(out_at, acc_lo * inv_l[:, None] + zero_term[:, None])
+    gl.store(out_at + HALF, acc_hi * inv_l[:, None] + zero_term[:, None])
     gl.store(part_lse + part_rows, lse)

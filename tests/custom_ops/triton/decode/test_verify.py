@@ -32,8 +32,9 @@ def _plan(fmt_name="4bit_nc", tokens=TOKENS, group=GROUP, head_dim=HEAD_DIM, **k
 
 def test_plan_takes_the_verify_kernel_for_32_rows_of_4bit_nc():
     """32 query rows per kv-head of 4bit_nc at D = 128 (T = 8 at GQA 4, T = 4 at GQA 8) take the
-    verify kernel, with the ring kernel for the rings; other row counts, formats and head dims,
-    a configured split kernel and inductor's traced launches take the split kernel."""
+    verify kernel, which reads rings of the query's dtype itself; other row counts, formats,
+    head dims and ring dtypes, a configured split kernel and inductor's traced launches take
+    the split kernel."""
     plan = _plan()
     assert plan.verify and plan.split.launcher.kernel.__name__ == "verify_kernel"
     assert _plan(tokens=4, group=8).verify
@@ -43,19 +44,23 @@ def test_plan_takes_the_verify_kernel_for_32_rows_of_4bit_nc():
     assert not _plan(split_config=SplitConfig(block_n=32)).verify
     assert not _plan(traced=True).verify
     fmt = get_format("4bit_nc")
-    ringed = plan_decode(fmt, 2, 64, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, 64, 16, torch.float16,
+    ringed = plan_decode(fmt, 2, 64, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, 64, 16, torch.bfloat16,
                          torch.bfloat16, 1, 8, torch.device("cuda"), True, q_tokens=TOKENS,
                          sinks=4)  # fmt: skip
-    assert ringed.verify and not ringed.ring_in_split and ringed.ring is not None
+    assert ringed.verify and ringed.ring_in_split and ringed.ring is None
+    fp32_rings = plan_decode(fmt, 2, 64, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, 64, 16,
+                             torch.float16, torch.float32, 0, 8, torch.device("cuda"), True,
+                             q_tokens=TOKENS)  # fmt: skip
+    assert not fp32_rings.verify
 
 
-def _case(window, sinks, mask_kind, gen):
+def _case(window, sinks, mask_kind, gen, dtype=torch.float16):
     """Three sequences (``LENS``) in a poisoned cache with shuffled pages and table entries past
     each length that point nowhere; rings holding each sequence's first ``sinks`` positions
     (slot ``window + p``) and its last ``window`` after them (slot ``p % window``, as the
     window's store leaves them); verify queries ``[3, Hq,
     T, D]`` and a mask (None, boolean per token and shorter than the longest length, or
-    additive and shared)."""
+    additive and shared); queries and rings in ``dtype``."""
     fmt = get_format("4bit_nc")
     consts = api.make_constants(fmt, HEAD_DIM, seed=7)
     pages_per_seq = -(-max(LENS) // PAGE_SIZE)
@@ -64,8 +69,8 @@ def _case(window, sinks, mask_kind, gen):
     table = torch.full((len(LENS), pages_per_seq + 4), 2**30, dtype=torch.int32)
     pages = torch.randperm(num_pages, generator=gen)
     shape = (len(LENS), NUM_KV_HEADS, window + sinks, HEAD_DIM)
-    k_window = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    v_window = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    k_window = torch.randn(shape, generator=gen).to(dtype)
+    v_window = torch.randn(shape, generator=gen).to(dtype)
     window_pos = torch.full(shape[:3], -1, dtype=torch.int32)
     for b, length in enumerate(LENS):
         used = pages[b * pages_per_seq : b * pages_per_seq + -(-length // PAGE_SIZE)]
@@ -80,7 +85,7 @@ def _case(window, sinks, mask_kind, gen):
             window_pos[b, :, window + p] = p
     rings = (k_window, v_window, window_pos) if window + sinks else (None, None, None)
     num_q_heads = NUM_KV_HEADS * GROUP
-    q = torch.randn(len(LENS), num_q_heads, TOKENS, HEAD_DIM, generator=gen).half()
+    q = torch.randn(len(LENS), num_q_heads, TOKENS, HEAD_DIM, generator=gen).to(dtype)
     mask = None
     if mask_kind == "bool":
         mask = torch.rand(len(LENS), num_q_heads, TOKENS, 900, generator=gen) > 0.3
@@ -90,15 +95,19 @@ def _case(window, sinks, mask_kind, gen):
     return fmt, consts, cache, table, torch.tensor(LENS, dtype=torch.int32), q, mask, rings
 
 
-@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
-@pytest.mark.parametrize("window, sinks", [(0, 0), (16, 0), (128, 4), (16, 20)])
-def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, seeded):
+@pytest.mark.parametrize(
+    "window, sinks, mask_kind, dtype",
+    [(w, s, m, torch.float16) for w, s in [(0, 0), (16, 0), (128, 4), (16, 20)]
+     for m in (None, "bool", "additive")] + [(128, 4, "bool", torch.bfloat16)],
+)  # fmt: skip
+def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype, seeded):
     """A verify step of 8 tokens at GQA 4 (token t sees the positions below len - 7 + t, and
     the mask) through the verify kernel equals float64 attention over the dequantized pages and
-    the exact rings (within 1e-3), and the split kernel's decode of the same step (within
-    2e-3), at one, several and many tiles, with the window's ring, sinks (masked in the pages)
-    and either mask."""
-    fmt, consts, cache, table, lens, q, mask, rings = _case(window, sinks, mask_kind, seeded)
+    the exact rings (within 1e-3; 5e-3 for bf16 outputs), and the split kernel's decode of the
+    same step (within 2e-3; 5e-3), at one, several and many tiles, with the window's ring and
+    sinks (read by the verify kernel after its compressed tokens) and either mask."""
+    fmt, consts, cache, table, lens, q, mask, rings = _case(window, sinks, mask_kind, seeded,
+                                                            dtype)  # fmt: skip
     expected = reference.decode(fmt, q, cache, table, lens, consts.rotation, HEAD_DIM**-0.5,
                                 torch.float64, mask, *rings, sinks)  # fmt: skip
     cuda = [x.cuda() if isinstance(x, torch.Tensor) else x for x in (q, table, lens, mask)]
@@ -128,5 +137,6 @@ def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, seede
         ).cpu()  # fmt: skip
     actual = outputs["verify"]
     assert actual.shape == q.shape and actual.isfinite().all()
-    assert rel_error(actual, expected) < 1e-3, rel_error(actual, expected)
-    assert rel_error(actual, outputs["split"]) < 2e-3, rel_error(actual, outputs["split"])
+    bf16 = dtype == torch.bfloat16
+    assert rel_error(actual, expected) < (5e-3 if bf16 else 1e-3), rel_error(actual, expected)
+    assert rel_error(actual, outputs["split"]) < (5e-3 if bf16 else 2e-3)
