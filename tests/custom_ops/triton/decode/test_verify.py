@@ -96,16 +96,19 @@ def _case(window, sinks, mask_kind, gen, dtype=torch.float16):
 
 
 @pytest.mark.parametrize(
-    "window, sinks, mask_kind, dtype",
-    [(w, s, m, torch.float16) for w, s in [(0, 0), (16, 0), (128, 4), (16, 20)]
-     for m in (None, "bool", "additive")] + [(128, 4, "bool", torch.bfloat16)],
+    "window, sinks, mask_kind, dtype, num_splits",
+    [(w, s, m, torch.float16, None) for w, s in [(0, 0), (16, 0), (128, 4), (16, 20)]
+     for m in (None, "bool", "additive")]
+    + [(128, 4, "bool", torch.bfloat16, None), (128, 4, None, torch.float16, 2)],
 )  # fmt: skip
-def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype, seeded):
+def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype, num_splits,
+                                                 seeded):  # fmt: skip
     """A verify step of 8 tokens at GQA 4 (token t sees the positions below len - 7 + t, and
     the mask) through the verify kernel equals float64 attention over the dequantized pages and
     the exact rings (within 1e-3; 5e-3 for bf16 outputs), and the split kernel's decode of the
     same step (within 2e-3; 5e-3), at one, several and many tiles, with the window's ring and
-    sinks (read by the verify kernel after its compressed tokens) and either mask."""
+    sinks (a ring tile per split, round robin: several in a split at 2 splits) and either
+    mask."""
     fmt, consts, cache, table, lens, q, mask, rings = _case(window, sinks, mask_kind, seeded,
                                                             dtype)  # fmt: skip
     expected = reference.decode(fmt, q, cache, table, lens, consts.rotation, HEAD_DIM**-0.5,
@@ -115,8 +118,9 @@ def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype
     cache_cuda = type(cache)(*(plane.cuda() for plane in cache))
     rings_cuda = tuple(None if r is None else r.cuda() for r in rings)
     rotation = consts.rotation.cuda()
-    num_splits = api.default_num_splits(len(LENS), NUM_KV_HEADS, table.shape[1], PAGE_SIZE,
-                                        window, torch.device("cuda"))  # fmt: skip
+    num_splits = num_splits or api.default_num_splits(
+        len(LENS), NUM_KV_HEADS, table.shape[1], PAGE_SIZE, window, torch.device("cuda")
+    )
     outputs = {}
     for name, split_config in (("verify", None), ("split", SplitConfig(block_n=32))):
         plan = triton_decode.plan_for(
