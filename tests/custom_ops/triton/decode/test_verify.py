@@ -144,3 +144,25 @@ def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype
     bf16 = dtype == torch.bfloat16
     assert rel_error(actual, expected) < (5e-3 if bf16 else 1e-3), rel_error(actual, expected)
     assert rel_error(actual, outputs["split"]) < (5e-3 if bf16 else 2e-3)
+
+
+def test_op_calls_launch_the_compiled_verify_kernel(seeded):
+    """``tq.decode`` through the op (keyed launches: after the first, the launcher calls the
+    compiled kernel's own launch) gives the plain launch's output, call after call, with rings,
+    sinks and a mask."""
+    fmt, consts, cache, table, lens, q, mask, rings = _case(128, 4, "bool", seeded)
+    cuda = [x.cuda() for x in (q, table, lens, mask)]
+    q_cuda, table_cuda, lens_cuda, mask_cuda = cuda
+    cache_cuda = type(cache)(*(plane.cuda() for plane in cache))
+    rings_cuda = tuple(r.cuda() for r in rings)
+    consts_cuda = api.KVConstants(*(c.cuda() for c in consts))
+    plan = triton_decode.plan_for(fmt, q_cuda, cache_cuda, table_cuda, 8, mask_cuda,
+                                  rings_cuda[0], sinks=4)  # fmt: skip
+    assert plan.verify
+    plain = triton_decode.decode(fmt, q_cuda, cache_cuda, table_cuda, lens_cuda,
+                                 consts_cuda.rotation, 8, HEAD_DIM**-0.5, mask_cuda, *rings_cuda,
+                                 4)  # fmt: skip
+    for _ in range(3):
+        out = api.decode(fmt, q_cuda, cache_cuda, table_cuda, lens_cuda, consts_cuda, 8,
+                         HEAD_DIM**-0.5, mask_cuda, *rings_cuda, 4)  # fmt: skip
+        assert torch.equal(out, plain)
