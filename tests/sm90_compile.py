@@ -153,8 +153,9 @@ def report(label: str, compile_it) -> bool:
 
 def verify_kernels() -> dict:
     """``{label: zero-argument compile}`` of the Gluon verify kernel (4bit_nc, 32 rows: T = 8 at
-    GQA 4) without a mask and with either kind, with rings (a window and sinks) and without (its
-    plans are made on a GPU only, so its constexprs are given here as the plan gives them)."""
+    GQA 4) without a mask and with either kind, with rings (a window and sinks) and without, and
+    with pages of 32 tokens (its plans are made on a GPU only, so its constexprs are given here
+    as the plan gives them)."""
     fmt = get_format("4bit_nc")
     cache = fmt.allocate(PAGES, HEADS, PAGE, HEAD_DIM)
     rows, tokens, splits = HEADS * verify.ROWS, 8, 2
@@ -178,6 +179,14 @@ def verify_kernels() -> dict:
             jobs[f"verify (mask {mask_kind}, window {window}, sinks {sinks})"] = functools.partial(
                 compile_offline, verify.verify_kernel, (splits, HEADS, 2), *args, **kwargs
             )
+    # pages of 32 tokens: a tile's tokens in one page
+    cache_32 = fmt.allocate(PAGES, HEADS, 2 * PAGE, HEAD_DIM)
+    args = verify.verify_arguments(q, q_code, LOG2E, cache_32, table, lens, None, None, None,
+                                   (lens, 0, 0, 0, 0), part_out, part_lse)  # fmt: skip
+    kwargs = verify.verify_constexprs(fmt, 0, 1, tokens, 2 * PAGE, 0, 0, 0, splits, splits, True)
+    jobs["verify (pages of 32)"] = functools.partial(
+        compile_offline, verify.verify_kernel, (splits, HEADS, 2), *args, **kwargs
+    )
     return jobs
 
 

@@ -205,6 +205,11 @@ def compile_split_kernel(
     cap included)."""
     plan = plan_for(fmt, q, cache, block_table, num_splits, None, k_window, fast, split_config,
                     sinks=sinks)  # fmt: skip
+    if plan.verify:
+        raise ValueError(
+            "compile_split_kernel: this decode's plan takes the verify kernel, not the split "
+            "kernel (pass a split_config to compile the split kernel)"
+        )
     mask_args = _mask_arguments(None, seq_lens)
     rows = q.reshape(q.shape[0], -1, q.shape[-1])  # [B, Hq * T, D]
     q_code, part_out, part_lse = _buffers(plan, rows)

@@ -239,11 +239,12 @@ def plan_decode(
     block_n = split_config.block_n or TOKENS_PER_STEP // subtiles
     one_tile = capacity <= num_splits * subtiles * block_n
     query = _query_mode(fmt, keys, head_dim, capacity, num_splits, g_pad)
-    # the verify kernel where it serves (NOTES "The verify step in Gluon"); sweeps and tests
+    # the verify kernel where it serves (NOTES "The verify kernel in Gluon"); sweeps and tests
     # that configure the split kernel get the split kernel
     use_verify = (
         not traced
         and split_config == SplitConfig()
+        and query == QueryMode.PREPARED  # the verify kernel reads the prepared q_code
         and verify.serves(fmt, head_dim, page_size, group, q_dtype, ring_dtype, device, fast)
     )
     ring_in_split = window + sinks > 0 and not fmt.value.rotated
@@ -273,10 +274,9 @@ def plan_decode(
         # normally
         launch_options["launch_pdl"] = True
     if use_verify:
-        # one warp at 255 registers, the launch the splits were counted for above; after the
-        # query preparation (PREPARED), with programmatic dependent launch where the split
-        # kernel would have it
-        assert query == QueryMode.PREPARED and (num_warps, max_registers) == (1, 255)
+        # one warp at 255 registers: MANY_ROWS_LAUNCH[32], which the splits were counted for
+        # above; after the query preparation, with programmatic dependent launch where the
+        # split kernel would have it
         split = KernelLaunch(split_grid, Launcher(verify.verify_kernel, verify.verify_constexprs(
             fmt, keys.META, values.META, q_tokens, page_size, window, sinks, mask_kind,
             num_splits, num_partials, pdl,

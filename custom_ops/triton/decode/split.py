@@ -60,7 +60,14 @@ from custom_ops.triton.paged import (
 )
 from custom_ops.triton.traced import unread
 
-__all__ = ["split_kernel", "split_arguments", "launch_split", "compile_split"]
+__all__ = [
+    "split_kernel",
+    "split_arguments",
+    "launch_split",
+    "compile_split",
+    "UNIT_MAX",
+    "UNIT_MIN",
+]
 
 # Where the split kernel gets its queries (plan.QueryMode): scaled here (unrotated keys),
 # rotated by the preparation kernel, or rotated here (rotated keys at short contexts).
@@ -71,8 +78,8 @@ QUERY_ROTATED_HERE = tl.constexpr(2)
 
 # The largest value scale (or norm) whose products p * v_scale the split pass takes as they are
 # (p <= 2**RESCALE_SLACK: the products stay below 2**15, fp16's largest power of two).
-_UNIT_MAX = tl.constexpr(2.0 ** (15 - RESCALE_SLACK.value))
-_UNIT_MIN = tl.constexpr(2.0**-10)
+UNIT_MAX = tl.constexpr(2.0 ** (15 - RESCALE_SLACK.value))
+UNIT_MIN = tl.constexpr(2.0**-10)
 
 
 @triton.jit
@@ -290,7 +297,7 @@ def split_kernel(
         SINKS,
     )
     unit = tl.full([], 1.0, tl.float32)
-    if ((v_top > _UNIT_MAX) | (v_top < _UNIT_MIN)) & (v_top > 0):
+    if ((v_top > UNIT_MAX) | (v_top < UNIT_MIN)) & (v_top > 0):
         unit = v_top
         m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, v_top = _compressed_pass(
             1.0 / unit, tiles, MASK, Q_TOKENS, PAGE_SIZE, TOKEN_RUN, D, G_PAD, BLOCK_N, SUBTILES,

@@ -4,7 +4,7 @@ Gluon (Triton's dialect with explicit layouts and shared memory).
 A speculative-decoding verify step of T = 8 tokens at GQA 4 (any ``T x group = 32``) asks each
 (sequence, kv-head) program for 32 query rows. The split kernel (Triton) holds their ``[D, 32]``
 float32 accumulators and the query operand in one warp and spills; a second warp would decode
-every tile again (NOTES "The verify step in Gluon"). This kernel keeps one warp per program
+every tile again (NOTES "The verify kernel in Gluon"). This kernel keeps one warp per program
 (grid ``(num_splits, Hk, B)``, the split kernel's) and:
 
 * puts the rows on the tensor cores' M dimension (``S = Q K^T``, ``O += P V``, two m16 tiles of
@@ -19,7 +19,8 @@ every tile again (NOTES "The verify step in Gluon"). This kernel keeps one warp 
 * keeps the prepared query in shared memory, read per dim block each tile (its registers would
   not fit beside the accumulators);
 * rescales only when a row's scores pass the reference they are taken against by
-  ``RESCALE_SLACK`` (the split kernel's rule; here a branch of the one warp), and redoes the split
+  ``RESCALE_SLACK`` (the split kernel's slack; here only those rows move, in a branch of the one
+  warp), and redoes the split
   in units of its largest value scale where ``p * scale`` could overflow fp16 or lose precision
   (the split kernel's second pass, the same bounds).
 
@@ -41,6 +42,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from custom_ops.formats import Kind, KVFormat, PagedKVCache
 from custom_ops.triton.decode.ptx import decode_asm, words_asm
+from custom_ops.triton.decode.softmax import LOG2E, RESCALE_SLACK
+from custom_ops.triton.decode.split import UNIT_MAX, UNIT_MIN
 from custom_ops.triton.traced import unread
 
 __all__ = ["ROWS", "BLOCK_N", "serves", "verify_constexprs", "verify_arguments", "verify_kernel"]
@@ -48,15 +51,11 @@ __all__ = ["ROWS", "BLOCK_N", "serves", "verify_constexprs", "verify_arguments",
 ROWS = 32  # query rows per program: two m16 tiles in one warp
 BLOCK_N = 32  # tokens per tile
 _ROWS = gl.constexpr(ROWS)
-_RING_BLOCK = gl.constexpr(16)  # ring places per tile (plan.RING_BLOCK)
+# ring places per tile: one k16 step of the values' product
+_RING_BLOCK = gl.constexpr(16)
 _BLOCK_N = gl.constexpr(BLOCK_N)
 _D = gl.constexpr(128)
-_SLACK = gl.constexpr(4.0)  # softmax.RESCALE_SLACK
-# The value scales the pass takes as they are (softmax.split's _UNIT_MAX / _UNIT_MIN): products
-# p * scale <= 2**4 * 2**11 stay within fp16.
-_UNIT_MAX = gl.constexpr(2.0**11)
-_UNIT_MIN = gl.constexpr(2.0**-10)
-_LOG2E = gl.constexpr(1.4426950408889634)
+_LOG2E = gl.constexpr(LOG2E)
 
 
 def serves(fmt: KVFormat, head_dim: int, page_size: int, rows: int, q_dtype: torch.dtype,
@@ -118,7 +117,7 @@ def verify_arguments(rows: torch.Tensor, q_code: torch.Tensor, q_scale: float,
     return (
         q_code, rows, rows.stride(0), rows.stride(1), q_scale, k_codes, v_codes, meta,
         k_codes.stride(0), k_codes.stride(1), v_codes.stride(0), v_codes.stride(1),
-        meta.stride(0), meta.stride(1), meta.stride(2), block_table, block_table.stride(0),
+        meta.stride(0), meta.stride(1), meta.stride(2), block_table, *block_table.stride(),
         block_table.shape[1], seq_lens, *rings, *mask_args, part_out, part_lse,
         k_codes.shape[1],
     )  # fmt: skip
@@ -176,13 +175,15 @@ def _words(word_tile, ASM: gl.constexpr):
 
 @gluon.jit
 def _tile_pages(bt, tile, end, t, PAGE_SIZE: gl.constexpr):
-    """int64 pages of a tile's tokens ``tile + t``: one or two table entries, each read once
-    (tiles are aligned to BLOCK_N, pages hold 16 tokens or more); an entry wholly past ``end``
-    is not read (0: tokens there are masked, and may read a page's stale slots)."""
+    """int64 pages of a tile's tokens ``tile + t``: one or two table entries (tiles are aligned to
+    BLOCK_N, pages hold 16 tokens or more), loaded once for all of ``t``; an entry wholly past
+    ``end`` is not read (0: tokens there are masked, and may read a page's stale slots).
+    ``bt``: the sequence's table row and its entries' stride."""
+    row, stride_page = bt  # the sequence's table row and its entries' stride
     first = tile // PAGE_SIZE
-    page = gl.load(bt + first, mask=tile < end, other=0)
+    page = gl.load(row + first * stride_page, mask=tile < end, other=0)
     if PAGE_SIZE < 32:
-        second = gl.load(bt + first + 1, mask=tile + PAGE_SIZE < end, other=0)
+        second = gl.load(row + (first + 1) * stride_page, mask=tile + PAGE_SIZE < end, other=0)
         page = gl.where(t < PAGE_SIZE, page, second)
     return page.to(gl.int64)
 
@@ -265,7 +266,7 @@ def _softmax_step(x, state):
     accumulators rescaled, a branch of the one warp); a row that saw no key keeps it."""
     m_ref, l_i, zero_acc, acc_lo, acc_hi = state
     x_max = gl.max(x, axis=1)
-    moves = (x_max > _SLACK) | ((l_i == 0.0) & (x_max > float("-inf")))
+    moves = (x_max - RESCALE_SLACK > 0) | ((l_i == 0.0) & (x_max > float("-inf")))
     if gl.max(moves.to(gl.int32), axis=0) > 0:
         shift = gl.where(moves, x_max, 0.0)
         alpha = gl.exp2(-shift)
@@ -323,7 +324,7 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
     m_at = (
         m_base + _tile_pages(bt, start, end, t_m, PAGE_SIZE) * m_page + (t_m % PAGE_SIZE) * m_slot
     )
-    ok = start + t_m < end
+    ok = (start + t_m < end) & (start + t_m >= SINKS)  # the sinks' page slots: never read
     k_mul = gl.load(m_at + K_META, mask=ok, other=0.0).to(gl.float32)
     v_mul = gl.load(m_at + V_META, mask=ok, other=0.0).to(gl.float32)
     v_zero = gl.load(m_at + V_META + 1, mask=ok, other=0.0).to(gl.float32)
@@ -333,7 +334,7 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
         # the next tile's scalars (a token a lane), stored to shared memory next iteration
         m_at = m_base + _tile_pages(bt, nxt, end, t_m, PAGE_SIZE) * m_page
         m_at += (t_m % PAGE_SIZE) * m_slot
-        ok = nxt + t_m < end
+        ok = (nxt + t_m < end) & (nxt + t_m >= SINKS)
         next_k_mul = gl.load(m_at + K_META, mask=ok, other=0.0).to(gl.float32)
         next_v_mul = gl.load(m_at + V_META, mask=ok, other=0.0).to(gl.float32)
         next_v_zero = gl.load(m_at + V_META + 1, mask=ok, other=0.0).to(gl.float32)
@@ -407,7 +408,7 @@ def _issue_ring(k_ring_s, v_ring_s, r0, ring_run, rings, WINDOW: gl.constexpr,
     [RING_BLOCK, D]`` (one commit group; places past the run are zero-filled)."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])  # [places, dims]
     run_len, window_len, compressed_len, ring = ring_run
-    k_window, v_window, stride_w_b, stride_w_h, stride_w_slot = rings
+    k_window, v_window, stride_w_slot = rings
     in_ring, _, slots = _ring_places(r0, run_len, window_len, compressed_len, WINDOW, SINKS,
                                      gl.SliceLayout(1, LOAD))  # fmt: skip
     dims = gl.arange(0, _D, layout=gl.SliceLayout(0, LOAD))
@@ -477,7 +478,7 @@ def _ring_pass(state, b, head, seq_len, ring_run, first, q_orig, q_scale, rings,
 @gluon.jit
 def verify_kernel(q_code, q_ptr, stride_qb, stride_qh, q_scale, k_codes, v_codes, meta, kc_page,
                   kc_head, vc_page, vc_head, m_page, m_head, m_slot, table, stride_bt_b,
-                  max_pages, seq_lens, k_window, v_window, stride_w_b, stride_w_h,
+                  stride_bt_p, max_pages, seq_lens, k_window, v_window, stride_w_b, stride_w_h,
                   stride_w_slot, pos_ptr, stride_pos_b, stride_pos_h, mask_ptr, stride_mask_b,
                   stride_mask_h, stride_mask_t, mask_len, part_out, part_lse, num_kv_heads,
                   K_ASM: gl.constexpr, V_ASM: gl.constexpr, K_META: gl.constexpr,
@@ -524,7 +525,7 @@ def verify_kernel(q_code, q_ptr, stride_qb, stride_qh, q_scale, k_codes, v_codes
         ring = b.to(gl.int64) * stride_w_b + head.to(gl.int64) * stride_w_h
         ring_run = (seq_len - compressed_len + gl.minimum(seq_len, SINKS),
                     seq_len - compressed_len, compressed_len, ring)  # fmt: skip
-        rings = (k_window, v_window, stride_w_b, stride_w_h, stride_w_slot)
+        rings = (k_window, v_window, stride_w_slot)
         RING_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                        element_bitwidth=16, rank=2)  # fmt: skip
         k_ring_s = gl.allocate_shared_memory(k_window.dtype.element_ty, [_RING_BLOCK, _D],
@@ -545,13 +546,13 @@ def verify_kernel(q_code, q_ptr, stride_qb, stride_qh, q_scale, k_codes, v_codes
         q_smem.index(block).store(gl.load(q_at + _query_dims(k_l, block)[None, :]))
 
     planes = (k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_head, m_page, m_head, m_slot)
-    bt = table + b.to(gl.int64) * stride_bt_b
+    bt = (table + b.to(gl.int64) * stride_bt_b, stride_bt_p)
     masking = (mask_ptr, stride_mask_b, stride_mask_h, stride_mask_t, mask_len)
     state, v_top = _split_pass(
         1.0, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_mul_s, v_mul_s, v_zero_s,
         planes, bt, masking, K_ASM, V_ASM, K_META, V_META, Q_TOKENS, PAGE_SIZE, SINKS, MASK,
     )  # fmt: skip
-    if ((v_top > _UNIT_MAX) | (v_top < _UNIT_MIN)) & (v_top > 0):
+    if ((v_top > UNIT_MAX) | (v_top < UNIT_MIN)) & (v_top > 0):
         # value scales whose products could overflow fp16 (or lose its precision): again in
         # units of the largest
         state, _ = _split_pass(
