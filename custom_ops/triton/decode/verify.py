@@ -20,17 +20,17 @@ every tile again (NOTES "The verify kernel in Gluon"). This kernel keeps one war
   not fit beside the accumulators);
 * rescales only when a row's scores pass the reference they are taken against by
   ``RESCALE_SLACK`` (the split kernel's slack; here only those rows move, in a branch of the one
-  warp), and redoes the split
-  in units of its largest value scale where ``p * scale`` could overflow fp16 or lose precision
-  (the split kernel's second pass, the same bounds).
+  warp), and redoes the split in units of its largest value scale where ``p * scale`` could
+  overflow fp16 or lose precision (the split kernel's second pass, the same bounds).
 
 What it serves (:func:`serves`, the plan's choice): 4-bit Lloyd-Max keys and 4-bit uniform
 values (``4bit_nc``), D = 128, pages of 16 tokens or more (powers of two), exactly 32 query rows
-per kv-head, masks of either kind, and the recent window's rings (the window and the sinks,
-read in full precision after the compressed tokens, a share per split, as the split kernel
-does; rings of the query's dtype). Its partials are the split kernel's, merged by the
-merge. Gluon kernels do not run under Triton's interpreter and inductor does not launch them, so
-the plan takes this kernel for eager launches on Hopper GPUs only; its tests run on a GPU.
+per kv-head (T = 8 at GQA 4, T = 4 at GQA 8, ...), masks of either kind, and the recent
+window's rings (the window and the sinks, read in full precision after the compressed tokens, a
+tile per split round robin, as the split kernel does; rings of the query's dtype; the sinks'
+page slots are never read). Its partials are the split kernel's, merged by the merge. Gluon
+kernels do not run under Triton's interpreter and inductor does not launch them, so the plan
+takes this kernel for eager launches on Hopper GPUs only; its tests run on a GPU.
 """
 
 from __future__ import annotations
