@@ -108,7 +108,8 @@ class DecodePlan:
         verify: the split launch is the verify kernel (:mod:`~custom_ops.triton.decode.verify`,
             Gluon: 32 query rows per kv-head of ``4bit_nc`` on a Hopper GPU, launched eagerly;
             it reads the rings too), not the split kernel.
-        ring_in_split: the split kernel reads the recent window's ring itself.
+        ring_in_split: the split launch (the split or the verify kernel) reads the recent
+            window's ring itself.
         keys, values: the sides' :class:`~custom_ops.triton.decode.codes.PartParams`.
         q_code_columns: columns of the prepared query (0 without preparation).
         pdl: later kernels use programmatic dependent launch (Hopper and newer).
