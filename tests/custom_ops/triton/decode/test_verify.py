@@ -61,8 +61,8 @@ def _case(window, sinks, mask_kind, gen, dtype=torch.float16, page_size=PAGE_SIZ
     ``sinks`` positions (slot ``window + p``) and its last ``window`` after them (slot ``p %
     window``, as the window's store leaves them); verify queries ``[3, Hk * group, tokens, D]``
     and a mask (None, boolean per token and shorter than the longest length, or additive and
-    shared); queries and rings in ``dtype``; the page slots (``page * page_size + offset``) of
-    the sinks' positions, which the kernels never use."""
+    shared); queries and rings in ``dtype``. The page slots of the sinks' positions, which the
+    store never writes and no reader uses, hold NaN scalars."""
     fmt = get_format("4bit_nc")
     consts = api.make_constants(fmt, HEAD_DIM, seed=7)
     pages_per_seq = -(-max(LENS) // page_size)
@@ -96,8 +96,10 @@ def _case(window, sinks, mask_kind, gen, dtype=torch.float16, page_size=PAGE_SIZ
         mask[..., 0] = True  # every query keeps a key
     elif mask_kind == "additive":
         mask = torch.randn(1, 1, 1100, generator=gen)
+    sink_slots = torch.cat(sink_slots)
+    cache.meta[sink_slots // page_size, :, sink_slots % page_size] = float("nan")
     lens = torch.tensor(LENS, dtype=torch.int32)
-    return fmt, consts, cache, table, lens, q, mask, rings, torch.cat(sink_slots)
+    return fmt, consts, cache, table, lens, q, mask, rings
 
 
 @pytest.mark.parametrize(
@@ -121,7 +123,7 @@ def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype
     sinks (a ring tile per split, round robin: several in a split at 2 splits; NaN scalars in
     their page slots), either mask, 32-token pages and a block table with strided entries;
     each sequence within the bound."""
-    fmt, consts, cache, table, lens, q, mask, rings, sink_slots = _case(
+    fmt, consts, cache, table, lens, q, mask, rings = _case(
         window, sinks, mask_kind, seeded, dtype, page_size, tokens, group
     )
     if transposed:  # the same entries, column-major
@@ -131,8 +133,6 @@ def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype
     cuda = [x.cuda() if isinstance(x, torch.Tensor) else x for x in (q, table, lens, mask)]
     q_cuda, table_cuda, lens_cuda, mask_cuda = cuda
     cache_cuda = type(cache)(*(plane.cuda() for plane in cache))
-    # NaN scalars in the sinks' page slots: never used (the CPU reference would use them)
-    cache_cuda.meta[sink_slots // page_size, :, sink_slots % page_size] = float("nan")
     rings_cuda = tuple(None if r is None else r.cuda() for r in rings)
     rotation = consts.rotation.cuda()
     num_splits = num_splits or api.default_num_splits(
@@ -168,7 +168,7 @@ def test_op_calls_launch_the_compiled_verify_kernel(seeded):
     """``tq.decode`` through the op (keyed launches: after the first, the launcher calls the
     compiled kernel's own launch) gives the plain launch's output, call after call, with rings,
     sinks and a mask."""
-    fmt, consts, cache, table, lens, q, mask, rings, _ = _case(128, 4, "bool", seeded)
+    fmt, consts, cache, table, lens, q, mask, rings = _case(128, 4, "bool", seeded)
     cuda = [x.cuda() for x in (q, table, lens, mask)]
     q_cuda, table_cuda, lens_cuda, mask_cuda = cuda
     cache_cuda = type(cache)(*(plane.cuda() for plane in cache))
