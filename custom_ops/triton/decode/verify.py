@@ -42,8 +42,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from custom_ops.formats import Kind, KVFormat, PagedKVCache
 from custom_ops.triton.decode.ptx import decode_asm, words_asm
-from custom_ops.triton.decode.softmax import LOG2E, RESCALE_SLACK
+from custom_ops.triton.decode.softmax import LOG2E, RESCALE_SLACK, causal_ends
 from custom_ops.triton.decode.split import UNIT_MAX, UNIT_MIN
+from custom_ops.triton.paged import ring_run_length, ring_run_positions, ring_slots
 from custom_ops.triton.traced import unread
 
 __all__ = ["ROWS", "BLOCK_N", "serves", "verify_constexprs", "verify_arguments", "verify_kernel"]
@@ -215,8 +216,9 @@ def _issue_codes(k_raw, v_raw, tile, end, bt, k_base, v_base, kc_page, vc_page,
 
 @gluon.jit
 def _ring_start(pos_ptr, seq_len, WINDOW: gl.constexpr):
-    """Where the ring run starts (``paged.ring_start``): the least position below ``seq_len``
-    of the ``WINDOW`` slots' positions, ``seq_len`` if none."""
+    """Where the ring run starts (``paged.ring_start``, whose ``tl.arange`` has no layout for
+    Gluon): the least position below ``seq_len`` of the ``WINDOW`` slots' positions,
+    ``seq_len`` if none."""
     first = seq_len
     if WINDOW > 0:
         SLOTS: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
@@ -311,7 +313,7 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
 
     rows = gl.arange(0, _ROWS, layout=ROW)
     q_rows = head * _ROWS + rows  # the rows' index among the sequence's Hq * T
-    row_end = seq_len - (Q_TOKENS - 1 - q_rows % Q_TOKENS)
+    row_end = causal_ends(seq_len, q_rows, Q_TOKENS)
     zeros = gl.zeros([_ROWS], gl.float32, ROW)
     acc = gl.zeros([_ROWS, HALF], gl.float32, MMA)
     state = (zeros, zeros, zeros, acc, acc)  # m, l, zero_acc, acc dims 0..63, dims 64..127
@@ -387,18 +389,14 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
 
 
 @gluon.jit
-def _ring_places(r0, run_len, window_len, compressed_len, WINDOW: gl.constexpr,
-                 SINKS: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
+def _ring_places(r0, run_len, seq_len, compressed_len, WINDOW: gl.constexpr, SINKS: gl.constexpr,
+                 LAYOUT: gl.constexpr):  # fmt: skip
     """``(in_ring, positions, slots)`` of the ring run's places ``r0 .. r0 + RING_BLOCK - 1``:
     the window's positions from ``compressed_len`` (slot ``p % W``), then the sinks (slot
-    ``W + p``) (``paged.ring_run_positions``, ``paged.ring_slots``)."""
+    ``W + p``)."""
     run = r0 + gl.arange(0, _RING_BLOCK, layout=LAYOUT)
-    positions = compressed_len + run
-    slots = positions % gl.maximum(WINDOW, 1)
-    if SINKS > 0:
-        positions = gl.where(run < window_len, positions, run - window_len)
-        slots = gl.where(positions < SINKS, WINDOW + positions, positions % gl.maximum(WINDOW, 1))
-    return run < run_len, positions, slots
+    positions = ring_run_positions(run, compressed_len, seq_len, SINKS)
+    return run < run_len, positions, ring_slots(positions, WINDOW, SINKS)
 
 
 @gluon.jit
@@ -407,9 +405,9 @@ def _issue_ring(k_ring_s, v_ring_s, r0, ring_run, rings, WINDOW: gl.constexpr,
     """Start copying the keys and values of ring places ``r0 ..`` to ``k_ring_s``, ``v_ring_s
     [RING_BLOCK, D]`` (one commit group; places past the run are zero-filled)."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])  # [places, dims]
-    run_len, window_len, compressed_len, ring = ring_run
+    run_len, seq_len, compressed_len, ring = ring_run
     k_window, v_window, stride_w_slot = rings
-    in_ring, _, slots = _ring_places(r0, run_len, window_len, compressed_len, WINDOW, SINKS,
+    in_ring, _, slots = _ring_places(r0, run_len, seq_len, compressed_len, WINDOW, SINKS,
                                      gl.SliceLayout(1, LOAD))  # fmt: skip
     dims = gl.arange(0, _D, layout=gl.SliceLayout(0, LOAD))
     rows = ring + slots[:, None] * stride_w_slot + dims[None, :]
@@ -437,11 +435,11 @@ def _ring_pass(state, b, head, seq_len, ring_run, first, q_orig, q_scale, rings,
     COL: gl.constexpr = gl.SliceLayout(0, MMA)
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])  # [rows, dims]
     HALF: gl.constexpr = _D // 2
-    run_len, window_len, compressed_len = ring_run[0], ring_run[1], ring_run[2]
+    run_len, compressed_len = ring_run[0], ring_run[2]
     q_ptr, stride_qb, stride_qh = q_orig
     rows = gl.arange(0, _ROWS, layout=ROW)
     q_rows = head * _ROWS + rows
-    row_end = seq_len - (Q_TOKENS - 1 - q_rows % Q_TOKENS)
+    row_end = causal_ends(seq_len, q_rows, Q_TOKENS)
     # the rows' original queries [32, D / 2] twice (A operands), read per tile
     q_l = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, LOAD))
     q_at = q_ptr + b.to(gl.int64) * stride_qb + (head * _ROWS + q_l)[:, None] * stride_qh
@@ -456,7 +454,7 @@ def _ring_pass(state, b, head, seq_len, ring_run, first, q_orig, q_scale, rings,
             q_op = gl.convert_layout(gl.load(q_at + half * HALF), A_OP)
             k_op = k_ring_s.slice(half * HALF, HALF, dim=1).permute([1, 0]).load(B_OP)
             s = mma_v2(q_op, k_op, s)
-        in_ring, positions, _ = _ring_places(r0, run_len, window_len, compressed_len, WINDOW,
+        in_ring, positions, _ = _ring_places(r0, run_len, seq_len, compressed_len, WINDOW,
                                              SINKS, COL)  # fmt: skip
         seen = in_ring[None, :] & (positions[None, :] < row_end[:, None])
         x = _masked_scores(s * q_scale - state[0][:, None], seen, positions, q_rows, b, masking,
@@ -523,8 +521,9 @@ def verify_kernel(q_code, q_ptr, stride_qb, stride_qh, q_scale, k_codes, v_codes
         # this split's first ring tile, copied to shared memory while the compressed tokens
         # stream (the ring run: the window's positions from compressed_len, then the sinks)
         ring = b.to(gl.int64) * stride_w_b + head.to(gl.int64) * stride_w_h
-        ring_run = (seq_len - compressed_len + gl.minimum(seq_len, SINKS),
-                    seq_len - compressed_len, compressed_len, ring)  # fmt: skip
+        # (places, the length, where the window's positions start, the sequence-head's rings)
+        ring_run = (ring_run_length(compressed_len, seq_len, SINKS), seq_len, compressed_len,
+                    ring)  # fmt: skip
         rings = (k_window, v_window, stride_w_slot)
         RING_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                        element_bitwidth=16, rank=2)  # fmt: skip
