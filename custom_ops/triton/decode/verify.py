@@ -27,8 +27,9 @@ What it serves (:func:`serves`, the plan's choice): 4-bit Lloyd-Max keys and 4-b
 values (``4bit_nc``), D = 128, pages of 16 tokens or more (powers of two), exactly 32 query rows
 per kv-head (T = 8 at GQA 4, T = 4 at GQA 8, ...), masks of either kind, and the recent
 window's rings (the window and the sinks, read in full precision after the compressed tokens, a
-tile per split round robin, as the split kernel does; rings of the query's dtype; the sinks'
-page slots are never read). Its partials are the split kernel's, merged by the merge. Gluon
+tile per split round robin, as the split kernel does, into the shared memory the codes and the
+prepared query had; rings of the query's dtype; the sinks' page slots are never read). Its
+partials are the split kernel's, merged by the merge. Gluon
 kernels do not run under Triton's interpreter and inductor does not launch them, so the plan
 takes this kernel for eager launches on Hopper GPUs only; its tests run on a GPU.
 """
@@ -190,11 +191,13 @@ def _tile_pages(bt, tile, end, t, PAGE_SIZE: gl.constexpr):
 
 
 @gluon.jit
-def _issue_codes(k_raw, v_raw, tile, end, bt, k_base, v_base, kc_page, vc_page,
-                 PAGE_SIZE: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr):  # fmt: skip
+def _issue_codes(k_raw, v_raw, tile, end, bt, head_planes, PAGE_SIZE: gl.constexpr):
     """Start copying a tile's code bytes to shared memory (one commit group): key rows ``k_raw
     [32, 64]`` in ``_tile_token`` order, value rows ``v_raw [64, 32]`` (a byte of 32 tokens) in
     token order."""
+    KL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])  # [tokens, bytes]
+    VL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])  # [bytes, tokens]
+    k_base, v_base, _, kc_page, vc_page, _, _ = head_planes
     t_k = _tile_token(gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, KL)))
     bytes_k = gl.arange(0, _D // 2, layout=gl.SliceLayout(0, KL))
     k_at = k_base + _tile_pages(bt, tile, end, t_k, PAGE_SIZE) * kc_page
@@ -212,6 +215,77 @@ def _issue_codes(k_raw, v_raw, tile, end, bt, k_base, v_base, kc_page, vc_page,
         ),  # fmt: skip
     )
     async_copy.commit_group()
+
+
+@gluon.jit
+def _head_planes(planes, head):
+    """The kv-head's code planes and meta and their strides: ``(k_base, v_base, m_base,
+    kc_page, vc_page, m_page, m_slot)``."""
+    k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_head, m_page, m_head, m_slot = planes
+    head_at = head.to(gl.int64)
+    return (k_codes + head_at * kc_head, v_codes + head_at * vc_head, meta + head_at * m_head,
+            kc_page, vc_page, m_page, m_slot)  # fmt: skip
+
+
+@gluon.jit
+def _tile_scalars(tile, end, bt, head_planes, K_META: gl.constexpr, V_META: gl.constexpr,
+                  PAGE_SIZE: gl.constexpr, SINKS: gl.constexpr):  # fmt: skip
+    """A tile's key scales, value scales and value zeros (``[BLOCK_N]`` float32, a token a lane
+    in ``_tile_token`` order): 0 past ``end`` and at the sinks' page slots, which are never
+    read."""
+    ML: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    _, _, m_base, _, _, m_page, m_slot = head_planes
+    t_m = _tile_token(gl.arange(0, _BLOCK_N, layout=ML))
+    m_at = m_base + _tile_pages(bt, tile, end, t_m, PAGE_SIZE) * m_page
+    m_at += (t_m % PAGE_SIZE) * m_slot
+    ok = (tile + t_m < end) & (tile + t_m >= SINKS)
+    k_mul = gl.load(m_at + K_META, mask=ok, other=0.0).to(gl.float32)
+    v_mul = gl.load(m_at + V_META, mask=ok, other=0.0).to(gl.float32)
+    v_zero = gl.load(m_at + V_META + 1, mask=ok, other=0.0).to(gl.float32)
+    return k_mul, v_mul, v_zero
+
+
+@gluon.jit
+def _first_tile(k_raw, v_raw, start, end, bt, head_planes, K_META: gl.constexpr,
+                V_META: gl.constexpr, PAGE_SIZE: gl.constexpr, SINKS: gl.constexpr):  # fmt: skip
+    """Start a split pass: its first tile's codes on their way to buffer 0, and its scalars
+    (:func:`_tile_scalars`)."""
+    _issue_codes(k_raw.index(0), v_raw.index(0), start, end, bt, head_planes, PAGE_SIZE)
+    return _tile_scalars(start, end, bt, head_planes, K_META, V_META, PAGE_SIZE, SINKS)
+
+
+@gluon.jit
+def _ring_view(buffer, rows: gl.constexpr, dtype: gl.constexpr):
+    """``[rows, D]`` of the rings' dtype (an A or B operand's rows) in the place of ``buffer``,
+    a buffer of the split passes: the ring pass comes after them."""
+    RING_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                   rank=2)  # fmt: skip
+    return buffer._reinterpret(dtype, [rows, _D], RING_SMEM)
+
+
+@gluon.jit
+def _issue_query(q_smem, q_orig, b, head):
+    """Start copying the rows' original queries (``q_orig``: the rows' pointer and strides) to
+    the place of the prepared ones (``q_smem``; one commit group)."""
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])  # [rows, dims]
+    q_ptr, stride_qb, stride_qh = q_orig
+    rows = head * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, LOAD))
+    at = q_ptr + b.to(gl.int64) * stride_qb + rows[:, None] * stride_qh
+    at += gl.arange(0, _D, layout=gl.SliceLayout(0, LOAD))[None, :]
+    async_copy.async_copy_global_to_shared(_ring_view(q_smem, _ROWS, q_ptr.dtype.element_ty), at)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _store_query(q_smem, q_code, q_row):
+    """The prepared query rows ``q_row ..`` (``q_code``, fp16) into ``q_smem [4, 32, 32]``, the
+    dims of block ``i`` in ``_query_dims`` order."""
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])
+    rows = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, QL))
+    k = gl.arange(0, 32, layout=gl.SliceLayout(0, QL))
+    q_at = q_code + (q_row + rows)[:, None].to(gl.int64) * _D
+    for block in gl.static_range(4):
+        q_smem.index(block).store(gl.load(q_at + _query_dims(k, block)[None, :]))
 
 
 @gluon.jit
@@ -283,14 +357,16 @@ def _softmax_step(x, state):
 
 
 @gluon.jit
-def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_mul_s,
-                v_mul_s, v_zero_s, planes, bt, masking, K_ASM: gl.constexpr, V_ASM: gl.constexpr,
-                K_META: gl.constexpr, V_META: gl.constexpr, Q_TOKENS: gl.constexpr,
-                PAGE_SIZE: gl.constexpr, SINKS: gl.constexpr,
+def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_mul_s, v_mul_s,
+                v_zero_s, head_planes, bt, masking, scalars, K_ASM: gl.constexpr,
+                V_ASM: gl.constexpr, K_META: gl.constexpr, V_META: gl.constexpr,
+                Q_TOKENS: gl.constexpr, PAGE_SIZE: gl.constexpr, SINKS: gl.constexpr,
                 MASK: gl.constexpr):  # fmt: skip
     """The online softmax over the split's compressed tokens ``[start, end)``: ``(state,
     v_top)``, ``state = (m, l, zero_acc, acc_lo, acc_hi)`` (:func:`_softmax_step`) with the
-    value products in units of ``1 / inv_unit``, ``v_top`` the largest value scale seen."""
+    value products in units of ``1 / inv_unit``, ``v_top`` the largest value scale seen. The
+    first tile's codes are on their way and ``scalars`` are its scalars (:func:`_first_tile`).
+    """
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                   instr_shape=[16, 8])  # fmt: skip
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -300,16 +376,9 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
     W_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=1)
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
     COL: gl.constexpr = gl.SliceLayout(0, MMA)
-    KL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])  # [tokens, bytes]
-    VL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])  # [bytes, tokens]
     ML: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # [_BLOCK_N]: a token a lane
     RAW_W: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     HALF: gl.constexpr = _D // 2
-
-    k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_head, m_page, m_head, m_slot = planes
-    k_base = k_codes + head.to(gl.int64) * kc_head
-    v_base = v_codes + head.to(gl.int64) * vc_head
-    m_base = meta + head.to(gl.int64) * m_head
 
     rows = gl.arange(0, _ROWS, layout=ROW)
     q_rows = head * _ROWS + rows  # the rows' index among the sequence's Hq * T
@@ -317,37 +386,23 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
     zeros = gl.zeros([_ROWS], gl.float32, ROW)
     acc = gl.zeros([_ROWS, HALF], gl.float32, MMA)
     state = (zeros, zeros, zeros, acc, acc)  # m, l, zero_acc, acc dims 0..63, dims 64..127
-    t_m = _tile_token(gl.arange(0, _BLOCK_N, layout=ML))
     t_c = _tile_token(gl.arange(0, _BLOCK_N, layout=COL))
     v_top = gl.zeros([_BLOCK_N], gl.float32, ML)
-
-    _issue_codes(k_raw.index(0), v_raw.index(0), start, end, bt, k_base, v_base, kc_page, vc_page,
-                 PAGE_SIZE, KL, VL)  # fmt: skip
-    m_at = (
-        m_base + _tile_pages(bt, start, end, t_m, PAGE_SIZE) * m_page + (t_m % PAGE_SIZE) * m_slot
-    )
-    ok = (start + t_m < end) & (start + t_m >= SINKS)  # the sinks' page slots: never read
-    k_mul = gl.load(m_at + K_META, mask=ok, other=0.0).to(gl.float32)
-    v_mul = gl.load(m_at + V_META, mask=ok, other=0.0).to(gl.float32)
-    v_zero = gl.load(m_at + V_META + 1, mask=ok, other=0.0).to(gl.float32)
+    k_mul, v_mul, v_zero = scalars
     buf = 0
     for tile in range(start, end, _BLOCK_N):
         nxt = tile + _BLOCK_N
-        # the next tile's scalars (a token a lane), stored to shared memory next iteration
-        m_at = m_base + _tile_pages(bt, nxt, end, t_m, PAGE_SIZE) * m_page
-        m_at += (t_m % PAGE_SIZE) * m_slot
-        ok = (nxt + t_m < end) & (nxt + t_m >= SINKS)
-        next_k_mul = gl.load(m_at + K_META, mask=ok, other=0.0).to(gl.float32)
-        next_v_mul = gl.load(m_at + V_META, mask=ok, other=0.0).to(gl.float32)
-        next_v_zero = gl.load(m_at + V_META + 1, mask=ok, other=0.0).to(gl.float32)
+        # the next tile's scalars, stored to shared memory next iteration
+        next_k_mul, next_v_mul, next_v_zero = _tile_scalars(nxt, end, bt, head_planes, K_META,
+                                                            V_META, PAGE_SIZE, SINKS)  # fmt: skip
         v_top = gl.maximum(v_top, v_mul)
         k_mul_s.store(k_mul)
         v_mul_s.store(v_mul * inv_unit)
         v_zero_s.store(v_zero)
         async_copy.wait_group(0)
         gl.thread_barrier()  # this tile's codes and scalars are in shared memory
-        _issue_codes(k_raw.index(1 - buf), v_raw.index(1 - buf), nxt, end, bt, k_base, v_base,
-                     kc_page, vc_page, PAGE_SIZE, KL, VL)  # fmt: skip
+        _issue_codes(k_raw.index(1 - buf), v_raw.index(1 - buf), nxt, end, bt, head_planes,
+                     PAGE_SIZE)  # fmt: skip
 
         # S = Q K^T [32 rows, 32 tokens]: key words [16, 32] (word w of row n: dims 4w..4w+3
         # and 64 + 4w.. of token _tile_token(n)), four k32 products over the query's blocks
@@ -418,40 +473,49 @@ def _issue_ring(k_ring_s, v_ring_s, r0, ring_run, rings, WINDOW: gl.constexpr,
 
 
 @gluon.jit
-def _ring_pass(state, b, head, seq_len, ring_run, first, q_orig, q_scale, rings, k_ring_s,
-               v_ring_s, masking, WINDOW: gl.constexpr, SINKS: gl.constexpr, MASK: gl.constexpr,
-               Q_TOKENS: gl.constexpr, NUM_SPLITS: gl.constexpr):  # fmt: skip
-    """The ring run's ``RING_BLOCK``-place tiles from ``first``, every ``NUM_SPLITS``-th (the
-    split kernel's ``RING`` share), into ``state``: exact values in the original space (as the
-    compressed ones, not rotated), ``S = Q K^T`` against the original query in the rings'
-    dtype and ``O += P V`` with ``P`` as two terms of it (``tiles.split_probabilities``). The
-    first tile's keys and values are already on their way to ``k_ring_s``, ``v_ring_s``
-    (:func:`_issue_ring`), the others are copied here."""
+def _ring_pass(state, split, b, head, seq_len, compressed_len, q_smem, q_orig, q_scale, rings,
+               k_raw, v_raw, masking, WINDOW: gl.constexpr, SINKS: gl.constexpr,
+               MASK: gl.constexpr, Q_TOKENS: gl.constexpr,
+               NUM_SPLITS: gl.constexpr):  # fmt: skip
+    """This split's share of the ring run (the window's positions from ``compressed_len``, then
+    the sinks) into ``state``: its ``RING_BLOCK``-place tiles from the ``NUM_SPLITS - 1 -
+    split``-th, every ``NUM_SPLITS``-th (the split kernel's ``RING`` share, which gives the
+    split with the fewest compressed tokens the first). Exact values in the original space (as
+    the compressed ones, not rotated): ``S = Q K^T`` against the original query in the rings'
+    dtype, ``O += P V`` with ``P`` as two terms of it (``tiles.split_probabilities``). The
+    query and each tile's keys and values are copied where the split passes kept the prepared
+    query and the codes (``q_smem``, ``k_raw``, ``v_raw``): the ring adds no shared memory,
+    and nothing of it is live through the compressed tokens."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                   instr_shape=[16, 8])  # fmt: skip
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
     COL: gl.constexpr = gl.SliceLayout(0, MMA)
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])  # [rows, dims]
     HALF: gl.constexpr = _D // 2
-    run_len, compressed_len = ring_run[0], ring_run[2]
-    q_ptr, stride_qb, stride_qh = q_orig
+    k_window, v_window, stride_w_b, stride_w_h, stride_w_slot = rings
+    dtype: gl.constexpr = k_window.dtype.element_ty
+    run_len = ring_run_length(compressed_len, seq_len, SINKS)
+    ring = b.to(gl.int64) * stride_w_b + head.to(gl.int64) * stride_w_h
+    # (places, the length, where the window's positions start, the sequence-head's rings)
+    ring_run = (run_len, seq_len, compressed_len, ring)
+    ring_places = (k_window, v_window, stride_w_slot)
+    k_ring_s = _ring_view(k_raw, _RING_BLOCK, dtype)
+    v_ring_s = _ring_view(v_raw, _RING_BLOCK, dtype)
+    q_ring = _ring_view(q_smem, _ROWS, dtype)
     rows = gl.arange(0, _ROWS, layout=ROW)
     q_rows = head * _ROWS + rows
     row_end = causal_ends(seq_len, q_rows, Q_TOKENS)
-    # the rows' original queries [32, D / 2] twice (A operands), read per tile
-    q_l = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, LOAD))
-    q_at = q_ptr + b.to(gl.int64) * stride_qb + (head * _ROWS + q_l)[:, None] * stride_qh
-    q_at += gl.arange(0, HALF, layout=gl.SliceLayout(0, LOAD))[None, :]
+    first = (NUM_SPLITS - 1 - split) * _RING_BLOCK
+    if first < run_len:
+        _issue_query(q_smem, q_orig, b, head)  # waited for with the first tile
     for r0 in range(first, run_len, NUM_SPLITS * _RING_BLOCK):
-        if r0 != first:
-            _issue_ring(k_ring_s, v_ring_s, r0, ring_run, rings, WINDOW, SINKS)
+        _issue_ring(k_ring_s, v_ring_s, r0, ring_run, ring_places, WINDOW, SINKS)
         async_copy.wait_group(0)
         gl.thread_barrier()
         s = gl.zeros([_ROWS, _RING_BLOCK], gl.float32, MMA)
         for half in gl.static_range(2):
-            q_op = gl.convert_layout(gl.load(q_at + half * HALF), A_OP)
+            q_op = q_ring.slice(half * HALF, HALF, dim=1).load(A_OP)
             k_op = k_ring_s.slice(half * HALF, HALF, dim=1).permute([1, 0]).load(B_OP)
             s = mma_v2(q_op, k_op, s)
         in_ring, positions, _ = _ring_places(r0, run_len, seq_len, compressed_len, WINDOW,
@@ -461,8 +525,8 @@ def _ring_pass(state, b, head, seq_len, ring_run, first, q_orig, q_scale, rings,
                            MASK, Q_TOKENS)  # fmt: skip
         p, state = _softmax_step(x, state)
         m_ref, l_i, zero_acc, acc_lo, acc_hi = state
-        p_hi = p.to(k_ring_s.dtype)
-        p_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(k_ring_s.dtype), A_OP)
+        p_hi = p.to(dtype)
+        p_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(dtype), A_OP)
         p_hi = gl.convert_layout(p_hi, A_OP)
         v_lo = v_ring_s.slice(0, HALF, dim=1).load(B_OP)
         acc_lo = mma_v2(p_lo, v_lo, mma_v2(p_hi, v_lo, acc_lo))
@@ -498,7 +562,6 @@ def verify_kernel(q_code, q_ptr, stride_qb, stride_qh, q_scale, k_codes, v_codes
                                                   instr_shape=[16, 8])  # fmt: skip
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
     COL: gl.constexpr = gl.SliceLayout(0, MMA)
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16,
                                                 rank=2)  # fmt: skip
     RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -517,54 +580,41 @@ def verify_kernel(q_code, q_ptr, stride_qb, stride_qh, q_scale, k_codes, v_codes
     per_split = gl.cdiv(gl.cdiv(compressed_len, NUM_SPLITS), _BLOCK_N) * _BLOCK_N
     start = split * per_split
     end = gl.minimum(start + per_split, compressed_len)
-    if WINDOW + SINKS > 0:
-        # this split's first ring tile, copied to shared memory while the compressed tokens
-        # stream (the ring run: the window's positions from compressed_len, then the sinks)
-        ring = b.to(gl.int64) * stride_w_b + head.to(gl.int64) * stride_w_h
-        # (places, the length, where the window's positions start, the sequence-head's rings)
-        ring_run = (ring_run_length(compressed_len, seq_len, SINKS), seq_len, compressed_len,
-                    ring)  # fmt: skip
-        rings = (k_window, v_window, stride_w_slot)
-        RING_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
-                                                       element_bitwidth=16, rank=2)  # fmt: skip
-        k_ring_s = gl.allocate_shared_memory(k_window.dtype.element_ty, [_RING_BLOCK, _D],
-                                             RING_SMEM)  # fmt: skip
-        v_ring_s = gl.allocate_shared_memory(k_window.dtype.element_ty, [_RING_BLOCK, _D],
-                                             RING_SMEM)  # fmt: skip
-        first = (NUM_SPLITS - 1 - split) * _RING_BLOCK
-        if first < ring_run[0]:
-            _issue_ring(k_ring_s, v_ring_s, first, ring_run, rings, WINDOW, SINKS)
-
+    # the first tile's codes, on their way before anything else (the query preparation has
+    # not written q_code yet: the codes do not depend on it)
+    planes = _head_planes(
+        (k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_head, m_page, m_head, m_slot), head
+    )  # fmt: skip
+    bt = (table + b.to(gl.int64) * stride_bt_b, stride_bt_p)
+    scalars = _first_tile(k_raw, v_raw, start, end, bt, planes, K_META, V_META, PAGE_SIZE, SINKS)
     q_row = (b * num_kv_heads + head) * _ROWS
     if PDL:
         _grid_dependency("wait")  # for the preparation kernel's q_code
-    rows_l = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, QL))
-    k_l = gl.arange(0, 32, layout=gl.SliceLayout(0, QL))
-    q_at = q_code + (q_row + rows_l)[:, None].to(gl.int64) * _D
-    for block in gl.static_range(4):
-        q_smem.index(block).store(gl.load(q_at + _query_dims(k_l, block)[None, :]))
+    _store_query(q_smem, q_code, q_row)
 
-    planes = (k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_head, m_page, m_head, m_slot)
-    bt = (table + b.to(gl.int64) * stride_bt_b, stride_bt_p)
     masking = (mask_ptr, stride_mask_b, stride_mask_h, stride_mask_t, mask_len)
     state, v_top = _split_pass(
         1.0, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_mul_s, v_mul_s, v_zero_s,
-        planes, bt, masking, K_ASM, V_ASM, K_META, V_META, Q_TOKENS, PAGE_SIZE, SINKS, MASK,
+        planes, bt, masking, scalars, K_ASM, V_ASM, K_META, V_META, Q_TOKENS, PAGE_SIZE, SINKS,
+        MASK,
     )  # fmt: skip
     if ((v_top > UNIT_MAX) | (v_top < UNIT_MIN)) & (v_top > 0):
         # value scales whose products could overflow fp16 (or lose its precision): again in
         # units of the largest
+        scalars = _first_tile(k_raw, v_raw, start, end, bt, planes, K_META, V_META, PAGE_SIZE,
+                              SINKS)  # fmt: skip
         state, _ = _split_pass(
             1.0 / v_top, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_mul_s, v_mul_s,
-            v_zero_s, planes, bt, masking, K_ASM, V_ASM, K_META, V_META, Q_TOKENS, PAGE_SIZE,
-            SINKS, MASK,
+            v_zero_s, planes, bt, masking, scalars, K_ASM, V_ASM, K_META, V_META, Q_TOKENS,
+            PAGE_SIZE, SINKS, MASK,
         )  # fmt: skip
         m_ref, l_i, zero_acc, acc_lo, acc_hi = state
         state = (m_ref, l_i, zero_acc, acc_lo * v_top, acc_hi * v_top)
     if WINDOW + SINKS > 0:
-        state = _ring_pass(state, b, head, seq_len, ring_run, first, (q_ptr, stride_qb, stride_qh),
-                           q_scale, rings, k_ring_s, v_ring_s, masking, WINDOW, SINKS, MASK,
-                           Q_TOKENS, NUM_SPLITS)  # fmt: skip
+        rings = (k_window, v_window, stride_w_b, stride_w_h, stride_w_slot)
+        state = _ring_pass(state, split, b, head, seq_len, compressed_len, q_smem,
+                           (q_ptr, stride_qb, stride_qh), q_scale, rings, k_raw, v_raw, masking,
+                           WINDOW, SINKS, MASK, Q_TOKENS, NUM_SPLITS)  # fmt: skip
 
     m_ref, l_i, zero_acc, acc_lo, acc_hi = state
     has_keys = l_i > 0
