@@ -153,9 +153,9 @@ def report(label: str, compile_it) -> bool:
 
 def verify_kernels() -> dict:
     """``{label: zero-argument compile}`` of the Gluon verify kernel (4bit_nc, 32 rows: T = 8 at
-    GQA 4) without a mask and with either kind, with rings (a window and sinks) and without, and
-    with pages of 32 tokens (its plans are made on a GPU only, so its constexprs are given here
-    as the plan gives them)."""
+    GQA 4) without a mask and with either kind, with rings (a window and sinks) and without, with
+    padded query rows, and with pages of 32 tokens (its plans are made on a GPU only, so its
+    constexprs are given here as the plan gives them)."""
     fmt = get_format("4bit_nc")
     cache = fmt.allocate(PAGES, HEADS, PAGE, HEAD_DIM)
     rows, tokens, splits = HEADS * verify.ROWS, 8, 2
@@ -179,6 +179,16 @@ def verify_kernels() -> dict:
             jobs[f"verify (mask {mask_kind}, window {window}, sinks {sinks})"] = functools.partial(
                 compile_offline, verify.verify_kernel, (splits, HEADS, 2), *args, **kwargs
             )
+    # query rows padded to 136 elements: strides Triton cannot tell 16-byte aligned, which the
+    # ring pass's cp.async of the query needs (verify_arguments passes a contiguous copy)
+    padded = torch.empty(2, rows, HEAD_DIM + 8, dtype=torch.bfloat16)[..., :HEAD_DIM]
+    args = verify.verify_arguments(padded, q_code, LOG2E, cache, table, lens, ring, ring, ring_pos,
+                                   (lens, 0, 0, 0, 0), part_out, part_lse)  # fmt: skip
+    kwargs = verify.verify_constexprs(fmt, 0, 1, tokens, PAGE, WINDOW, SINKS, 0, splits, splits,
+                                      True)  # fmt: skip
+    jobs["verify (padded query rows)"] = functools.partial(
+        compile_offline, verify.verify_kernel, (splits, HEADS, 2), *args, **kwargs
+    )
     # pages of 32 tokens: a tile's tokens in one page
     cache_32 = fmt.allocate(PAGES, HEADS, 2 * PAGE, HEAD_DIM)
     args = verify.verify_arguments(q, q_code, LOG2E, cache_32, table, lens, None, None, None,

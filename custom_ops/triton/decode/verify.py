@@ -109,13 +109,21 @@ def verify_arguments(rows: torch.Tensor, q_code: torch.Tensor, q_scale: float,
     ``seq_lens [B]``, the rings ``[>= B, Hk, W + sinks, D]`` and their slots' positions
     ``window_pos [>= B, Hk, W + sinks]`` (None without rings: placeholders, never read),
     ``mask_args`` (``(mask, stride_b, stride_h, stride_t, mask_len)``) and the partials ``[B,
-    Hq * T, num_partials, D]`` and their lse."""
+    Hq * T, num_partials, D]`` and their lse.
+
+    With rings the kernel copies ``rows`` by 16-byte ``cp.async``, which compiles only where
+    Triton knows each row's start 16-byte aligned: the pointer, and strides divisible by 16
+    elements (its specialization). Other rows (a padded or offset query) are passed as a
+    contiguous copy."""
     k_codes, v_codes, meta = cache
     if k_window is None:
         rings = (unread(rows), unread(rows), 0, 0, 0, unread(seq_lens), 0, 0)
     else:
         rings = (k_window, v_window, *k_window.stride()[:3], window_pos,
                  *window_pos.stride()[:2])  # fmt: skip
+        aligned = rows.data_ptr() % 16 == 0 and rows.stride(2) == 1
+        if not (aligned and rows.stride(0) % 16 == 0 and rows.stride(1) % 16 == 0):
+            rows = rows.clone(memory_format=torch.contiguous_format)
     return (
         q_code, rows, rows.stride(0), rows.stride(1), q_scale, k_codes, v_codes, meta,
         k_codes.stride(0), k_codes.stride(1), v_codes.stride(0), v_codes.stride(1),
@@ -264,15 +272,16 @@ def _ring_view(buffer, rows: gl.constexpr, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _issue_query(q_smem, q_orig, b, head):
-    """Start copying the rows' original queries (``q_orig``: the rows' pointer and strides) to
-    the place of the prepared ones (``q_smem``; one commit group)."""
+def _issue_query(q_smem, q_orig, b, head, dtype: gl.constexpr):
+    """Start copying the rows' original queries (``q_orig``: the rows' pointer and strides, which
+    :func:`verify_arguments` keeps 16-byte aligned) to the place of the prepared ones
+    (``q_smem``, viewed as ``dtype``, the rings'; one commit group)."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])  # [rows, dims]
     q_ptr, stride_qb, stride_qh = q_orig
     rows = head * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, LOAD))
     at = q_ptr + b.to(gl.int64) * stride_qb + rows[:, None] * stride_qh
     at += gl.arange(0, _D, layout=gl.SliceLayout(0, LOAD))[None, :]
-    async_copy.async_copy_global_to_shared(_ring_view(q_smem, _ROWS, q_ptr.dtype.element_ty), at)
+    async_copy.async_copy_global_to_shared(_ring_view(q_smem, _ROWS, dtype), at)
     async_copy.commit_group()
 
 
@@ -455,13 +464,13 @@ def _ring_places(r0, run_len, seq_len, compressed_len, WINDOW: gl.constexpr, SIN
 
 
 @gluon.jit
-def _issue_ring(k_ring_s, v_ring_s, r0, ring_run, rings, WINDOW: gl.constexpr,
+def _issue_ring(k_ring_s, v_ring_s, r0, ring_run, ring_planes, WINDOW: gl.constexpr,
                 SINKS: gl.constexpr):  # fmt: skip
     """Start copying the keys and values of ring places ``r0 ..`` to ``k_ring_s``, ``v_ring_s
     [RING_BLOCK, D]`` (one commit group; places past the run are zero-filled)."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])  # [places, dims]
     run_len, seq_len, compressed_len, ring = ring_run
-    k_window, v_window, stride_w_slot = rings
+    k_window, v_window, stride_w_slot = ring_planes
     in_ring, _, slots = _ring_places(r0, run_len, seq_len, compressed_len, WINDOW, SINKS,
                                      gl.SliceLayout(1, LOAD))  # fmt: skip
     dims = gl.arange(0, _D, layout=gl.SliceLayout(0, LOAD))
@@ -499,7 +508,7 @@ def _ring_pass(state, split, b, head, seq_len, compressed_len, q_smem, q_orig, q
     ring = b.to(gl.int64) * stride_w_b + head.to(gl.int64) * stride_w_h
     # (places, the length, where the window's positions start, the sequence-head's rings)
     ring_run = (run_len, seq_len, compressed_len, ring)
-    ring_places = (k_window, v_window, stride_w_slot)
+    ring_planes = (k_window, v_window, stride_w_slot)
     k_ring_s = _ring_view(k_raw, _RING_BLOCK, dtype)
     v_ring_s = _ring_view(v_raw, _RING_BLOCK, dtype)
     q_ring = _ring_view(q_smem, _ROWS, dtype)
@@ -508,9 +517,9 @@ def _ring_pass(state, split, b, head, seq_len, compressed_len, q_smem, q_orig, q
     row_end = causal_ends(seq_len, q_rows, Q_TOKENS)
     first = (NUM_SPLITS - 1 - split) * _RING_BLOCK
     if first < run_len:
-        _issue_query(q_smem, q_orig, b, head)  # waited for with the first tile
+        _issue_query(q_smem, q_orig, b, head, dtype)  # waited for with the first tile
     for r0 in range(first, run_len, NUM_SPLITS * _RING_BLOCK):
-        _issue_ring(k_ring_s, v_ring_s, r0, ring_run, ring_places, WINDOW, SINKS)
+        _issue_ring(k_ring_s, v_ring_s, r0, ring_run, ring_planes, WINDOW, SINKS)
         async_copy.wait_group(0)
         gl.thread_barrier()
         s = gl.zeros([_ROWS, _RING_BLOCK], gl.float32, MMA)
@@ -580,8 +589,8 @@ def verify_kernel(q_code, q_ptr, stride_qb, stride_qh, q_scale, k_codes, v_codes
     per_split = gl.cdiv(gl.cdiv(compressed_len, NUM_SPLITS), _BLOCK_N) * _BLOCK_N
     start = split * per_split
     end = gl.minimum(start + per_split, compressed_len)
-    # the first tile's codes, on their way before anything else (the query preparation has
-    # not written q_code yet: the codes do not depend on it)
+    # the first tile's codes, on their way before the wait for the query preparation (which
+    # may still be writing q_code: the codes do not depend on it)
     planes = _head_planes(
         (k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_head, m_page, m_head, m_slot), head
     )  # fmt: skip

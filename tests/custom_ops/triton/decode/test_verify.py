@@ -184,3 +184,26 @@ def test_op_calls_launch_the_compiled_verify_kernel(seeded):
         out = api.decode(fmt, q_cuda, cache_cuda, table_cuda, lens_cuda, consts_cuda, 8,
                          HEAD_DIM**-0.5, mask_cuda, *rings_cuda, 4)  # fmt: skip
         assert torch.equal(out, plain)
+
+
+def test_padded_query_rows_with_a_ring(seeded):
+    """Query rows padded to 136 elements (a view whose strides Triton cannot tell 16-byte
+    aligned, which the ring pass's ``cp.async`` of the query needs) give the contiguous
+    query's output exactly: ``verify_arguments`` passes the kernel a contiguous copy (without
+    it the kernel does not compile; ``test_offline.py`` builds that case on the CPU)."""
+    fmt, consts, cache, table, lens, q, mask, rings = _case(128, 4, "bool", seeded)
+    q_cuda, table_cuda, lens_cuda, mask_cuda = (x.cuda() for x in (q, table, lens, mask))
+    padded = torch.full((*q.shape[:-1], HEAD_DIM + 8), float("nan"), dtype=q.dtype, device="cuda")
+    padded[..., :HEAD_DIM] = q_cuda
+    q_view = padded[..., :HEAD_DIM]
+    cache_cuda = type(cache)(*(plane.cuda() for plane in cache))
+    rings_cuda = tuple(r.cuda() for r in rings)
+    rotation = consts.rotation.cuda()
+    plan = triton_decode.plan_for(fmt, q_view, cache_cuda, table_cuda, 8, mask_cuda,
+                                  rings_cuda[0], sinks=4)  # fmt: skip
+    assert plan.verify
+    out = {}
+    for name, query in (("contiguous", q_cuda), ("padded", q_view)):
+        out[name] = triton_decode.decode(fmt, query, cache_cuda, table_cuda, lens_cuda, rotation,
+                                         8, HEAD_DIM**-0.5, mask_cuda, *rings_cuda, 4)  # fmt: skip
+    assert torch.equal(out["padded"], out["contiguous"])
