@@ -373,9 +373,8 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
                 MASK: gl.constexpr):  # fmt: skip
     """The online softmax over the split's compressed tokens ``[start, end)``: ``(state,
     v_top)``, ``state = (m, l, zero_acc, acc_lo, acc_hi)`` (:func:`_softmax_step`) with the
-    value products in units of ``1 / inv_unit``, ``v_top`` the largest value scale seen. The
-    first tile's codes are on their way and ``scalars`` are its scalars (:func:`_first_tile`).
-    """
+    value products in units of ``1 / inv_unit``, ``v_top`` the largest value scale seen; the
+    first tile's codes are on their way, ``scalars`` its scalars (:func:`_first_tile`)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                   instr_shape=[16, 8])  # fmt: skip
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
