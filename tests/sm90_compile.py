@@ -167,36 +167,33 @@ def verify_kernels() -> dict:
     ring_pos = torch.empty(2, HEADS, WINDOW + SINKS, dtype=torch.int32)
     part_out = torch.empty(2, rows, splits, HEAD_DIM)
     part_lse = torch.empty(2, rows, splits)
+    no_mask = (lens, 0, 0, 0, 0)
+
+    def job(query, paged, page, window, sinks, mask_kind=0, mask_args=no_mask):
+        rings = (ring, ring, ring_pos) if window + sinks else (None,) * 3
+        args = verify.verify_arguments(query, q_code, LOG2E, paged, table, lens, *rings,
+                                       mask_args, part_out, part_lse)  # fmt: skip
+        kwargs = verify.verify_constexprs(fmt, 0, 1, tokens, page, window, sinks, mask_kind,
+                                          splits, splits, True)  # fmt: skip
+        return functools.partial(
+            compile_offline, verify.verify_kernel, (splits, HEADS, 2), *args, **kwargs
+        )
+
     jobs = {}
     for mask_kind, mask in ((0, None), (1, torch.empty(2, rows, 64, dtype=torch.bool)),
                             (2, torch.empty(1, 1, 64))):  # fmt: skip
-        for window, sinks, rings in ((0, 0, (None,) * 3), (WINDOW, SINKS, (ring, ring, ring_pos))):
-            mask_args = (lens, 0, 0, 0, 0) if mask is None else (mask, 0, 64, 0, 64)
-            args = verify.verify_arguments(q, q_code, LOG2E, cache, table, lens, *rings,
-                                           mask_args, part_out, part_lse)  # fmt: skip
-            kwargs = verify.verify_constexprs(fmt, 0, 1, tokens, PAGE, window, sinks, mask_kind,
-                                              splits, splits, True)  # fmt: skip
-            jobs[f"verify (mask {mask_kind}, window {window}, sinks {sinks})"] = functools.partial(
-                compile_offline, verify.verify_kernel, (splits, HEADS, 2), *args, **kwargs
+        mask_args = no_mask if mask is None else (mask, 0, 64, 0, 64)
+        for window, sinks in ((0, 0), (WINDOW, SINKS)):
+            jobs[f"verify (mask {mask_kind}, window {window}, sinks {sinks})"] = job(
+                q, cache, PAGE, window, sinks, mask_kind, mask_args
             )
     # query rows padded to 136 elements: strides Triton cannot tell 16-byte aligned, which the
     # ring pass's cp.async of the query needs (verify_arguments passes a contiguous copy)
     padded = torch.empty(2, rows, HEAD_DIM + 8, dtype=torch.bfloat16)[..., :HEAD_DIM]
-    args = verify.verify_arguments(padded, q_code, LOG2E, cache, table, lens, ring, ring, ring_pos,
-                                   (lens, 0, 0, 0, 0), part_out, part_lse)  # fmt: skip
-    kwargs = verify.verify_constexprs(fmt, 0, 1, tokens, PAGE, WINDOW, SINKS, 0, splits, splits,
-                                      True)  # fmt: skip
-    jobs["verify (padded query rows)"] = functools.partial(
-        compile_offline, verify.verify_kernel, (splits, HEADS, 2), *args, **kwargs
-    )
+    jobs["verify (padded query rows)"] = job(padded, cache, PAGE, WINDOW, SINKS)
     # pages of 32 tokens: a tile's tokens in one page
     cache_32 = fmt.allocate(PAGES, HEADS, 2 * PAGE, HEAD_DIM)
-    args = verify.verify_arguments(q, q_code, LOG2E, cache_32, table, lens, None, None, None,
-                                   (lens, 0, 0, 0, 0), part_out, part_lse)  # fmt: skip
-    kwargs = verify.verify_constexprs(fmt, 0, 1, tokens, 2 * PAGE, 0, 0, 0, splits, splits, True)
-    jobs["verify (pages of 32)"] = functools.partial(
-        compile_offline, verify.verify_kernel, (splits, HEADS, 2), *args, **kwargs
-    )
+    jobs["verify (pages of 32)"] = job(q, cache_32, 2 * PAGE, 0, 0)
     return jobs
 
 

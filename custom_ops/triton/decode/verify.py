@@ -121,8 +121,8 @@ def verify_arguments(rows: torch.Tensor, q_code: torch.Tensor, q_scale: float,
     else:
         rings = (k_window, v_window, *k_window.stride()[:3], window_pos,
                  *window_pos.stride()[:2])  # fmt: skip
-        aligned = rows.data_ptr() % 16 == 0 and rows.stride(2) == 1
-        if not (aligned and rows.stride(0) % 16 == 0 and rows.stride(1) % 16 == 0):
+        stride_b, stride_h, stride_d = rows.stride()
+        if rows.data_ptr() % 16 or stride_b % 16 or stride_h % 16 or stride_d != 1:
             rows = rows.clone(memory_format=torch.contiguous_format)
     return (
         q_code, rows, rows.stride(0), rows.stride(1), q_scale, k_codes, v_codes, meta,
