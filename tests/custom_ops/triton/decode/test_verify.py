@@ -102,6 +102,17 @@ def _case(window, sinks, mask_kind, gen, dtype=torch.float16, page_size=PAGE_SIZ
     return fmt, consts, cache, table, lens, q, mask, rings
 
 
+def _on_cuda(case):
+    """``_case``'s tensors moved to the GPU (strides kept: a column-major table stays so)."""
+    fmt, consts, cache, table, lens, q, mask, rings = case
+
+    def move(x):
+        return None if x is None else x.cuda()
+
+    return (fmt, api.KVConstants(*map(move, consts)), type(cache)(*map(move, cache)), move(table),
+            move(lens), move(q), move(mask), tuple(map(move, rings)))  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "window, sinks, mask_kind, dtype, num_splits, page_size, transposed, tokens, group",
     [(w, s, m, torch.float16, None, 16, False, TOKENS, GROUP)
@@ -130,11 +141,9 @@ def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype
         table = table.t().contiguous().t()
     expected = reference.decode(fmt, q, cache, table, lens, consts.rotation, HEAD_DIM**-0.5,
                                 torch.float64, mask, *rings, sinks)  # fmt: skip
-    cuda = [x.cuda() if isinstance(x, torch.Tensor) else x for x in (q, table, lens, mask)]
-    q_cuda, table_cuda, lens_cuda, mask_cuda = cuda
-    cache_cuda = type(cache)(*(plane.cuda() for plane in cache))
-    rings_cuda = tuple(None if r is None else r.cuda() for r in rings)
-    rotation = consts.rotation.cuda()
+    _, consts_cuda, cache_cuda, table_cuda, lens_cuda, q_cuda, mask_cuda, rings_cuda = _on_cuda(
+        (fmt, consts, cache, table, lens, q, mask, rings)
+    )
     num_splits = num_splits or api.default_num_splits(
         len(LENS), NUM_KV_HEADS, table.shape[1], page_size, window, torch.device("cuda")
     )
@@ -153,7 +162,7 @@ def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype
         )
         assert plan.verify == (name == "verify")
         outputs[name] = triton_decode.decode(
-            fmt, q_cuda, cache_cuda, table_cuda, lens_cuda, rotation, num_splits,
+            fmt, q_cuda, cache_cuda, table_cuda, lens_cuda, consts_cuda.rotation, num_splits,
             HEAD_DIM**-0.5, mask_cuda, *rings_cuda, sinks, split_config=split_config,
         ).cpu()  # fmt: skip
     actual = outputs["verify"]
@@ -168,12 +177,9 @@ def test_op_calls_launch_the_compiled_verify_kernel(seeded):
     """``tq.decode`` through the op (keyed launches: after the first, the launcher calls the
     compiled kernel's own launch) gives the plain launch's output, call after call, with rings,
     sinks and a mask."""
-    fmt, consts, cache, table, lens, q, mask, rings = _case(128, 4, "bool", seeded)
-    cuda = [x.cuda() for x in (q, table, lens, mask)]
-    q_cuda, table_cuda, lens_cuda, mask_cuda = cuda
-    cache_cuda = type(cache)(*(plane.cuda() for plane in cache))
-    rings_cuda = tuple(r.cuda() for r in rings)
-    consts_cuda = api.KVConstants(*(c.cuda() for c in consts))
+    fmt, consts_cuda, cache_cuda, table_cuda, lens_cuda, q_cuda, mask_cuda, rings_cuda = _on_cuda(
+        _case(128, 4, "bool", seeded)
+    )
     plan = triton_decode.plan_for(fmt, q_cuda, cache_cuda, table_cuda, 8, mask_cuda,
                                   rings_cuda[0], sinks=4)  # fmt: skip
     assert plan.verify
@@ -191,19 +197,19 @@ def test_padded_query_rows_with_a_ring(seeded):
     aligned, which the ring pass's ``cp.async`` of the query needs) give the contiguous
     query's output exactly: ``verify_arguments`` passes the kernel a contiguous copy (without
     it the kernel does not compile; ``test_offline.py`` builds that case on the CPU)."""
-    fmt, consts, cache, table, lens, q, mask, rings = _case(128, 4, "bool", seeded)
-    q_cuda, table_cuda, lens_cuda, mask_cuda = (x.cuda() for x in (q, table, lens, mask))
-    padded = torch.full((*q.shape[:-1], HEAD_DIM + 8), float("nan"), dtype=q.dtype, device="cuda")
+    fmt, consts_cuda, cache_cuda, table_cuda, lens_cuda, q_cuda, mask_cuda, rings_cuda = _on_cuda(
+        _case(128, 4, "bool", seeded)
+    )
+    padded = torch.full((*q_cuda.shape[:-1], HEAD_DIM + 8), float("nan"), dtype=q_cuda.dtype,
+                        device="cuda")  # fmt: skip
     padded[..., :HEAD_DIM] = q_cuda
     q_view = padded[..., :HEAD_DIM]
-    cache_cuda = type(cache)(*(plane.cuda() for plane in cache))
-    rings_cuda = tuple(r.cuda() for r in rings)
-    rotation = consts.rotation.cuda()
     plan = triton_decode.plan_for(fmt, q_view, cache_cuda, table_cuda, 8, mask_cuda,
                                   rings_cuda[0], sinks=4)  # fmt: skip
     assert plan.verify
     out = {}
     for name, query in (("contiguous", q_cuda), ("padded", q_view)):
-        out[name] = triton_decode.decode(fmt, query, cache_cuda, table_cuda, lens_cuda, rotation,
-                                         8, HEAD_DIM**-0.5, mask_cuda, *rings_cuda, 4)  # fmt: skip
+        out[name] = triton_decode.decode(fmt, query, cache_cuda, table_cuda, lens_cuda,
+                                         consts_cuda.rotation, 8, HEAD_DIM**-0.5, mask_cuda,
+                                         *rings_cuda, 4)  # fmt: skip
     assert torch.equal(out["padded"], out["contiguous"])
