@@ -22,7 +22,13 @@ from custom_ops.formats import (
     ring_window,
     sequence_capacity,
 )
-from custom_ops.schema import DecodeArgs, DequantizeArgs, StoreArgs, StoreWindowArgs
+from custom_ops.schema import (
+    DecodeArgs,
+    DequantizeArgs,
+    PrefillArgs,
+    StoreArgs,
+    StoreWindowArgs,
+)
 
 __all__ = [
     "KVConstants",
@@ -31,6 +37,7 @@ __all__ = [
     "store_window",
     "dequantize",
     "decode",
+    "prefill",
     "default_num_splits",
     "appended_window_positions",
 ]
@@ -179,4 +186,39 @@ def decode(
     args = DecodeArgs(q, *cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
                       num_splits, scale, mask, k_window, v_window, window_pos,
                       sinks)  # fmt: skip
+    return ops.call(args)
+
+
+def prefill(
+    fmt: str | KVFormat,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    constants: KVConstants,
+    scale: float | None = None,
+    is_causal: bool = False,
+    max_seq_len: int | None = None,
+    mask: torch.Tensor | None = None,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
+    window_pos: torch.Tensor | None = None,
+    sinks: int = 0,
+    key_center: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of a chunk just stored, ``q [B, Hq, T, D]``, over its own exact ``key`` /
+    ``value [B, Hk, T, D]`` and each sequence's cached prefix (the positions below
+    ``seq_lens[b] - T``): ``[B, Hq, T, D]`` (see ``torch.ops.tq.prefill``). ``scale`` defaults
+    to ``1 / sqrt(D)``, ``max_seq_len`` to the sequences' capacity (nothing hidden past the
+    lengths)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if max_seq_len is None:
+        max_seq_len = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
+                                        ring_window(k_window, sinks))  # fmt: skip
+    args = PrefillArgs(q, key, value, *cache, block_table, seq_lens, constants.rotation,
+                       get_format(fmt).name, scale, is_causal, max_seq_len, mask, k_window,
+                       v_window, window_pos, sinks, key_center)  # fmt: skip
     return ops.call(args)

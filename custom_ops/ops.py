@@ -64,6 +64,18 @@ stay opaque calls.
   ``mask`` an optional ``[B or 1, Hq or 1, M]`` bool (False masks out) or additive float mask
   over cache positions (positions ``>= M`` masked out; a query with no visible key gets zeros).
   With the rings, each sequence-head's ring run and sinks are read from them in full precision.
+* ``tq.prefill(q, key, value, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt,
+  scale, is_causal, max_seq_len, mask=None, k_window=None, v_window=None, window_pos=None,
+  sinks=0, key_center=None) -> out``: attention of a chunk of ``T`` tokens just stored, queries
+  ``q [B, Hq, T, D]``, over their own keys and values ``key``/``value [B, Hk, T, D]`` as the
+  model computed them (exact, not their codes) and over each sequence's cached prefix, the
+  positions below ``start = seq_lens[b] - T`` (``seq_lens >= T``): compressed pages, ring and
+  sinks, keys with their centre. Position ``p`` is visible to token ``t`` below ``min(len,
+  max_seq_len)`` and where the optional ``mask [B or 1, Hq or 1, T, M]`` (bool, or additive of
+  q's dtype; positions ``>= M`` masked) allows it, or without a mask where ``p <= t`` with
+  ``is_causal`` (SDPA's top-left order: a causal chunk when ``start`` is 0), or always.
+  ``[B, Hq, T, D]`` in q's dtype; a row with no visible key gets zeros
+  (:func:`custom_ops.reference.prefill`).
 
 ``rotation`` (``[D, D] float32``, entries +-1) must be :func:`custom_ops.codebook.rotation_matrix`
 (for a power-of-two D the CUDA store and decode kernels use its Walsh-Hadamard structure, ``R =
@@ -82,10 +94,18 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from triton import knobs
 
-from custom_ops import reference, validate
+from custom_ops import reference, sdpa_lse, validate
 from custom_ops.formats import PagedKVCache
-from custom_ops.schema import DecodeArgs, DequantizeArgs, StoreArgs, StoreWindowArgs, op_schema
+from custom_ops.schema import (
+    DecodeArgs,
+    DequantizeArgs,
+    PrefillArgs,
+    StoreArgs,
+    StoreWindowArgs,
+    op_schema,
+)
 from custom_ops.triton import dequant as triton_dequant
+from custom_ops.triton import prefill as triton_prefill
 from custom_ops.triton import store as triton_store
 from custom_ops.triton import store_window as triton_store_window
 from custom_ops.triton import traced
@@ -267,6 +287,27 @@ def _decode_fake(a: DecodeArgs) -> torch.Tensor:
     return a.q.new_empty(a.q.shape)  # contiguous, as both implementations return
 
 
+def _prefill(a: PrefillArgs, key: validate.LaunchKey | None) -> torch.Tensor:
+    kv_format = validate.checked(validate.check_prefill, a, key)
+    args = (kv_format, a.q, a.key, a.value, _cache(a), a.block_table, a.seq_lens, a.rotation,
+            a.scale, a.is_causal, a.max_seq_len)  # fmt: skip
+    if _use_triton(a.q.device):
+        return triton_prefill.prefill(*args, a.mask, a.k_window, a.v_window, a.window_pos,
+                                      a.sinks, a.key_center)  # fmt: skip
+    if reference.chunk_is_everything(a.seq_lens, a.q.shape[2], a.is_causal, a.max_seq_len,
+                                     a.mask):  # fmt: skip
+        # a first chunk: what the dense model computes, by the same kernel (the CPU's flash)
+        causal = a.is_causal or a.mask is not None
+        return sdpa_lse.attention_lse(a.q, a.key, a.value, causal, a.scale)[0].contiguous()
+    return reference.prefill(*args, torch.float32, a.mask, a.k_window, a.v_window, a.window_pos,
+                             a.sinks, a.key_center)  # fmt: skip
+
+
+def _prefill_fake(a: PrefillArgs) -> torch.Tensor:
+    validate.check_prefill(a)
+    return a.q.new_empty(a.q.shape)  # contiguous, as both implementations return
+
+
 def _store_fake(a: StoreArgs) -> None:
     validate.check_store(a)
 
@@ -284,4 +325,5 @@ _define("store_window", StoreWindowArgs, _store_window, _store_window_fake,
         returns="Tensor", traceable=True)  # fmt: skip
 _define("dequantize", DequantizeArgs, _dequantize, _dequantize_fake, returns="(Tensor, Tensor)")
 _define("decode", DecodeArgs, _decode, _decode_fake, returns="Tensor", traceable=True)
+_define("prefill", PrefillArgs, _prefill, _prefill_fake, returns="Tensor")
 traced.static_launch_by_default()

@@ -45,6 +45,8 @@ __all__ = [
     "dequantize",
     "attention",
     "decode",
+    "prefill",
+    "chunk_is_everything",
 ]
 
 
@@ -628,3 +630,108 @@ def decode(
         token_mask = mask if mask is None or mask.dim() == 3 else mask[:, :, t]
         outputs.append(attention(q[:, :, t], k, v, visible, scale, token_mask))
     return torch.stack(outputs, dim=2).to(q.dtype)
+
+
+def prefill(
+    fmt: KVFormat,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rotation: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    max_seq_len: int,
+    dtype: torch.dtype = torch.float32,
+    mask: torch.Tensor | None = None,
+    k_window: torch.Tensor | None = None,
+    v_window: torch.Tensor | None = None,
+    window_pos: torch.Tensor | None = None,
+    sinks: int = 0,
+    key_center: torch.Tensor | None = None,
+    query_block: int = 256,
+) -> torch.Tensor:
+    """Attention of a chunk of ``T`` tokens just stored, queries ``q [B, Hq, T, D]``, over their
+    own exact keys and values and their sequence's cached prefix.
+
+    The chunk holds positions ``start .. start + T - 1`` with ``start = seq_lens[b] - T``: its
+    keys and values are ``key``/``value [B, Hk, T, D]`` as the model computed them, not their
+    stored codes. Positions below ``start`` (the prefix) are read from the cache as
+    :func:`dequantize` gives them (their ring run and sinks in full precision, the keys with
+    their centre back). Position ``p`` is visible to token ``t`` where ``p < min(seq_lens[b],
+    max_seq_len)`` and: with ``mask`` (``[B or 1, Hq or 1, T, M]``, positions ``>= M`` masked)
+    ``mask[b, h, t, p]`` is True (a float mask is added to the score instead); otherwise with
+    ``is_causal`` where ``p <= t`` (SDPA's top-left alignment: the whole chunk is causal when
+    ``start`` is 0); otherwise always. A row with no visible position gives zeros.
+
+    Computed in ``dtype`` (float32 for the CPU op, float64 for oracles), ``query_block`` query
+    tokens at a time (the scores of a block are ``[B, Hq, query_block, S]``); returns ``[B,
+    Hq, T, D]`` in q's dtype.
+    """
+    batch, num_q_heads, tokens, head_dim = q.shape
+    num_kv_heads = key.shape[1]
+    group = num_q_heads // num_kv_heads
+    capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
+                                 ring_window(k_window, sinks))  # fmt: skip
+    seq = min(capacity, max_seq_len)
+    k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, capacity, dtype, k_window,
+                      v_window, window_pos, sinks, key_center)  # fmt: skip
+    # the chunk's own keys and values at its positions, as they are
+    positions = torch.arange(capacity, device=q.device)
+    lens = seq_lens.to(device=q.device, dtype=torch.int64)
+    offset = positions[None, :] - (lens - tokens)[:, None]  # [B, S] index into the chunk
+    in_chunk = ((offset >= 0) & (offset < tokens))[:, None, :, None]
+    index = offset.clamp(0, tokens - 1)[:, None, :, None].expand(-1, num_kv_heads, -1, head_dim)
+    k = torch.where(in_chunk, key.to(dtype).gather(2, index), k)[:, :, :seq]
+    v = torch.where(in_chunk, value.to(dtype).gather(2, index), v)[:, :, :seq]
+    k = k.repeat_interleave(group, dim=1)  # [B, Hq, S, D]
+    v = v.repeat_interleave(group, dim=1)
+    present = (positions[None, :seq] < lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    outputs = []
+    for t0 in range(0, tokens, query_block):
+        rows = torch.arange(t0, min(t0 + query_block, tokens), device=q.device)
+        scores = torch.einsum("bhtd,bhsd->bhts", q[:, :, rows].to(dtype), k) * scale
+        if mask is not None:
+            block = mask[:, :, t0 : t0 + rows.shape[0]].to(q.device)
+            pad = max(0, seq - block.shape[-1])  # positions >= M are masked out
+            if block.dtype == torch.bool:
+                allowed = torch.nn.functional.pad(block, (0, pad))[..., :seq]
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            else:
+                bias = torch.nn.functional.pad(block.to(dtype), (0, pad), value=float("-inf"))
+                scores = scores + bias[..., :seq]
+        elif is_causal:
+            causal = positions[None, :seq] <= rows[:, None]  # [rows, S]
+            scores = scores.masked_fill(~causal, float("-inf"))
+        scores = scores.masked_fill(~present, float("-inf"))
+        no_key = (scores == float("-inf")).all(dim=-1, keepdim=True)
+        probs = torch.softmax(scores, dim=-1).masked_fill(no_key, 0.0)
+        outputs.append(torch.einsum("bhts,bhsd->bhtd", probs, v))
+    return torch.cat(outputs, dim=2).to(q.dtype)
+
+
+def chunk_is_everything(
+    seq_lens: torch.Tensor,
+    tokens: int,
+    is_causal: bool,
+    max_seq_len: int,
+    mask: torch.Tensor | None = None,
+) -> bool:
+    """Whether :func:`prefill` of a chunk of ``tokens`` over sequences of lengths ``seq_lens``
+    is dense attention over the chunk alone, causal (``is_causal``, or a ``mask [B or 1, Hq or
+    1, T, M]`` whose rows show exactly chunk positions ``0 .. t``) or not (neither): no prefix
+    (every length is ``tokens``) and nothing of the chunk hidden by ``max_seq_len``. Reads
+    ``seq_lens`` and ``mask`` (the CPU op's host check)."""
+    if tokens > max_seq_len or not bool((seq_lens == tokens).all()):
+        return False
+    if mask is None:
+        return True
+    if mask.shape[-1] < tokens:
+        return False
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=mask.device).tril()
+    block = mask[..., :tokens]
+    if mask.dtype == torch.bool:
+        return bool((block == causal).all())
+    return bool(torch.where(causal, block == 0, block == float("-inf")).all())

@@ -11,7 +11,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["StoreArgs", "StoreWindowArgs", "DequantizeArgs", "DecodeArgs", "op_schema"]
+__all__ = [
+    "StoreArgs",
+    "StoreWindowArgs",
+    "DequantizeArgs",
+    "DecodeArgs",
+    "PrefillArgs",
+    "op_schema",
+]
 
 
 class StoreArgs(NamedTuple):
@@ -85,6 +92,31 @@ class DecodeArgs(NamedTuple):
     sinks: int = 0
 
 
+class PrefillArgs(NamedTuple):
+    """``tq.prefill``: attention of a chunk of new tokens over their own exact keys and values
+    and their sequences' compressed prefix."""
+
+    q: Tensor
+    key: Tensor
+    value: Tensor
+    k_codes: Tensor
+    v_codes: Tensor
+    meta: Tensor
+    block_table: Tensor
+    seq_lens: Tensor
+    rotation: Tensor
+    fmt: str
+    scale: float
+    is_causal: bool
+    max_seq_len: int
+    mask: Tensor | None = None
+    k_window: Tensor | None = None
+    v_window: Tensor | None = None
+    window_pos: Tensor | None = None
+    sinks: int = 0
+    key_center: Tensor | None = None
+
+
 # Python annotation -> schema type (this module keeps its annotations evaluated for this).
 _SCHEMA_TYPES = {
     Tensor: "Tensor",
@@ -92,6 +124,7 @@ _SCHEMA_TYPES = {
     str: "str",
     int: "int",
     float: "float",
+    bool: "bool",
     torch.dtype: "ScalarType",
 }
 

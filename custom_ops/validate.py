@@ -19,7 +19,13 @@ from torch._subclasses.fake_tensor import is_fake
 
 from custom_ops import formats, reference, splits
 from custom_ops.formats import KVFormat, PagedKVCache, get_format
-from custom_ops.schema import DecodeArgs, DequantizeArgs, StoreArgs, StoreWindowArgs
+from custom_ops.schema import (
+    DecodeArgs,
+    DequantizeArgs,
+    PrefillArgs,
+    StoreArgs,
+    StoreWindowArgs,
+)
 from custom_ops.triton.launch import KeyedMemo
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -565,4 +571,62 @@ def check_decode(args: DecodeArgs) -> KVFormat:
                 f"{num_q_heads} or 1, M]{per_token if q.dim() == 4 else ''}, got shape "
                 f"{_shape(mask)}",
             )
+    return fmt
+
+
+def check_prefill(args: PrefillArgs) -> KVFormat:
+    """Checks of ``tq.prefill``; returns the format."""
+    op = "prefill"
+    fmt = check_format(op, args.fmt)
+    q, key, mask = args.q, args.key, args.mask
+    if q.dim() != 4:
+        _fail(op, f"q must be [B, Hq, T, D] (the chunk's query tokens), got shape {_shape(q)}")
+    if q.dtype not in MODEL_DTYPES:
+        _fail(op, f"q must be bfloat16 or float16, got {q.dtype}", TypeError)
+    batch, num_q_heads, tokens, head_dim = q.shape
+    cache = PagedKVCache(args.k_codes, args.v_codes, args.meta)
+    check_new_tokens(op, fmt, key, args.value, cache, "[B, Hk, T, D]")
+    if key.dtype != q.dtype:
+        _fail(op, f"key must have q's dtype {q.dtype}, got {key.dtype}", TypeError)
+    num_kv_heads = key.shape[1]
+    if (key.shape[0], key.shape[2], key.shape[3]) != (batch, tokens, head_dim):
+        _fail(op, f"key must be [B, Hk, T, D] = [{batch}, Hk, {tokens}, {head_dim}] (q's batch, "
+                  f"tokens and head dim), got {_shape(key)}")  # fmt: skip
+    if num_q_heads % num_kv_heads:
+        _fail(op, f"q has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} "
+                  "kv-heads")  # fmt: skip
+    if q.stride(-1) != 1 or key.stride(-1) != 1 or args.value.stride(-1) != 1:
+        _fail(op, "q, key and value must be contiguous in the head dim (stride 1)")
+    device = cache.k_codes.device
+    check_same_device(op, device, q=q)
+    check_rotation(op, args.rotation, head_dim, device)
+    check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads,
+                 head_dim, device, args.sinks)  # fmt: skip
+    check_block_table(op, cache, args.block_table, args.seq_lens, None, args.k_window,
+                      args.window_pos, args.sinks)  # fmt: skip
+    if args.block_table.shape[0] != batch:
+        _fail(op, f"block_table has {args.block_table.shape[0]} rows for a batch of {batch}")
+    check_key_center(op, args.key_center, args.k_window, device)
+    scale = args.scale
+    if not (scale > 0 and scale != float("inf")):
+        _fail(op, f"scale must be a positive finite float, got {scale}")
+    if type(args.is_causal) is not bool:
+        _fail(op, f"is_causal must be a bool, got {args.is_causal!r}", TypeError)
+    if type(args.max_seq_len) is not int or args.max_seq_len < 0:
+        _fail(op, f"max_seq_len must be an integer >= 0, got {args.max_seq_len!r}")
+    if mask is not None:
+        if args.is_causal:
+            _fail(op, "mask and is_causal=True cannot both be given (as for dense SDPA)")
+        check_same_device(op, device, mask=mask)
+        if mask.dtype != torch.bool and mask.dtype != q.dtype:
+            _fail(op, f"mask must be bool or q's dtype {q.dtype}, got {mask.dtype}", TypeError)
+        if (mask.dim() != 4 or mask.shape[0] not in (1, batch)
+                or mask.shape[1] not in (1, num_q_heads) or mask.shape[2] != tokens):  # fmt: skip
+            _fail(op, f"mask must be [B or 1, Hq or 1, T, M] = [{batch} or 1, {num_q_heads} or "
+                      f"1, {tokens}, M], got shape {_shape(mask)}")  # fmt: skip
+    if batch and tokens and checks_values(args.seq_lens):
+        shortest = int(args.seq_lens.min())
+        if shortest < tokens:
+            _fail(op, f"seq_lens must be at least T = {tokens} (the chunk is each sequence's "
+                      f"last T positions, stored before), got a length of {shortest}")  # fmt: skip
     return fmt

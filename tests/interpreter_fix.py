@@ -9,6 +9,9 @@
   ``maxnum`` / ``minnum``, which return the other operand when one is NaN (PTX ``max``/``min``);
   the interpreter uses ``np.maximum`` / ``np.minimum``, which return NaN. The fix uses
   ``np.fmax`` / ``np.fmin``, which behave like the GPU.
+* ``tl.dot`` of bfloat16 operands: the interpreter keeps bfloat16 as uint16 and multiplies the
+  integers. The GPU's tensor cores multiply the bf16 values exactly and accumulate in float32;
+  the fix converts bf16 operands to float32 (exact) before the product.
 """
 
 from __future__ import annotations
@@ -42,9 +45,20 @@ def _convert_float(data, input_dtype, output_dtype, rounding_mode):
     return converted.view(_STORAGE[output_dtype.primitive_bitwidth]).numpy()
 
 
+_original_dot = interpreter.InterpreterBuilder.create_dot
+
+
+def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
+        a, b = (self.create_fp_ext(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+                for x in (a, b))  # fmt: skip
+    return _original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+
 def install() -> None:
     """Patch the interpreter (idempotent)."""
     interpreter._convert_float = _convert_float
+    interpreter.InterpreterBuilder.create_dot = _create_dot
     builder = interpreter.InterpreterBuilder
     builder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
     builder.create_minnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmin)

@@ -273,11 +273,14 @@ class TurboQuantKVCache(nn.Module):
             bad = low if low < 0 else high
             raise ValueError(f"{where}: input_pos holds position {bad}; expected positions in "
                              f"[0, {self.max_seq_length}) (max_seq_length)")  # fmt: skip
-        if self.has_rings and not torch.equal(input_pos - low, torch.arange(
-                n_new, device=input_pos.device, dtype=input_pos.dtype)):  # fmt: skip
-            raise ValueError(f"{where}: with a ring (window={self.window}, sinks={self.sinks}) "
-                             f"new tokens take consecutive positions: input_pos must be start "
-                             f".. start + T - 1, got {input_pos.tolist()[:8]}")  # fmt: skip
+        consecutive = torch.equal(input_pos - low, torch.arange(
+            n_new, device=input_pos.device, dtype=input_pos.dtype))  # fmt: skip
+        if not consecutive and (self.has_rings or n_new > 1):
+            why = (f"with a ring (window={self.window}, sinks={self.sinks})" if self.has_rings
+                   else "a prefill chunk (T > 1) is its sequence's last T positions, so")
+            raise ValueError(f"{where}: {why} new tokens take consecutive positions: input_pos "
+                             f"must be start .. start + T - 1, got "
+                             f"{input_pos.tolist()[:8]}")  # fmt: skip
 
     def update(
         self, input_pos: torch.Tensor, k_val: torch.Tensor, v_val: torch.Tensor
@@ -286,17 +289,20 @@ class TurboQuantKVCache(nn.Module):
 
         Args:
             input_pos: ``[T] int64`` positions of the new tokens (the same for every sequence,
-                as in gpt-fast); the cached length becomes ``input_pos.max() + 1``. With a
-                window or sinks ``input_pos`` is ``start .. start + T - 1`` with ``start`` at
-                most the current length (appending, or rewriting from ``start`` on).
+                as in gpt-fast); the cached length becomes ``input_pos.max() + 1``. Several
+                tokens (and any token with a window or sinks) take ``start .. start + T - 1``,
+                ``start`` at most the current length with a window or sinks (appending, or
+                rewriting from ``start`` on).
             k_val, v_val: ``[B, Hk, T, D]`` new keys (after RoPE) and values, ``B <=
                 max_batch_size``.
 
         Returns:
             ``(k, v)``: :class:`TurboQuantKVTensor` of logical shape ``[B, Hk, S_max, D]``.
-            Eagerly, every update of one batch size returns the same two objects with that
-            update's lengths: views kept from an earlier step show the cache as it is now
-            (views derived from them, such as a ``repeat_interleave``, keep their lengths).
+            Views of several tokens carry ``k_val``/``v_val`` too: SDPA of those tokens over
+            them attends over the chunk exactly (``tq.prefill``). Eagerly, every update of one
+            token and one batch size returns the same two objects with that update's lengths:
+            views kept from an earlier step show the cache as it is now (views derived from
+            them, such as a ``repeat_interleave``, keep their lengths).
         """
         self._check_update(input_pos, k_val, v_val)
         batch, num_kv_heads, n_new, head_dim = k_val.shape
@@ -336,11 +342,16 @@ class TurboQuantKVCache(nn.Module):
             ops.call(StoreArgs(keys, values, *planes, slots.reshape(-1).to(torch.int32),
                                rotation, name))  # fmt: skip
             seq_lens = (pos.max() + 1).expand(batch).to(torch.int32)
+        if n_new > 1:
+            # a prefill chunk (or a verify step): fresh views carrying its exact keys and values
+            # (tq.prefill reads them), held only as long as the caller holds the views
+            return self._views(operands, seq_lens, k_val, v_val)
         if not eager or type(seq_lens) is not torch.Tensor:
             return self._views(operands, seq_lens)  # traced: fresh views of the mutated buffers
-        # Eager: the views of this batch size are built once and get each update's lengths (a
-        # wrapper subclass costs ~5 us of host to build). Like a dense cache's buffers, the
-        # views returned by every update are the cache: they show its current contents.
+        # Eager decode: the views of this batch size are built once and get each update's
+        # lengths (a wrapper subclass costs ~5 us of host to build). Like a dense cache's
+        # buffers, the views returned by every update are the cache: they show its current
+        # contents.
         views = self._eager_views.get(batch)
         if views is None:
             views = self._eager_views[batch] = self._views(operands, seq_lens)
@@ -356,13 +367,17 @@ class TurboQuantKVCache(nn.Module):
         key_center = self.key_center if self.center_keys else None  # whole, like the rings
         return _Operands(planes, rings, table, self.rotation, key_center)
 
-    def _views(self, operands: _Operands, seq_lens: torch.Tensor):
-        """Key and value views of ``operands``' sequences, of lengths ``seq_lens [B] int32``."""
+    def _views(self, operands: _Operands, seq_lens: torch.Tensor,
+               chunk_k: torch.Tensor | None = None, chunk_v: torch.Tensor | None = None):
+        """Key and value views of ``operands``' sequences, of lengths ``seq_lens [B] int32``,
+        carrying the update's exact keys and values ``chunk_k``/``chunk_v [B, Hk, T, D]`` (or
+        None)."""
         return tuple(
             TurboQuantKVTensor.from_cache(side, self.kv_format.name, operands.planes,
                                           operands.table, seq_lens, operands.rotation,
                                           self.max_seq_length, self.num_splits, self.model_dtype,
-                                          *operands.rings, self.sinks, operands.key_center)
+                                          *operands.rings, self.sinks, operands.key_center,
+                                          chunk_k, chunk_v)
             for side in ("key", "value")
         )  # fmt: skip
 

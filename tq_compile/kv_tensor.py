@@ -13,10 +13,14 @@ planes as inner tensors, and intercept SDPA in ``__torch_function__``:
   mask: a speculative-decoding verify step, a short chunk): ``torch.ops.tq.decode`` of the
   sequence's last ``T`` tokens, causal among themselves, the mask applied too. The tokens
   must be the ones just written (the cache's last ``T`` positions), as in every such step;
-* otherwise (prefill, a causal or per-query mask): dequantize the cache
-  (``torch.ops.tq.dequantize``) and run SDPA on it, with positions past each sequence's length
-  masked out. ``k[:, :, :n]`` (Hugging Face trims a static cache so before a causal prefill)
-  keeps the first ``n`` positions.
+* otherwise (a prefill chunk: more tokens, ``is_causal``, a causal or per-query mask), when the
+  view carries the chunk's own keys and values (``chunk_k``/``chunk_v``, the cache's last
+  update): ``torch.ops.tq.prefill``, attention over the chunk's exact keys and values (as the
+  bf16 model computes it) and over the compressed prefix before it, merged by log-sum-exp; the
+  mask and ``is_causal`` applied exactly. A view without its chunk (one kept from an earlier
+  update) dequantizes the cache (``torch.ops.tq.dequantize``) and runs SDPA on it, with
+  positions past each sequence's length masked out. ``k[:, :, :n]`` (Hugging Face trims a
+  static cache so before a causal prefill) keeps the first ``n`` positions.
 
 With a recent window both read the ring run (the latest tokens, at most ``W``) from the
 full-precision ring and the older ones from the compressed pages, in the same pass.
@@ -40,7 +44,7 @@ from torchao.utils import TorchAOBaseTensor
 
 from custom_ops import ops
 from custom_ops.formats import PagedKVCache, ring_window, sequence_capacity
-from custom_ops.schema import DecodeArgs, DequantizeArgs
+from custom_ops.schema import DecodeArgs, DequantizeArgs, PrefillArgs
 from custom_ops.validate import MAX_QUERY_TOKENS
 
 __all__ = ["TurboQuantKVTensor"]
@@ -65,6 +69,10 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             window).
         window_pos: with the rings, ``[B, Hk, W + sinks] int32`` the position each ring slot
             holds.
+        key_center: optional ``[B, Hk, D] float32`` the centre the keys are stored minus.
+        chunk_k, chunk_v: optional ``[B, Hk, T, D]``: the keys and values of the update that
+            made the view (its last ``T`` positions), as the model computed them: a prefill
+            chunk attends over them exactly.
 
     Non-Tensor Attributes:
         fmt: format name (``custom_ops.FORMATS``).
@@ -83,11 +91,13 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
     tensor_data_names = ["k_codes", "v_codes", "meta", "block_table", "seq_lens", "rotation"]
     tensor_attribute_names = ["fmt", "side", "max_seq_len", "group", "split_heads",
                               "num_splits", "model_dtype", "truncated", "sinks"]  # fmt: skip
-    optional_tensor_data_names = ["k_window", "v_window", "window_pos", "key_center"]
+    optional_tensor_data_names = ["k_window", "v_window", "window_pos", "key_center", "chunk_k",
+                                  "chunk_v"]  # fmt: skip
 
     def __new__(cls, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
                 max_seq_len, group, split_heads, num_splits, model_dtype, truncated, sinks,
-                k_window=None, v_window=None, window_pos=None, key_center=None):  # fmt: skip
+                k_window=None, v_window=None, window_pos=None, key_center=None, chunk_k=None,
+                chunk_v=None):  # fmt: skip
         batch, num_kv_heads, head_dim = block_table.shape[0], k_codes.shape[1], rotation.shape[0]
         if split_heads:
             shape = (batch, num_kv_heads, group, max_seq_len, head_dim)
@@ -99,7 +109,8 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
 
     def __init__(self, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
                  max_seq_len, group, split_heads, num_splits, model_dtype, truncated, sinks,
-                 k_window=None, v_window=None, window_pos=None, key_center=None):  # fmt: skip
+                 k_window=None, v_window=None, window_pos=None, key_center=None, chunk_k=None,
+                 chunk_v=None):  # fmt: skip
         super().__init__()
         if side not in _SIDES:
             raise ValueError(f"side must be one of {_SIDES}, got {side!r}")
@@ -112,6 +123,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         self.truncated, self.sinks = truncated, sinks
         self.k_window, self.v_window, self.window_pos = k_window, v_window, window_pos
         self.key_center = key_center
+        self.chunk_k, self.chunk_v = chunk_k, chunk_v
 
     # ---- construction helpers -------------------------------------------------------------
 
@@ -132,6 +144,8 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         window_pos: torch.Tensor | None = None,
         sinks: int = 0,
         key_center: torch.Tensor | None = None,
+        chunk_k: torch.Tensor | None = None,
+        chunk_v: torch.Tensor | None = None,
     ) -> TurboQuantKVTensor:
         """The ``side`` (``"key"`` or ``"value"``) view ``[B, Hk, max_seq_len, D]`` of a paged
         cache, before any GQA repetition.
@@ -150,18 +164,21 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             sinks: the rings' sink slots.
             key_center: ``[B, Hk, D] float32`` the centre each sequence-head's keys are stored
                 minus (``tq.store_window``'s), or None.
+            chunk_k, chunk_v: ``[B, Hk, T, D]`` the keys and values just written at each
+                sequence's last ``T`` positions, as the model computed them, or None.
         """
         return cls(*cache, block_table, seq_lens, rotation, fmt, side, max_seq_len, 1, False,
                    num_splits, model_dtype, False, sinks, k_window, v_window, window_pos,
-                   key_center)  # fmt: skip
+                   key_center, chunk_k, chunk_v)  # fmt: skip
 
     def _with(self, **changes) -> TurboQuantKVTensor:
         """The same cache with some non-tensor attributes changed (no data is copied)."""
         tensors = [getattr(self, name) for name in self.tensor_data_names]
         attrs = {name: getattr(self, name) for name in self.tensor_attribute_names}
         attrs.update(changes)
+        optional = [getattr(self, name) for name in self.optional_tensor_data_names]
         return TurboQuantKVTensor(*tensors, *(attrs[n] for n in self.tensor_attribute_names),
-                                  *self.rings, self.key_center)  # fmt: skip
+                                  *optional)  # fmt: skip
 
     @property
     def planes(self) -> PagedKVCache:
@@ -398,6 +415,18 @@ def _tq_decode(q: torch.Tensor, k: TurboQuantKVTensor, mask, scale: float) -> to
                                k.num_splits, scale, mask, *k.rings, k.sinks))  # fmt: skip
 
 
+def _prefill(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, is_causal: bool, scale: float):
+    """``tq.prefill``: the chunk that made the view (queries ``q [B, Hq, T, D]``, its last
+    ``T`` positions) over its exact keys and values and the compressed prefix before it."""
+    mask = None
+    if attn_mask is not None:  # [B or 1, Hq or 1, T or 1, M] -> a row per token
+        mask = _mask_4d(attn_mask)
+        mask = mask.expand(mask.shape[0], mask.shape[1], q.shape[2], mask.shape[3])
+    return ops.call(PrefillArgs(q, k.chunk_k, k.chunk_v, *k.planes, k.block_table, k.seq_lens,
+                                k.rotation, k.fmt, scale, is_causal, k.max_seq_len, mask,
+                                *k.rings, k.sinks, k.key_center))  # fmt: skip
+
+
 @implements_torch_function(F.scaled_dot_product_attention)
 def _scaled_dot_product_attention(func, types, args, kwargs):
     # every k.shape of a subclass would go through __torch_function__ again (an eager step
@@ -421,8 +450,10 @@ def _attention(a: dict) -> torch.Tensor:
             return _decode_tokens(q, k, attn_mask, scale)
         if shared_row and folded_group <= MAX_FOLDED_GROUP:
             return _decode_folded(q, k, attn_mask, scale)
-    # Prefill (or a causal mask on a cache): attention over the dequantized cache, with every
-    # position past a sequence's length masked out.
+    if k.chunk_k is not None and k.chunk_k.shape[2] == q.shape[2]:
+        return _prefill(q, k, attn_mask, a["is_causal"], scale)
+    # A view without its chunk (kept from an earlier update): attention over the dequantized
+    # cache, with every position past a sequence's length masked out.
     # (keys as stored: softmax ignores the centre that all of a query's scores share)
     keys, values = k.dequantize(q.dtype, uncenter=False), v.dequantize(q.dtype)
     seq = k.shape[2]
@@ -458,5 +489,5 @@ def _to_copy(func, types, args, kwargs):
     attrs = [getattr(t, n) if n != "model_dtype" else to["dtype"]
              for n in t.tensor_attribute_names]  # fmt: skip
     optional = [r if r is None else r.to(to["device"], non_blocking=to["non_blocking"])
-                for r in (*t.rings, t.key_center)]  # fmt: skip
+                for r in (getattr(t, n) for n in t.optional_tensor_data_names)]  # fmt: skip
     return TurboQuantKVTensor(*tensors, *attrs, *optional)

@@ -41,12 +41,16 @@ def test_update_returns_views_of_the_whole_cache():
 
 
 def test_eager_updates_return_the_cache_views_with_the_new_lengths():
-    """Eagerly, every update of one batch size returns the same two views (built once: host
-    time per layer), holding that update's lengths, like a dense cache returning its buffers;
-    another batch size has its own views, and a module move (``.to()``, new buffers) new ones
-    over the new buffers."""
-    cache, keys, values = filled_tq_cache(length=37)
+    """Eagerly, every update of one token and one batch size returns the same two views (built
+    once: host time per layer), holding that update's lengths, like a dense cache returning its
+    buffers; another batch size has its own views, and a module move (``.to()``, new buffers)
+    new ones over the new buffers. An update of several tokens (a prefill chunk) returns fresh
+    views that carry its keys and values."""
+    cache, prompt_keys, _ = filled_tq_cache(length=36)
+    assert prompt_keys.chunk_k is not None and prompt_keys.chunk_k.shape[2] == 36
     kv = torch.randn(B, HK, 1, D, dtype=torch.bfloat16)
+    keys, values = cache.update(torch.tensor([36]), kv, kv)
+    assert keys is not prompt_keys and keys.chunk_k is None
     again_keys, again_values = cache.update(torch.tensor([37]), kv, kv)
     assert again_keys is keys and again_values is values
     assert keys.seq_lens.tolist() == [38] * B

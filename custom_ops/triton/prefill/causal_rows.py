@@ -1,0 +1,90 @@
+"""Which rows of a prefill's attention mask are causal over the chunk: the check that lets a
+masked prefill use the dense kernel's causal attention for the chunk.
+
+A model's prefill mask ``[B or 1, Hq or 1, T, M]`` (gpt-fast's ``causal_mask[input_pos]``,
+Hugging Face's 4-D mask) is usually causal over the chunk's own positions ``start .. start + T -
+1``, and then the chunk's attention is exactly what SDPA computes with ``is_causal=True`` (cuDNN,
+no mask). Row ``t`` is causal when it lets token ``t`` see chunk positions ``start + j`` for
+``j <= t`` and none for ``j > t`` (bool True / False; an additive mask 0 / -inf, anything else
+counts as not causal). One program checks ``BLOCK_T`` rows of one (sequence, mask head) against
+every chunk column; the prefill kernel recomputes the chunk itself for the rows that fail
+(padding, a bidirectional prefix, a sliding window).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.triton.launch import Launcher
+
+__all__ = ["causal_rows_kernel", "causal_rows"]
+
+
+@triton.jit
+def causal_rows_kernel(
+    mask_ptr,
+    stride_mb,
+    stride_mh,
+    stride_mt,
+    mask_len,
+    seq_lens_ptr,
+    flags_ptr,
+    num_mask_heads,
+    tokens,
+    FLOAT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+):
+    batch_head = tl.program_id(0)
+    b = batch_head // num_mask_heads
+    head = batch_head % num_mask_heads
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < tokens
+    start = tl.maximum(tl.load(seq_lens_ptr + b) - tokens, 0)
+    rows = mask_ptr + b.to(tl.int64) * stride_mb + head * stride_mh + t.to(tl.int64) * stride_mt
+    causal = t_ok
+    for j0 in range(0, tokens, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        position = start + j
+        in_chunk = t_ok[:, None] & (j < tokens)[None, :]
+        loaded = in_chunk & (position < mask_len)[None, :]
+        m = tl.load(rows[:, None] + position[None, :], mask=loaded, other=0)
+        if FLOAT:
+            visible = loaded & (m == 0.0)
+            hidden = ~loaded | (m == float("-inf"))
+        else:
+            visible = loaded & (m != 0)
+            hidden = ~visible
+        wanted = tl.where(j[None, :] <= t[:, None], visible, hidden) | ~in_chunk
+        causal = causal & (tl.min(wanted.to(tl.int32), axis=1) > 0)
+    tl.store(flags_ptr + batch_head * tokens + t, causal.to(tl.int8), mask=t_ok)
+
+
+@functools.lru_cache(maxsize=16)
+def _launcher(is_float: bool, block_t: int, block_j: int) -> Launcher:
+    return Launcher(causal_rows_kernel, dict(FLOAT=is_float, BLOCK_T=block_t, BLOCK_J=block_j,
+                                             num_warps=4))  # fmt: skip
+
+
+def causal_rows(
+    mask: torch.Tensor, seq_lens: torch.Tensor, batch: int, block_t: int = 16, block_j: int = 256
+) -> torch.Tensor:
+    """``[B, Hm, T] int8``: 1 where row ``t`` of ``mask [B or 1, Hm, T, M]`` (bool or additive,
+    last dim contiguous) is causal over the chunk of each sequence (positions ``seq_lens[b] -
+    T ..``; ``seq_lens [B] int32``), 0 elsewhere."""
+    _, num_mask_heads, tokens, mask_len = mask.shape
+    flags = torch.empty(batch, num_mask_heads, tokens, dtype=torch.int8, device=mask.device)
+    if flags.numel() == 0:
+        return flags
+    stride_mb = mask.stride(0) if mask.shape[0] > 1 else 0
+    stride_mh = mask.stride(1) if num_mask_heads > 1 else 0
+    grid = (batch * num_mask_heads, triton.cdiv(tokens, block_t))
+    _launcher(mask.dtype != torch.bool, block_t, block_j)(
+        grid, mask, stride_mb, stride_mh, mask.stride(2), mask_len, seq_lens, flags,
+        num_mask_heads, tokens,
+    )  # fmt: skip
+    return flags

@@ -1,0 +1,309 @@
+"""tq.prefill (``custom_ops/triton/prefill/`` on CUDA): a chunk's attention over its own exact
+keys and values and its sequence's compressed prefix, against the float64 oracle
+(``reference.prefill``); every kind of visibility (causal, masks the chunk check accepts and
+rejects, truncated views), rings holding prefix positions, head dims, GQA groups; opcheck; bad
+input.
+
+Tolerance: the output is rounded to bf16 once (2^-9 relative at most per element) after the
+chunk's SDPA rows were rounded to bf16 too; the compressed tiles' fp16 operands add 2^-11. The
+kernels land at 1.5e-3 to 2.2e-3 of the output's norm; 4e-3 is the bound. A prefix left out, a
+mask row misapplied or a chunk read quantized moves the output by 10% or more.
+"""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+from conftest import CUDA, triton_kernels
+from helpers import IMPLS, impl_context, impl_device, random_kv, rel_error
+
+from custom_ops import api, reference, sdpa_lse
+from custom_ops.formats import FORMATS, get_format
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
+
+TOLERANCE = 4e-3
+
+
+class Case:
+    """Sequences whose caches hold ``prefix`` positions (written by the window store, in two
+    appends) and then a chunk of ``tokens`` positions (from ``start``, default the prefix's
+    end: a rollback when smaller), with the chunk's exact keys and values and its queries."""
+
+    def __init__(self, fmt_name, gen, *, head_dim=64, group=4, window=16, sinks=2, center=True,
+                 prefix=90, tokens=24, start=None, batch=2, num_kv_heads=2, page_size=16,
+                 dtype=torch.bfloat16):  # fmt: skip
+        self.fmt = get_format(fmt_name)
+        self.consts = api.make_constants(self.fmt, head_dim, seed=7)
+        start = prefix if start is None else start
+        pages_per_seq = (prefix + tokens) // page_size + 2
+        num_pages = batch * pages_per_seq + 3
+        self.cache = self.fmt.allocate(num_pages, num_kv_heads, page_size, head_dim)
+        pages = torch.randperm(num_pages, generator=gen)[: batch * pages_per_seq]
+        self.block_table = pages.to(torch.int32).reshape(batch, pages_per_seq)
+        self.rings = (None, None, None)
+        self.key_center, self.sinks = None, sinks if window + sinks else 0
+        if window + sinks:
+            shape = (batch, num_kv_heads, window + sinks, head_dim)
+            self.rings = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
+                          torch.full(shape[:3], -1, dtype=torch.int32))  # fmt: skip
+            if center:
+                self.key_center = torch.zeros(batch, num_kv_heads, head_dim)
+        offset = 4 * torch.randn(num_kv_heads, 1, head_dim, generator=gen)  # a shared component
+        lens = torch.zeros(batch, dtype=torch.int64)
+
+        def write(begin, n):
+            if n == 0:
+                return None, None
+            key, value = random_kv(batch * n, num_kv_heads, head_dim, dtype, gen)
+            key = (key.reshape(batch, n, num_kv_heads, head_dim).transpose(1, 2) + offset)
+            value = value.reshape(batch, n, num_kv_heads, head_dim).transpose(1, 2)
+            key, value = key.to(dtype).contiguous(), value.contiguous()
+            starts = torch.full((batch,), begin, dtype=torch.int32)
+            if self.rings[0] is not None:
+                api.store_window(self.fmt, self.cache, key, value, *self.rings, self.block_table,
+                                 starts, self.consts, self.sinks, self.key_center)  # fmt: skip
+            else:
+                positions = begin + torch.arange(n)
+                slots = (self.block_table[:, positions // page_size].to(torch.int64) * page_size
+                         + positions % page_size)  # fmt: skip
+                api.store(self.fmt, self.cache, key.transpose(1, 2).reshape(-1, num_kv_heads,
+                          head_dim), value.transpose(1, 2).reshape(-1, num_kv_heads, head_dim),
+                          slots.reshape(-1).to(torch.int32), self.consts)  # fmt: skip
+            lens.fill_(begin + n)
+            return key, value
+
+        with torch.no_grad():  # the reference store
+            write(0, prefix // 2)
+            write(prefix // 2, prefix - prefix // 2)
+            self.key, self.value = write(start, tokens)
+        self.seq_lens = lens.to(torch.int32)
+        self.q = torch.randn(batch, num_kv_heads * group, tokens, head_dim, generator=gen)
+        self.q = (self.q * 2).to(dtype)
+
+    def causal_mask(self, capacity=None) -> torch.Tensor:
+        """gpt-fast's ``causal_mask[None, None, input_pos]``: ``[1, 1, T, S]`` bool."""
+        start = int(self.seq_lens[0]) - self.q.shape[2]
+        capacity = capacity or int(self.seq_lens.max()) + 8
+        rows = start + torch.arange(self.q.shape[2])
+        return (torch.arange(capacity)[None, :] <= rows[:, None])[None, None]
+
+    def run(self, device, dtype=None, **kwargs):
+        """``tq.prefill`` by the Triton kernels on ``device`` (CPU: the interpreter), or with
+        ``dtype`` the float64 oracle; returned on the CPU."""
+        kwargs = dict(is_causal=False, mask=None, max_seq_len=None) | kwargs
+        args = (self.fmt, self.q, self.key, self.value, self.cache, self.block_table,
+                self.seq_lens, self.consts.rotation)  # fmt: skip
+        if dtype is not None:
+            capacity = self.block_table.shape[1] * self.cache.k_codes.shape[2] + 10**6
+            max_seq_len = kwargs["max_seq_len"] or capacity
+            return reference.prefill(*args, self.q.shape[-1] ** -0.5, kwargs["is_causal"],
+                                     max_seq_len, dtype, kwargs["mask"], *self.rings, self.sinks,
+                                     self.key_center)  # fmt: skip
+
+        def moved(t):
+            return None if t is None else t.to(device)
+
+        with triton_kernels(device):
+            out = api.prefill(self.fmt, *(moved(t) for t in args[1:4]),
+                              type(self.cache)(*(p.to(device) for p in self.cache)),
+                              moved(self.block_table), moved(self.seq_lens),
+                              api.KVConstants(self.consts.rotation.to(device)),
+                              is_causal=kwargs["is_causal"], mask=moved(kwargs["mask"]),
+                              max_seq_len=kwargs["max_seq_len"],
+                              k_window=moved(self.rings[0]), v_window=moved(self.rings[1]),
+                              window_pos=moved(self.rings[2]), sinks=self.sinks,
+                              key_center=moved(self.key_center))  # fmt: skip
+        return out.cpu()
+
+    def check(self, device, **kwargs) -> float:
+        expected = self.run(device, torch.float64, **kwargs)
+        actual = self.run(device, **kwargs)
+        assert actual.dtype == self.q.dtype and actual.is_contiguous()
+        error = rel_error(actual, expected)
+        assert error < TOLERANCE, error
+        return error
+
+
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_kernel_matches_float64_oracle(fmt_name, kernel_device, seeded):
+    """Every format: a 24-token chunk after a 90-token prefix (two 64-token tiles of pages, 2
+    sinks, keys centred, a shuffled block table), under gpt-fast's causal mask: the mask rows
+    are checked causal, the chunk is SDPA's and the prefix the kernel's, merged."""
+    case = Case(fmt_name, seeded)
+    case.check(kernel_device, mask=case.causal_mask())
+
+
+def _masks(case: Case) -> dict:
+    """Every kind of visibility ``tq.prefill`` takes, as keyword arguments."""
+    causal = case.causal_mask()
+    batch, heads, tokens = case.q.shape[:3]
+    start = int(case.seq_lens[0]) - tokens
+    padded = causal.repeat(batch, 1, 1, 1)
+    padded[1, :, :, :5] = False  # sequence 1 left-padded: no row causal over the chunk... yet
+    padded[0, :, :, start + 3 : start + 6] = False  # a hole in sequence 0's chunk
+    additive = torch.zeros(causal.shape).masked_fill(~causal, float("-inf"))
+    biased = additive.clone()
+    biased[..., :start] += torch.linspace(-2, 2, start)  # an ALiBi-like bias on the prefix
+    per_head = causal.repeat(1, heads, 1, 1)
+    per_head[:, 1::2, :, start // 2 : start] = False  # odd heads do not see half the prefix
+    bidirectional = torch.ones_like(causal)  # a prefix-LM chunk: sees all of itself
+    return {
+        "is_causal over a prefix (top-left: the chunk mostly hidden)": dict(is_causal=True),
+        "no mask, not causal": {},
+        "gpt-fast causal mask": dict(mask=causal),
+        "additive causal mask": dict(mask=additive.to(case.q.dtype)),
+        "additive mask with a bias": dict(mask=biased.to(case.q.dtype)),
+        "padding and a hole": dict(mask=padded),
+        "mask per head": dict(mask=per_head),
+        "bidirectional chunk": dict(mask=bidirectional),
+        "mask shorter than the sequence": dict(mask=causal[..., : start + tokens // 2]),
+        "view truncated inside the chunk": dict(is_causal=True, max_seq_len=start + 5),
+    }
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq4_nc"])
+def test_visibility(fmt_name, kernel_device, seeded):
+    """Each mask kind, causal order and view length: the rows the chunk check accepts take
+    SDPA's result, the others the kernel's own pass over the chunk, both equal to the oracle
+    (uniform and rotated values)."""
+    case = Case(fmt_name, seeded, window=8, sinks=2)
+    for name, kwargs in _masks(case).items():
+        try:
+            case.check(kernel_device, **kwargs)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from None
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4"])
+def test_first_chunk_is_sdpa(fmt_name, kernel_device, seeded):
+    """A first chunk (no prefix) under a causal mask or is_causal is the dense kernel's causal
+    attention over the chunk, bit for bit: the prefill kernel writes nothing."""
+    case = Case(fmt_name, seeded, prefix=0, tokens=40)
+    dense = sdpa_lse.attention_lse(case.q.to(kernel_device), case.key.to(kernel_device),
+                                   case.value.to(kernel_device), True,
+                                   case.q.shape[-1] ** -0.5)[0].cpu()  # fmt: skip
+    for kwargs in (dict(is_causal=True), dict(mask=case.causal_mask())):
+        assert torch.equal(case.run(kernel_device, **kwargs), dense)
+    case.check(kernel_device, is_causal=True)
+
+
+@pytest.mark.parametrize(
+    "window, sinks, prefix, tokens, start",
+    [(32, 0, 40, 8, None), (32, 4, 40, 8, None), (16, 2, 40, 6, 30), (0, 0, 70, 20, None)],
+    ids=["ring run in the prefix", "and sinks", "rollback into the ring", "no ring"],
+)  # fmt: skip
+def test_rings(window, sinks, prefix, tokens, start, kernel_device, seeded):
+    """A chunk shorter than the window leaves prefix positions in the ring (read in full
+    precision, sinks too); a chunk that rewrites from inside the ring leaves stale positions past
+    the length there (never read); without rings the prefix is all pages."""
+    case = Case("3bit_nc", seeded, window=window, sinks=sinks, prefix=prefix, tokens=tokens,
+                start=start)  # fmt: skip
+    case.check(kernel_device, mask=case.causal_mask())
+    case.check(kernel_device, is_causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 128, 256])
+@pytest.mark.parametrize("fmt_name", ["3bit_nc", "tq4_nc"])
+def test_head_dims(fmt_name, head_dim, kernel_device, seeded):
+    """Head dims 80 and 96 (padded parts), 128 and 256, four parts of 3-bit codes and two of
+    rotated 4-bit values."""
+    case = Case(fmt_name, seeded, head_dim=head_dim, prefix=40, tokens=12, batch=1)
+    case.check(kernel_device, mask=case.causal_mask())
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_gqa_groups(group, kernel_device, seeded):
+    """Query rows are token x group: groups 1, 3 (tiles of 64 rows split a token's group) and
+    8; 37 tokens give a last tile partly empty."""
+    case = Case("k8v4", seeded, group=group, prefix=50, tokens=37, batch=1)
+    case.check(kernel_device, mask=case.causal_mask())
+
+
+def test_float16_model(kernel_device, seeded):
+    """An fp16 model: fp16 queries, chunk and rings."""
+    case = Case("tq3_nc", seeded, dtype=torch.float16, prefix=40, tokens=12)
+    case.check(kernel_device, mask=case.causal_mask())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_opcheck_prefill(impl, kernel_device, seeded):
+    """opcheck (schema, fake tensor, aot dispatch) for tq.prefill, with rings and a mask."""
+    device = impl_device(impl, kernel_device)
+    case = Case("4bit_nc", seeded, prefix=20, tokens=9, batch=1)
+    args = (case.q, case.key, case.value, *case.cache, case.block_table, case.seq_lens,
+            case.consts.rotation, "4bit_nc", 0.125, False, 64, case.causal_mask(), *case.rings,
+            case.sinks, case.key_center)  # fmt: skip
+    with impl_context(impl, device):
+        torch.library.opcheck(torch.ops.tq.prefill.default,
+                              tuple(a.to(device) if isinstance(a, torch.Tensor) else a
+                                    for a in args))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc", "tq4_nc", "tqk5v3_nc"])
+def test_long_chunk_on_the_gpu(fmt_name, seeded):
+    """A GPU-sized case: 300 tokens after a 1000-token prefix, D = 128, group 4, window 128 and
+    4 sinks, inline-PTX decoding of the codes, cuDNN's rows; also with padding (the kernel's own
+    pass over the chunk)."""
+    case = Case(fmt_name, seeded, head_dim=128, prefix=1000, tokens=300, window=128, sinks=4)
+    case.check("cuda", mask=case.causal_mask())
+    mask = case.causal_mask().repeat(2, 1, 1, 1)
+    mask[1, :, :, :7] = False
+    case.check("cuda", mask=mask)
+
+
+class TestPrefillBadInput(expecttest.TestCase):
+    def test_rejects_bad_input(self):
+        gen = torch.Generator().manual_seed(0)
+        case = Case("4bit_nc", gen, prefix=20, tokens=6, batch=1)
+        mask = case.causal_mask()
+        cases = {
+            "float32 query": dict(q=case.q.float()),
+            "key of another dtype": dict(key=case.key.half(), value=case.value.half()),
+            "chunk length mismatch": dict(key=case.key[:, :, :5], value=case.value[:, :, :5]),
+            "mask and is_causal": dict(mask=mask, is_causal=True),
+            "mask rows": dict(mask=mask[:, :, :2]),
+            "mask of int": dict(mask=mask.to(torch.int32)),
+            "float32 mask for a bf16 query": dict(mask=torch.zeros(mask.shape)),
+            "length below the chunk": dict(seq_lens=torch.tensor([4], dtype=torch.int32)),
+        }
+        messages = []
+        for name, override in cases.items():
+            args = dict(q=case.q, key=case.key, value=case.value, seq_lens=case.seq_lens,
+                        mask=None, is_causal=False) | override  # fmt: skip
+            with self.assertRaises((ValueError, TypeError)) as ctx:
+                api.prefill(case.fmt, args["q"], args["key"], args["value"], case.cache,
+                            case.block_table, args["seq_lens"], case.consts,
+                            is_causal=args["is_causal"], mask=args["mask"], k_window=case.rings[0],
+                            v_window=case.rings[1], window_pos=case.rings[2], sinks=case.sinks,
+                            key_center=case.key_center)  # fmt: skip
+            messages.append(f"{name}: {type(ctx.exception).__name__}: {ctx.exception}")
+        self.assertExpectedInline("\n".join(messages), """\
+float32 query: TypeError: tq.prefill: q must be bfloat16 or float16, got torch.float32
+key of another dtype: TypeError: tq.prefill: key must have q's dtype torch.bfloat16, got torch.float16
+chunk length mismatch: ValueError: tq.prefill: key must be [B, Hk, T, D] = [1, Hk, 6, 64] (q's batch, tokens and head dim), got (1, 2, 5, 64)
+mask and is_causal: ValueError: tq.prefill: mask and is_causal=True cannot both be given (as for dense SDPA)
+mask rows: ValueError: tq.prefill: mask must be [B or 1, Hq or 1, T, M] = [1 or 1, 8 or 1, 6, M], got shape (1, 1, 2, 34)
+mask of int: TypeError: tq.prefill: mask must be bool or q's dtype torch.bfloat16, got torch.int32
+float32 mask for a bf16 query: TypeError: tq.prefill: mask must be bool or q's dtype torch.bfloat16, got torch.float32
+length below the chunk: ValueError: tq.prefill: seq_lens must be at least T = 6 (the chunk is each sequence's last T positions, stored before), got a length of 4""")  # noqa: E501
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_fast_and_portable_paths_agree(seeded):
+    """On the GPU, the inline-PTX decoding of the codes equals the plain-Triton decoding in the
+    prefill kernel (rotated keys and values, sign planes)."""
+    from custom_ops.triton import prefill as triton_prefill
+
+    for fmt_name in ("4bit_nc", "tqk5v3_nc", "3bit_nc", "k8v4", "int8"):
+        case = Case(fmt_name, seeded, head_dim=128, prefix=200, tokens=70)
+        args = (case.fmt, case.q.cuda(), case.key.cuda(), case.value.cuda(),
+                type(case.cache)(*(p.cuda() for p in case.cache)), case.block_table.cuda(),
+                case.seq_lens.cuda(), case.consts.rotation.cuda(), 0.125, False, 10**6,
+                case.causal_mask().cuda(), *(r.cuda() for r in case.rings), case.sinks,
+                case.key_center.cuda())  # fmt: skip
+        fast = triton_prefill.prefill(*args, fast=True)
+        portable = triton_prefill.prefill(*args, fast=False)
+        assert rel_error(fast, portable) < 1e-3, fmt_name
