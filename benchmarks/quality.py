@@ -436,13 +436,19 @@ def run(args) -> dict:
 def run_smollm2(args) -> dict:
     """The real model: SmolLM2-135M-Instruct (weights from its Q4_1 GGUF in ``--dtype``, head
     dim 64) on ``--eval-len`` tokens of CPython's "Execution model" reference chapter (or of
-    the ``--texts`` longest chapters, as ``quality_design.py`` reads them), teacher forced
-    ``--chunk`` tokens per forward through transformers' StaticCache (the reference), then a
-    TurboQuantCache of each format x window x sinks x key centering. With several texts a
-    row's increase is the mean of the per-text increases (and their smallest and largest)."""
+    the ``--texts`` longest chapters, as ``quality_design.py`` reads them, all in one batch),
+    teacher forced ``--chunk`` tokens per forward through transformers' StaticCache (the
+    reference), then a TurboQuantCache of each format x window x sinks x key centering. With
+    several texts a row's increase is the mean of the per-text increases (and their smallest
+    and largest).
+
+    With ``--prompt N`` each configuration also runs "prompt then answer": the first N tokens
+    of each text prefilled (in one forward, or ``--prompt-chunk`` per forward), then the rest
+    teacher forced one token at a time; its perplexity over the answer's tokens is reported
+    beside the ``--chunk`` run's over the same tokens."""
     from transformers import StaticCache
 
-    from examples.hf_eval import agreement, perplexity, reference_text, teacher_forced
+    from examples.hf_eval import DecodeRun, agreement, perplexity, reference_text, teacher_forced
     from tq_compile.hf import TurboQuantCache
     from tq_compile.smollm2 import load_smollm2
 
@@ -455,50 +461,85 @@ def run_smollm2(args) -> dict:
     else:
         ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"][0][:eval_len]
         chapters = [("execmodel", ids)]
-    chapters = [(name, ids.to(args.device)) for name, ids in chapters]
+    evaluated = min(int(ids.shape[0]) for _, ids in chapters)  # a chapter may be shorter
+    batch = torch.stack([ids[:evaluated] for _, ids in chapters]).to(args.device)  # [texts, T]
+    if not 0 <= args.prompt < evaluated - 1:
+        raise SystemExit(f"--prompt must leave tokens to answer in {evaluated}, got {args.prompt}")
+    answer = max(args.prompt - 1, 0)  # the prompt's last position predicts the first answer
     head_dim = model.config.head_dim
+
+    def per_text(run: DecodeRun) -> list[DecodeRun]:
+        return [DecodeRun(n, a, run.seconds) for n, a in zip(run.nll, run.argmax, strict=True)]
+
+    def runs_of(fmt, window, sinks, center, label, prompt, chunk) -> list[DecodeRun]:
+        if window is None:
+            cache = StaticCache(model.config, max_cache_len=evaluated)
+        else:
+            cache = TurboQuantCache(model.config, evaluated, preset=fmt, window=window,
+                                    sinks=sinks, center_keys=center)  # fmt: skip
+
+        def progress(done, total):
+            print(f"\r  {label}: {done}/{total} positions", end="", flush=True)
+
+        return per_text(teacher_forced(model, cache, batch, progress, chunk=chunk,
+                                       prompt=prompt, prompt_chunk=args.prompt_chunk))
+
+    def compared(runs, references, start=0) -> tuple[list[float], list[float]]:
+        pairs = list(zip(runs, references, strict=True))
+        deltas = [100 * (perplexity(r, start) / perplexity(ref, start) - 1) for r, ref in pairs]
+        return deltas, [100 * agreement(r, ref, start) for r, ref in pairs]
+
     rows, references = [], None
     for fmt, window, sinks, center in configurations(args):
         label = config_label(fmt, window, sinks, center)
         bytes_per = (
             4 * head_dim if window is None else get_format(fmt).bytes_per_token_head(head_dim)
         )
-        runs = []
-        for i, (_, ids) in enumerate(chapters):
-            if window is None:
-                cache = StaticCache(model.config, max_cache_len=ids.shape[0])
-            else:
-                cache = TurboQuantCache(model.config, ids.shape[0], preset=fmt, window=window,
-                                        sinks=sinks, center_keys=center)  # fmt: skip
-            text_label = f"{label}, text {i + 1}/{len(chapters)}"
-
-            def progress(done, total, text_label=text_label):
-                print(f"\r  {text_label}: {done}/{total} positions", end="", flush=True)
-
-            runs.append(teacher_forced(model, cache, ids, progress, chunk=args.chunk))
-        references = references or runs
-        deltas = [100 * (perplexity(r) / perplexity(ref) - 1)
-                  for r, ref in zip(runs, references, strict=True)]  # fmt: skip
-        top1 = [100 * agreement(r, ref) for r, ref in zip(runs, references, strict=True)]
+        stepwise = runs_of(fmt, window, sinks, center, label, 0, args.chunk)
+        prompted = None
+        if args.prompt:  # the answer one token at a time, as it is generated
+            prompted = runs_of(fmt, window, sinks, center, f"{label}, prompt", args.prompt, 1)
+        references = references or (stepwise, prompted)
+        deltas, top1 = compared(stepwise, references[0])
         rows.append(dict(
             cache=fmt, window=window, sinks=sinks, center=center, bytes_per_token_head=bytes_per,
-            ppl=sum(perplexity(r) for r in runs) / len(runs),
+            ppl=sum(perplexity(r) for r in stepwise) / len(stepwise),
             ppl_delta_pct=sum(deltas) / len(deltas), min_pct=min(deltas), max_pct=max(deltas),
-            top1_pct=sum(top1) / len(top1), seconds=sum(r.seconds for r in runs),
-            per_text=deltas,
+            top1_pct=sum(top1) / len(top1), seconds=stepwise[0].seconds, per_text=deltas,
         ))  # fmt: skip
-        print(f"\r  {label}: perplexity {rows[-1]['ppl']:.4f} ({rows[-1]['ppl_delta_pct']:+.3f}%"
-              f", texts {min(deltas):+.3f} .. {max(deltas):+.3f}), top-1 "
-              f"{rows[-1]['top1_pct']:.2f}%, {rows[-1]['seconds']:.0f} s", flush=True)  # fmt: skip
+        summary = f"{rows[-1]['ppl_delta_pct']:+.3f}%"
+        if prompted is not None:
+            answer_deltas, answer_top1 = compared(prompted, references[1], answer)
+            stepwise_deltas, _ = compared(stepwise, references[0], answer)
+            rows[-1].update(
+                answer_pct=sum(answer_deltas) / len(answer_deltas),
+                answer_min_pct=min(answer_deltas), answer_max_pct=max(answer_deltas),
+                answer_top1_pct=sum(answer_top1) / len(answer_top1),
+                stepwise_answer_pct=sum(stepwise_deltas) / len(stepwise_deltas),
+                answer_seconds=prompted[0].seconds, answer_per_text=answer_deltas,
+            )  # fmt: skip
+            summary += (f"; answer after the prompt {rows[-1]['answer_pct']:+.3f}% (token at a "
+                        f"time {rows[-1]['stepwise_answer_pct']:+.3f}%)")  # fmt: skip
+        print(f"\r  {label}: {summary}, {rows[-1]['seconds']:.0f} s" + " " * 20, flush=True)
     on = gpu_name() if args.device == "cuda" else "cpu"
     names = [name for name, _ in chapters]
-    evaluated = min(int(ids.shape[0]) for _, ids in chapters)  # a chapter may be shorter
     print(f"\n{on}, SmolLM2-135M-Instruct ({args.dtype}), {len(chapters)} x {evaluated} tokens "
           f"of CPython's reference ({', '.join(names)}) teacher-forced through the cache, "
           f"{args.chunk} per forward; bytes per token-head at D={head_dim}")  # fmt: skip
     print_rows(rows)
+    if args.prompt:
+        chunks = f"in chunks of {args.prompt_chunk}" if args.prompt_chunk else "in one forward"
+        print(f"\nPrompt then answer: the first {args.prompt} tokens prefilled {chunks}, then "
+              f"{evaluated - args.prompt} teacher forced one at a time; perplexity over those "
+              "answer tokens (answer_pct) and, for comparison, over the same tokens when the "
+              f"whole text went {args.chunk} per forward (stepwise_answer_pct)")  # fmt: skip
+        table = [r | dict(window="-" if r["window"] is None else str(r["window"])) for r in rows]
+        print_table(table, dict(cache="", window="", sinks="d", answer_pct="+.3f",
+                               answer_min_pct="+.3f", answer_max_pct="+.3f",
+                               answer_top1_pct=".2f", stepwise_answer_pct="+.3f"))  # fmt: skip
     return dict(device=on, torch=torch.__version__, model="smollm2", dtype=args.dtype,
-                chunk=args.chunk, model_args=dict(head_dim=head_dim), eval_seqs=len(chapters),
+                chunk=args.chunk, prompt=args.prompt, prompt_chunk=args.prompt_chunk,
+                model_args=dict(head_dim=head_dim), eval_seqs=len(chapters),
                 eval_len=evaluated, texts=names,
                 eval_corpus=dict(root=f"pydoc_data.topics[{', '.join(names)}]"),
                 rows=rows)  # fmt: skip
@@ -637,6 +678,19 @@ def main() -> None:
         "decode; the first queries of a chunk see the window's oldest positions quantized)",
     )
     parser.add_argument(
+        "--prompt",
+        type=int,
+        default=0,
+        help="smollm2: also run 'prompt then answer': prefill the first N tokens, teacher force "
+        "the rest, perplexity of the answer's tokens (default 0: not run)",
+    )
+    parser.add_argument(
+        "--prompt-chunk",
+        type=int,
+        default=0,
+        help="smollm2: tokens per forward of the prompt (default 0: one forward)",
+    )
+    parser.add_argument(
         "--dtype",
         choices=["bfloat16", "float16"],
         default="bfloat16",
@@ -685,8 +739,9 @@ def main() -> None:
     if args.replot:
         plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
         return
-    if args.texts < 0 or args.chunk < 1:
-        parser.error(f"--texts must be >= 0 and --chunk >= 1, got {args.texts} and {args.chunk}")
+    if args.texts < 0 or args.chunk < 1 or args.prompt < 0 or args.prompt_chunk < 0:
+        parser.error(f"--texts, --prompt and --prompt-chunk must be >= 0 and --chunk >= 1, got "
+                     f"{args.texts}, {args.prompt}, {args.prompt_chunk} and {args.chunk}")
     if args.model == "smollm2":
         if args.out == parser.get_default("out"):
             args.out = "quality_smollm2.json"

@@ -3,10 +3,12 @@
 ``teacher_forced(model, cache, ids)`` feeds a text one token at a time (or ``chunk`` at a
 time) through ``cache``, so every prediction attends to keys and values read back from the
 cache (compressed ones for a ``TurboQuantCache``), and keeps each position's negative
-log-likelihood of the next token and its argmax. ``perplexity`` and ``agreement`` summarize
-two such runs; ``StepTimer`` times the decode steps of ``generate``. ``reference_text`` is the
-evaluation text: the "Execution model" chapter of the Python language reference, as CPython
-ships it (``pydoc_data.topics``), English technical prose that any Python has offline.
+log-likelihood of the next token and its argmax; with ``prompt=N`` it prefills the first N
+tokens first (in one forward, or ``prompt_chunk`` at a time), as a prompt before its answer.
+``perplexity`` and ``agreement`` summarize two such runs (from a position on: the answer's);
+``StepTimer`` times the decode steps of ``generate``. ``reference_text`` is the evaluation
+text: the "Execution model" chapter of the Python language reference, as CPython ships it
+(``pydoc_data.topics``), English technical prose that any Python has offline.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ __all__ = ["DecodeRun", "StepTimer", "agreement", "perplexity", "reference_text"
 
 class DecodeRun(NamedTuple):
     """One teacher-forced pass: ``nll [T - 1]`` float32 negative log-likelihood of tokens
-    ``1 .. T - 1``, ``argmax [T - 1]`` the predicted token at each step, ``seconds``."""
+    ``1 .. T - 1``, ``argmax [T - 1]`` the predicted token at each step (``[B, T - 1]`` each for
+    a batch of texts), ``seconds``."""
 
     nll: torch.Tensor
     argmax: torch.Tensor
@@ -70,45 +73,66 @@ def teacher_forced(
     ids: torch.Tensor,
     progress: Callable[[int, int], None] | None = None,
     chunk: int = 1,
+    prompt: int = 0,
+    prompt_chunk: int = 0,
 ) -> DecodeRun:
-    """Feed ``ids [T]`` (int64) through ``cache``, ``chunk`` tokens per forward.
+    """Feed ``ids [T]`` (or a batch of texts ``[B, T]``, int64) through ``cache``, ``chunk``
+    tokens per forward after a prompt of ``prompt`` tokens.
 
-    With ``chunk=1`` every prediction is a decode step. With ``chunk=C > 1`` (at most 16 for
-    a ``TurboQuantCache``: its multi-token decode) each forward appends C tokens and their C
-    queries attend causally over the cache, as a speculative verify step does: C times fewer
-    forwards, and the same attention except that a query ``c`` places before the chunk's last
-    sees the ``c`` oldest positions of the recent window already quantized (they leave the
-    window when the whole chunk is written).
+    With ``chunk=1`` every prediction after the prompt is a decode step. With ``chunk=C > 1``
+    (at most 16 for a ``TurboQuantCache``'s multi-token decode) each forward appends C tokens
+    and their C queries attend causally over the cache, as a speculative verify step does: C
+    times fewer forwards, and the same attention except that a query ``c`` places before the
+    chunk's last sees the ``c`` oldest positions of the recent window already quantized (they
+    leave the window when the whole chunk is written). The prompt's tokens go in one forward
+    (``prompt_chunk`` 0) or ``prompt_chunk`` per forward: a prefill, each chunk attending over
+    its own tokens exactly and over the cached ones before it.
 
     Args:
         model: a causal LM (``model(input_ids, past_key_values=cache)``).
-        cache: an empty transformers ``Cache`` with room for ``T`` tokens at batch 1.
+        cache: an empty transformers ``Cache`` with room for ``T`` tokens of each text.
         ids: the token ids.
         progress: called as ``progress(done, total)`` about every 64 positions and at the end.
-        chunk: tokens per forward (>= 1).
+        chunk: tokens per forward after the prompt (>= 1).
+        prompt: tokens prefilled first (0: none).
+        prompt_chunk: tokens per forward of the prompt (0: all of it in one).
     """
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk!r}")
-    steps = ids.shape[0] - 1
-    nll, argmax = torch.empty(steps), torch.empty(steps, dtype=torch.long)
+    if chunk < 1 or prompt < 0 or prompt_chunk < 0:
+        raise ValueError(f"chunk must be >= 1 and prompt, prompt_chunk >= 0, got {chunk!r}, "
+                         f"{prompt!r}, {prompt_chunk!r}")  # fmt: skip
+    texts = ids if ids.dim() == 2 else ids[None]
+    steps = texts.shape[1] - 1
+    if prompt > steps:
+        raise ValueError(f"prompt of {prompt} tokens leaves nothing to predict in {steps + 1}")
+    nll = torch.empty(texts.shape[0], steps)
+    argmax = torch.empty(texts.shape[0], steps, dtype=torch.long)
+    prompt_forwards = [(t, min(t + (prompt_chunk or prompt), prompt))
+                       for t in range(0, prompt, prompt_chunk or max(prompt, 1))]  # fmt: skip
+    forwards = prompt_forwards + [(t, min(t + chunk, steps)) for t in range(prompt, steps, chunk)]
     start = time.perf_counter()
-    for t in range(0, steps, chunk):
-        end = min(t + chunk, steps)
-        out = model(ids[None, t:end], past_key_values=cache, use_cache=True)
-        logits = out.logits[0].float()  # [end - t, V]: position i predicts token i + 1
-        targets = ids[t + 1 : end + 1, None]
-        nll[t:end] = (torch.logsumexp(logits, -1) - logits.gather(-1, targets)[:, 0]).cpu()
-        argmax[t:end] = logits.argmax(-1).cpu()
+    for t, end in forwards:
+        out = model(texts[:, t:end], past_key_values=cache, use_cache=True)
+        logits = out.logits.float()  # [B, end - t, V]: position i predicts token i + 1
+        last = min(end, steps)  # a prompt's last position predicts the first answer token
+        logits = logits[:, : last - t]
+        targets = texts[:, t + 1 : last + 1, None]
+        nll[:, t:last] = (torch.logsumexp(logits, -1) - logits.gather(-1, targets)[..., 0]).cpu()
+        argmax[:, t:last] = logits.argmax(-1).cpu()
         if progress and (end // 64 > t // 64 or end == steps):
             progress(end, steps)
-    return DecodeRun(nll, argmax, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    if ids.dim() == 1:
+        return DecodeRun(nll[0], argmax[0], seconds)
+    return DecodeRun(nll, argmax, seconds)
 
 
-def perplexity(run: DecodeRun) -> float:
-    """exp of the mean negative log-likelihood."""
-    return math.exp(run.nll.double().mean().item())
+def perplexity(run: DecodeRun, start: int = 0) -> float:
+    """exp of the mean negative log-likelihood of the predictions from step ``start`` on (of
+    every text of a batch together)."""
+    return math.exp(run.nll[..., start:].double().mean().item())
 
 
-def agreement(run: DecodeRun, reference: DecodeRun) -> float:
-    """Fraction of steps whose argmax equals the reference run's (top-1 agreement)."""
-    return (run.argmax == reference.argmax).double().mean().item()
+def agreement(run: DecodeRun, reference: DecodeRun, start: int = 0) -> float:
+    """Fraction of steps from ``start`` on whose argmax equals the reference run's (top-1
+    agreement)."""
+    return (run.argmax[..., start:] == reference.argmax[..., start:]).double().mean().item()

@@ -179,8 +179,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_size, config.dim, bias=False)
         self.kv_cache: nn.Module | None = None
 
-    def forward(self, x: Tensor, freqs_cis: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
-        """``x [B, T, dim]``, ``freqs_cis [T, D // 2, 2]``, ``mask [1, 1, T, S] bool``."""
+    def forward(
+        self, x: Tensor, freqs_cis: Tensor, mask: Tensor | None, input_pos: Tensor
+    ) -> Tensor:
+        """``x [B, T, dim]``, ``freqs_cis [T, D // 2, 2]``, ``mask [1, 1, T, S] bool``; ``mask``
+        None: the T tokens are a prompt from position 0, attending causally over themselves
+        (``is_causal`` over the cache's first T positions, no mask: what Hugging Face's SDPA
+        attention does for a prefill into an empty static cache, so that SDPA may pick its
+        fastest kernel)."""
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -194,10 +200,13 @@ class Attention(nn.Module):
 
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(input_pos, k, v)  # [B, Hk, S_max, D]
+        if mask is None:
+            k, v = k[:, :, :seqlen], v[:, :, :seqlen]
         if self.gqa == "repeat_interleave":
             k = k.repeat_interleave(self.n_head // self.n_local_heads, dim=1)  # [B, Hq, S, D]
             v = v.repeat_interleave(self.n_head // self.n_local_heads, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
+                                           is_causal=mask is None,
                                            enable_gqa=self.gqa == "enable_gqa")  # fmt: skip
 
         y = y.transpose(1, 2).contiguous().view(bsz, seqlen, q_size)
@@ -223,7 +232,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, mask: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, mask: Tensor | None
+    ) -> Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, mask, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -274,13 +285,24 @@ class Transformer(nn.Module):
                 torch.ones(max_seq_length, max_seq_length, dtype=torch.bool)
             )
 
-    def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(
+        self, idx: Tensor, input_pos: Tensor, causal_prompt: bool = False, last_only: bool = False
+    ) -> Tensor:
         """Logits ``[B, T, V]`` for tokens ``idx [B, T] int64`` at positions ``input_pos [T]``.
 
         With caches, attends to everything cached up to each position. Without (no
         ``setup_caches``), plain causal attention over ``idx`` alone.
+
+        Args:
+            causal_prompt: ``idx`` is a prompt from position 0: attention is SDPA's
+                ``is_causal`` over its own positions instead of gpt-fast's mask over the
+                cache (the same result; SDPA's flash / cuDNN kernels take no mask).
+            last_only: logits of the last position only, ``[B, 1, V]`` (a prefill needs no
+                more: at 32k tokens the others are 8 GB).
         """
-        if self.causal_mask is None:
+        if causal_prompt:
+            mask = None
+        elif self.causal_mask is None:
             seqlen = idx.shape[1]
             mask = torch.ones(seqlen, seqlen, dtype=torch.bool, device=idx.device).tril()
             mask = mask[None, None]  # [1, 1, T, T]
@@ -290,6 +312,8 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx)  # [B, T, dim]
         for layer in self.layers:
             x = layer(x, input_pos, freqs_cis, mask)
+        if last_only:
+            x = x[:, -1:]
         return self.output(self.norm(x))
 
 

@@ -195,14 +195,15 @@ def test_triton_kernels_match_reference_path():
     assert rel_error(kernels.cpu(), reference) < SAME_QUANTIZATION_BOUND
 
 
-@pytest.mark.parametrize("chunk", [1, 5])
-def test_teacher_forced_chunks_equal_one_parallel_forward(chunk):
+@pytest.mark.parametrize("chunk, prompt, prompt_chunk", [(1, 0, 0), (5, 0, 0), (1, 10, 0),
+                                                        (3, 10, 4)])  # fmt: skip
+def test_teacher_forced_chunks_equal_one_parallel_forward(chunk, prompt, prompt_chunk):
     """``examples.hf_eval.teacher_forced`` with ``chunk`` tokens per forward (5: the last chunk
-    shorter) gives each position's next-token NLL and argmax as one parallel forward does
-    (float32 StaticCache: rounding only, 1e-4; targets one position off differ by 0.1 or
-    more); a TurboQuantCache without a window reads the same codes in chunks of 1 and of 4 or 5
-    (bf16 rounding of the logits, as in the bounds above); progress reaches the end; a chunk below
-    1 is refused."""
+    shorter), after a prompt of 10 tokens prefilled in one forward or in chunks of 4, gives each
+    position's next-token NLL and argmax as one parallel forward does (float32 StaticCache:
+    rounding only, 1e-4; targets one position off differ by 0.1 or more); a TurboQuantCache
+    without a window reads the same codes in chunks of 1 and of 4 or 5 (bf16 rounding of the
+    logits, as in the bounds above); progress reaches the end; a chunk below 1 is refused."""
     from examples.hf_eval import teacher_forced
 
     config, model = tiny_model("llama")
@@ -213,7 +214,8 @@ def test_teacher_forced_chunks_equal_one_parallel_forward(chunk):
     nll = torch.logsumexp(logits, -1) - logits.gather(-1, ids[1:, None])[:, 0]
     seen = []
     run = teacher_forced(model, StaticCache(config, CAPACITY), ids,
-                         lambda done, total: seen.append((done, total)), chunk=chunk)  # fmt: skip
+                         lambda done, total: seen.append((done, total)), chunk=chunk,
+                         prompt=prompt, prompt_chunk=prompt_chunk)  # fmt: skip
     torch.testing.assert_close(run.nll, nll, rtol=0, atol=1e-4)
     assert torch.equal(run.argmax, logits.argmax(-1))
     assert seen[-1] == (22, 22)
@@ -221,7 +223,7 @@ def test_teacher_forced_chunks_equal_one_parallel_forward(chunk):
     one, chunked = (teacher_forced(model, TurboQuantCache(config, CAPACITY, window=0), ids,
                                    chunk=c) for c in (1, max(chunk, 4)))  # fmt: skip
     assert rel_error(chunked.nll, one.nll) < SAME_QUANTIZATION_BOUND
-    with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="chunk must be >= 1 and prompt, prompt_chunk >= 0"):
         teacher_forced(model, StaticCache(config, CAPACITY), ids, chunk=0)
 
 
