@@ -72,6 +72,7 @@ from common import gpu_name, print_table, pyplot, save_figure, write_json  # noq
 from custom_ops.formats import FORMATS, get_format  # noqa: E402
 from examples.model import ModelArgs, Transformer, decode_one_token, init_weights  # noqa: E402
 from tq_compile import TurboQuantKVConfig, quantize_  # noqa: E402
+from tq_compile.cache import default_sinks  # noqa: E402
 
 SEPARATOR = b"\x00"  # between files: Python source may not contain it
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -550,7 +551,8 @@ def configurations(args) -> list[tuple[str, int | None, int, bool]]:
     every format x ``--windows`` x ``--sinks`` x ``--center`` (centring only where the cache
     has a ring: a window or sinks)."""
     grid = itertools.product(args.formats, args.windows, args.sinks, args.center)
-    runs = [(f, w, s, c == "on") for f, w, s, c in grid if c == "off" or w + s > 0]
+    grid = [(f, w, default_sinks(w, None) if s < 0 else s, c) for f, w, s, c in grid]
+    runs = [(f, w, s, c == "on") for f, w, s, c in dict.fromkeys(grid) if c == "off" or w + s > 0]
     return [("bf16", None, 0, False)] + runs
 
 
@@ -654,7 +656,8 @@ def main() -> None:
         type=int,
         nargs="+",
         default=[0],
-        help="first tokens of each sequence kept in bf16 (TurboQuantKVConfig.sinks)",
+        help="first tokens of each sequence kept in bf16 (TurboQuantKVConfig.sinks; -1: the "
+        "caches' default, 4 with a window and 0 without)",
     )
     parser.add_argument(
         "--center",

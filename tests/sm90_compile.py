@@ -14,8 +14,9 @@ import triton
 
 from custom_ops import api
 from custom_ops.formats import get_format
-from custom_ops.triton import center, decode, dequant, store, store_window
+from custom_ops.triton import center, decode, dequant, prefill, store, store_window
 from custom_ops.triton.decode import verify
+from custom_ops.triton.decode.codes import part_params
 from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.decode.split import split_arguments
 from custom_ops.triton.offline import compile_offline
@@ -113,6 +114,47 @@ def kernels(name: str) -> dict:
     return jobs
 
 
+def prefill_kernels() -> dict:
+    """``{label: zero-argument compile}`` of the prefill kernel: a mask of each kind (the rows
+    check, the chunk taken from SDPA or recomputed), rings with and without sinks and centred
+    keys, inline PTX and not, uniform, rotated and fp8-key formats (about 12 s a compile: a
+    few variants cover its branches)."""
+    variants = (("4bit_nc", WINDOW, SINKS, 1, 2, True), ("tqk5v3_nc", 0, 0, 0, 1, True),
+                ("k8v4", WINDOW, 0, 2, 2, False), ("tq3_nc", 0, 0, 0, 0, False))  # fmt: skip
+    return {f"{name} prefill (window {window}, sinks {sinks}, mask {mask_kind}, chunk mode "
+            f"{chunk_mode}, fast={fast})": functools.partial(
+                _prefill_job, get_format(name), window, sinks, mask_kind, chunk_mode, fast)
+            for name, window, sinks, mask_kind, chunk_mode, fast in variants}  # fmt: skip
+
+
+def _prefill_job(fmt, window, sinks, mask_kind, chunk_mode, fast):
+    """Compile the prefill kernel with or without rings (and sinks, centred keys), a mask of
+    ``mask_kind`` and the chunk taken as ``chunk_mode``, inline PTX or not."""
+    d, tokens = HEAD_DIM, 24
+    cache = fmt.allocate(PAGES, HEADS, PAGE, d)
+    q = torch.empty(2, HEADS * GROUP, tokens, d, dtype=torch.bfloat16)
+    chunk = torch.empty(2, HEADS, tokens, d, dtype=torch.bfloat16)
+    lse = torch.empty(2, HEADS * GROUP, tokens)
+    lens = torch.zeros(2, dtype=torch.int32)
+    ring = torch.empty(2, HEADS, WINDOW + SINKS, d, dtype=torch.bfloat16)
+    ring_pos = torch.empty(2, HEADS, WINDOW + SINKS, dtype=torch.int32)
+    rings = ring_arguments(ring, ring, ring_pos) if window + sinks else (q, q, lens, 0, 0, 0)
+    mask = torch.empty(1, 1, tokens, 64, dtype=torch.bool if mask_kind == 1 else torch.bfloat16)
+    mask_args = (mask, 0, 0, 64, 64) if mask_kind else (lens, 0, 0, 0, 0)
+    config = prefill.PrefillConfig()
+    kwargs = prefill._launcher(part_params(fmt, "k", d, fast), part_params(fmt, "v", d, fast),
+                               GROUP, d, PAGE, sinks, window + sinks > 0, window > 0, mask_kind,
+                               chunk_mode == 1, chunk_mode, config).kwargs  # fmt: skip
+    return compile_offline(
+        prefill.prefill_kernel, (2 * HEADS, 2), q, *q.stride()[:3], chunk, chunk,
+        *chunk.stride()[:3], *chunk.stride()[:3], q, *q.stride()[:3], lse, *lse.stride(),
+        plane_arguments(cache), table_arguments(torch.zeros(2, 4, dtype=torch.int32)), lens,
+        api.make_constants(fmt, d).rotation, rings, torch.empty(2, HEADS, d), mask_args,
+        torch.empty(2, 1, tokens, dtype=torch.int8), tokens, 0, HEADS, tokens, window, 4, 1000,
+        0.1, **kwargs,
+    )  # fmt: skip
+
+
 def _store_window_job(fmt, d, start, center, launch):
     """Compile the window store for head dim ``d`` with ``start`` (int32 or int64 starts),
     centring set inline or not, and ``launch`` ``(rows per program, warps)``."""
@@ -202,6 +244,7 @@ def main(names: list[str]) -> int:
                for name in names for kernel, compile_it in kernels(name).items()]  # fmt: skip
     results += [report(f"4bit_nc {label}", compile_it)
                 for label, compile_it in verify_kernels().items()]  # fmt: skip
+    results += [report(label, compile_it) for label, compile_it in prefill_kernels().items()]
     return 0 if all(results) else 1
 
 

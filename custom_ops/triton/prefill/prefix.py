@@ -225,7 +225,8 @@ def prefill_kernel(
     if K.PARTS > 2:
         q2 = _code_query(q_scaled, rot_ptr, 2, K, D, D_PAD, INV_SQRT_D)
         q3 = _code_query(q_scaled, rot_ptr, 3, K, D, D_PAD, INV_SQRT_D)
-    acc0 = tl.zeros((BLOCK_M, V.PC_PAD), tl.float32)
+    V_PC_PAD: tl.constexpr = V.PC_PAD
+    acc0 = tl.zeros((BLOCK_M, V_PC_PAD), tl.float32)
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0

@@ -14,7 +14,7 @@ def test_every_kernel_compiles_for_sm90():
     """store, store_window, dequant and the decode kernels (split with its ring, short and long
     splits, with and without the inline PTX; prep; ring; merge; the Gluon verify kernel with
     and without masks, rings and sinks, and with padded query rows, which runs on GPUs only)
-    compile for sm_90 with Triton's ptxas: the CPU tests run them under the interpreter, which
+    and the prefill kernel (4 variants) compile for sm_90 with Triton's ptxas: the CPU tests run them under the interpreter, which
     accepts programs that the compiler rejects (seen: a tuple of floats passed to a jit helper;
     an early return in a constexpr branch; a 16-byte cp.async from rows Triton cannot tell
     aligned)."""
@@ -26,3 +26,4 @@ def test_every_kernel_compiles_for_sm90():
     # and merge in 4 decode configurations, prep and ring where the format has them; 8 verify
     assert len(lines) >= len(FORMATS) * 12 + 8, result.stdout
     assert sum("verify" in line for line in lines) == 8, result.stdout
+    assert sum("prefill" in line for line in lines) == 4, result.stdout
