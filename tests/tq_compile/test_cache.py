@@ -19,6 +19,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from custom_ops.formats import FORMATS
 from examples.model import (
     ModelArgs,
     Transformer,
@@ -187,6 +188,48 @@ def _prompt(seed: int, device: str = "cpu") -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, PROMPT_LEN), generator=gen).to(device)
 
 
+LONG_PROMPT, LONG_SEQ = 200, 256  # longer than the default window of 128
+
+
+@pytest.mark.parametrize("window", [0, 128])
+@torch.no_grad()
+def test_single_forward_prefill_equals_the_bf16_cache(window):
+    """gpt-fast's prefill (the prompt in one forward, its causal mask over the whole cache):
+    the prompt attends over its own keys and values, not over their codes, so for every format
+    the logits are the bf16 cache's to bf16 rounding (closer than the bf16 model is to float32;
+    measured 0.07% against 1.25%). Attending over the stored codes put them 2% (int8) to 22%
+    (4bit_nc) away."""
+    prompt = torch.randint(0, ModelArgs.from_name("tiny").vocab_size, (BATCH, LONG_PROMPT),
+                           generator=torch.Generator().manual_seed(7))  # fmt: skip
+    positions = torch.arange(LONG_PROMPT)
+    dense = _model(None, max_seq=LONG_SEQ)(prompt, positions)
+    exact = _model(None, max_seq=LONG_SEQ, dtype=torch.float32)(prompt, positions)
+    bound = rel_error(dense, exact)
+    for fmt in sorted(FORMATS):
+        got = _model(fmt, max_seq=LONG_SEQ, window=window)(prompt, positions)
+        assert rel_error(got, dense) < bound, fmt
+
+
+@torch.no_grad()
+def test_compiled_chunked_prefill_matches_eager():
+    """torch.compile(model, fullgraph=True) over a prompt in three chunks of 32 tokens: one
+    graph for the three (positions are tensors), each layer's tq.prefill traced as an op (no
+    break), the eager chunks' logits; later chunks read the compressed prefix."""
+    prompt = torch.randint(0, ModelArgs.from_name("tiny").vocab_size, (BATCH, 96),
+                           generator=torch.Generator().manual_seed(3))  # fmt: skip
+    eager, compiled = _model("4bit_nc", window=8), _model("4bit_nc", window=8)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    step = torch.compile(compiled, backend=counter, fullgraph=True)
+    for start in (0, 32, 64):
+        positions = torch.arange(start, start + 32)
+        expected = eager(prompt[:, start : start + 32], positions)
+        got = step(prompt[:, start : start + 32], positions)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("window", [0, MODEL_WINDOW])
 @pytest.mark.parametrize("fmt", sorted(LOGIT_ERROR))
 @torch.no_grad()
@@ -219,10 +262,12 @@ def test_eager_decode_against_bf16_cache(fmt, window):
 @torch.no_grad()
 def test_compiled_decode_no_graph_break_no_recompile(device, center):
     """torch.compile(decode_one_token, fullgraph=True) with inductor on the TQ model with a
-    recent window: one graph, no break, no recompile over 32 steps, tokens identical to eager
-    TQ decoding (fp16 model: in bf16, inductor's fused rounding can flip a near-tie argmax),
-    with and without key centering. On CUDA inductor launches the tq kernels itself
-    (statically: see custom_ops.triton.traced) and eager decoding calls the ops."""
+    recent window: one graph, no break, no recompile over 32 steps, teacher forced on eager TQ
+    decoding's tokens: logits within fp16 rounding of eager's (fp16 model: in bf16, inductor's
+    fused rounding moves them 8x more) and the same token wherever eager's top two logits are
+    apart by more than that, with and without key centering. On CUDA inductor launches the tq
+    kernels itself (statically: see custom_ops.triton.traced) and eager decoding calls the ops.
+    (Free-running greedy tokens are not compared: a near tie flips on any rounding.)"""
     eager, compiled = (
         _model("4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW, center=center),
         _model("4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW, center=center),
@@ -250,10 +295,16 @@ def test_compiled_decode_no_graph_break_no_recompile(device, center):
     try:
         for i in range(NEW_TOKENS):
             pos = torch.tensor([PROMPT_LEN + i], device=device)
-            tok_eager, _ = decode_one_token(eager, tok_eager, pos)
-            tok_compiled, _ = step(compiled, tok_compiled, pos)
+            tok_compiled, logits_compiled = step(compiled, tok_eager, pos)
+            tok_eager, logits_eager = decode_one_token(eager, tok_eager, pos)
             torch._dynamo.config.error_on_recompile = True
-            assert torch.equal(tok_compiled, tok_eager), f"step {i}"
+            scale = logits_eager.float().abs().amax()
+            tolerance = 16 * torch.finfo(torch.float16).eps * scale  # a few fp16 roundings
+            diff = (logits_compiled.float() - logits_eager.float()).abs().amax()
+            assert diff <= tolerance, f"step {i}: logits {diff} apart, bound {tolerance}"
+            top2 = logits_eager.float().topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * tolerance
+            assert torch.equal(tok_compiled[clear], tok_eager[clear]), f"step {i}"
     finally:
         torch._dynamo.config.error_on_recompile = previous
         torch._dynamo.reset()

@@ -14,8 +14,9 @@ def test_every_kernel_compiles_for_sm90():
     """store, store_window, dequant and the decode kernels (split with its ring, short and long
     splits, with and without the inline PTX; prep; ring; merge; the Gluon verify kernel with
     and without masks, rings and sinks, and with padded query rows, which runs on GPUs only)
-    and the prefill kernel (4 variants) compile for sm_90 with Triton's ptxas: the CPU tests run them under the interpreter, which
-    accepts programs that the compiler rejects (seen: a tuple of floats passed to a jit helper;
+    and the prefill kernel (4 variants) compile for sm_90 with Triton's ptxas: the CPU tests
+    run them under the interpreter, which accepts programs that the compiler rejects (seen: a
+    tuple of floats passed to a jit helper; a NamedTuple's field in a tensor's shape;
     an early return in a constexpr branch; a 16-byte cp.async from rows Triton cannot tell
     aligned)."""
     result = run_compiler_script("sm90_compile.py", *FORMATS)
