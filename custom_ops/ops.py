@@ -71,9 +71,9 @@ stay opaque calls.
   model computed them (exact, not their codes) and over each sequence's cached prefix, the
   positions below ``start = seq_lens[b] - T`` (``seq_lens >= T``): compressed pages, ring and
   sinks, keys with their centre. Position ``p`` is visible to token ``t`` below ``min(len,
-  max_seq_len)`` and where the optional ``mask [B or 1, Hq or 1, T, M]`` (bool, or additive of
-  q's dtype; positions ``>= M`` masked) allows it, or without a mask where ``p <= t`` with
-  ``is_causal`` (SDPA's top-left order: a causal chunk when ``start`` is 0), or always.
+  max_seq_len)`` where the optional ``mask [B or 1, Hq or 1, T, M]`` (bool, or additive;
+  positions ``>= M`` masked) allows it and, with ``is_causal``, where ``p <= t`` (SDPA's
+  top-left order: a causal chunk when ``start`` is 0).
   ``[B, Hq, T, D]`` in q's dtype; a row with no visible key gets zeros
   (:func:`custom_ops.reference.prefill`).
 

@@ -47,7 +47,12 @@ __all__ = [
     "decode",
     "prefill",
     "chunk_is_everything",
+    "HIDDEN_BIAS",
 ]
+
+# An additive attention mask's value at or below this hides its position as -inf does (for
+# Hugging Face's finfo.min masks): beside a visible position's score its weight is 0 in float32.
+HIDDEN_BIAS = -1e30
 
 
 def pack_codes(codec: Codec, codes: torch.Tensor) -> torch.Tensor:
@@ -661,14 +666,26 @@ def prefill(
     stored codes. Positions below ``start`` (the prefix) are read from the cache as
     :func:`dequantize` gives them (their ring run and sinks in full precision, the keys with
     their centre back). Position ``p`` is visible to token ``t`` where ``p < min(seq_lens[b],
-    max_seq_len)`` and: with ``mask`` (``[B or 1, Hq or 1, T, M]``, positions ``>= M`` masked)
-    ``mask[b, h, t, p]`` is True (a float mask is added to the score instead); otherwise with
+    max_seq_len)``, where ``mask`` (``[B or 1, Hq or 1, T, M]``, positions ``>= M`` masked)
+    allows it (``mask[b, h, t, p]`` True; a float mask is added to the score instead), and with
     ``is_causal`` where ``p <= t`` (SDPA's top-left alignment: the whole chunk is causal when
-    ``start`` is 0); otherwise always. A row with no visible position gives zeros.
+    ``start`` is 0). A row with no visible position gives zeros.
 
-    Computed in ``dtype`` (float32 for the CPU op, float64 for oracles), ``query_block`` query
-    tokens at a time (the scores of a block are ``[B, Hq, query_block, S]``); returns ``[B,
-    Hq, T, D]`` in q's dtype.
+    Args:
+        fmt: the format.
+        q: ``[B, Hq, T, D]`` the chunk's queries (``Hq`` a multiple of ``Hk``).
+        key, value: ``[B, Hk, T, D]`` the chunk's keys and values.
+        cache, block_table, seq_lens, rotation, k_window, v_window, window_pos, sinks,
+            key_center: the cache after the chunk was stored, as :func:`dequantize` takes it.
+        scale: the softmax scale.
+        is_causal: SDPA's top-left causal order (with a mask too: both apply).
+        max_seq_len: positions at or past it are hidden (a view's length).
+        dtype: the arithmetic's dtype (float32 for the CPU op, float64 for oracles).
+        mask: optional ``[B or 1, Hq or 1, T, M]`` bool or additive mask.
+        query_block: query tokens per block of scores (``[B, Hq, query_block, S]``).
+
+    Returns:
+        ``[B, Hq, T, D]`` in q's dtype.
     """
     batch, num_q_heads, tokens, head_dim = q.shape
     num_kv_heads = key.shape[1]
@@ -702,7 +719,7 @@ def prefill(
             else:
                 bias = torch.nn.functional.pad(block.to(dtype), (0, pad), value=float("-inf"))
                 scores = scores + bias[..., :seq]
-        elif is_causal:
+        if is_causal:
             causal = positions[None, :seq] <= rows[:, None]  # [rows, S]
             scores = scores.masked_fill(~causal, float("-inf"))
         scores = scores.masked_fill(~present, float("-inf"))
@@ -719,11 +736,23 @@ def chunk_is_everything(
     max_seq_len: int,
     mask: torch.Tensor | None = None,
 ) -> bool:
-    """Whether :func:`prefill` of a chunk of ``tokens`` over sequences of lengths ``seq_lens``
-    is dense attention over the chunk alone, causal (``is_causal``, or a ``mask [B or 1, Hq or
-    1, T, M]`` whose rows show exactly chunk positions ``0 .. t``) or not (neither): no prefix
-    (every length is ``tokens``) and nothing of the chunk hidden by ``max_seq_len``. Reads
-    ``seq_lens`` and ``mask`` (the CPU op's host check)."""
+    """Whether :func:`prefill` of a chunk over sequences of lengths ``seq_lens`` is dense
+    attention over the chunk alone: no prefix (every length is ``tokens``), nothing of the chunk
+    hidden by ``max_seq_len``, and either no mask (causal with ``is_causal``, full without) or
+    a mask whose rows show exactly chunk positions ``0 .. t`` (an additive one 0 there and at
+    most :data:`HIDDEN_BIAS` elsewhere). Reads ``seq_lens`` and ``mask`` (the CPU op's host
+    check).
+
+    Args:
+        seq_lens: ``[B] int32``.
+        tokens: T.
+        is_causal: the call's ``is_causal`` (at start 0 the chunk's causal order).
+        max_seq_len: the view's length.
+        mask: optional ``[B or 1, Hq or 1, T, M]``.
+
+    Returns:
+        True where the dense kernel over the chunk gives the answer.
+    """
     if tokens > max_seq_len or not bool((seq_lens == tokens).all()):
         return False
     if mask is None:
@@ -734,4 +763,4 @@ def chunk_is_everything(
     block = mask[..., :tokens]
     if mask.dtype == torch.bool:
         return bool((block == causal).all())
-    return bool(torch.where(causal, block == 0, block == float("-inf")).all())
+    return bool(torch.where(causal, block == 0, block <= HIDDEN_BIAS).all())

@@ -584,6 +584,8 @@ def check_prefill(args: PrefillArgs) -> KVFormat:
     if q.dtype not in MODEL_DTYPES:
         _fail(op, f"q must be bfloat16 or float16, got {q.dtype}", TypeError)
     batch, num_q_heads, tokens, head_dim = q.shape
+    if tokens < 1:
+        _fail(op, f"q must hold at least one query token (T >= 1), got shape {_shape(q)}")
     cache = PagedKVCache(args.k_codes, args.v_codes, args.meta)
     check_new_tokens(op, fmt, key, args.value, cache, "[B, Hk, T, D]")
     if key.dtype != q.dtype:
@@ -598,10 +600,13 @@ def check_prefill(args: PrefillArgs) -> KVFormat:
     if q.stride(-1) != 1 or key.stride(-1) != 1 or args.value.stride(-1) != 1:
         _fail(op, "q, key and value must be contiguous in the head dim (stride 1)")
     device = cache.k_codes.device
-    check_same_device(op, device, q=q)
+    check_same_device(op, device, q=q, key=key, value=args.value)
     check_rotation(op, args.rotation, head_dim, device)
     check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads,
                  head_dim, device, args.sinks)  # fmt: skip
+    if args.k_window is not None and args.k_window.dtype != q.dtype:
+        _fail(op, f"k_window and v_window must have q's dtype {q.dtype} (the model's), got "
+                  f"{args.k_window.dtype}", TypeError)  # fmt: skip
     check_block_table(op, cache, args.block_table, args.seq_lens, None, args.k_window,
                       args.window_pos, args.sinks)  # fmt: skip
     if args.block_table.shape[0] != batch:
@@ -615,11 +620,9 @@ def check_prefill(args: PrefillArgs) -> KVFormat:
     if type(args.max_seq_len) is not int or args.max_seq_len < 0:
         _fail(op, f"max_seq_len must be an integer >= 0, got {args.max_seq_len!r}")
     if mask is not None:
-        if args.is_causal:
-            _fail(op, "mask and is_causal=True cannot both be given (as for dense SDPA)")
         check_same_device(op, device, mask=mask)
-        if mask.dtype != torch.bool and mask.dtype != q.dtype:
-            _fail(op, f"mask must be bool or q's dtype {q.dtype}, got {mask.dtype}", TypeError)
+        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            _fail(op, f"mask must be bool or floating point, got {mask.dtype}", TypeError)
         if (mask.dim() != 4 or mask.shape[0] not in (1, batch)
                 or mask.shape[1] not in (1, num_q_heads) or mask.shape[2] != tokens):  # fmt: skip
             _fail(op, f"mask must be [B or 1, Hq or 1, T, M] = [{batch} or 1, {num_q_heads} or "

@@ -213,20 +213,29 @@ def test_single_forward_prefill_equals_the_bf16_cache(window):
 @torch.no_grad()
 def test_compiled_chunked_prefill_matches_eager():
     """torch.compile(model, fullgraph=True) over a prompt in three chunks of 32 tokens: one
-    graph for the three (positions are tensors), each layer's tq.prefill traced as an op (no
-    break), the eager chunks' logits; later chunks read the compressed prefix."""
+    graph for the three (positions are tensors) with one tq.prefill per layer (no break, no
+    dequantize), the eager chunks' logits; later chunks read the compressed prefix."""
     prompt = torch.randint(0, ModelArgs.from_name("tiny").vocab_size, (BATCH, 96),
                            generator=torch.Generator().manual_seed(3))  # fmt: skip
     eager, compiled = _model("4bit_nc", window=8), _model("4bit_nc", window=8)
     torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    step = torch.compile(compiled, backend=counter, fullgraph=True)
+    graphs = []
+
+    def forward_compiler(gm, _):
+        graphs.append(gm)
+        return gm
+
+    step = torch.compile(compiled, backend=aot_autograd(fw_compiler=forward_compiler),
+                         fullgraph=True)  # fmt: skip
     for start in (0, 32, 64):
         positions = torch.arange(start, start + 32)
         expected = eager(prompt[:, start : start + 32], positions)
         got = step(prompt[:, start : start + 32], positions)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    assert counter.frame_count == 1
+    assert len(graphs) == 1
+    assert _attention_ops(graphs[0]) == "\n".join(
+        ["auto_functionalized_v2(tq.store_window.default)", "tq.prefill.default"] * 2
+        + ["dense sdpa / dequantize calls: 0"])  # fmt: skip
     torch._dynamo.reset()
 
 

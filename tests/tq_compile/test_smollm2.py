@@ -120,16 +120,18 @@ def test_triton_kernels_match_the_reference_path(smollm2):
 
 
 def test_quality_benchmark_averages_texts_through_chunks(smollm2, monkeypatch):
-    """``benchmarks/quality.py --model smollm2 --texts 2 --chunk 8`` (on the loaded model): each
-    row averages the two longest reference chapters (its ``per_text`` increases, their smallest
-    and largest), bf16 is each text's zero, and the payload names the texts, chunk and dtype."""
+    """``benchmarks/quality.py --model smollm2 --texts 2 --chunk 8 --prompt 24`` (on the loaded
+    model): each row averages the two longest reference chapters (its ``per_text`` increases,
+    their smallest and largest), bf16 is each text's zero, and the payload names the texts,
+    chunk, prompt and dtype; the prompt-then-answer figures likewise (zero for bf16, the mean
+    of the texts')."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import quality
 
     monkeypatch.setattr("tq_compile.smollm2.load_smollm2", lambda **_: smollm2)
     args = argparse.Namespace(model="smollm2", device="cpu", dtype="bfloat16", eval_len=40,
                               texts=2, chunk=8, formats=["4bit_nc"], windows=[8], sinks=[0],
-                              center=["off"])  # fmt: skip
+                              center=["off"], prompt=24, prompt_chunk=0)  # fmt: skip
     payload = quality.run_smollm2(args)
     assert (payload["chunk"], payload["dtype"], payload["eval_seqs"]) == (8, "bfloat16", 2)
     assert len(set(payload["texts"])) == 2
@@ -140,6 +142,10 @@ def test_quality_benchmark_averages_texts_through_chunks(smollm2, monkeypatch):
     assert row["ppl_delta_pct"] == pytest.approx(sum(row["per_text"]) / 2)
     assert row["min_pct"] < row["max_pct"]  # two different texts
     assert all(math.isfinite(d) for d in row["per_text"]) and row["ppl"] > 1
+    assert payload["prompt"] == 24
+    assert bf16["answer_per_text"] == [0.0, 0.0] and bf16["stepwise_answer_pct"] == 0
+    assert row["answer_pct"] == pytest.approx(sum(row["answer_per_text"]) / 2)
+    assert row["answer_min_pct"] <= row["answer_pct"] <= row["answer_max_pct"]
 
 
 def test_download_error_says_what_to_do(tmp_path, monkeypatch):

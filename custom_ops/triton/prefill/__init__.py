@@ -101,10 +101,20 @@ def prefill(
     fast: bool | None = None,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
-    """Launch the prefill (inputs validated; see ``torch.ops.tq.prefill``): ``[B, Hq, T, D]``
-    contiguous, in q's dtype. ``fast`` selects the inline-PTX decoding of codes (default: on
-    CUDA; the interpreter cannot run it); ``config`` overrides the kernel's launch. (A prefill's
-    host time is small beside its work: the launch is not keyed by the op's metadata.)"""
+    """Launch the prefill (inputs validated; see ``torch.ops.tq.prefill``). A prefill's host time
+    is small beside its work: the launches are not keyed by the op's metadata.
+
+    Args:
+        fmt, q, key, value, cache, block_table, seq_lens, rotation, scale, is_causal,
+            max_seq_len, mask, k_window, v_window, window_pos, sinks, key_center: the op's
+            arguments (the planes as ``cache``).
+        fast: the inline-PTX decoding of codes (default: on CUDA; the interpreter cannot run
+            it).
+        config: the prefix kernel's launch (default :class:`PrefillConfig`).
+
+    Returns:
+        ``[B, Hq, T, D]`` contiguous, in q's dtype.
+    """
     batch, num_q_heads, tokens, head_dim = q.shape
     num_kv_heads = key.shape[1]
     chunk_mode = CHUNK_MASKED if mask is not None else (CHUNK_CAUSAL if is_causal else CHUNK_FULL)
@@ -119,9 +129,9 @@ def prefill(
     else:
         mask = mask if mask.stride(-1) == 1 else mask.contiguous()
         mask_args = (mask, *_broadcast_strides(mask, (0, 1)), mask.stride(2), mask.shape[-1])
-        flags = causal_rows(mask, seq_lens, batch)  # [B, Hm, T]
-        flag_strides = (flags.stride(0), flags.stride(1) if flags.shape[1] > 1 else 0)
         mask_kind = 1 if mask.dtype == torch.bool else 2
+        flags = causal_rows(mask_args, mask.shape[1], tokens, seq_lens, mask_kind == 2)
+        flag_strides = (flags.stride(0), flags.stride(1) if flags.shape[1] > 1 else 0)
     has_rings = k_window is not None
     window = ring_window(k_window, sinks)
     if has_rings:

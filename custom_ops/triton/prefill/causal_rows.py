@@ -6,9 +6,11 @@ Hugging Face's 4-D mask) is usually causal over the chunk's own positions ``star
 1``, and then the chunk's attention is exactly what SDPA computes with ``is_causal=True`` (cuDNN,
 no mask). Row ``t`` is causal when it lets token ``t`` see chunk positions ``start + j`` for
 ``j <= t`` and none for ``j > t`` (bool True / False; an additive mask 0 / -inf, anything else
-counts as not causal). One program checks ``BLOCK_T`` rows of one (sequence, mask head) against
-every chunk column; the prefill kernel recomputes the chunk itself for the rows that fail
-(padding, a bidirectional prefix, a sliding window).
+counts as not causal, but an additive mask's finite "minus infinity", such as ``finfo.min``,
+hides as -inf does: at or below :data:`custom_ops.reference.HIDDEN_BIAS` a position's weight
+is 0 beside the row's visible ones). One program checks ``BLOCK_T`` rows of one (sequence,
+mask head) against every chunk column; the prefill kernel recomputes the chunk itself for the
+rows that fail (padding, a bidirectional prefix, a sliding window).
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
+from custom_ops.reference import HIDDEN_BIAS
 from custom_ops.triton.launch import Launcher
 
 __all__ = ["causal_rows_kernel", "causal_rows"]
+
+_HIDDEN = tl.constexpr(HIDDEN_BIAS)
 
 
 @triton.jit
@@ -45,7 +50,8 @@ def causal_rows_kernel(
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < tokens
     start = tl.maximum(tl.load(seq_lens_ptr + b) - tokens, 0)
-    rows = mask_ptr + b.to(tl.int64) * stride_mb + head * stride_mh + t.to(tl.int64) * stride_mt
+    rows = (mask_ptr + b.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+            + t.to(tl.int64) * stride_mt)  # fmt: skip
     causal = t_ok
     for j0 in range(0, tokens, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
@@ -55,7 +61,7 @@ def causal_rows_kernel(
         m = tl.load(rows[:, None] + position[None, :], mask=loaded, other=0)
         if FLOAT:
             visible = loaded & (m == 0.0)
-            hidden = ~loaded | (m == float("-inf"))
+            hidden = ~loaded | (m <= _HIDDEN)
         else:
             visible = loaded & (m != 0)
             hidden = ~visible
@@ -71,20 +77,34 @@ def _launcher(is_float: bool, block_t: int, block_j: int) -> Launcher:
 
 
 def causal_rows(
-    mask: torch.Tensor, seq_lens: torch.Tensor, batch: int, block_t: int = 16, block_j: int = 256
+    mask_args: tuple,
+    num_mask_heads: int,
+    tokens: int,
+    seq_lens: torch.Tensor,
+    is_float: bool,
+    block_t: int = 16,
+    block_j: int = 256,
 ) -> torch.Tensor:
-    """``[B, Hm, T] int8``: 1 where row ``t`` of ``mask [B or 1, Hm, T, M]`` (bool or additive,
-    last dim contiguous) is causal over the chunk of each sequence (positions ``seq_lens[b] -
-    T ..``; ``seq_lens [B] int32``), 0 elsewhere."""
-    _, num_mask_heads, tokens, mask_len = mask.shape
-    flags = torch.empty(batch, num_mask_heads, tokens, dtype=torch.int8, device=mask.device)
+    """Which mask rows are causal over each sequence's chunk.
+
+    Args:
+        mask_args: ``(mask, stride_b, stride_h, stride_t, M)`` of a mask ``[B or 1, Hm, T, M]``
+            (bool, or additive if ``is_float``; last dim contiguous; the stride of a dimension
+            of size 1 is 0).
+        num_mask_heads: Hm.
+        tokens: T.
+        seq_lens: ``[B] int32``: sequence ``b``'s chunk is at positions ``seq_lens[b] - T ..``.
+        is_float: an additive mask.
+        block_t, block_j: rows and columns per tile.
+
+    Returns:
+        ``[B, Hm, T] int8``: 1 where the row is causal over the chunk, 0 elsewhere.
+    """
+    batch = seq_lens.shape[0]
+    flags = torch.empty(batch, num_mask_heads, tokens, dtype=torch.int8, device=seq_lens.device)
     if flags.numel() == 0:
         return flags
-    stride_mb = mask.stride(0) if mask.shape[0] > 1 else 0
-    stride_mh = mask.stride(1) if num_mask_heads > 1 else 0
     grid = (batch * num_mask_heads, triton.cdiv(tokens, block_t))
-    _launcher(mask.dtype != torch.bool, block_t, block_j)(
-        grid, mask, stride_mb, stride_mh, mask.stride(2), mask_len, seq_lens, flags,
-        num_mask_heads, tokens,
-    )  # fmt: skip
+    _launcher(is_float, block_t, block_j)(grid, *mask_args, seq_lens, flags, num_mask_heads,
+                                          tokens)  # fmt: skip
     return flags

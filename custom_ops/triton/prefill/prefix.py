@@ -20,7 +20,7 @@ visits, in this order:
    must see (see ``CHUNK_MODE``); otherwise the chunk's exact keys and values tile by tile.
 
 Keys stored centred get ``q . centre`` back on their scores (the chunk's keys are not centred).
-Visibility follows ``tq.prefill``: an optional mask row per token (bool, or additive), else
+Visibility follows ``tq.prefill``: an optional mask row per token (bool, or additive), and
 SDPA's top-left causal order when ``IS_CAUSAL``, and never past ``min(len, view_len)``.
 A program whose rows SDPA already answered and whose prefix is empty writes nothing.
 """
@@ -39,6 +39,8 @@ from custom_ops.triton.paged import ring_start
 __all__ = ["prefill_kernel", "CHUNK_FULL", "CHUNK_CAUSAL", "CHUNK_MASKED"]
 
 _LOG2E = tl.constexpr(LOG2E)
+# The lowest additive mask value taken as it is: times log2(e) it stays a finite float32.
+_FLOOR = tl.constexpr(-2.0e38)
 # What the chunk's SDPA result holds, and when a row may take it (CHUNK_MODE):
 CHUNK_FULL = 0  # SDPA without a causal order, no mask: every row
 CHUNK_CAUSAL = 1  # is_causal: only when start is 0 (SDPA's top-left order is then the chunk's)
@@ -84,21 +86,23 @@ def _bias(positions, t, heads, b, row_ok, limit, mask_args, MASK: tl.constexpr,
           IS_CAUSAL: tl.constexpr):  # fmt: skip
     """Additive bias ``[M, N]`` (log2 units: 0 visible, -inf hidden, or an additive mask) of
     key ``positions [N]`` for query rows of tokens ``t [M]`` and query heads ``heads [M]``:
-    positions at or past ``limit`` are hidden, then the mask (``MASK`` 1 bool, 2 additive;
-    ``mask_args = (mask_ptr, stride_b, stride_h, stride_t, mask_len)``) or, without one, the
-    top-left causal order when ``IS_CAUSAL``."""
+    positions at or past ``limit`` are hidden, and so are those after the row's token in the
+    top-left causal order when ``IS_CAUSAL``, and those the mask hides (``MASK`` 1 bool, 2
+    additive; ``mask_args = (mask_ptr, stride_b, stride_h, stride_t, mask_len)``)."""
     shown = row_ok[:, None] & ((positions >= 0) & (positions < limit))[None, :]
-    if MASK != 0:
-        mask_ptr, stride_mb, stride_mh, stride_mt, mask_len = mask_args
-        rows = b.to(tl.int64) * stride_mb + heads * stride_mh + t.to(tl.int64) * stride_mt
-        loaded = shown & (positions < mask_len)[None, :]
-        m = tl.load(mask_ptr + rows[:, None] + positions[None, :], mask=loaded, other=0)
-        if MASK == 1:
-            return tl.where(loaded & (m != 0), 0.0, float("-inf"))
-        return tl.where(loaded, m.to(tl.float32) * _LOG2E, float("-inf"))
     if IS_CAUSAL:
         shown = shown & (positions[None, :] <= t[:, None])
-    return tl.where(shown, 0.0, float("-inf"))
+    if MASK == 0:
+        return tl.where(shown, 0.0, float("-inf"))
+    mask_ptr, stride_mb, stride_mh, stride_mt, mask_len = mask_args
+    rows = b.to(tl.int64) * stride_mb + heads * stride_mh + t.to(tl.int64) * stride_mt
+    loaded = shown & (positions < mask_len)[None, :]
+    m = tl.load(mask_ptr + rows[:, None] + positions[None, :], mask=loaded, other=0)
+    if MASK == 1:
+        return tl.where(loaded & (m != 0), 0.0, float("-inf"))
+    # a finite "minus infinity" (finfo.min) would overflow float32 times log2(e): kept finite
+    bias = tl.maximum(m.to(tl.float32), _FLOOR) * _LOG2E
+    return tl.where(loaded & (m != float("-inf")), bias, float("-inf"))
 
 
 @triton.jit
@@ -193,6 +197,8 @@ def prefill_kernel(
     else:
         flags = tl.load(flags_ptr + b * stride_fb + heads * stride_fh + t, mask=row_ok, other=1)
         from_sdpa = (tl.min(flags.to(tl.int32), axis=0) > 0) & (start + tokens <= view_len)
+        if IS_CAUSAL:  # the mask and the top-left order: the chunk's causal order at start 0
+            from_sdpa = from_sdpa & (start == 0)
     if from_sdpa & (prefix_end == 0):
         return  # SDPA's rows are the answer: nothing to add
 

@@ -29,7 +29,8 @@ TOLERANCE = 4e-3
 class Case:
     """Sequences whose caches hold ``prefix`` positions (written by the window store, in two
     appends) and then a chunk of ``tokens`` positions (from ``start``, default the prefix's
-    end: a rollback when smaller), with the chunk's exact keys and values and its queries."""
+    end: a rollback when smaller; a tuple gives each sequence its own), with the chunk's exact
+    keys and values and its queries."""
 
     def __init__(self, fmt_name, gen, *, head_dim=64, group=4, window=16, sinks=2, center=True,
                  prefix=90, tokens=24, start=None, batch=2, num_kv_heads=2, page_size=16,
@@ -37,6 +38,7 @@ class Case:
         self.fmt = get_format(fmt_name)
         self.consts = api.make_constants(self.fmt, head_dim, seed=7)
         start = prefix if start is None else start
+        starts = start if isinstance(start, tuple) else (start,) * batch
         pages_per_seq = (prefix + tokens) // page_size + 2
         num_pages = batch * pages_per_seq + 3
         self.cache = self.fmt.allocate(num_pages, num_kv_heads, page_size, head_dim)
@@ -53,41 +55,44 @@ class Case:
         offset = 4 * torch.randn(num_kv_heads, 1, head_dim, generator=gen)  # a shared component
         lens = torch.zeros(batch, dtype=torch.int64)
 
-        def write(begin, n):
+        def write(begins, n):
             if n == 0:
                 return None, None
             key, value = random_kv(batch * n, num_kv_heads, head_dim, dtype, gen)
             key = (key.reshape(batch, n, num_kv_heads, head_dim).transpose(1, 2) + offset)
             value = value.reshape(batch, n, num_kv_heads, head_dim).transpose(1, 2)
             key, value = key.to(dtype).contiguous(), value.contiguous()
-            starts = torch.full((batch,), begin, dtype=torch.int32)
+            begins = torch.tensor(begins, dtype=torch.int64)
             if self.rings[0] is not None:
                 api.store_window(self.fmt, self.cache, key, value, *self.rings, self.block_table,
-                                 starts, self.consts, self.sinks, self.key_center)  # fmt: skip
+                                 begins.to(torch.int32), self.consts, self.sinks,
+                                 self.key_center)  # fmt: skip
             else:
-                positions = begin + torch.arange(n)
-                slots = (self.block_table[:, positions // page_size].to(torch.int64) * page_size
-                         + positions % page_size)  # fmt: skip
+                positions = begins[:, None] + torch.arange(n)  # [B, n]
+                pages = self.block_table.to(torch.int64).gather(1, positions // page_size)
+                slots = pages * page_size + positions % page_size
                 api.store(self.fmt, self.cache, key.transpose(1, 2).reshape(-1, num_kv_heads,
                           head_dim), value.transpose(1, 2).reshape(-1, num_kv_heads, head_dim),
                           slots.reshape(-1).to(torch.int32), self.consts)  # fmt: skip
-            lens.fill_(begin + n)
+            lens.copy_(begins + n)
             return key, value
 
         with torch.no_grad():  # the reference store
-            write(0, prefix // 2)
-            write(prefix // 2, prefix - prefix // 2)
-            self.key, self.value = write(start, tokens)
+            write([0] * batch, prefix // 2)
+            write([prefix // 2] * batch, prefix - prefix // 2)
+            self.key, self.value = write(starts, tokens)
         self.seq_lens = lens.to(torch.int32)
         self.q = torch.randn(batch, num_kv_heads * group, tokens, head_dim, generator=gen)
         self.q = (self.q * 2).to(dtype)
 
     def causal_mask(self, capacity=None) -> torch.Tensor:
-        """gpt-fast's ``causal_mask[None, None, input_pos]``: ``[1, 1, T, S]`` bool."""
-        start = int(self.seq_lens[0]) - self.q.shape[2]
+        """gpt-fast's ``causal_mask[None, None, input_pos]``: ``[1, 1, T, S]`` bool (``[B, 1,
+        T, S]`` when the sequences' chunks start at different positions)."""
+        starts = self.seq_lens.to(torch.int64) - self.q.shape[2]
         capacity = capacity or int(self.seq_lens.max()) + 8
-        rows = start + torch.arange(self.q.shape[2])
-        return (torch.arange(capacity)[None, :] <= rows[:, None])[None, None]
+        rows = starts[:, None] + torch.arange(self.q.shape[2])  # [B, T]
+        mask = (torch.arange(capacity)[None, None, :] <= rows[..., None])[:, None]
+        return mask[:1] if bool((starts == starts[0]).all()) else mask
 
     def run(self, device, dtype=None, **kwargs):
         """``tq.prefill`` by the Triton kernels on ``device`` (CPU: the interpreter), or with
@@ -136,7 +141,8 @@ def test_kernel_matches_float64_oracle(fmt_name, kernel_device, seeded):
 
 
 def _masks(case: Case) -> dict:
-    """Every kind of visibility ``tq.prefill`` takes, as keyword arguments."""
+    """Every kind of visibility ``tq.prefill`` takes, as keyword arguments (``case``'s
+    sequences of one length)."""
     causal = case.causal_mask()
     batch, heads, tokens = case.q.shape[:3]
     start = int(case.seq_lens[0]) - tokens
@@ -149,18 +155,51 @@ def _masks(case: Case) -> dict:
     per_head = causal.repeat(1, heads, 1, 1)
     per_head[:, 1::2, :, start // 2 : start] = False  # odd heads do not see half the prefix
     bidirectional = torch.ones_like(causal)  # a prefix-LM chunk: sees all of itself
+    lowest = torch.finfo(case.q.dtype).min  # Hugging Face's additive "minus infinity"
     return {
         "is_causal over a prefix (top-left: the chunk mostly hidden)": dict(is_causal=True),
         "no mask, not causal": {},
         "gpt-fast causal mask": dict(mask=causal),
         "additive causal mask": dict(mask=additive.to(case.q.dtype)),
-        "additive mask with a bias": dict(mask=biased.to(case.q.dtype)),
+        "additive causal mask of finfo.min": dict(
+            mask=torch.zeros(causal.shape, dtype=case.q.dtype).masked_fill(~causal, lowest)),
+        "float32 additive mask with a bias": dict(mask=biased),
         "padding and a hole": dict(mask=padded),
         "mask per head": dict(mask=per_head),
         "bidirectional chunk": dict(mask=bidirectional),
+        "bidirectional mask and is_causal (both apply)": dict(mask=bidirectional, is_causal=True),
         "mask shorter than the sequence": dict(mask=causal[..., : start + tokens // 2]),
-        "view truncated inside the chunk": dict(is_causal=True, max_seq_len=start + 5),
+        "view truncated inside the chunk": dict(max_seq_len=start + 5),
+        "view truncated inside the chunk, masked": dict(mask=causal, max_seq_len=start + 5),
     }
+
+
+def test_causal_rows(kernel_device, seeded):
+    """The mask check: rows that show exactly chunk positions 0 .. t (bool True, additive 0,
+    hidden by -inf or finfo.min) are causal, each sequence at its own chunk start; a hole, a
+    bias or padding makes the rows that meet it not causal."""
+    from custom_ops.triton.prefill.causal_rows import causal_rows
+
+    case = Case("int8", seeded, prefix=30, tokens=20, start=(30, 21), window=0, sinks=0)
+    mask = case.causal_mask()  # [2, 1, 20, S]: each sequence's own rows
+    holed = mask.clone()
+    holed[0, :, :, 30 + 7] = False  # chunk position 7 hidden: rows 7.. of sequence 0
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    biased = additive.clone()
+    biased[1, :, 12, 21 + 3] = 0.5  # one biased visible position in row 12 of sequence 1
+    t = torch.arange(20)
+    expected = {
+        "causal": torch.ones(2, 1, 20),
+        "a hole": torch.stack([(t < 7).float(), torch.ones(20)])[:, None],
+        "additive, finfo.min": torch.ones(2, 1, 20),
+        "a bias": torch.stack([torch.ones(20), (t != 12).float()])[:, None],
+    }
+    for name, m in zip(expected, (mask, holed, additive, biased), strict=True):
+        args = (m.to(kernel_device), m.stride(0), m.stride(1), m.stride(2), m.shape[-1])
+        with triton_kernels(kernel_device):
+            flags = causal_rows(args, 1, 20, case.seq_lens.to(kernel_device),
+                                m.dtype != torch.bool).cpu()  # fmt: skip
+        assert torch.equal(flags.float(), expected[name]), name
 
 
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq4_nc"])
@@ -174,6 +213,23 @@ def test_visibility(fmt_name, kernel_device, seeded):
             case.check(kernel_device, **kwargs)
         except AssertionError as error:
             raise AssertionError(f"{name}: {error}") from None
+
+
+def test_sequences_of_their_own_lengths(kernel_device, seeded):
+    """Each sequence's chunk at its own start (sequence 1 rewrote from 10 positions back), under
+    each sequence's own causal rows and under is_causal."""
+    case = Case("4bit_nc", seeded, prefix=80, tokens=20, start=(80, 70), window=8, sinks=2)
+    assert case.seq_lens.tolist() == [100, 90]
+    case.check(kernel_device, mask=case.causal_mask())
+    case.check(kernel_device, is_causal=True)
+
+
+def test_is_causal_over_a_short_prefix(kernel_device, seeded):
+    """is_causal with a prefix shorter than the chunk: SDPA's top-left order lets token t see
+    positions 0 .. t, the prefix and the chunk's first t - start + 1 positions (the chunk
+    recomputed by the kernel)."""
+    case = Case("3bit_nc", seeded, prefix=10, tokens=40, window=0, sinks=0)
+    case.check(kernel_device, is_causal=True)
 
 
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4"])
@@ -263,10 +319,12 @@ class TestPrefillBadInput(expecttest.TestCase):
             "float32 query": dict(q=case.q.float()),
             "key of another dtype": dict(key=case.key.half(), value=case.value.half()),
             "chunk length mismatch": dict(key=case.key[:, :, :5], value=case.value[:, :, :5]),
-            "mask and is_causal": dict(mask=mask, is_causal=True),
+            "no query token": dict(q=case.q[:, :, :0], key=case.key[:, :, :0],
+                                   value=case.value[:, :, :0]),
+            "rings of another dtype": dict(q=case.q.half(), key=case.key.half(),
+                                           value=case.value.half()),
             "mask rows": dict(mask=mask[:, :, :2]),
             "mask of int": dict(mask=mask.to(torch.int32)),
-            "float32 mask for a bf16 query": dict(mask=torch.zeros(mask.shape)),
             "length below the chunk": dict(seq_lens=torch.tensor([4], dtype=torch.int32)),
         }
         messages = []
@@ -284,10 +342,10 @@ class TestPrefillBadInput(expecttest.TestCase):
 float32 query: TypeError: tq.prefill: q must be bfloat16 or float16, got torch.float32
 key of another dtype: TypeError: tq.prefill: key must have q's dtype torch.bfloat16, got torch.float16
 chunk length mismatch: ValueError: tq.prefill: key must be [B, Hk, T, D] = [1, Hk, 6, 64] (q's batch, tokens and head dim), got (1, 2, 5, 64)
-mask and is_causal: ValueError: tq.prefill: mask and is_causal=True cannot both be given (as for dense SDPA)
+no query token: ValueError: tq.prefill: q must hold at least one query token (T >= 1), got shape (1, 8, 0, 64)
+rings of another dtype: TypeError: tq.prefill: k_window and v_window must have q's dtype torch.float16 (the model's), got torch.bfloat16
 mask rows: ValueError: tq.prefill: mask must be [B or 1, Hq or 1, T, M] = [1 or 1, 8 or 1, 6, M], got shape (1, 1, 2, 34)
-mask of int: TypeError: tq.prefill: mask must be bool or q's dtype torch.bfloat16, got torch.int32
-float32 mask for a bf16 query: TypeError: tq.prefill: mask must be bool or q's dtype torch.bfloat16, got torch.float32
+mask of int: TypeError: tq.prefill: mask must be bool or floating point, got torch.int32
 length below the chunk: ValueError: tq.prefill: seq_lens must be at least T = 6 (the chunk is each sequence's last T positions, stored before), got a length of 4""")  # noqa: E501
 
 
