@@ -106,24 +106,26 @@ def teacher_forced(
         raise ValueError(f"prompt of {prompt} tokens leaves nothing to predict in {steps + 1}")
     nll = torch.empty(texts.shape[0], steps)
     argmax = torch.empty(texts.shape[0], steps, dtype=torch.long)
-    prompt_forwards = [(t, min(t + (prompt_chunk or prompt), prompt))
-                       for t in range(0, prompt, prompt_chunk or max(prompt, 1))]  # fmt: skip
-    forwards = prompt_forwards + [(t, min(t + chunk, steps)) for t in range(prompt, steps, chunk)]
+    # forwards over [t, end): the prompt's, then the rest's (the last predicts nothing)
+    forwards = [*_spans(0, prompt, prompt_chunk or prompt), *_spans(prompt, steps, chunk)]
     start = time.perf_counter()
     for t, end in forwards:
         out = model(texts[:, t:end], past_key_values=cache, use_cache=True)
         logits = out.logits.float()  # [B, end - t, V]: position i predicts token i + 1
-        last = min(end, steps)  # a prompt's last position predicts the first answer token
-        logits = logits[:, : last - t]
-        targets = texts[:, t + 1 : last + 1, None]
-        nll[:, t:last] = (torch.logsumexp(logits, -1) - logits.gather(-1, targets)[..., 0]).cpu()
-        argmax[:, t:last] = logits.argmax(-1).cpu()
+        targets = texts[:, t + 1 : end + 1, None]
+        nll[:, t:end] = (torch.logsumexp(logits, -1) - logits.gather(-1, targets)[..., 0]).cpu()
+        argmax[:, t:end] = logits.argmax(-1).cpu()
         if progress and (end // 64 > t // 64 or end == steps):
             progress(end, steps)
     seconds = time.perf_counter() - start
     if ids.dim() == 1:
         return DecodeRun(nll[0], argmax[0], seconds)
     return DecodeRun(nll, argmax, seconds)
+
+
+def _spans(begin: int, end: int, step: int) -> list[tuple[int, int]]:
+    """``[begin, end)`` cut into spans of ``step`` (the last shorter; none if empty)."""
+    return [(t, min(t + step, end)) for t in range(begin, end, max(step, 1))]
 
 
 def perplexity(run: DecodeRun, start: int = 0) -> float:

@@ -273,9 +273,8 @@ class TurboQuantKVCache(nn.Module):
             bad = low if low < 0 else high
             raise ValueError(f"{where}: input_pos holds position {bad}; expected positions in "
                              f"[0, {self.max_seq_length}) (max_seq_length)")  # fmt: skip
-        consecutive = torch.equal(input_pos - low, torch.arange(
-            n_new, device=input_pos.device, dtype=input_pos.dtype))  # fmt: skip
-        if not consecutive and (self.has_rings or n_new > 1):
+        if (self.has_rings or n_new > 1) and not torch.equal(input_pos - low, torch.arange(
+                n_new, device=input_pos.device, dtype=input_pos.dtype)):  # fmt: skip
             why = (f"with a ring (window={self.window}, sinks={self.sinks})" if self.has_rings
                    else "a prefill chunk (T > 1) is its sequence's last T positions, so")
             raise ValueError(f"{where}: {why} new tokens take consecutive positions: input_pos "

@@ -8,6 +8,8 @@ each (Triton flattens tuples into separate kernel parameters and specializes eac
   :attr:`~custom_ops.formats.PagedKVCache.value_rows` view (slot stride 1, bytes ``page_size``
   apart);
 * ``table = (block_table, stride_b, stride_p)``;
+* ``mask_args = (mask, stride_b, stride_h, stride_t, mask_len)``: an attention mask over cache
+  positions, its broadcast dimensions given zero strides;
 * ``rings = (k_window, v_window, window_pos, stride_b, stride_h, stride_slot)``: the
   recent-window rings ``[>= B, Hk, W + sinks, D]`` and their slots' positions ``window_pos [>=
   B, Hk, W + sinks] int32``, all contiguous, so a ring row's offset divided by ``D`` is its
@@ -21,11 +23,13 @@ import triton
 import triton.language as tl  # noqa: F401  (the interpreter wants it beside every jit function)
 
 from custom_ops.formats import PagedKVCache
+from custom_ops.triton.traced import unread
 
 __all__ = [
     "plane_arguments",
     "table_arguments",
     "ring_arguments",
+    "mask_arguments",
     "row_pointers",
     "ring_start",
     "ring_run_length",
@@ -54,6 +58,22 @@ def ring_arguments(k_window: torch.Tensor, v_window: torch.Tensor,
     """The ``rings`` tuple of ``k_window``, ``v_window [>= B, Hk, W + sinks, D]`` and
     ``window_pos`` (all contiguous)."""
     return (k_window, v_window, window_pos, *k_window.stride()[:3])
+
+
+def mask_arguments(mask: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
+    """The ``mask_args`` tuple of ``mask``: ``[B or 1, Hq or 1, M]`` (every query token) or ``[B
+    or 1, Hq or 1, T, M]``, broadcast by zero strides, its last dim made contiguous; without a
+    mask, ``placeholder``, never read (:func:`~custom_ops.triton.traced.unread`). The mask
+    itself is passed, not a view of it: a graph traced for inductor may count every argument of
+    a launch as written (see :mod:`custom_ops.triton.traced`), and a written view has to be
+    written back."""
+    if mask is None:
+        return unread(placeholder), 0, 0, 0, 0
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    stride_b, stride_h = (mask.stride(i) if mask.shape[i] > 1 else 0 for i in (0, 1))
+    stride_t = mask.stride(2) if mask.dim() == 4 else 0
+    return mask, stride_b, stride_h, stride_t, mask.shape[-1]
 
 
 @triton.jit

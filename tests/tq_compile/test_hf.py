@@ -45,10 +45,10 @@ def tiny_model(arch: str, seed: int = 0):
     return config, model
 
 
-def prompt_batch(seed: int = 0, left_pad: int = 4):
-    """Two prompts of PROMPT tokens, the second left-padded by ``left_pad``."""
+def prompt_batch(seed: int = 0, left_pad: int = 4, length: int = PROMPT):
+    """Two prompts of ``length`` tokens, the second left-padded by ``left_pad``."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 256, (2, PROMPT), generator=gen)
+    ids = torch.randint(3, 256, (2, length), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :left_pad] = 0
     return ids, mask
@@ -185,14 +185,6 @@ def test_compiled_decode_fullgraph_no_recompile():
 PREFILL_LEN, PREFILL_CAPACITY = 200, 256  # a prompt longer than a 128-token window
 
 
-def _long_prompt(seed: int = 11, left_pad: int = 7):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 256, (2, PREFILL_LEN), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :left_pad] = 0
-    return ids, mask
-
-
 @pytest.mark.parametrize("window", [0, 128])
 @torch.no_grad()
 def test_single_forward_prefill_equals_static_cache(window):
@@ -203,7 +195,7 @@ def test_single_forward_prefill_equals_static_cache(window):
     own distance from float32. Attending over the stored codes instead (before tq.prefill) put
     the logits 0.9% (int8) to 41% (k2v2_nc) away, 9% for 4bit_nc."""
     config, model = tiny_model("llama")
-    ids, mask = _long_prompt()
+    ids, mask = prompt_batch(seed=11, left_pad=7, length=PREFILL_LEN)
     plain = model(ids, past_key_values=StaticCache(config, PREFILL_CAPACITY)).logits
     padded = model(ids, attention_mask=mask,
                    past_key_values=StaticCache(config, PREFILL_CAPACITY)).logits  # fmt: skip
@@ -230,7 +222,7 @@ def test_chunked_prefill_reads_the_compressed_prefix():
     (the store kernels' codes may differ by a level, as in the bounds above); ``generate`` runs
     the same chunks."""
     config, model = tiny_model("qwen2")
-    ids, _ = _long_prompt(seed=12)
+    ids, _ = prompt_batch(seed=12, left_pad=7, length=PREFILL_LEN)
 
     def chunked(cache, chunk=50):
         return torch.cat([model(ids[:, s : s + chunk], past_key_values=cache).logits

@@ -37,6 +37,7 @@ from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.decode.split import compile_split, launch_split, split_arguments
 from custom_ops.triton.decode.verify import verify_arguments
 from custom_ops.triton.launch import KeyedMemo
+from custom_ops.triton.paged import mask_arguments
 from custom_ops.triton.traced import tracing, unread
 
 __all__ = [
@@ -80,22 +81,6 @@ def plan_for(
 # Plans of op calls by their arguments' metadata key (plan_decode's own cache is keyed by the
 # plan's inputs, which take longer to gather than the key).
 _PLANS = KeyedMemo()
-
-
-def _mask_arguments(mask, placeholder):
-    """``(mask, stride_b, stride_h, stride_t, mask_len)`` for the kernels: ``[B or 1, Hq or 1,
-    M]`` (every query token) or ``[B or 1, Hq or 1, T, M]`` broadcast by zero strides; without
-    a mask, ``placeholder``, never read (:func:`~custom_ops.triton.traced.unread`). The mask
-    itself is passed, not a view of it: a graph traced for inductor may count every argument of
-    a launch as written (see :mod:`custom_ops.triton.traced`), and a written view has to be
-    written back."""
-    if mask is None:
-        return unread(placeholder), 0, 0, 0, 0
-    if mask.stride(-1) != 1:
-        mask = mask.contiguous()
-    stride_b, stride_h = (mask.stride(i) if mask.shape[i] > 1 else 0 for i in (0, 1))
-    stride_t = mask.stride(2) if mask.dim() == 4 else 0
-    return mask, stride_b, stride_h, stride_t, mask.shape[-1]
 
 
 def _buffers(plan: DecodePlan, q: torch.Tensor):
@@ -156,7 +141,7 @@ def decode(
         sinks,
     ))  # fmt: skip
     window = ring_window(k_window, sinks)
-    mask_args = _mask_arguments(mask, seq_lens)
+    mask_args = mask_arguments(mask, seq_lens)
     q_scale = scale * LOG2E
     rows = q.reshape(batch, -1, head_dim)  # [B, Hq * T, D]: a view, or a copy of a few rows
     # contiguous whatever q's strides: the merge writes row b * Hq * T + r
@@ -210,7 +195,7 @@ def compile_split_kernel(
             "compile_split_kernel: this decode's plan takes the verify kernel, not the split "
             "kernel (pass a split_config to compile the split kernel)"
         )
-    mask_args = _mask_arguments(None, seq_lens)
+    mask_args = mask_arguments(None, seq_lens)
     rows = q.reshape(q.shape[0], -1, q.shape[-1])  # [B, Hq * T, D]
     q_code, part_out, part_lse = _buffers(plan, rows)
     arguments = split_arguments(rows, q_code, LOG2E, rotation, cache, block_table, seq_lens,

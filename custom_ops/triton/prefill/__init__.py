@@ -31,7 +31,12 @@ from custom_ops.sdpa_lse import attention_lse
 from custom_ops.triton.decode.codes import PartParams, part_params
 from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.launch import Launcher
-from custom_ops.triton.paged import plane_arguments, ring_arguments, table_arguments
+from custom_ops.triton.paged import (
+    mask_arguments,
+    plane_arguments,
+    ring_arguments,
+    table_arguments,
+)
 from custom_ops.triton.prefill.causal_rows import causal_rows
 from custom_ops.triton.prefill.prefix import (
     CHUNK_CAUSAL,
@@ -73,11 +78,6 @@ def _launcher(key_params: PartParams, value_params: PartParams, group: int, head
         IS_CAUSAL=is_causal, CHUNK_MODE=chunk_mode, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
     ))  # fmt: skip
-
-
-def _broadcast_strides(t: torch.Tensor, dims: tuple[int, ...]) -> tuple[int, ...]:
-    """Strides of ``t`` along ``dims``, 0 where the size is 1 (a broadcast dimension)."""
-    return tuple(t.stride(d) if t.shape[d] > 1 else 0 for d in dims)
 
 
 def prefill(
@@ -124,11 +124,10 @@ def prefill(
         return out
     fast = q.device.type == "cuda" if fast is None else fast
     config = PrefillConfig() if config is None else config
+    mask_args = mask_arguments(mask, seq_lens)
     if mask is None:
-        mask_args, flags, flag_strides, mask_kind = (seq_lens, 0, 0, 0, 0), seq_lens, (0, 0), 0
+        flags, flag_strides, mask_kind = seq_lens, (0, 0), 0
     else:
-        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
-        mask_args = (mask, *_broadcast_strides(mask, (0, 1)), mask.stride(2), mask.shape[-1])
         mask_kind = 1 if mask.dtype == torch.bool else 2
         flags = causal_rows(mask_args, mask.shape[1], tokens, seq_lens, mask_kind == 2)
         flag_strides = (flags.stride(0), flags.stride(1) if flags.shape[1] > 1 else 0)
