@@ -10,7 +10,9 @@ dense cache of ``PREFIX + CHUNK`` positions, causal over the chunk (cuDNN under 
 ``[T, PREFIX + CHUNK]`` boolean mask: what the bf16 model runs), and beside the same SDPA
 with the chunk's keys alone and ``is_causal`` (what ``tq.prefill`` runs first). Throughput
 counts ``4 * T * (PREFIX + T / 2) * D * Hq`` FLOPs (QK and PV, the causal half of the
-chunk). ``--sweep`` times the prefill kernel's launch configurations. Writes
+chunk). Both ways of reading the prefix are timed (``--paths``): ``dense`` (dequantized into a
+workspace, then the dense kernel; the default) and ``fused`` (the prefill kernel, what CUDA-graph
+capture runs); ``--sweep`` times the fused kernel's launch configurations. Writes
 ``results/prefill.json``.
 
     python benchmarks/prefill.py
@@ -20,6 +22,7 @@ chunk). ``--sweep`` times the prefill kernel's launch configurations. Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -84,6 +87,8 @@ def main() -> None:
         choices=sorted(FORMATS),
     )
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8])
+    parser.add_argument("--paths", nargs="+", default=["dense", "fused"],
+                        choices=["dense", "fused"])  # fmt: skip
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--out", default="prefill.json")
     args = parser.parse_args()
@@ -99,11 +104,16 @@ def main() -> None:
             call = (s["fmt"], s["q"], chunk_k, chunk_v, s["cache"], s["table"], s["lens"],
                     s["rotation"], HEAD_DIM**-0.5, False, prefix + tokens, s["mask"],
                     *s["rings"], SINKS)  # fmt: skip
-            configs = SWEEP if args.sweep else [PrefillConfig()]
-            for config in configs:
-                us = bench(lambda c=config, a=call: triton_prefill.prefill(*a, config=c))
-                rows.append(dict(shape=shape, format=fmt_name, config=" ".join(map(str, config)),
-                                 us=us, tflops=flops / us / 1e6))  # fmt: skip
+            runs = [("dense", None)] if "dense" in args.paths else []
+            if "fused" in args.paths:
+                runs += [("fused", c) for c in (SWEEP if args.sweep else [PrefillConfig()])]
+            for path, config in runs:
+                fused = path == "fused"
+                with triton_prefill.fused_prefix() if fused else contextlib.nullcontext():
+                    us = bench(lambda c=config, a=call: triton_prefill.prefill(*a, config=c))
+                label = "dense" if config is None else "fused " + " ".join(map(str, config))
+                rows.append(dict(shape=shape, format=fmt_name, config=label, us=us,
+                                 tflops=flops / us / 1e6))  # fmt: skip
                 print(f"  {rows[-1]}", flush=True)
         dense = dict(q=s["q"], k=s["keys"], v=s["values"], mask=s["mask"])
         us = bench(lambda d=dense: F.scaled_dot_product_attention(
@@ -129,7 +139,7 @@ def main() -> None:
     device = gpu_name()
     print(
         f"\n{device}, Hq {args.heads[0]}, Hk {args.heads[1]}, D {HEAD_DIM}, window {WINDOW}, "
-        f"sinks {SINKS}; config = block_m block_n warps stages"
+        f"sinks {SINKS}; config: dense, or fused block_m block_n warps stages"
     )
     print_table(rows, dict(shape="", format="", config="", us=".1f", tflops=".1f",
                            vs_bf16_mask=".3f"))  # fmt: skip

@@ -74,7 +74,8 @@ stay opaque calls.
   max_seq_len)`` where the optional ``mask [B or 1, Hq or 1, T, M]`` (bool, or additive;
   positions ``>= M`` masked) allows it and, with ``is_causal``, where ``p <= t`` (SDPA's
   top-left order: a causal chunk when ``start`` is 0).
-  ``[B, Hq, T, D]`` in q's dtype; a row with no visible key gets zeros
+  ``[B, Hq, T, D]`` in q's dtype and layout (``torch.empty_like(q)``'s strides: a model's
+  ``transpose(1, 2)`` of a transposed q is then contiguous); a row with no visible key gets zeros
   (:func:`custom_ops.reference.prefill`).
 
 ``rotation`` (``[D, D] float32``, entries +-1) must be :func:`custom_ops.codebook.rotation_matrix`
@@ -292,20 +293,32 @@ def _prefill(a: PrefillArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     args = (kv_format, a.q, a.key, a.value, _cache(a), a.block_table, a.seq_lens, a.rotation,
             a.scale, a.is_causal, a.max_seq_len)  # fmt: skip
     if _use_triton(a.q.device):
-        return triton_prefill.prefill(*args, a.mask, a.k_window, a.v_window, a.window_pos,
-                                      a.sinks, a.key_center)  # fmt: skip
-    if reference.chunk_is_everything(a.seq_lens, a.q.shape[2], a.is_causal, a.max_seq_len,
-                                     a.mask):  # fmt: skip
+        out = triton_prefill.prefill(*args, a.mask, a.k_window, a.v_window, a.window_pos,
+                                     a.sinks, a.key_center)  # fmt: skip
+    elif reference.chunk_is_everything(a.seq_lens, a.q.shape[2], a.is_causal, a.max_seq_len,
+                                       a.mask):  # fmt: skip
         # a first chunk: what the dense model computes, by the same kernel (the CPU's flash)
         causal = a.is_causal or a.mask is not None
-        return sdpa_lse.attention_lse(a.q, a.key, a.value, causal, a.scale)[0].contiguous()
-    return reference.prefill(*args, torch.float32, a.mask, a.k_window, a.v_window, a.window_pos,
-                             a.sinks, a.key_center)  # fmt: skip
+        out = sdpa_lse.attention_lse(a.q, a.key, a.value, causal, a.scale)[0]
+    else:
+        out = reference.prefill(*args, torch.float32, a.mask, a.k_window, a.v_window,
+                                a.window_pos, a.sinks, a.key_center)  # fmt: skip
+    return _laid_out_like(out, a.q)
+
+
+def _laid_out_like(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``out`` with the strides of ``torch.empty_like(q)`` (the prefill's output layout: q's
+    own for a dense q, so that a model's ``transpose(1, 2).contiguous()`` of SDPA's output,
+    as cuDNN and flash lay it out, stays free); a copy only where they differ."""
+    like = torch.empty_like(q, device="meta").stride()
+    if all(n == 1 or a == b for n, a, b in zip(out.shape, out.stride(), like, strict=True)):
+        return out.as_strided(out.shape, like)  # strides of size-1 dims address nothing
+    return torch.empty_like(q).copy_(out)
 
 
 def _prefill_fake(a: PrefillArgs) -> torch.Tensor:
     validate.check_prefill(a)
-    return a.q.new_empty(a.q.shape)  # contiguous, as both implementations return
+    return torch.empty_like(a.q)  # the layout both implementations return
 
 
 def _store_fake(a: StoreArgs) -> None:

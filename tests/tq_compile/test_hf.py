@@ -218,15 +218,18 @@ def test_chunked_prefill_reads_the_compressed_prefix():
     than 16, so every chunk is a prefill, not a verify step): each chunk attends over itself
     exactly and over the cached prefix. A window holding the whole prompt keeps the prefix in
     bf16: StaticCache's logits to bf16 rounding; int8 without a window reads its pages: within
-    int8's bound; the Triton kernels (interpreter on the CPU) give the reference path's logits
-    (the store kernels' codes may differ by a level, as in the bounds above); ``generate`` runs
-    the same chunks."""
+    int8's bound; the Triton kernels (interpreter on the CPU, CUDA on a GPU) give the reference
+    path's logits (the store kernels' codes may differ by a level, as in the bounds above);
+    ``generate`` runs the same chunks."""
     config, model = tiny_model("qwen2")
     ids, _ = prompt_batch(seed=12, left_pad=7, length=PREFILL_LEN)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
 
-    def chunked(cache, chunk=50):
-        return torch.cat([model(ids[:, s : s + chunk], past_key_values=cache).logits
-                          for s in range(0, PREFILL_LEN, chunk)], dim=1)  # fmt: skip
+    def chunked(cache, chunk=50, device="cpu"):
+        with torch.device(device):
+            return torch.cat([model.to(device)(ids[:, s : s + chunk].to(device),
+                                               past_key_values=cache).logits.cpu()
+                              for s in range(0, PREFILL_LEN, chunk)], dim=1)  # fmt: skip
 
     static = chunked(StaticCache(config, PREFILL_CAPACITY))
     whole = TurboQuantCache(config, PREFILL_CAPACITY, preset="3bit_nc", window=PREFILL_CAPACITY)
@@ -234,8 +237,9 @@ def test_chunked_prefill_reads_the_compressed_prefix():
     assert rel_error(chunked(TurboQuantCache(config, PREFILL_CAPACITY, preset="int8", window=0)),
                      static) < INT8_BOUND  # fmt: skip
     reference = chunked(TurboQuantCache(config, PREFILL_CAPACITY, window=16))
-    with triton_kernels("cpu"):
-        kernels = chunked(TurboQuantCache(config, PREFILL_CAPACITY, window=16))
+    with triton_kernels(device):
+        kernels = chunked(TurboQuantCache(config, PREFILL_CAPACITY, window=16), device=device)
+    model.cpu()
     assert rel_error(kernels, reference) < SAME_QUANTIZATION_BOUND
     out = model.generate(ids, past_key_values=TurboQuantCache(config, PREFILL_CAPACITY, window=16),
                          max_new_tokens=3, do_sample=False, prefill_chunk_size=50)  # fmt: skip

@@ -1,26 +1,38 @@
 """Prefill attention over a chunk and its compressed prefix: ``torch.ops.tq.prefill`` on CUDA.
 
-Up to three launches, shapes fixed by the inputs (CUDA-graph safe, no host sync):
-
-1. dense SDPA over the chunk's exact keys and values with its log-sum-exp
+1. Dense SDPA over the chunk's exact keys and values with its log-sum-exp
    (:func:`custom_ops.sdpa_lse.attention_lse`: the kernel SDPA itself picks, cuDNN on Hopper),
-   causal unless the call has neither a mask nor ``is_causal``;
-2. with a mask, the check of which mask rows are causal over the chunk
-   (:mod:`~custom_ops.triton.prefill.causal_rows`): only those rows may keep step 1's result;
-3. the prefill kernel (:mod:`~custom_ops.triton.prefill.prefix`): each query row's attention
-   over the compressed prefix and the ring, merged with step 1's rows by log-sum-exp in place;
-   rows step 1 cannot answer get the chunk's keys and values from the kernel itself. A program
-   whose rows need nothing more (a first chunk: an empty prefix) returns at once.
+   causal unless the call has neither a mask nor ``is_causal``.
+2. With a mask, the check of which mask rows are causal over the chunk and show the whole
+   prefix (:mod:`~custom_ops.triton.prefill.causal_rows`).
+3. The prefix, one of two ways:
 
-A single-forward prefill therefore costs the bf16 model's attention plus a kernel of empty
-programs; a later chunk reads its prefix's compressed bytes tile by tile (no dense copy of the
-prefix, no ``[T, S]`` mask).
+   * **dense** (the default outside CUDA-graph capture): where every sequence has the same
+     prefix length ``P`` and every row sees all of it (no mask, or a mask the check accepted,
+     no top-left ``is_causal`` over a prefix, no view cutting the chunk), the prefix is
+     dequantized into a ``[B, Hk, P, D]`` workspace (``P``, not the capacity: the caching
+     allocator hands the same block to every layer) and attended by the dense kernel again
+     (cuDNN at its unmasked rate), then merged by log-sum-exp
+     (:mod:`~custom_ops.triton.prefill.merge`). Deciding needs ``P`` and the check on the host:
+     one device-to-host copy per call, queued before step 1 and waited for while step 1 runs
+     (the GPU does not idle). A first chunk (``P`` = 0) is step 1's result as it is.
+   * **fused** (CUDA-graph capture, which cannot read the device, and every other case): the
+     prefill kernel (:mod:`~custom_ops.triton.prefill.prefix`) reads the compressed pages tile
+     by tile, no host sync and no workspace, and finishes each row in place; rows step 1 cannot
+     answer get the chunk's keys and values from the kernel itself. A program whose rows need
+     nothing more returns at once.
+
+The dense prefix is the faster one by several times on an H200 (``benchmarks/NOTES.md``,
+"Prefill"); :func:`fused_prefix` forces the fused kernel (tests, benchmarks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -30,6 +42,7 @@ from custom_ops.formats import KVFormat, PagedKVCache, ring_window
 from custom_ops.sdpa_lse import attention_lse
 from custom_ops.triton.decode.codes import PartParams, part_params
 from custom_ops.triton.decode.softmax import LOG2E
+from custom_ops.triton.dequant import dequantize
 from custom_ops.triton.launch import Launcher
 from custom_ops.triton.paged import (
     mask_arguments,
@@ -37,7 +50,8 @@ from custom_ops.triton.paged import (
     ring_arguments,
     table_arguments,
 )
-from custom_ops.triton.prefill.causal_rows import causal_rows
+from custom_ops.triton.prefill.causal_rows import CAUSAL_OVER_CHUNK, SHOWS_PREFIX, causal_rows
+from custom_ops.triton.prefill.merge import merge_prefix
 from custom_ops.triton.prefill.prefix import (
     CHUNK_CAUSAL,
     CHUNK_FULL,
@@ -45,7 +59,21 @@ from custom_ops.triton.prefill.prefix import (
     prefill_kernel,
 )
 
-__all__ = ["PrefillConfig", "prefill"]
+__all__ = ["PrefillConfig", "prefill", "fused_prefix"]
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def fused_prefix() -> Iterator[None]:
+    """Within it, prefills on this thread read their prefix by the fused kernel only (what a
+    CUDA-graph capture runs): no dequantized workspace, no host sync."""
+    previous = getattr(_state, "fused", False)
+    _state.fused = True
+    try:
+        yield
+    finally:
+        _state.fused = previous
 
 
 class PrefillConfig(NamedTuple):
@@ -113,26 +141,46 @@ def prefill(
         config: the prefix kernel's launch (default :class:`PrefillConfig`).
 
     Returns:
-        ``[B, Hq, T, D]`` contiguous, in q's dtype.
+        ``[B, Hq, T, D]`` in q's dtype, laid out as the dense kernel returns it (the op gives
+        it q's layout).
     """
     batch, num_q_heads, tokens, head_dim = q.shape
     num_kv_heads = key.shape[1]
+    if q.numel() == 0:
+        return torch.empty_like(q)
     chunk_mode = CHUNK_MASKED if mask is not None else (CHUNK_CAUSAL if is_causal else CHUNK_FULL)
+    dense = not getattr(_state, "fused", False) and not (
+        q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    )
+    mask_args = mask_arguments(mask, seq_lens)
+    flags = None
+    if mask is not None:
+        flags = causal_rows(mask_args, mask.shape[1], tokens, seq_lens, mask.dtype != torch.bool,
+                            check_prefix=dense and not is_causal)  # fmt: skip
+    window = ring_window(k_window, sinks)
+    capacity = block_table.shape[1] * cache.k_codes.shape[2] + window
+    # the facts the dense prefix needs head for the host now; the chunk's attention runs meanwhile
+    facts = _prefix_facts(seq_lens, tokens, capacity, flags) if dense else None
     out, lse = attention_lse(q, key, value, chunk_mode != CHUNK_FULL, scale)
-    out = out if out.is_contiguous() else out.contiguous()
-    if out.numel() == 0:
-        return out
+    if facts is not None:
+        prefix_len = _uniform_prefix(facts(), max_seq_len, is_causal)
+        if prefix_len == 0:
+            return out
+        if prefix_len is not None:
+            prefix_lens = (seq_lens.clamp(max=capacity) - tokens).clamp(min=0).to(torch.int32)
+            keys, values = dequantize(fmt, cache, block_table, prefix_lens, rotation, prefix_len,
+                                      q.dtype, k_window, v_window, window_pos, sinks)  # fmt: skip
+            prefix_out, prefix_lse = attention_lse(q, keys, values, False, scale)
+            merge_prefix(out, lse, prefix_out, prefix_lse, q, scale, key_center)
+            return out
     fast = q.device.type == "cuda" if fast is None else fast
     config = PrefillConfig() if config is None else config
-    mask_args = mask_arguments(mask, seq_lens)
-    if mask is None:
-        flags, flag_strides, mask_kind = seq_lens, (0, 0), 0
+    if flags is None:
+        flags, flag_strides = seq_lens, (0, 0)
     else:
-        mask_kind = 1 if mask.dtype == torch.bool else 2
-        flags = causal_rows(mask_args, mask.shape[1], tokens, seq_lens, mask_kind == 2)
         flag_strides = (flags.stride(0), flags.stride(1) if flags.shape[1] > 1 else 0)
+    mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
     has_rings = k_window is not None
-    window = ring_window(k_window, sinks)
     if has_rings:
         rings = ring_arguments(k_window, v_window, window_pos)
     else:  # never read
@@ -150,3 +198,52 @@ def prefill(
              num_kv_heads, tokens, window, block_table.shape[1], max_seq_len,
              scale * LOG2E)  # fmt: skip
     return out
+
+
+def _prefix_facts(seq_lens: torch.Tensor, tokens: int, capacity: int,
+                  flags: torch.Tensor | None) -> Callable[[], list[int]]:  # fmt: skip
+    """Start copying to the host what :func:`_uniform_prefix` decides by: the longest and the
+    shortest prefix, the longest sequence and the mask rows' least flag. Returns the call that
+    waits for them: on CUDA an event after the copy, so that the host waits for these small
+    reductions only, while the kernels queued after them (the chunk's attention) keep the GPU
+    busy; no wait at all for work queued after the call."""
+    lens = seq_lens.clamp(max=capacity)
+    prefix = (lens - tokens).clamp(min=0)
+    facts = [prefix.amax(), prefix.amin(), lens.amax()]
+    if flags is not None:
+        facts.append(flags.amin().to(prefix.dtype))
+    facts = torch.stack(facts)
+    if facts.device.type != "cuda":
+        return facts.tolist
+    host = torch.empty(facts.shape, dtype=facts.dtype, pin_memory=True)
+    host.copy_(facts, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> list[int]:
+        copied.synchronize()
+        return host.tolist()
+
+    return wait
+
+
+def _uniform_prefix(facts: list[int], max_seq_len: int, is_causal: bool) -> int | None:
+    """The prefix length ``P`` every sequence shares where the dense prefix gives each row what
+    it must see, else None: every row sees the chunk as step 1 computed it (no view shorter
+    than a sequence, mask rows the check found causal over the chunk) and either the prefix is
+    empty or every row sees all of it (not ``is_causal``, whose top-left order hides it; mask
+    rows that show it: the flags' least value has both bits, as every row's then has).
+
+    Args:
+        facts: :func:`_prefix_facts`' values.
+        max_seq_len: the view's length.
+        is_causal: the call's ``is_causal``.
+    """
+    longest_prefix, shortest_prefix, longest, *least_flag = facts
+    # every row both causal over the chunk and showing the prefix (vacuous when it is empty)
+    rows_ok = not least_flag or least_flag[0] == CAUSAL_OVER_CHUNK | SHOWS_PREFIX
+    if longest > max_seq_len or longest_prefix != shortest_prefix or not rows_ok:
+        return None
+    if longest_prefix and is_causal:
+        return None
+    return longest_prefix

@@ -35,10 +35,12 @@ from custom_ops.triton.decode.softmax import LOG2E, softmax_rescale
 from custom_ops.triton.decode.tiles import table_entries
 from custom_ops.triton.kinds import LLOYD_MAX, UNIFORM
 from custom_ops.triton.paged import ring_start
+from custom_ops.triton.prefill.causal_rows import CAUSAL_OVER_CHUNK
 
 __all__ = ["prefill_kernel", "CHUNK_FULL", "CHUNK_CAUSAL", "CHUNK_MASKED"]
 
 _LOG2E = tl.constexpr(LOG2E)
+_CAUSAL = tl.constexpr(CAUSAL_OVER_CHUNK)
 # The lowest additive mask value taken as it is: times log2(e) it stays a finite float32.
 _FLOOR = tl.constexpr(-2.0e38)
 # What the chunk's SDPA result holds, and when a row may take it (CHUNK_MODE):
@@ -47,15 +49,25 @@ CHUNK_CAUSAL = 1  # is_causal: only when start is 0 (SDPA's top-left order is th
 CHUNK_MASKED = 2  # SDPA causal, a mask given: rows the mask check found causal over the chunk
 
 
+# The widest original space one product with the rotation takes whole: at head dim 256 the
+# float32 blocks (up to [256, 256], 256 KB) and their operands do not fit in shared memory, so
+# the products go in quarters of the original space (queries) or of the code space (values).
+_WHOLE_D_PAD = tl.constexpr(128)
+
+
 @triton.jit
 def _part_basis(rot_ptr, part, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                INV_SQRT_D: tl.constexpr):  # fmt: skip
-    """``[D_PAD, PC_PAD] float32``: column ``c`` is code-space element ``part * PC + c`` of the
+                INV_SQRT_D: tl.constexpr, ROW0: tl.constexpr = 0, ROWS: tl.constexpr = 0,
+                COL0: tl.constexpr = 0, COLS: tl.constexpr = 0):  # fmt: skip
+    """``[ROWS, COLS] float32`` (default ``[D_PAD, PC_PAD]``) from row ``ROW0`` and column
+    ``COL0`` of the part basis: column ``c`` is code-space element ``part * PC + c`` of the
     codec ``P`` written in the original space (a column of ``R / sqrt(D)`` for rotated codes,
     of the identity otherwise); zero at padding. ``x @ basis`` takes a part of a vector into the
     code space, ``part @ basis^T`` brings it back."""
-    e = tl.arange(0, D_PAD)[:, None]
-    c = tl.arange(0, P.PC_PAD)[None, :]
+    NUM_ROWS: tl.constexpr = D_PAD if ROWS == 0 else ROWS
+    NUM_COLS: tl.constexpr = P.PC_PAD if COLS == 0 else COLS
+    e = ROW0 + tl.arange(0, NUM_ROWS)[:, None]
+    c = COL0 + tl.arange(0, NUM_COLS)[None, :]
     element = part * P.PC + c
     ok = (e < D) & (c < P.PC)
     if P.KIND == LLOYD_MAX:
@@ -64,12 +76,37 @@ def _part_basis(rot_ptr, part, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.const
 
 
 @triton.jit
+def _quarters(x):
+    """``x [M, N]`` as its four column blocks ``[M, N / 4]``, in order."""
+    M: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    left, right = tl.split(tl.permute(tl.reshape(x, (M, 2, N // 2)), (0, 2, 1)))
+    a, b = tl.split(tl.permute(tl.reshape(left, (M, 2, N // 4)), (0, 2, 1)))
+    c, d = tl.split(tl.permute(tl.reshape(right, (M, 2, N // 4)), (0, 2, 1)))
+    return a, b, c, d
+
+
+@triton.jit
 def _code_query(q, rot_ptr, part, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                 INV_SQRT_D: tl.constexpr):  # fmt: skip
     """Query rows ``q [M, D_PAD] float32`` (already scaled to log2 units) in part ``part`` of the
     keys' code space, as the fp16 ``tl.dot`` operand ``[M, PC_PAD]``."""
-    basis = _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D)
-    return tl.dot(q, basis, input_precision="ieee").to(tl.float16)
+    WHOLE: tl.constexpr = D_PAD <= _WHOLE_D_PAD
+    if WHOLE:
+        coded = tl.dot(q, _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D),
+                       input_precision="ieee")  # fmt: skip
+    else:  # a quarter of the original space at a time: [M, D_PAD / 4] x [D_PAD / 4, PC_PAD]
+        Q: tl.constexpr = D_PAD // 4
+        q0, q1, q2, q3 = _quarters(q)
+        coded = tl.dot(q0, _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, Q),
+                       input_precision="ieee")  # fmt: skip
+        coded = tl.dot(q1, _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, Q, Q), coded,
+                       input_precision="ieee")  # fmt: skip
+        coded = tl.dot(q2, _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 2 * Q, Q), coded,
+                       input_precision="ieee")  # fmt: skip
+        coded = tl.dot(q3, _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 3 * Q, Q), coded,
+                       input_precision="ieee")  # fmt: skip
+    return coded.to(tl.float16)
 
 
 @triton.jit
@@ -77,8 +114,22 @@ def _to_original(acc, part, rot_ptr, P: tl.constexpr, D: tl.constexpr, D_PAD: tl
                  INV_SQRT_D: tl.constexpr):  # fmt: skip
     """An accumulator part ``[M, PC_PAD]`` of the values' code space as ``[M, D_PAD]`` in the
     original space."""
-    basis = _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D)
-    return tl.dot(acc, tl.trans(basis), input_precision="ieee")
+    WHOLE: tl.constexpr = (D_PAD <= _WHOLE_D_PAD) | (P.PC_PAD <= 64)  # a block of <= 64 KB
+    if WHOLE:
+        out = tl.dot(acc, tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D)),
+                     input_precision="ieee")  # fmt: skip
+    else:  # a quarter of the code space at a time: [M, PC_PAD / 4] x [PC_PAD / 4, D_PAD]
+        C: tl.constexpr = P.PC_PAD // 4
+        a0, a1, a2, a3 = _quarters(acc)
+        out = tl.dot(a0, tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, 0, 0,
+                                              C)), input_precision="ieee")  # fmt: skip
+        out = tl.dot(a1, tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, 0, C,
+                                              C)), out, input_precision="ieee")  # fmt: skip
+        out = tl.dot(a2, tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, 0,
+                                              2 * C, C)), out, input_precision="ieee")  # fmt: skip
+        out = tl.dot(a3, tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, 0,
+                                              3 * C, C)), out, input_precision="ieee")  # fmt: skip
+    return out
 
 
 @triton.jit
@@ -196,7 +247,8 @@ def prefill_kernel(
         from_sdpa = (start == 0) & (tokens <= view_len)
     else:
         flags = tl.load(flags_ptr + b * stride_fb + heads * stride_fh + t, mask=row_ok, other=1)
-        from_sdpa = (tl.min(flags.to(tl.int32), axis=0) > 0) & (start + tokens <= view_len)
+        causal = (flags & _CAUSAL).to(tl.int32)
+        from_sdpa = (tl.min(causal, axis=0) > 0) & (start + tokens <= view_len)
         if IS_CAUSAL:  # the mask and the top-left order: the chunk's causal order at start 0
             from_sdpa = from_sdpa & (start == 0)
     if from_sdpa & (prefix_end == 0):

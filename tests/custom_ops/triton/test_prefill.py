@@ -4,13 +4,22 @@ keys and values and its sequence's compressed prefix, against the float64 oracle
 rejects, truncated views), rings holding prefix positions, head dims, GQA groups; opcheck; bad
 input.
 
-Tolerance: the output is rounded to bf16 once (2^-9 relative at most per element) after the
-chunk's SDPA rows were rounded to bf16 too; the compressed tiles' fp16 operands add 2^-11. The
-kernels land at 1.5e-3 to 2.2e-3 of the output's norm; 4e-3 is the bound. A prefix left out, a
-mask row misapplied or a chunk read quantized moves the output by 10% or more.
+Each case runs both ways of reading the prefix (the ``prefix_path`` fixture): the dense one
+(dequantized, then the dense kernel; the default) and the fused kernel (what CUDA-graph capture
+runs). Tolerances, of the output's norm against the float64 oracle: the fused kernel rounds the
+output to bf16 once (2^-9 relative at most per element) after the chunk's SDPA rows were
+rounded to bf16 too; its compressed tiles' fp16 operands add 2^-11: it lands at 1.2e-3 to
+2.2e-3, 4e-3 is the bound. The dense path computes in the dense kernel's bf16 arithmetic, as
+the bf16 model attends over its own cache: the dequantized keys and values, the probabilities
+and each half's output are rounded to bf16 (2^-9 each, where the fused kernel's operands have
+2^-11): it lands at 3.5e-3 to 7.4e-3, 1e-2 is the bound. A prefix position left out, a key
+centre missing, a mask row misapplied or a chunk read quantized moves the output by 8% or more.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
 
 import expecttest
 import pytest
@@ -20,10 +29,28 @@ from helpers import IMPLS, impl_context, impl_device, random_kv, rel_error
 
 from custom_ops import api, reference, sdpa_lse
 from custom_ops.formats import FORMATS, get_format
+from custom_ops.triton import prefill as triton_prefill
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
 
-TOLERANCE = 4e-3
+TOLERANCE = 4e-3  # the fused kernel
+DENSE_TOLERANCE = 1e-2  # the dense kernel over a dequantized prefix
+
+
+class PrefixPath(NamedTuple):
+    """How the prefix is read: the context that selects it and the tolerance."""
+
+    context: type[contextlib.AbstractContextManager]
+    tolerance: float
+
+
+PREFIX_PATHS = {"dense": PrefixPath(contextlib.nullcontext, DENSE_TOLERANCE),
+                "fused": PrefixPath(triton_prefill.fused_prefix, TOLERANCE)}  # fmt: skip
+
+
+@pytest.fixture(params=sorted(PREFIX_PATHS))
+def prefix_path(request) -> PrefixPath:
+    return PREFIX_PATHS[request.param]
 
 
 class Case:
@@ -94,9 +121,9 @@ class Case:
         mask = (torch.arange(capacity)[None, None, :] <= rows[..., None])[:, None]
         return mask[:1] if bool((starts == starts[0]).all()) else mask
 
-    def run(self, device, dtype=None, **kwargs):
-        """``tq.prefill`` by the Triton kernels on ``device`` (CPU: the interpreter), or with
-        ``dtype`` the float64 oracle; returned on the CPU."""
+    def run(self, device, dtype=None, path=PREFIX_PATHS["dense"], **kwargs):
+        """``tq.prefill`` by the Triton kernels on ``device`` (CPU: the interpreter), the prefix
+        read by ``path``, or with ``dtype`` the float64 oracle; returned on the CPU."""
         kwargs = dict(is_causal=False, mask=None, max_seq_len=None) | kwargs
         args = (self.fmt, self.q, self.key, self.value, self.cache, self.block_table,
                 self.seq_lens, self.consts.rotation)  # fmt: skip
@@ -110,7 +137,7 @@ class Case:
         def moved(t):
             return None if t is None else t.to(device)
 
-        with triton_kernels(device):
+        with triton_kernels(device), path.context():
             out = api.prefill(self.fmt, *(moved(t) for t in args[1:4]),
                               type(self.cache)(*(p.to(device) for p in self.cache)),
                               moved(self.block_table), moved(self.seq_lens),
@@ -122,22 +149,23 @@ class Case:
                               key_center=moved(self.key_center))  # fmt: skip
         return out.cpu()
 
-    def check(self, device, **kwargs) -> float:
+    def check(self, device, path, **kwargs) -> float:
         expected = self.run(device, torch.float64, **kwargs)
-        actual = self.run(device, **kwargs)
-        assert actual.dtype == self.q.dtype and actual.is_contiguous()
+        actual = self.run(device, path=path, **kwargs)
+        assert actual.dtype == self.q.dtype
+        assert actual.stride() == torch.empty_like(self.q).stride()  # q's layout
         error = rel_error(actual, expected)
-        assert error < TOLERANCE, error
+        assert error < path.tolerance, error
         return error
 
 
 @pytest.mark.parametrize("fmt_name", sorted(FORMATS))
-def test_kernel_matches_float64_oracle(fmt_name, kernel_device, seeded):
+def test_kernel_matches_float64_oracle(fmt_name, kernel_device, prefix_path, seeded):
     """Every format: a 24-token chunk after a 90-token prefix (two 64-token tiles of pages, 2
     sinks, keys centred, a shuffled block table), under gpt-fast's causal mask: the mask rows
     are checked causal, the chunk is SDPA's and the prefix the kernel's, merged."""
     case = Case(fmt_name, seeded)
-    case.check(kernel_device, mask=case.causal_mask())
+    case.check(kernel_device, prefix_path, mask=case.causal_mask())
 
 
 def _masks(case: Case) -> dict:
@@ -176,8 +204,9 @@ def _masks(case: Case) -> dict:
 
 def test_causal_rows(kernel_device, seeded):
     """The mask check: rows that show exactly chunk positions 0 .. t (bool True, additive 0,
-    hidden by -inf or finfo.min) are causal, each sequence at its own chunk start; a hole, a
-    bias or padding makes the rows that meet it not causal."""
+    hidden by -inf or finfo.min) are causal (flag bit 1), each sequence at its own chunk start;
+    a hole, a bias or padding makes the rows that meet it not causal. Rows that show every
+    prefix position get bit 2: not where the prefix has a hole or a bias, nor unchecked."""
     from custom_ops.triton.prefill.causal_rows import causal_rows
 
     case = Case("int8", seeded, prefix=30, tokens=20, start=(30, 21), window=0, sinks=0)
@@ -187,53 +216,64 @@ def test_causal_rows(kernel_device, seeded):
     additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     biased = additive.clone()
     biased[1, :, 12, 21 + 3] = 0.5  # one biased visible position in row 12 of sequence 1
+    prefix_hole = mask.clone()
+    prefix_hole[0, :, 4:9, 17] = False  # rows 4-8 of sequence 0 miss prefix position 17
+    prefix_bias = additive.clone()
+    prefix_bias[1, :, :, 3] = 0.25  # every row of sequence 1 biases prefix position 3
     t = torch.arange(20)
-    expected = {
-        "causal": torch.ones(2, 1, 20),
-        "a hole": torch.stack([(t < 7).float(), torch.ones(20)])[:, None],
-        "additive, finfo.min": torch.ones(2, 1, 20),
-        "a bias": torch.stack([torch.ones(20), (t != 12).float()])[:, None],
+    ones = torch.ones(20)
+    expected = {  # 1: causal over the chunk, 2: shows the prefix
+        "causal": 3 * torch.ones(2, 1, 20),
+        "a hole": torch.stack([(t < 7) + 2, 3 * ones])[:, None],
+        "additive, finfo.min": 3 * torch.ones(2, 1, 20),
+        "a bias": torch.stack([3 * ones, (t != 12) + 2])[:, None],
+        "a hole in the prefix": torch.stack([3 - 2 * ((t >= 4) & (t < 9)), 3 * ones])[:, None],
+        "a bias in the prefix": torch.stack([3 * ones, ones])[:, None],
     }
-    for name, m in zip(expected, (mask, holed, additive, biased), strict=True):
+    masks = (mask, holed, additive, biased, prefix_hole, prefix_bias)
+    for name, m in zip(expected, masks, strict=True):
         args = (m.to(kernel_device), m.stride(0), m.stride(1), m.stride(2), m.shape[-1])
         with triton_kernels(kernel_device):
             flags = causal_rows(args, 1, 20, case.seq_lens.to(kernel_device),
                                 m.dtype != torch.bool).cpu()  # fmt: skip
-        assert torch.equal(flags.float(), expected[name]), name
+            unchecked = causal_rows(args, 1, 20, case.seq_lens.to(kernel_device),
+                                    m.dtype != torch.bool, check_prefix=False).cpu()  # fmt: skip
+        assert torch.equal(flags.float(), expected[name].float()), name
+        assert torch.equal(unchecked, flags & 1), name  # no prefix is known to be shown
 
 
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq4_nc"])
-def test_visibility(fmt_name, kernel_device, seeded):
+def test_visibility(fmt_name, kernel_device, prefix_path, seeded):
     """Each mask kind, causal order and view length: the rows the chunk check accepts take
     SDPA's result, the others the kernel's own pass over the chunk, both equal to the oracle
     (uniform and rotated values)."""
     case = Case(fmt_name, seeded, window=8, sinks=2)
     for name, kwargs in _masks(case).items():
         try:
-            case.check(kernel_device, **kwargs)
+            case.check(kernel_device, prefix_path, **kwargs)
         except AssertionError as error:
             raise AssertionError(f"{name}: {error}") from None
 
 
-def test_sequences_of_their_own_lengths(kernel_device, seeded):
+def test_sequences_of_their_own_lengths(kernel_device, prefix_path, seeded):
     """Each sequence's chunk at its own start (sequence 1 rewrote from 10 positions back), under
     each sequence's own causal rows and under is_causal."""
     case = Case("4bit_nc", seeded, prefix=80, tokens=20, start=(80, 70), window=8, sinks=2)
     assert case.seq_lens.tolist() == [100, 90]
-    case.check(kernel_device, mask=case.causal_mask())
-    case.check(kernel_device, is_causal=True)
+    case.check(kernel_device, prefix_path, mask=case.causal_mask())
+    case.check(kernel_device, prefix_path, is_causal=True)
 
 
-def test_is_causal_over_a_short_prefix(kernel_device, seeded):
+def test_is_causal_over_a_short_prefix(kernel_device, prefix_path, seeded):
     """is_causal with a prefix shorter than the chunk: SDPA's top-left order lets token t see
     positions 0 .. t, the prefix and the chunk's first t - start + 1 positions (the chunk
     recomputed by the kernel)."""
     case = Case("3bit_nc", seeded, prefix=10, tokens=40, window=0, sinks=0)
-    case.check(kernel_device, is_causal=True)
+    case.check(kernel_device, prefix_path, is_causal=True)
 
 
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4"])
-def test_first_chunk_is_sdpa(fmt_name, kernel_device, seeded):
+def test_first_chunk_is_sdpa(fmt_name, kernel_device, prefix_path, seeded):
     """A first chunk (no prefix) under a causal mask or is_causal is the dense kernel's causal
     attention over the chunk, bit for bit: the prefill kernel writes nothing."""
     case = Case(fmt_name, seeded, prefix=0, tokens=40)
@@ -241,8 +281,47 @@ def test_first_chunk_is_sdpa(fmt_name, kernel_device, seeded):
                                    case.value.to(kernel_device), True,
                                    case.q.shape[-1] ** -0.5)[0].cpu()  # fmt: skip
     for kwargs in (dict(is_causal=True), dict(mask=case.causal_mask())):
-        assert torch.equal(case.run(kernel_device, **kwargs), dense)
-    case.check(kernel_device, is_causal=True)
+        assert torch.equal(case.run(kernel_device, path=prefix_path, **kwargs), dense)
+    case.check(kernel_device, prefix_path, is_causal=True)
+
+
+def test_dense_prefix_where_every_row_sees_it(kernel_device, seeded, monkeypatch):
+    """The dense prefix runs where every sequence has the same prefix and every row sees all
+    of it (no mask and not causal; gpt-fast's mask; an additive causal mask); the fused kernel
+    everywhere else (is_causal's top-left order, padding, a bias on the prefix, sequences of
+    their own lengths, a view cutting the chunk, inside ``fused_prefix``)."""
+    calls = []
+    dequantize = triton_prefill.dequantize
+    monkeypatch.setattr(triton_prefill, "dequantize",
+                        lambda *a: calls.append("dense") or dequantize(*a))  # fmt: skip
+    case = Case("4bit_nc", seeded, window=8, sinks=2)
+    masks = _masks(case)
+    dense = ["no mask, not causal", "gpt-fast causal mask", "additive causal mask",
+             "additive causal mask of finfo.min"]  # fmt: skip
+    fused = ["is_causal over a prefix (top-left: the chunk mostly hidden)", "padding and a hole",
+             "float32 additive mask with a bias", "mask per head",
+             "view truncated inside the chunk"]  # fmt: skip
+    for name in dense + fused:
+        calls.clear()
+        case.run(kernel_device, **masks[name])
+        assert calls == (["dense"] if name in dense else []), name
+    calls.clear()
+    case.run(kernel_device, path=PREFIX_PATHS["fused"], mask=case.causal_mask())
+    own_lengths = Case("4bit_nc", seeded, prefix=80, tokens=20, start=(80, 70))
+    own_lengths.run(kernel_device, mask=own_lengths.causal_mask())
+    assert calls == []
+
+
+def test_output_in_the_query_layout(kernel_device, prefix_path, seeded):
+    """The output has q's layout (a model's ``q.transpose(1, 2)`` of ``[B, T, Hq, D]``: the
+    output's ``transpose(1, 2)`` is contiguous, as SDPA's), on every path, as the fake says."""
+    case = Case("k8v4", seeded, prefix=30, tokens=12)
+    case.q = case.q.transpose(1, 2).contiguous().transpose(1, 2)
+    for kwargs in (dict(mask=case.causal_mask()), {}, dict(is_causal=True)):
+        out = case.run(kernel_device, path=prefix_path, **kwargs)
+        assert out.transpose(1, 2).is_contiguous(), kwargs
+    error = case.check(kernel_device, prefix_path, mask=case.causal_mask())
+    assert error < prefix_path.tolerance
 
 
 @pytest.mark.parametrize(
@@ -250,45 +329,51 @@ def test_first_chunk_is_sdpa(fmt_name, kernel_device, seeded):
     [(32, 0, 40, 8, None), (32, 4, 40, 8, None), (16, 2, 40, 6, 30), (0, 0, 70, 20, None)],
     ids=["ring run in the prefix", "and sinks", "rollback into the ring", "no ring"],
 )  # fmt: skip
-def test_rings(window, sinks, prefix, tokens, start, kernel_device, seeded):
+def test_rings(window, sinks, prefix, tokens, start, kernel_device, prefix_path, seeded):
     """A chunk shorter than the window leaves prefix positions in the ring (read in full
     precision, sinks too); a chunk that rewrites from inside the ring leaves stale positions past
     the length there (never read); without rings the prefix is all pages."""
     case = Case("3bit_nc", seeded, window=window, sinks=sinks, prefix=prefix, tokens=tokens,
                 start=start)  # fmt: skip
-    case.check(kernel_device, mask=case.causal_mask())
-    case.check(kernel_device, is_causal=True)
+    case.check(kernel_device, prefix_path, mask=case.causal_mask())
+    case.check(kernel_device, prefix_path, is_causal=True)
 
 
 @pytest.mark.parametrize("head_dim", [80, 96, 128, 256])
 @pytest.mark.parametrize("fmt_name", ["3bit_nc", "tq4_nc"])
-def test_head_dims(fmt_name, head_dim, kernel_device, seeded):
+def test_head_dims(fmt_name, head_dim, kernel_device, prefix_path, seeded):
     """Head dims 80 and 96 (padded parts), 128 and 256, four parts of 3-bit codes and two of
     rotated 4-bit values."""
     case = Case(fmt_name, seeded, head_dim=head_dim, prefix=40, tokens=12, batch=1)
-    case.check(kernel_device, mask=case.causal_mask())
+    case.check(kernel_device, prefix_path, mask=case.causal_mask())
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
-def test_gqa_groups(group, kernel_device, seeded):
+def test_gqa_groups(group, kernel_device, prefix_path, seeded):
     """Query rows are token x group: groups 1, 3 (tiles of 64 rows split a token's group) and
     8; 37 tokens give a last tile partly empty."""
     case = Case("k8v4", seeded, group=group, prefix=50, tokens=37, batch=1)
-    case.check(kernel_device, mask=case.causal_mask())
+    case.check(kernel_device, prefix_path, mask=case.causal_mask())
 
 
-def test_float16_model(kernel_device, seeded):
+def test_float16_model(kernel_device, prefix_path, seeded):
     """An fp16 model: fp16 queries, chunk and rings."""
     case = Case("tq3_nc", seeded, dtype=torch.float16, prefix=40, tokens=12)
-    case.check(kernel_device, mask=case.causal_mask())
+    case.check(kernel_device, prefix_path, mask=case.causal_mask())
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_opcheck_prefill(impl, kernel_device, seeded):
-    """opcheck (schema, fake tensor, aot dispatch) for tq.prefill, with rings and a mask."""
+    """opcheck (schema, fake tensor, aot dispatch) for tq.prefill, with rings and a mask, q
+    contiguous and as a model's transposed view (the output's layout follows it)."""
     device = impl_device(impl, kernel_device)
     case = Case("4bit_nc", seeded, prefix=20, tokens=9, batch=1)
-    args = (case.q, case.key, case.value, *case.cache, case.block_table, case.seq_lens,
+    for q in (case.q, case.q.transpose(1, 2).contiguous().transpose(1, 2)):
+        _opcheck_prefill(case, q, impl, device)
+
+
+def _opcheck_prefill(case: Case, q: torch.Tensor, impl: str, device: str) -> None:
+    args = (q, case.key, case.value, *case.cache, case.block_table, case.seq_lens,
             case.consts.rotation, "4bit_nc", 0.125, False, 64, case.causal_mask(), *case.rings,
             case.sinks, case.key_center)  # fmt: skip
     with impl_context(impl, device):
@@ -299,15 +384,16 @@ def test_opcheck_prefill(impl, kernel_device, seeded):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc", "tq4_nc", "tqk5v3_nc"])
-def test_long_chunk_on_the_gpu(fmt_name, seeded):
+def test_long_chunk_on_the_gpu(fmt_name, prefix_path, seeded):
     """A GPU-sized case: 300 tokens after a 1000-token prefix, D = 128, group 4, window 128 and
-    4 sinks, inline-PTX decoding of the codes, cuDNN's rows; also with padding (the kernel's own
-    pass over the chunk)."""
+    4 sinks, inline-PTX decoding of the codes, cuDNN's rows; also with padding (the fused
+    kernel's own pass over the chunk on either path)."""
     case = Case(fmt_name, seeded, head_dim=128, prefix=1000, tokens=300, window=128, sinks=4)
-    case.check("cuda", mask=case.causal_mask())
+    case.check("cuda", prefix_path, mask=case.causal_mask())
+    case.check("cuda", prefix_path)
     mask = case.causal_mask().repeat(2, 1, 1, 1)
     mask[1, :, :, :7] = False
-    case.check("cuda", mask=mask)
+    case.check("cuda", prefix_path, mask=mask)
 
 
 class TestPrefillBadInput(expecttest.TestCase):
@@ -354,8 +440,6 @@ def test_fast_and_portable_paths_agree(seeded):
     """On the GPU, the prefill kernel with the inline-PTX decoding of the codes and with the
     plain-Triton decoding both equal the oracle (rotated keys and values, sign planes, fp8 and
     int8 codes)."""
-    from custom_ops.triton import prefill as triton_prefill
-
     for fmt_name in ("4bit_nc", "tqk5v3_nc", "3bit_nc", "k8v4", "int8"):
         case = Case(fmt_name, seeded, head_dim=128, prefix=200, tokens=70)
         mask = case.causal_mask()
@@ -366,5 +450,6 @@ def test_fast_and_portable_paths_agree(seeded):
                 False, 10**6, mask.cuda(), *(r.cuda() for r in case.rings), case.sinks,
                 case.key_center.cuda())  # fmt: skip
         for fast in (True, False):
-            actual = triton_prefill.prefill(*args, fast=fast).cpu()
+            with triton_prefill.fused_prefix():
+                actual = triton_prefill.prefill(*args, fast=fast).cpu()
             assert rel_error(actual, expected) < TOLERANCE, (fmt_name, fast)
