@@ -542,7 +542,7 @@ def dequantize(
 
     def side(codec, packed, meta):
         flat = decode_rows(codec, packed.reshape(-1, packed.shape[-1]), meta, rotation, compute)
-        return flat.reshape(batch, num_kv_heads, seq, -1)
+        return flat.reshape(batch, num_kv_heads, seq, rotation.shape[0])  # D: N may be 0
 
     k = side(fmt.key, rows.k_codes, k_meta)
     v = side(fmt.value, rows.value_rows, v_meta)

@@ -181,6 +181,9 @@ def check_cache(op: str, fmt: KVFormat, cache: PagedKVCache, head_dim: int) -> N
             f"{_shape(cache.k_codes)}",
         )
     num_pages, num_kv_heads, page_size = cache.k_codes.shape[:3]
+    if num_kv_heads < 1 or page_size < 1:
+        _fail(op, f"k_codes must have at least one kv head and one slot per page, got shape "
+                  f"{_shape(cache.k_codes)}")  # fmt: skip
     expected = fmt.plane_shapes(num_pages, num_kv_heads, page_size, head_dim)
     for name, plane in zip(cache._fields, cache, strict=True):
         shape, dtype = expected[name]
@@ -299,6 +302,10 @@ def check_store_window(args: StoreWindowArgs) -> KVFormat:
     check_same_device(op, device, key=key, value=args.value, start_pos=start_pos)
     check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads, head_dim,
                  device, args.sinks)  # fmt: skip
+    if args.k_window is not None and key.dtype != args.k_window.dtype:
+        # the ring would hold a cast of the keys (bfloat16 keys near 1e5 are inf in float16)
+        _fail(op, f"key must have the rings' dtype {args.k_window.dtype} (the model's), got "
+                  f"{key.dtype}", TypeError)  # fmt: skip
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < batch:
         _fail(
             op,

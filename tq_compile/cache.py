@@ -15,8 +15,9 @@ static cache is the identity block table of the paged kernels.
 Every buffer is passed to the ops as it is, never as a view of another dtype: a compiled step
 then mutates the buffers in place (a view would make functionalization copy it back into its
 buffer every step). ``model.to(dtype)`` / ``model.half()`` after ``setup_caches`` would convert
-the floating-point ones (meta record, rotation, rings, keys' centres), so the module's
-``_apply`` lets them follow device moves only.
+every floating-point one; the module's ``_apply`` converts only the rings (they hold the model's
+tokens, so they follow a conversion between bfloat16 and float16, as a dense cache would) and
+lets the others (meta records, rotation, keys' centres) follow device moves only.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ __all__ = [
     "kv_cache_nbytes",
     "DEFAULT_SINKS",
     "default_sinks",
-    "check_center_keys",
+    "check_count",
+    "check_cache_options",
 ]
 
 # Attention sinks a cache with a recent window keeps by default: on SmolLM2 four first tokens
@@ -53,6 +55,41 @@ def default_sinks(window: int, sinks: int | None) -> int:
     if sinks is not None:
         return sinks
     return DEFAULT_SINKS if isinstance(window, int) and window > 0 else 0
+
+
+def check_count(name: str, value, least: int) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an integer (not a bool) of at
+    least ``least``."""
+    if type(value) is not int or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def check_cache_options(*, page_size, seed, num_splits, window, sinks, center_keys) -> int:
+    """Validate the options every TurboQuant cache takes (the gpt-fast cache, the Hugging Face
+    cache and ``TurboQuantKVConfig`` check them here, before building anything).
+
+    Returns:
+        The sinks count, resolved (:func:`default_sinks`).
+
+    Raises:
+        ValueError: a count that is not an integer in range, a seed that is not an integer,
+            a ``num_splits`` that is not a power of two in ``[1, MAX_SPLITS]``.
+        TypeError: ``center_keys`` not a bool.
+    """
+    check_count("page_size", page_size, 1)
+    check_count("window", window, 0)
+    sinks = default_sinks(window, sinks)
+    check_count("sinks", sinks, 0)
+    if type(seed) is not int:
+        raise ValueError(f"seed must be an integer (the rotation's random signs), got {seed!r}")
+    if num_splits is not None and (type(num_splits) is not int
+                                   or not splits.is_valid_num_splits(num_splits)):  # fmt: skip
+        raise ValueError(
+            f"num_splits must be None (chosen per device) or a power of two in "
+            f"[1, {splits.MAX_SPLITS}], got {num_splits!r}"
+        )
+    check_center_keys(center_keys, window, sinks)
+    return sinks
 
 
 def check_center_keys(center_keys: bool, window: int, sinks: int) -> None:
@@ -142,19 +179,12 @@ class TurboQuantKVCache(nn.Module):
         super().__init__()
         if dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"dtype must be the model's bfloat16 or float16, got {dtype}")
-        sinks = default_sinks(window, sinks)
-        for arg, value, least in (("max_batch_size", max_batch_size, 1), ("n_heads", n_heads, 1),
-                                  ("max_seq_length", max_seq_length, 1),
-                                  ("page_size", page_size, 1), ("window", window, 0),
-                                  ("sinks", sinks, 0)):  # fmt: skip
-            if not isinstance(value, int) or value < least:
-                raise ValueError(f"{arg} must be an integer >= {least}, got {value!r}")
-        check_center_keys(center_keys, window, sinks)
-        if num_splits is not None and not splits.is_valid_num_splits(num_splits):
-            raise ValueError(
-                f"num_splits must be None (chosen per device) or a power of two in "
-                f"[1, {splits.MAX_SPLITS}], got {num_splits!r}"
-            )
+        for arg, value in (("max_batch_size", max_batch_size), ("n_heads", n_heads),
+                           ("max_seq_length", max_seq_length)):  # fmt: skip
+            check_count(arg, value, 1)
+        sinks = check_cache_options(page_size=page_size, seed=seed, num_splits=num_splits,
+                                    window=window, sinks=sinks,
+                                    center_keys=center_keys)  # fmt: skip
         self.kv_format = get_format(fmt)
         self.seed = seed
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
@@ -210,14 +240,24 @@ class TurboQuantKVCache(nn.Module):
                                       self.k_codes.device)  # fmt: skip
 
     def _apply(self, fn, recurse=True):
+        # what fn does to a tensor of the model's dtype: a conversion to the other model dtype
+        # (model.half(), .to(bfloat16)) converts the rings, which hold the model's tokens
+        target = fn(torch.empty(0, dtype=self.model_dtype, device=self.rotation.device)).dtype
+        converts = target != self.model_dtype and target in (torch.bfloat16, torch.float16)
+        rings = [getattr(self, name) for name in ("k_window", "v_window") if self.has_rings]
+
         def keep_dtype(t: torch.Tensor) -> torch.Tensor:
-            # a dtype conversion (model.half(), .to(bfloat16)) keeps the buffer's dtype and
-            # values; a device move or to_empty() applies
+            # other buffers (codes, meta records, rotation, centres) keep their dtype and
+            # values; a device move or to_empty() applies to all
             moved = fn(t)
-            return moved if moved.dtype == t.dtype else t.to(moved.device)
+            if moved.dtype == t.dtype or (converts and any(t is ring for ring in rings)):
+                return moved
+            return t.to(moved.device)
 
         was_meta = self.rotation.device.type == "meta"
         module = super()._apply(keep_dtype, recurse)
+        if converts:
+            self.model_dtype = target
         if was_meta and self.rotation.device.type != "meta":
             # materialized from the meta device (to_empty): the constants hold garbage now
             self._fill_constants()

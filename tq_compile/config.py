@@ -24,7 +24,7 @@ from torchao.quantization import quantize_ as torchao_quantize_
 from torchao.quantization.transform_module import register_quantize_module_handler
 
 from custom_ops.formats import get_format
-from tq_compile.cache import TurboQuantKVCache, check_center_keys, default_sinks
+from tq_compile.cache import TurboQuantKVCache, check_cache_options, check_count
 
 __all__ = ["TurboQuantKVConfig", "is_kv_cache", "quantize_"]
 
@@ -64,15 +64,14 @@ class TurboQuantKVConfig(AOBaseConfig):
     center_keys: bool = False
 
     def __post_init__(self) -> None:
-        get_format(self.preset)  # a clear error for an unknown preset, at construction
-        if self.keep_first < 0 or self.keep_last < 0:
-            raise ValueError("keep_first and keep_last must be >= 0")
-        if self.window < 0:
-            raise ValueError(f"window must be >= 0, got {self.window}")
-        if self.sinks is not None and (not isinstance(self.sinks, int) or self.sinks < 0):
-            raise ValueError(f"sinks must be None (the default) or an integer >= 0, got "
-                             f"{self.sinks!r}")  # fmt: skip
-        check_center_keys(self.center_keys, self.window, default_sinks(self.window, self.sinks))
+        """Validate every option at construction, as the caches would (a clear error naming
+        the argument before any model is touched)."""
+        get_format(self.preset)
+        check_count("keep_first", self.keep_first, 0)
+        check_count("keep_last", self.keep_last, 0)
+        check_cache_options(page_size=self.page_size, seed=self.seed, num_splits=self.num_splits,
+                            window=self.window, sinks=self.sinks,
+                            center_keys=self.center_keys)  # fmt: skip
 
 
 def is_kv_cache(module: nn.Module, fqn: str = "") -> bool:
@@ -137,6 +136,15 @@ def quantize_(
     """
     selected = filter_fn or is_kv_cache
     matches = [fqn for fqn, module in model.named_modules() if selected(module, fqn)]
+    quantized = [fqn for fqn, module in model.named_modules()
+                 if isinstance(module, TurboQuantKVCache)]  # fmt: skip
+    if not matches and quantized:
+        raise ValueError(
+            f"TurboQuantKVConfig({config.preset!r}): the model's KV caches are TurboQuant caches "
+            f"already ({len(quantized)}, e.g. {quantized[0]!r}); quantize_ converts dense caches. "
+            "To change the format, set the dense caches up again (gpt-fast: "
+            "model.setup_caches(...)) and quantize those."
+        )
     kept = set(matches[: config.keep_first])
     kept |= set(matches[len(matches) - config.keep_last :] if config.keep_last else [])
     targets = [fqn for fqn in matches if fqn not in kept]

@@ -38,7 +38,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 from custom_ops.formats import get_format
-from tq_compile.cache import TurboQuantKVCache, check_center_keys, default_sinks
+from tq_compile.cache import TurboQuantKVCache, check_cache_options, check_count
 from tq_compile.kv_tensor import TurboQuantKVTensor
 
 __all__ = ["TurboQuantCache", "TurboQuantLayer"]
@@ -82,10 +82,16 @@ class TurboQuantLayer(CacheLayerMixin):
         num_splits: int | None = None,
     ):
         super().__init__()
+        get_format(preset)
+        check_count("max_cache_len", max_cache_len, 1)
+        if max_batch_size is not None:
+            check_count("max_batch_size", max_batch_size, 1)
+        self.sinks = check_cache_options(page_size=page_size, seed=seed, num_splits=num_splits,
+                                         window=window, sinks=sinks,
+                                         center_keys=center_keys)  # fmt: skip
         self.max_cache_len = max_cache_len
         self.preset, self.window, self.max_batch_size = preset, window, max_batch_size
-        self.sinks, self.center_keys = default_sinks(window, sinks), center_keys
-        check_center_keys(center_keys, window, self.sinks)
+        self.center_keys = center_keys
         self.page_size, self.seed, self.num_splits = page_size, seed, num_splits
         self.kv: TurboQuantKVCache | None = None
         # a tensor, as in StaticLayer: positions derived from it do not recompile each step
@@ -115,7 +121,8 @@ class TurboQuantLayer(CacheLayerMixin):
         if batch > capacity:
             raise ValueError(f"TurboQuantCache: batch {batch} exceeds max_batch_size={capacity}")
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.batch_size, self.num_heads = capacity, num_kv_heads
+        # the batch, as StaticLayer reports it (layers kept dense hold exactly this many)
+        self.batch_size, self.num_heads = batch, num_kv_heads
         self.k_head_dim = self.v_head_dim = head_dim
         self.kv = TurboQuantKVCache(capacity, num_kv_heads, self.max_cache_len, head_dim,
                                     key_states.dtype, fmt=self.preset, page_size=self.page_size,
@@ -136,6 +143,13 @@ class TurboQuantLayer(CacheLayerMixin):
     ) -> tuple[TurboQuantKVTensor, TurboQuantKVTensor]:
         """Append ``[B, Hk, T, D]`` states after the cached ones; return key and value views
         ``[B, Hk, max_cache_len, D]`` of the whole cache."""
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            # refused before anything is written: attention over the views has no gradient
+            raise RuntimeError(
+                "TurboQuantCache does not support autograd: attention over the quantized cache "
+                "has no gradient. Run the model under torch.no_grad() or torch.inference_mode() "
+                "(generate() does)."
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new_tokens = key_states.shape[-2]
@@ -163,14 +177,7 @@ class TurboQuantLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative
         count; 0 does nothing); see ``is_croppable``."""
-        if not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
-            raise ValueError(
-                f"TurboQuantCache.crop takes a negative count of tokens to remove (or 0), as "
-                f"transformers' caches do, got {tokens_to_remove!r}"
-            )
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        self.cumulative_length.add_(tokens_to_remove).clamp_(min=0)
+        _crop_length(self, tokens_to_remove)
 
     @torch.no_grad()
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -181,7 +188,7 @@ class TurboQuantLayer(CacheLayerMixin):
         beam_idx = beam_idx.to(self.device)
         batch = beam_idx.shape[0]
         sequences = [self.kv.k_codes, self.kv.v_codes, self.kv.meta]
-        per_seq = [t.view(self.batch_size, -1, *t.shape[1:]) for t in sequences]
+        per_seq = [t.view(self.kv.max_batch_size, -1, *t.shape[1:]) for t in sequences]
         if self.kv.has_rings:
             per_seq += [self.kv.k_window, self.kv.v_window, self.kv.window_pos]
         if self.kv.center_keys:
@@ -211,6 +218,43 @@ class TurboQuantLayer(CacheLayerMixin):
     def dense_nbytes(self) -> int:
         """Bytes a ``StaticLayer`` of the same capacity and dtype holds."""
         return self.kv.dense_nbytes() if self.kv is not None else 0
+
+
+def _attention_implementation(config: PreTrainedConfig) -> str | None:
+    """The attention implementation ``config`` selects (``"sdpa"``, ``"eager"``, ...).
+    transformers keeps it in the private ``_attn_implementation`` (no public accessor in 5.x):
+    the one place this module reads it."""
+    text = config.get_text_config(decoder=True)
+    return getattr(text, "_attn_implementation", None) or getattr(
+        config, "_attn_implementation", None
+    )
+
+
+def _crop_length(layer: CacheLayerMixin, tokens_to_remove: int) -> None:
+    """Forget a layer's last ``-tokens_to_remove`` tokens by its length alone: positions at or
+    past the length are never read, and the next tokens overwrite them."""
+    if not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+        raise ValueError(
+            f"TurboQuantCache.crop takes a negative count of tokens to remove (or 0), as "
+            f"transformers' caches do, got {tokens_to_remove!r}"
+        )
+    if tokens_to_remove == 0 or not layer.is_initialized:
+        return
+    layer.cumulative_length.add_(tokens_to_remove).clamp_(min=0)
+
+
+class DenseLayer(StaticLayer):
+    """A layer kept in full precision (``keep_first`` / ``keep_last``): transformers'
+    ``StaticLayer``, croppable as the TurboQuant layers are (assisted generation rolls every
+    layer back)."""
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (a negative count; 0 does nothing)."""
+        _crop_length(self, tokens_to_remove)
 
 
 class TurboQuantCache(Cache):
@@ -256,18 +300,24 @@ class TurboQuantCache(Cache):
         num_splits: int | None = None,
     ):
         get_format(preset)  # a clear error for an unknown preset, now
-        sinks = default_sinks(window, sinks)
-        for name, value, least in (("max_cache_len", max_cache_len, 1),
-                                   ("window", window, 0),
-                                   ("sinks", sinks, 0),
-                                   ("keep_first", keep_first, 0),
-                                   ("keep_last", keep_last, 0)):  # fmt: skip
-            if not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        if max_batch_size is not None and (not isinstance(max_batch_size, int)
+        check_count("max_cache_len", max_cache_len, 1)
+        sinks = check_cache_options(page_size=page_size, seed=seed, num_splits=num_splits,
+                                    window=window, sinks=sinks,
+                                    center_keys=center_keys)  # fmt: skip
+        check_count("keep_first", keep_first, 0)
+        check_count("keep_last", keep_last, 0)
+        if max_batch_size is not None and (type(max_batch_size) is not int
                                            or max_batch_size < 1):  # fmt: skip
             raise ValueError(f"max_batch_size must be None or an integer >= 1, "
                              f"got {max_batch_size!r}")  # fmt: skip
+        attention = _attention_implementation(config)
+        if attention == "eager":
+            raise ValueError(
+                "TurboQuantCache needs the model's attention through SDPA (attn_implementation="
+                "'sdpa', the default of most models); this model's config says 'eager', whose "
+                "attention multiplies the cached keys as a dense tensor. Load it with "
+                "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))."
+            )
         layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         unserved = sorted(set(layer_types) - set(_SERVED_LAYER_TYPES))
         if unserved:
@@ -277,11 +327,16 @@ class TurboQuantCache(Cache):
             )
         count = len(layer_types)
         kept = set(range(keep_first)) | set(range(count - keep_last, count))
-        check_center_keys(center_keys, window, sinks)
+        if len(kept) >= count:
+            raise ValueError(
+                f"TurboQuantCache would quantize no layer: keep_first={keep_first} and "
+                f"keep_last={keep_last} keep all {count} layers in full precision (use "
+                f"StaticCache for that, or keep fewer)"
+            )
         self.preset, self.window, self.sinks = preset, window, sinks
         self.center_keys = center_keys
         layers = [
-            StaticLayer(max_cache_len) if index in kept else TurboQuantLayer(
+            DenseLayer(max_cache_len) if index in kept else TurboQuantLayer(
                 max_cache_len, preset=preset, window=window, sinks=sinks,
                 center_keys=center_keys,
                 max_batch_size=max_batch_size,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import triton_kernels
 from helpers import decode_case, random_kv
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.profiler import ProfilerActivity, profile
@@ -223,3 +224,49 @@ def test_cuda_graph_loop_crossing_the_window(fmt_name, seeded):
     for graph_t, eager_t in zip(graph_tensors, eager_tensors, strict=True):
         assert torch.equal(graph_t, eager_t)
     assert start.tolist() == [90, 95, 110]
+
+
+def test_empty_inputs_agree_on_every_path(kernel_device):
+    """Empty inputs give empty (or zero) outputs on the reference path and through the Triton
+    kernels alike, as dense SDPA does: a batch of 0 sequences (decode, dequantize), a
+    dequantize of 0 positions, a block table of 0 pages (sequences of length 0); a cache of 0
+    kv heads is refused with a message on both (issue 51, defect 5: on e30c341 the reference
+    path raised "cannot reshape tensor of 0 elements" and the check ZeroDivisionError)."""
+    fmt, head_dim = get_format("4bit_nc"), 64
+    consts = api.make_constants(fmt, head_dim)
+    q = torch.randn(1, 4, head_dim).bfloat16()
+
+    def cases(device: str, num_kv_heads: int = 2) -> dict:
+        cache = type(fmt.allocate(4, num_kv_heads, 16, head_dim))(
+            *(p.to(device) for p in fmt.allocate(4, num_kv_heads, 16, head_dim)))  # fmt: skip
+        c = api.KVConstants(consts.rotation.to(device))
+        lens, table = torch.zeros(1, dtype=torch.int32, device=device), torch.zeros(
+            1, 2, dtype=torch.int32, device=device)  # fmt: skip
+        no_batch, no_pages = (table[:0], lens[:0]), (table[:, :0], lens)
+        return {
+            "decode, no sequence": lambda: api.decode(fmt, q[:0].to(device), cache, *no_batch, c),
+            "dequantize, no sequence": lambda: api.dequantize(fmt, cache, *no_batch, c,
+                                                              max_seq_len=16),  # fmt: skip
+            "dequantize, no position": lambda: api.dequantize(fmt, cache, table, lens, c,
+                                                              max_seq_len=0),  # fmt: skip
+            "decode, no page": lambda: api.decode(fmt, q.to(device), cache, *no_pages, c),
+            "dequantize, no page": lambda: api.dequantize(fmt, cache, *no_pages, c,
+                                                          max_seq_len=0),  # fmt: skip
+            "decode, no kv head": lambda: api.decode(fmt, q[:, :0].to(device), cache, table,
+                                                     lens, c),  # fmt: skip
+        }
+
+    reference = cases("cpu")
+    with triton_kernels(kernel_device):
+        kernels = cases(kernel_device)
+        for name in reference:
+            if name.endswith("no kv head"):
+                continue
+            want, got = reference[name](), kernels[name]()
+            want, got = (o if isinstance(o, tuple) else (o,) for o in (want, got))
+            for w, g in zip(want, got, strict=True):
+                assert g.shape == w.shape and not w.any() and not g.cpu().any(), name
+    with pytest.raises(ValueError, match="at least one kv head"):
+        cases("cpu", 0)["decode, no kv head"]()
+    with triton_kernels(kernel_device), pytest.raises(ValueError, match="at least one kv head"):
+        cases(kernel_device, 0)["decode, no kv head"]()

@@ -108,15 +108,26 @@ def test_compiled_update_then_attend_sees_the_new_token(backend):
     assert rel_error(actual, new_v.repeat_interleave(GROUP, 1)) < 0.3
 
 
-def test_model_dtype_cast_keeps_the_cache_intact():
-    """model.to(fp16) / .half() after setup does not convert the cache's float buffers (meta,
-    rotation, the window's bf16 rings)."""
+def test_model_dtype_cast_converts_the_rings_only():
+    """model.to(fp16) / .half() after setup converts the rings, which hold the model's tokens,
+    as a dense cache's buffers would be; the meta records, rotation and codes keep their dtype
+    and every cached value stays (bf16 values are exact in fp16). Keys of another dtype than
+    the rings are refused before anything is written (issue 51, defect 4: on e30c341 the rings
+    stayed bf16 and fp16 keys were cast into them silently; bfloat16 keys near 1e5 became inf
+    in a float16 ring)."""
     cache, keys, _ = filled_tq_cache()
     before = keys.dequantize(torch.float32)
     cache.half()
     assert cache.meta.dtype == torch.bfloat16 and cache.rotation.dtype == torch.float32
-    assert cache.k_window.dtype == torch.bfloat16
-    keys_after, _ = cache.update(torch.tensor([37]), *[torch.randn(B, HK, 1, D).bfloat16()] * 2)
+    assert cache.k_window.dtype == cache.v_window.dtype == torch.float16
+    assert cache.model_dtype == torch.float16
+    buffers = [t.clone() for t in cache.buffers()]
+    huge = torch.full((B, HK, 1, D), 1e5).bfloat16()
+    with pytest.raises(TypeError, match="key must have the rings' dtype torch.float16"):
+        cache.update(torch.tensor([37]), huge, huge)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, cache.buffers(), strict=True))
+    new = [torch.randn(B, HK, 1, D).half()] * 2
+    keys_after, _ = cache.update(torch.tensor([37]), *new)
     after = keys_after.dequantize(torch.float32)
     kept = torch.arange(37) != 37 - WINDOW  # position 21 left the window: quantized now
     torch.testing.assert_close(after[:, :, :37][:, :, kept], before[:, :, :37][:, :, kept])

@@ -79,7 +79,9 @@ def test_quantized_model_compiled_decode_matches_eager():
 
 class TestQuantizeErrors(expecttest.TestCase):
     def test_errors(self):
-        """Matching nothing, unknown presets and torchao's default (Linear) filter are clear."""
+        """Matching nothing, unknown presets, torchao's default (Linear) filter, options of the
+        wrong type and a second quantize_ are clear, naming the argument (issue 51, defect 8:
+        raw Python errors and "Set the caches up first" on e30c341)."""
         messages = []
         no_caches = Transformer(ModelArgs.from_name("tiny"))  # setup_caches not called
         cases = {
@@ -89,6 +91,12 @@ class TestQuantizeErrors(expecttest.TestCase):
             "negative window": lambda: TurboQuantKVConfig(window=-1),
             "negative sinks": lambda: TurboQuantKVConfig(sinks=-1),
             "torchao default filter": lambda: torchao_quantize_(_model(2), TurboQuantKVConfig()),
+            "a window as a string": lambda: TurboQuantKVConfig(window="16"),
+            "a fractional keep_first": lambda: TurboQuantKVConfig(keep_first=1.5),
+            "a seed as a string": lambda: TurboQuantKVConfig(seed="x"),
+            "page_size 0": lambda: TurboQuantKVConfig(page_size=0),
+            "quantized twice": lambda: quantize_(quantize_(_model(2), TurboQuantKVConfig()),
+                                                 TurboQuantKVConfig("k8v4")),
         }
         for case, fn in cases.items():
             with self.assertRaises((ValueError, TypeError)) as ctx:
@@ -100,9 +108,14 @@ class TestQuantizeErrors(expecttest.TestCase):
 caches not set up: ValueError: TurboQuantKVConfig('4bit_nc') matched no KV cache to quantize: 0 module(s) passed the filter and 0 are kept in full precision (keep_first / keep_last). Set the caches up first (gpt-fast: model.setup_caches(...)), or pass a filter_fn that selects them.
 everything kept: ValueError: TurboQuantKVConfig('4bit_nc') matched no KV cache to quantize: 2 module(s) passed the filter and 2 are kept in full precision (keep_first / keep_last). Set the caches up first (gpt-fast: model.setup_caches(...)), or pass a filter_fn that selects them.
 unknown preset: ValueError: unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq2_nc', 'tq3_nc', 'tq4_nc', 'tqk4v2_nc', 'tqk5v3_nc']
-negative window: ValueError: window must be >= 0, got -1
-negative sinks: ValueError: sinks must be None (the default) or an integer >= 0, got -1
-torchao default filter: TypeError: TurboQuantKVConfig applies to KV-cache modules (with k_cache / v_cache buffers [B, Hk, S_max, D]), not Linear: torchao's quantize_ selects nn.Linear layers by default. Call tq_compile.quantize_(model, config), or pass filter_fn=tq_compile.is_kv_cache.""",  # noqa: E501
+negative window: ValueError: window must be an integer >= 0, got -1
+negative sinks: ValueError: sinks must be an integer >= 0, got -1
+torchao default filter: TypeError: TurboQuantKVConfig applies to KV-cache modules (with k_cache / v_cache buffers [B, Hk, S_max, D]), not Linear: torchao's quantize_ selects nn.Linear layers by default. Call tq_compile.quantize_(model, config), or pass filter_fn=tq_compile.is_kv_cache.
+a window as a string: ValueError: window must be an integer >= 0, got '16'
+a fractional keep_first: ValueError: keep_first must be an integer >= 0, got 1.5
+a seed as a string: ValueError: seed must be an integer (the rotation's random signs), got 'x'
+page_size 0: ValueError: page_size must be an integer >= 1, got 0
+quantized twice: ValueError: TurboQuantKVConfig('k8v4'): the model's KV caches are TurboQuant caches already (2, e.g. 'layers.0.attention.kv_cache'); quantize_ converts dense caches. To change the format, set the dense caches up again (gpt-fast: model.setup_caches(...)) and quantize those.""",  # noqa: E501
         )
 
 

@@ -399,12 +399,12 @@ def test_crop_with_a_window():
 
 
 def test_nbytes_and_kept_layers():
-    """keep_first / keep_last layers are StaticLayers; nbytes counts both kinds after the first
+    """keep_first / keep_last layers are dense (StaticLayers); nbytes counts both kinds after the first
     forward; a 4bit_nc cache with window 0 takes under a third of StaticCache's bytes."""
     config, model = tiny_model("llama")
     ids, _ = prompt_batch(left_pad=0)
     cache = TurboQuantCache(config, CAPACITY, keep_first=1)
-    assert [type(layer).__name__ for layer in cache.layers] == ["StaticLayer", "TurboQuantLayer"]
+    assert [type(layer).__name__ for layer in cache.layers] == ["DenseLayer", "TurboQuantLayer"]
     assert cache.is_compileable
     with torch.no_grad():
         model(ids, past_key_values=cache)
@@ -416,10 +416,57 @@ def test_nbytes_and_kept_layers():
     assert compact.nbytes() * 3 < compact.dense_nbytes()
 
 
+def test_kept_layers_with_a_smaller_batch_and_assisted_generation():
+    """With keep_first and a max_batch_size above the batch, every layer reports the batch
+    (the cache's batch_size does not raise), and assisted generation (prompt lookup, which
+    crops every layer) runs and gives plain greedy decoding's tokens (issue 51, defects 6 and
+    7: 'StaticLayer' has no 'crop'; 'not consistent across layers' on e30c341)."""
+    config, model = tiny_model("llama")
+    ids, mask = prompt_batch(seed=5)
+    cache = TurboQuantCache(config, CAPACITY, keep_first=1, max_batch_size=4, window=16)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+    assert cache.batch_size == 2
+    # assisted generation takes one sequence; a repeated run gives prompt lookup matches
+    repeated = torch.cat([ids[:1], ids[:1, -6:], ids[:1, -6:]], dim=1)
+    kwargs = dict(max_new_tokens=12, do_sample=False)
+    plain = model.generate(repeated, past_key_values=TurboQuantCache(
+        config, CAPACITY, keep_first=1, window=16), **kwargs)  # fmt: skip
+    assisted = model.generate(repeated, past_key_values=TurboQuantCache(
+        config, CAPACITY, keep_first=1, window=16), prompt_lookup_num_tokens=3, **kwargs)  # fmt: skip
+    assert torch.equal(assisted, plain)
+
+
+def test_a_refused_forward_writes_nothing():
+    """A forward with grad enabled is refused before the cache is written (issue 51, defect 3:
+    on e30c341 the subclass refused autograd after layer 0 had stored the prompt, and a retry
+    under no_grad gave logits 3.9 away from a fresh cache's): every layer's length stays 0 and
+    every buffer byte for byte, and the retry equals a fresh cache."""
+    config, model = tiny_model("qwen2")
+    ids, mask = prompt_batch(seed=6)
+    cache = TurboQuantCache(config, CAPACITY, window=8)
+    with torch.no_grad():  # allocate, then empty: the buffers exist to be compared
+        model(ids, attention_mask=mask, past_key_values=cache)
+    cache.reset()
+    before = [t.clone() for layer in cache.layers for t in layer.kv.buffers()]
+    with pytest.raises(RuntimeError, match="does not support autograd"):
+        model(ids, attention_mask=mask, past_key_values=cache)  # grad enabled, weights need it
+    assert [int(layer.get_seq_length()) for layer in cache.layers] == [0, 0]
+    after = [t for layer in cache.layers for t in layer.kv.buffers()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    with torch.no_grad():
+        retry = model(ids, attention_mask=mask, past_key_values=cache).logits
+        fresh = model(ids, attention_mask=mask,
+                      past_key_values=TurboQuantCache(config, CAPACITY, window=8)).logits
+    assert torch.equal(retry, fresh)
+
+
 class TestMessages(expecttest.TestCase):
     def test_bad_arguments_raise_before_allocating(self):
         config, model = tiny_model("llama")
         ids, _ = prompt_batch(left_pad=0)
+        eager = copy.deepcopy(config)
+        eager._attn_implementation = "eager"
         lines = []
         for build in (
             lambda: TurboQuantCache(config, CAPACITY, preset="5bit"),
@@ -427,6 +474,12 @@ class TestMessages(expecttest.TestCase):
             lambda: TurboQuantCache(config, CAPACITY, window=-1),
             lambda: TurboQuantCache(config, CAPACITY, sinks=-1),
             lambda: TurboQuantCache(config, CAPACITY, max_batch_size=0),
+            lambda: TurboQuantCache(config, CAPACITY, window="16"),
+            lambda: TurboQuantCache(config, CAPACITY, keep_first=1.5),
+            lambda: TurboQuantCache(config, CAPACITY, seed="x"),
+            lambda: TurboQuantCache(config, CAPACITY, num_splits=3),
+            lambda: TurboQuantCache(config, CAPACITY, keep_first=1, keep_last=1),
+            lambda: TurboQuantCache(eager, CAPACITY),
         ):
             with self.assertRaises((ValueError, TypeError)) as ctx:
                 build()
@@ -450,6 +503,12 @@ ValueError: max_cache_len must be an integer >= 1, got 0
 ValueError: window must be an integer >= 0, got -1
 ValueError: sinks must be an integer >= 0, got -1
 ValueError: max_batch_size must be None or an integer >= 1, got 0
+ValueError: window must be an integer >= 0, got '16'
+ValueError: keep_first must be an integer >= 0, got 1.5
+ValueError: seed must be an integer (the rotation's random signs), got 'x'
+ValueError: num_splits must be None (chosen per device) or a power of two in [1, 512], got 3
+ValueError: TurboQuantCache would quantize no layer: keep_first=1 and keep_last=1 keep all 2 layers in full precision (use StaticCache for that, or keep fewer)
+ValueError: TurboQuantCache needs the model's attention through SDPA (attn_implementation='sdpa', the default of most models); this model's config says 'eager', whose attention multiplies the cached keys as a dense tensor. Load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa')).
 ValueError: TurboQuantCache: batch 2 exceeds max_batch_size=1
 ValueError: TurboQuantCache.crop takes a negative count of tokens to remove (or 0), as transformers' caches do, got 2""",  # noqa: E501
         )
