@@ -43,7 +43,9 @@ CONFIG = dict(transformer_configs["tiny"], n_head=8, n_local_heads=4)
 BATCH, PROMPT_LEN, STEPS = 2, 12, 10
 WINDOW, PAGE_SIZE, FORMAT = 8, 4, "4bit_nc"  # the decode steps cross the window; 4 pages
 STD = 0.1  # test_model's: attention peaked enough that a wrong head shows in the logits
-SPAWN_TIMEOUT_S = 150
+# A guard against a hung rank (a collective waiting forever), not a speed test: a busy two-core
+# machine took over 150 s for the ranks' first inductor compiles, which CI then failed.
+SPAWN_TIMEOUT_S = 900
 
 # (route, cache, torch.compile backend or None) that the ranks of each world size decode with.
 # Inductor once (its first compile costs ~20 s per process on CI's 2 cores), aot_eager elsewhere.
