@@ -138,7 +138,7 @@ def quantize_(
     matches = [fqn for fqn, module in model.named_modules() if selected(module, fqn)]
     quantized = [fqn for fqn, module in model.named_modules()
                  if isinstance(module, TurboQuantKVCache)]  # fmt: skip
-    if not matches and quantized:
+    if quantized:  # dense caches left by keep_first / keep_last would get another format
         raise ValueError(
             f"TurboQuantKVConfig({config.preset!r}): the model's KV caches are TurboQuant caches "
             f"already ({len(quantized)}, e.g. {quantized[0]!r}); quantize_ converts dense caches. "

@@ -143,13 +143,6 @@ class TurboQuantLayer(CacheLayerMixin):
     ) -> tuple[TurboQuantKVTensor, TurboQuantKVTensor]:
         """Append ``[B, Hk, T, D]`` states after the cached ones; return key and value views
         ``[B, Hk, max_cache_len, D]`` of the whole cache."""
-        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
-            # refused before anything is written: attention over the views has no gradient
-            raise RuntimeError(
-                "TurboQuantCache does not support autograd: attention over the quantized cache "
-                "has no gradient. Run the model under torch.no_grad() or torch.inference_mode() "
-                "(generate() does)."
-            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new_tokens = key_states.shape[-2]
@@ -344,6 +337,20 @@ class TurboQuantCache(Cache):
             for index in range(count)
         ]  # fmt: skip
         super().__init__(layers=layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs):  # fmt: skip
+        """``Cache.update``, refused with autograd before any layer (a dense one included)
+        writes: attention over the quantized layers' views has no gradient, and a forward that
+        failed after its first layers had stored their tokens would leave the layers' lengths
+        apart."""
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            raise RuntimeError(
+                "TurboQuantCache does not support autograd: attention over the quantized cache "
+                "has no gradient. Run the model under torch.no_grad() or torch.inference_mode() "
+                "(generate() does)."
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def nbytes(self) -> int:
         """Bytes held by every layer (TurboQuant planes and rings, dense layers' K and V)."""

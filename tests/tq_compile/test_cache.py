@@ -58,7 +58,8 @@ def test_eager_updates_return_the_cache_views_with_the_new_lengths():
     first_keys, _ = cache.update(torch.tensor([38]), kv[:1], kv[:1])
     assert first_keys is not keys and first_keys.shape[0] == 1
     assert first_keys.seq_lens.tolist() == [39] and keys.seq_lens.tolist() == [38] * B
-    cache.to(torch.float16)  # a module conversion (the buffers keep their dtypes): new views
+    cache.to(torch.float16)  # a module conversion (the rings follow it): new views
+    kv = kv.half()
     moved_keys, _ = cache.update(torch.tensor([39]), kv, kv)
     assert moved_keys is not keys and moved_keys.k_codes is cache.k_codes
     cache.rotation = cache.rotation.clone()  # a buffer assigned: the ops take the new one

@@ -444,21 +444,23 @@ def test_a_refused_forward_writes_nothing():
     every buffer byte for byte, and the retry equals a fresh cache."""
     config, model = tiny_model("qwen2")
     ids, mask = prompt_batch(seed=6)
-    cache = TurboQuantCache(config, CAPACITY, window=8)
-    with torch.no_grad():  # allocate, then empty: the buffers exist to be compared
-        model(ids, attention_mask=mask, past_key_values=cache)
-    cache.reset()
-    before = [t.clone() for layer in cache.layers for t in layer.kv.buffers()]
-    with pytest.raises(RuntimeError, match="does not support autograd"):
-        model(ids, attention_mask=mask, past_key_values=cache)  # grad enabled, weights need it
-    assert [int(layer.get_seq_length()) for layer in cache.layers] == [0, 0]
-    after = [t for layer in cache.layers for t in layer.kv.buffers()]
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    with torch.no_grad():
-        retry = model(ids, attention_mask=mask, past_key_values=cache).logits
-        fresh = model(ids, attention_mask=mask,
-                      past_key_values=TurboQuantCache(config, CAPACITY, window=8)).logits
-    assert torch.equal(retry, fresh)
+    for keep_first in (0, 1):  # a dense first layer is refused before writing too
+        cache = TurboQuantCache(config, CAPACITY, window=8, keep_first=keep_first)
+        with torch.no_grad():  # allocate, then empty: the buffers exist to be compared
+            model(ids, attention_mask=mask, past_key_values=cache)
+        cache.reset()
+        quantized = cache.layers[keep_first:]
+        before = [t.clone() for layer in quantized for t in layer.kv.buffers()]
+        with pytest.raises(RuntimeError, match="does not support autograd"):
+            model(ids, attention_mask=mask, past_key_values=cache)  # grad enabled
+        assert [int(layer.get_seq_length()) for layer in cache.layers] == [0, 0]
+        after = [t for layer in quantized for t in layer.kv.buffers()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        with torch.no_grad():
+            retry = model(ids, attention_mask=mask, past_key_values=cache).logits
+            fresh = model(ids, attention_mask=mask, past_key_values=TurboQuantCache(
+                config, CAPACITY, window=8, keep_first=keep_first)).logits  # fmt: skip
+        assert torch.equal(retry, fresh)
 
 
 class TestMessages(expecttest.TestCase):
