@@ -79,6 +79,8 @@ class Sequences:
         if self.key_center is not None:
             key = (key + self.key_offset).to(key.dtype)
         value = value.reshape(BATCH, n_new, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+        if self.k_window is not None:  # the model's dtype: the rings' (store_window checks it)
+            key, value = key.to(self.k_window.dtype), value.to(self.k_window.dtype)
         start_pos = torch.tensor(starts, dtype=torch.int32)
         for b, start in enumerate(starts):
             if start >= 0:
