@@ -10,6 +10,13 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$(bash "$ROOT/scripts/setup_env.sh")"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
+# --quick: the representative tier (about 4 minutes on two cores): every test not marked slow
+# (tests/conftest.py SLOW)
+QUICK=()
+if [[ "${1:-}" == "--quick" ]]; then
+    shift
+    QUICK=(-m "not slow")
+fi
 if [[ $# -eq 0 ]]; then
     set -- tests
 fi
@@ -21,4 +28,4 @@ if "$PY" -c "import xdist" 2>/dev/null; then
     # loadgroup: a module marked xdist_group (a model loaded once per module) stays on one worker
     WORKERS=(-n "${TQ_TEST_WORKERS:-auto}" --dist loadgroup)
 fi
-exec "$PY" -m pytest -q ${WORKERS[@]+"${WORKERS[@]}"} "$@"
+exec "$PY" -m pytest -q ${WORKERS[@]+"${WORKERS[@]}"} ${QUICK[@]+"${QUICK[@]}"} "$@"

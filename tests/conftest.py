@@ -48,11 +48,29 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 
+# The tests left out of the quick tier (`scripts/test.sh --quick`, `-m "not slow"`): modules and
+# test functions that take most of the suite's time on two cores (pytest --durations, 2026-11-29:
+# 1,003 test-seconds in all, these ~590) where faster tests of the same code stay in the tier:
+# the real model, the example programs run as processes, tensor parallel's spawned ranks, and
+# the decode, store and range tests' largest parametrizations. CI runs every test.
+SLOW = {
+    "modules": ("test_smollm2.py", "test_tp.py", "test_chat.py", "test_readme.py",
+                "test_generate.py", "test_attention_error.py"),  # fmt: skip
+    "tests": ("test_decode_window_contribution_is_exact", "test_multi_token_decode",
+              "test_decode_reads_sinks_exactly",
+              "test_decode_of_centred_keys_is_attention_over_the_keys",
+              "test_every_magnitude_is_represented",
+              "test_append_launch_matches_reference"),  # fmt: skip
+}
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not CUDA:
             item.add_marker(skip_gpu)
+        if item.path.name in SLOW["modules"] or item.originalname in SLOW["tests"]:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
