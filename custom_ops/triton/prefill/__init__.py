@@ -159,15 +159,16 @@ def prefill(
                             check_prefix=dense and not is_causal)  # fmt: skip
     window = ring_window(k_window, sinks)
     capacity = block_table.shape[1] * cache.k_codes.shape[2] + window
-    # the facts the dense prefix needs head for the host now; the chunk's attention runs meanwhile
+    # what the dense prefix decides by starts for the host now; the chunk's attention runs
+    # meanwhile
     facts = _prefix_facts(seq_lens, tokens, capacity, flags) if dense else None
     out, lse = attention_lse(q, key, value, chunk_mode != CHUNK_FULL, scale)
     if facts is not None:
-        prefix_len = _uniform_prefix(facts(), max_seq_len, is_causal)
+        prefix_lens, wait = facts
+        prefix_len = _uniform_prefix(wait(), max_seq_len, is_causal)
         if prefix_len == 0:
             return out
         if prefix_len is not None:
-            prefix_lens = (seq_lens.clamp(max=capacity) - tokens).clamp(min=0).to(torch.int32)
             keys, values = dequantize(fmt, cache, block_table, prefix_lens, rotation, prefix_len,
                                       q.dtype, k_window, v_window, window_pos, sinks)  # fmt: skip
             prefix_out, prefix_lse = attention_lse(q, keys, values, False, scale)
@@ -200,21 +201,27 @@ def prefill(
     return out
 
 
-def _prefix_facts(seq_lens: torch.Tensor, tokens: int, capacity: int,
-                  flags: torch.Tensor | None) -> Callable[[], list[int]]:  # fmt: skip
-    """Start copying to the host what :func:`_uniform_prefix` decides by: the longest and the
-    shortest prefix, the longest sequence and the mask rows' least flag. Returns the call that
-    waits for them: on CUDA an event after the copy, so that the host waits for these small
-    reductions only, while the kernels queued after them (the chunk's attention) keep the GPU
-    busy; no wait at all for work queued after the call."""
+def _prefix_facts(
+    seq_lens: torch.Tensor, tokens: int, capacity: int, flags: torch.Tensor | None
+) -> tuple[torch.Tensor, Callable[[], list[int]]]:
+    """Each sequence's prefix length, and start copying to the host what
+    :func:`_uniform_prefix` decides by: the longest and the shortest prefix, the longest
+    sequence and the mask rows' least flag.
+
+    Returns:
+        ``(prefix_lens [B] int32, wait)``: ``wait()`` returns the facts; on CUDA it waits on
+        an event after the copy, so that the host waits for these small reductions only while
+        the kernels queued after them (the chunk's attention) keep the GPU busy.
+    """
     lens = seq_lens.clamp(max=capacity)
     prefix = (lens - tokens).clamp(min=0)
     facts = [prefix.amax(), prefix.amin(), lens.amax()]
     if flags is not None:
         facts.append(flags.amin().to(prefix.dtype))
     facts = torch.stack(facts)
+    prefix = prefix.to(torch.int32)
     if facts.device.type != "cuda":
-        return facts.tolist
+        return prefix, facts.tolist
     host = torch.empty(facts.shape, dtype=facts.dtype, pin_memory=True)
     host.copy_(facts, non_blocking=True)
     copied = torch.cuda.Event()
@@ -224,7 +231,7 @@ def _prefix_facts(seq_lens: torch.Tensor, tokens: int, capacity: int,
         copied.synchronize()
         return host.tolist()
 
-    return wait
+    return prefix, wait
 
 
 def _uniform_prefix(facts: list[int], max_seq_len: int, is_causal: bool) -> int | None:
