@@ -55,9 +55,11 @@ stay opaque calls.
   scale, mask=None, k_window=None, v_window=None, window_pos=None, sinks=0) -> out``: attention
   of ``q [B, Hq, D]`` (bf16/fp16, ``Hq`` a multiple of ``Hk``) over each sequence's cache,
   ``[B, Hq, D]`` in q's dtype; or of ``q [B, Hq, T, D]``, ``T <= 16``, the sequence's last
-  ``T`` tokens (a speculative-decoding verify step), token ``t`` seeing the positions below
-  ``len - T + t + 1``, ``[B, Hq, T, D]`` (``mask`` then also ``[B or 1, Hq or 1, T, M]``, per
-  token). Block-table entries past a sequence's pages may hold anything (short contexts read
+  ``T`` tokens (a speculative-decoding verify step), ``[B, Hq, T, D]``: without a mask token
+  ``t`` sees the positions below ``len - T + t + 1``; a mask (for all tokens, or ``[B or 1,
+  Hq or 1, T, M]``, per token) alone decides which positions below ``len`` each token sees, as
+  dense SDPA does (gpt-fast's and Hugging Face's masks are causal; a bidirectional prefix stays
+  one). Block-table entries past a sequence's pages may hold anything (short contexts read
   them early but never follow them); a sequence of length 0 gives zeros. ``num_splits`` is the
   fixed split count (a power of two, :mod:`custom_ops.splits`; launches of many query rows
   per program may use fewer), ``scale`` the softmax scale,

@@ -614,9 +614,10 @@ def decode(
     sinks: int = 0,
 ) -> torch.Tensor:
     """Decode attention of ``q [B, Hq, D]`` (one token per sequence), or ``[B, Hq, T, D]`` (the
-    sequence's last ``T`` tokens, causal among themselves: token ``t`` sees the positions below
-    ``len - T + t + 1``), over a paged cache (and its recent window, if any): dequantize, then
-    attend (``mask`` as in :func:`attention`, or ``[B or 1, Hq or 1, T, M]`` per token).
+    sequence's last ``T`` tokens: without a mask causal among themselves, token ``t`` seeing the
+    positions below ``len - T + t + 1``; with a mask ``[B or 1, Hq or 1, T, M]``, per token,
+    the mask alone decides below ``len``, as for dense SDPA), over a paged cache (and its
+    recent window, if any): dequantize, then attend (``mask`` as in :func:`attention`).
 
     Computed in ``dtype`` (float32 for the CPU op, float64 for oracles); returns ``q``'s shape
     in the query's dtype.
@@ -631,7 +632,8 @@ def decode(
     tokens = q.shape[2]
     outputs = []
     for t in range(tokens):
-        visible = (seq_lens.to(torch.int64) - (tokens - 1 - t)).clamp_min(0)
+        lag = tokens - 1 - t if mask is None else 0
+        visible = (seq_lens.to(torch.int64) - lag).clamp_min(0)
         token_mask = mask if mask is None or mask.dim() == 3 else mask[:, :, t]
         outputs.append(attention(q[:, :, t], k, v, visible, scale, token_mask))
     return torch.stack(outputs, dim=2).to(q.dtype)

@@ -12,7 +12,8 @@ window ring, all static buffers allocated at the first ``update`` and marked sta
 ``store_window``) and returns :class:`~tq_compile.kv_tensor.TurboQuantKVTensor` views of shape
 ``[B, Hk, max_cache_len, D]``; transformers' ``sdpa`` attention then reaches ``tq.decode``
 through them (its ``repeat_kv`` and ``pack_gqa`` stay lazy), so no full-precision copy of the
-cache is ever made while decoding. The cached length is a device tensor, as in
+cache is ever made while decoding (GQA groups up to 128 query heads per kv-head:
+``kv_tensor.MAX_FOLDED_ROWS``). The cached length is a device tensor, as in
 ``StaticLayer``, so a compiled decode step has static shapes and no host sync.
 
 Layers of other kinds than attention over the whole past are refused at construction, except

@@ -11,8 +11,9 @@ planes as inner tensors, and intercept SDPA in ``__torch_function__``:
   compressed bytes, the attention mask passed through;
 * up to 16 query tokens with a mask per token (gpt-fast's causal-mask slice, Hugging Face's 4-D
   mask: a speculative-decoding verify step, a short chunk): ``torch.ops.tq.decode`` of the
-  sequence's last ``T`` tokens, causal among themselves, the mask applied too. The tokens
-  must be the ones just written (the cache's last ``T`` positions), as in every such step;
+  sequence's last ``T`` tokens, each seeing what its mask row allows (as dense SDPA: a causal
+  mask orders them, a bidirectional prefix does not). The tokens must be the ones just written
+  (the cache's last ``T`` positions), as in every such step;
 * otherwise (a prefill chunk: more tokens, ``is_causal``, a causal or per-query mask), when the
   view carries the chunk's own keys and values (``chunk_k``/``chunk_v``, the cache's last
   update): ``torch.ops.tq.prefill``, attention over the chunk's exact keys and values (as the
@@ -328,9 +329,11 @@ def _reshape(func, types, args, kwargs):
 # ---- attention ----------------------------------------------------------------------------
 
 
-# Largest query-heads-per-kv-head group that several query tokens are folded into for tq.decode
-# (the GQA groups of real models: up to 16).
-MAX_FOLDED_GROUP = 16
+# Most query rows per kv-head (query heads per kv-head times query tokens) that queries sharing
+# one mask row are folded into for one tq.decode: every GQA group of a decode step (multi-query
+# models: StarCoder 48, Falcon-7B 71), not a prefill chunk's worth of tokens (the kernels hold
+# a program's rows in registers; past this a chunk reads the dequantized cache instead).
+MAX_FOLDED_ROWS = 128
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")  # fmt: skip
@@ -401,9 +404,9 @@ def _decode_folded(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: flo
 
 def _decode_tokens(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float):
     """Attention of each sequence's last ``T`` tokens, queries ``[B, Hq, T, D]`` under a mask
-    with a row per token (or none), through the multi-token ``tq.decode`` (causal among the
-    tokens). One decode token (T = 1) goes this way too: no view of q, the mask or the output
-    to make (each is host time in an eager step)."""
+    with a row per token (which alone decides what each token sees), through the multi-token
+    ``tq.decode``. One decode token (T = 1, a mask or none) goes this way too: no view of q,
+    the mask or the output to make (each is host time in an eager step)."""
     mask = None if attn_mask is None else _mask_4d(attn_mask)  # [B or 1, Hq or 1, T, S]
     return _tq_decode(q, k, mask, scale)
 
@@ -442,13 +445,15 @@ def _attention(a: dict) -> torch.Tensor:
     head_dim = q.shape[-1]
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(head_dim)
     shared_row = attn_mask is None or _mask_4d(attn_mask).shape[2] == 1
-    # one token per sequence as it is; HF's pack_gqa head group folded into the query heads of
-    # one decode (a decode-sized group of them, not a prefill's worth)
-    folded_group = q.shape[1] * q.shape[2] // k.k_codes.shape[1]
+    # one token per sequence as it is; a few tokens with a mask row each (the mask alone orders
+    # them: a causal one, a bidirectional prefix, HF's pack_gqa rows under a per-head mask);
+    # queries sharing one mask row (HF's pack_gqa head group) folded into the query heads of one
+    # decode (a decode step's worth of rows, not a prefill's)
+    folded_rows = q.shape[1] * q.shape[2] // k.k_codes.shape[1]
     if not a["is_causal"] and not k.truncated:
         if q.shape[2] == 1 or (not shared_row and q.shape[2] <= MAX_QUERY_TOKENS):
             return _decode_tokens(q, k, attn_mask, scale)
-        if shared_row and folded_group <= MAX_FOLDED_GROUP:
+        if shared_row and folded_rows <= MAX_FOLDED_ROWS:
             return _decode_folded(q, k, attn_mask, scale)
     if k.chunk_k is not None and k.chunk_k.shape[2] == q.shape[2]:
         return _prefill(q, k, attn_mask, a["is_causal"], scale)

@@ -37,9 +37,10 @@ INT8_BOUND = 0.02
 SAME_QUANTIZATION_BOUND = 0.02
 
 
-def tiny_model(arch: str, seed: int = 0):
+def tiny_model(arch: str, seed: int = 0, **overrides):
+    """A random-weight bf16 model of ``arch`` (``overrides``: config fields, e.g. head counts)."""
     config_name, model_name, extra = ARCHS[arch]
-    config = getattr(transformers, config_name)(**_COMMON, **extra)
+    config = getattr(transformers, config_name)(**{**_COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(torch.bfloat16).eval()
     return config, model
@@ -295,14 +296,22 @@ def test_teacher_forced_chunks_equal_one_parallel_forward(chunk, prompt, prompt_
         teacher_forced(model, StaticCache(config, CAPACITY), ids, chunk=0)
 
 
-def test_views_reach_the_decode_op(monkeypatch):
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (32, 1), (64, 1)])
+def test_views_reach_the_decode_op(heads, kv_heads, monkeypatch):
     """update() returns TurboQuantKVTensor views [B, Hk, max_cache_len, D]; a decode step calls
-    tq.decode once per layer and never dequantizes."""
-    config, model = tiny_model("llama")
+    tq.decode once per layer and never dequantizes, whatever the GQA group (multi-query models:
+    32 and 64 query heads per kv-head), with the logits of dense attention over the same
+    codes."""
+    config, model = tiny_model("llama", num_attention_heads=heads, num_key_value_heads=kv_heads)
     ids, mask = prompt_batch(seed=5, left_pad=0)
-    cache = TurboQuantCache(config, CAPACITY)
+    step_mask = torch.cat([mask, mask[:, :1]], 1)
+    cache = TurboQuantCache(config, CAPACITY, preset="4bit_nc", window=0)
     with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache)
+        reference = copy.deepcopy(cache)  # the same codes, read back dense by the step
+        for layer in reference.layers:
+            layer.__class__ = _DequantizedLayer
+        expected = model(ids[:, :1], attention_mask=step_mask, past_key_values=reference).logits
     calls, views = [], []
     for name in ("decode", "dequantize"):
         op = getattr(torch.ops.tq, name)
@@ -312,10 +321,11 @@ def test_views_reach_the_decode_op(monkeypatch):
     monkeypatch.setattr(TurboQuantLayer, "update", lambda *a, **k: (
         views.append(update(*a, **k)), views[-1])[1])  # fmt: skip
     with torch.no_grad():
-        model(ids[:, :1], attention_mask=torch.cat([mask, mask[:, :1]], 1), past_key_values=cache)
+        logits = model(ids[:, :1], attention_mask=step_mask, past_key_values=cache).logits
     assert calls == ["decode"] * config.num_hidden_layers
-    assert all(isinstance(t, TurboQuantKVTensor) and t.shape == (2, 2, CAPACITY, 64)
+    assert all(isinstance(t, TurboQuantKVTensor) and t.shape == (2, kv_heads, CAPACITY, 64)
                for pair in views for t in pair)  # fmt: skip
+    assert rel_error(logits.float(), expected.float()) < SAME_QUANTIZATION_BOUND
 
 
 def test_reset_reorder_crop():

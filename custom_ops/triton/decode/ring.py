@@ -185,7 +185,7 @@ def ring_partials_kernel(
     row_ok = g < GROUP
     q_head = head * GROUP + g
     q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
-    masking = (mask_args, causal_ends(seq_len, q_head, Q_TOKENS))
+    masking = (mask_args, causal_ends(seq_len, q_head, Q_TOKENS, MASK))
     d = tl.arange(0, D_PAD)
     q_orig = original_query((q_ptr, stride_qb, stride_qh), b, q_head, row_ok, D, D_PAD,
                             WINDOW_QK_F32)  # fmt: skip

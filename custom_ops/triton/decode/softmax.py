@@ -26,11 +26,18 @@ RESCALE_SLACK = tl.constexpr(4)
 
 
 @triton.jit
-def causal_ends(seq_len, q_head, Q_TOKENS: tl.constexpr):
-    """Where the positions each query row sees end: query row ``q_head`` is token ``t = q_head %
-    Q_TOKENS`` of the sequence's last ``Q_TOKENS``, which sees the positions below ``seq_len -
-    Q_TOKENS + 1 + t`` (``q_head``'s shape)."""
-    return seq_len - (Q_TOKENS - 1 - q_head % Q_TOKENS)
+def causal_ends(seq_len, q_head, Q_TOKENS: tl.constexpr, MASK: tl.constexpr):
+    """Where the positions each query row sees end (``q_head``'s shape): query row ``q_head`` is
+    token ``t = q_head % Q_TOKENS`` of the sequence's last ``Q_TOKENS``, which sees the
+    positions below ``seq_len - Q_TOKENS + 1 + t`` without a mask; with a mask (``MASK != 0``)
+    every row sees below ``seq_len`` and the mask alone orders the tokens, as dense SDPA under
+    that mask does (a bidirectional prefix, or a head group under a per-head mask, must not
+    become causal)."""
+    if MASK == 0:
+        ends = seq_len - (Q_TOKENS - 1 - q_head % Q_TOKENS)
+    else:
+        ends = seq_len + 0 * q_head
+    return ends
 
 
 @triton.jit
@@ -39,7 +46,7 @@ def mask_scores(scores, positions, masking, b, q_head, row_ok, MASK: tl.constexp
     """Apply the attention mask at key ``positions [N]`` to ``scores [N, G_PAD]`` (log2 units)
     of the query rows ``q_head [G_PAD]`` (head ``q_head // Q_TOKENS``, token ``q_head %
     Q_TOKENS``): ``MASK`` 0 none, 1 boolean (False masks out), 2 additive (natural-log units);
-    with several query tokens, also the causal order among them. ``masking`` is ``(mask_args,
+    with several query tokens and no mask, also the causal order among them. ``masking`` is ``(mask_args,
     row_ends)``: ``mask_args = (mask_ptr, stride_b, stride_h, stride_t, mask_len)`` and
     ``row_ends`` from :func:`causal_ends`."""
     mask_args, row_ends = masking

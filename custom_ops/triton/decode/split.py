@@ -272,7 +272,7 @@ def split_kernel(
     qs = (q0, q1, q2, q3)
 
     k_plane, v_plane, meta_plane = head_planes(planes, head.to(tl.int64))
-    masking = (mask_args, causal_ends(seq_len, q_head, Q_TOKENS))
+    masking = (mask_args, causal_ends(seq_len, q_head, Q_TOKENS, MASK))
     tiles = (start, end, early_a, early_b, b, table, k_plane, meta_plane, v_plane, qs, masking,
              q_head, row_ok)  # fmt: skip
     # The value products' fp16 operands are p * v_scale <= 2**RESCALE_SLACK * v_scale: where

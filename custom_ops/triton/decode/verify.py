@@ -390,7 +390,7 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
 
     rows = gl.arange(0, _ROWS, layout=ROW)
     q_rows = head * _ROWS + rows  # the rows' index among the sequence's Hq * T
-    row_end = causal_ends(seq_len, q_rows, Q_TOKENS)
+    row_end = causal_ends(seq_len, q_rows, Q_TOKENS, MASK)
     zeros = gl.zeros([_ROWS], gl.float32, ROW)
     acc = gl.zeros([_ROWS, HALF], gl.float32, MMA)
     state = (zeros, zeros, zeros, acc, acc)  # m, l, zero_acc, acc dims 0..63, dims 64..127
@@ -513,7 +513,7 @@ def _ring_pass(state, split, b, head, seq_len, compressed_len, q_smem, q_orig, q
     q_ring = _ring_view(q_smem, _ROWS, dtype)
     rows = gl.arange(0, _ROWS, layout=ROW)
     q_rows = head * _ROWS + rows
-    row_end = causal_ends(seq_len, q_rows, Q_TOKENS)
+    row_end = causal_ends(seq_len, q_rows, Q_TOKENS, MASK)
     first = (NUM_SPLITS - 1 - split) * _RING_BLOCK
     if first < run_len:
         _issue_query(q_smem, q_orig, b, head, dtype)  # waited for with the first tile

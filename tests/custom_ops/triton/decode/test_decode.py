@@ -573,11 +573,12 @@ def _multi_token_case(seqs, tokens, group, gen, mask_kind):
     + [("4bit_nc", 4, 8, "additive"), ("k2v2_nc", 8, 4, "bool"), ("int8", 8, 1, None)],
 )
 def test_multi_token_decode(fmt_name, tokens, group, mask_kind, kernel_device, seeded):
-    """Attention of each sequence's last T tokens (a speculative-decoding verify step), causal
-    among them, in one decode: equals float64 attention with token t seeing the positions below
-    len - T + t + 1 (within 1e-3), and the T one-token decodes of the same cache at those
-    lengths (within 2e-3), at lengths whose last T tokens span pages and the window's ring (or
-    lie in it), after appends and after rewrites, with and without masks."""
+    """Attention of each sequence's last T tokens (a speculative-decoding verify step) in one
+    decode: equals float64 attention (within 1e-3) and the T one-token decodes of the same cache
+    (within 2e-3) with token t seeing the positions below len - T + t + 1 without a mask, and
+    below len where its mask allows with one (the mask alone decides, as for dense SDPA: a
+    random mask per token is not made causal), at lengths whose last T tokens span pages and
+    the window's ring (or lie in it), after appends and after rewrites."""
     seqs = Sequences(fmt_name, seeded, kernel_device)
     for n_new, starts in REWRITE_STEPS:
         seqs.append(n_new, starts, seeded, use_triton=False)
@@ -588,7 +589,7 @@ def test_multi_token_decode(fmt_name, tokens, group, mask_kind, kernel_device, s
         k, v = _expected_kv(seqs)
         expected, one_token = [], []
         for t in range(tokens):
-            visible = lens - (tokens - 1 - t)
+            visible = lens - (tokens - 1 - t) if mask is None else lens
             token_mask = mask if mask is None or mask.dim() == 3 else mask[:, :, t]
             expected.append(reference.attention(q[:, :, t], k, v, visible, HEAD_DIM**-0.5,
                                                 token_mask))  # fmt: skip
