@@ -16,11 +16,12 @@
      (:mod:`~custom_ops.triton.prefill.merge`). Deciding needs ``P`` and the check on the host:
      one device-to-host copy per call, queued before step 1 and waited for while step 1 runs
      (the GPU does not idle). A first chunk (``P`` = 0) is step 1's result as it is.
-   * **fused** (CUDA-graph capture, which cannot read the device, and every other case): the
-     prefill kernel (:mod:`~custom_ops.triton.prefill.prefix`) reads the compressed pages tile
-     by tile, no host sync and no workspace, and finishes each row in place; rows step 1 cannot
-     answer get the chunk's keys and values from the kernel itself. A program whose rows need
-     nothing more returns at once.
+   * **fused** (CUDA-graph capture, which cannot read the device; a view no longer than the
+     chunk, which leaves no prefix to read where it does not cut a sequence; every other
+     case): the prefill kernel (:mod:`~custom_ops.triton.prefill.prefix`) reads the compressed
+     pages tile by tile, no host sync and no workspace, and finishes each row in place; rows
+     step 1 cannot answer get the chunk's keys and values from the kernel itself. A program
+     whose rows need nothing more returns at once.
 
 The dense prefix is the faster one by several times on an H200 (``benchmarks/NOTES.md``,
 "Prefill"); :func:`fused_prefix` forces the fused kernel (tests, benchmarks).
@@ -149,7 +150,12 @@ def prefill(
     if q.numel() == 0:
         return torch.empty_like(q)
     chunk_mode = CHUNK_MASKED if mask is not None else (CHUNK_CAUSAL if is_causal else CHUNK_FULL)
-    dense = not getattr(_state, "fused", False) and not (
+    # A view no longer than the chunk (the trim before a first prefill: Hugging Face's, the
+    # example model's causal prompt) leaves no prefix to read in any sequence it does not cut:
+    # the fused kernel then checks that on the device, its programs returning at once, instead
+    # of a host sync per layer, which lets the GPU idle while the host catches up at short
+    # prompts (docs/prefill.md, time to first token).
+    dense = max_seq_len > tokens and not getattr(_state, "fused", False) and not (
         q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     )
     mask_args = mask_arguments(mask, seq_lens)

@@ -280,7 +280,8 @@ def test_first_chunk_is_sdpa(fmt_name, kernel_device, prefix_path, seeded):
     dense = sdpa_lse.attention_lse(case.q.to(kernel_device), case.key.to(kernel_device),
                                    case.value.to(kernel_device), True,
                                    case.q.shape[-1] ** -0.5)[0].cpu()  # fmt: skip
-    for kwargs in (dict(is_causal=True), dict(mask=case.causal_mask())):
+    for kwargs in (dict(is_causal=True), dict(mask=case.causal_mask()),
+                   dict(is_causal=True, max_seq_len=40)):  # fmt: skip
         assert torch.equal(case.run(kernel_device, path=prefix_path, **kwargs), dense)
     case.check(kernel_device, prefix_path, is_causal=True)
 
@@ -310,6 +311,16 @@ def test_dense_prefix_where_every_row_sees_it(kernel_device, seeded, monkeypatch
     own_lengths = Case("4bit_nc", seeded, prefix=80, tokens=20, start=(80, 70))
     own_lengths.run(kernel_device, mask=own_lengths.causal_mask())
     assert calls == []
+    # a view no longer than the chunk (the trim before a first prefill) reads nothing to the
+    # host: the fused kernel finds no prefix to read on the device
+    facts = triton_prefill._prefix_facts
+    monkeypatch.setattr(triton_prefill, "_prefix_facts",
+                        lambda *a: calls.append("facts") or facts(*a))  # fmt: skip
+    first = Case("4bit_nc", seeded, prefix=0, tokens=40)
+    first.run(kernel_device, is_causal=True, max_seq_len=40)
+    assert calls == []
+    first.run(kernel_device, is_causal=True)
+    assert calls == ["facts"]
 
 
 def test_output_in_the_query_layout(kernel_device, prefix_path, seeded):
