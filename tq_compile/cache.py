@@ -3,9 +3,11 @@
 The module owns the paged cache as plain buffers and writes new tokens with
 ``torch.ops.tq.store_window`` (``tq.store`` without a window); ``update`` then returns
 :class:`TurboQuantKVTensor` views of those buffers. In traced code the views are built *after*
-the write (never writing through a view): a custom op that mutates a subclass's inner tensors
-and an SDPA on that same wrapper in one graph reads stale data (see ENVIRONMENT.md); rebuilding
-the wrapper from the mutated buffers does not. Eagerly the same two views are returned by every
+the write (never writing through a view): in one compiled graph (torch 2.13, aot_eager and
+inductor), an SDPA on a subclass input whose inner tensors a custom op has just mutated reads
+them as they were before the write, silently; rebuilding the wrapper from the mutated buffers
+reads the new data (``tests/tq_compile/test_cache.py``, the compiled update-then-attend test,
+guards it). Eagerly the same two views are returned by every
 update of a batch size, with that update's lengths: building them is host time per layer.
 
 The cache of sequence ``b`` is pages ``b * pages_per_seq ... (b + 1) * pages_per_seq - 1``
@@ -116,8 +118,11 @@ class _Operands(NamedTuple):
 class TurboQuantKVCache(nn.Module):
     """Quantized KV cache for ``max_batch_size`` sequences of up to ``max_seq_length`` tokens.
 
-    Its constructor starts with the signature of gpt-fast's ``KVCache`` (so it can be a
-    ``cache_factory``); the format and its options follow as keywords.
+    Its constructor starts with the ``cache_factory`` signature of ``examples/model.py``'s
+    ``KVCache``, ``(max_batch_size, n_heads, max_seq_length, head_dim, dtype)``: gpt-fast's
+    ``KVCache`` takes ``max_seq_length`` before ``n_heads``, so pass keywords there, or swap the
+    caches of a set-up model with :func:`tq_compile.quantize_`. The format and its options
+    follow as keywords.
 
     Args:
         max_batch_size: B, sequences held.

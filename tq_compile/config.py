@@ -34,9 +34,8 @@ class TurboQuantKVConfig(AOBaseConfig):
     """How to quantize a model's KV caches.
 
     Args:
-        preset: format name, one of ``custom_ops.FORMATS`` (vLLM's ``k8v4``, ``4bit_nc``,
-            ``k3v4_nc``, ``3bit_nc``, and ``int8``, ``fp8``, ``tq4_nc``, ``tq3_nc``, ``tq2_nc``,
-            ``tqk4v2_nc``, ``tqk5v3_nc``, ``k2v4_nc``, ``k2v2_nc``).
+        preset: format name, one of ``custom_ops.FORMATS`` (vLLM's presets and ours: the
+            table in ``docs/design/formats.md``).
         seed: seed of the random-sign Hadamard rotation (shared by every layer).
         keep_first: number of leading KV caches left in full precision.
         keep_last: number of trailing KV caches left in full precision.

@@ -259,9 +259,8 @@ class TurboQuantCache(Cache):
         config: the model's config (``model.config``).
         max_cache_len: tokens each sequence can hold (prompt + generated).
         max_batch_size: sequences to allocate for (default: the first forward's batch).
-        preset: format name, one of ``custom_ops.FORMATS`` (vLLM's ``k8v4``, ``4bit_nc``,
-            ``k3v4_nc``, ``3bit_nc``, and ``int8``, ``fp8``, ``tq4_nc``, ``tq3_nc``,
-            ``tq2_nc``, ``tqk4v2_nc``, ``tqk5v3_nc``, ``k2v4_nc``, ``k2v2_nc``).
+        preset: format name, one of ``custom_ops.FORMATS`` (vLLM's presets and ours: the
+            table in ``docs/design/formats.md``).
         window: the most recent tokens of each sequence kept in the model's dtype (default 128;
             0: every token is quantized when written).
         sinks: the first tokens of each sequence kept in the model's dtype for good (attention
