@@ -29,7 +29,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import bench, gpu_name, print_table, pyplot, require_cuda, save_figure, write_json  # noqa: E402,E501
+import common  # noqa: E402
 
 from tq_compile import TurboQuantKVCache  # noqa: E402
 
@@ -63,14 +63,15 @@ def time_group(group: int, args) -> dict:
 
         exact = dense().float()
         error = (folded().reshape(q_heads.shape).float() - exact).norm() / exact.norm()
-        times = {name: bench(fn, cuda_graph=True)
-                 for name, fn in zip(ROUTES, (folded, dequantized, dense), strict=True)}  # fmt: skip
+        routes = zip(ROUTES, (folded, dequantized, dense), strict=True)
+        times = {name: common.bench(fn, cuda_graph=True) for name, fn in routes}
     return {"group": group, **times, "vs_dequantize": times["dequantize"] / times["tq.decode"],
             "vs_bf16": times["bf16"] / times["tq.decode"], "rel_error": error.item()}  # fmt: skip
 
 
 def plot(payload: dict, path: Path) -> None:
-    plt = pyplot()
+    """Draw each route's time against the group size (log-log) to ``path``."""
+    plt = common.pyplot()
     rows = payload["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))
     for route in ROUTES:
@@ -83,7 +84,7 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_title(f"{cfg['fmt']}, B{cfg['batch']}, {cfg['context']} tokens, "
                  f"Hk {cfg['kv_heads']}, D {cfg['head_dim']}\n{payload['gpu']}", fontsize=9)
     ax.legend()
-    save_figure(fig, path)
+    common.save_figure(fig, path)
 
 
 def main() -> None:
@@ -96,14 +97,14 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--out", default="wide_gqa.json")
     args = parser.parse_args()
-    require_cuda("wide_gqa.py")
+    common.require_cuda("wide_gqa.py")
     rows = [time_group(group, args) for group in args.groups]
-    print(f"{gpu_name()}: {args.fmt}, B {args.batch}, {args.context} tokens, "
+    print(f"{common.gpu_name()}: {args.fmt}, B {args.batch}, {args.context} tokens, "
           f"{args.kv_heads} kv-heads of dim {args.head_dim}; us per layer")
-    print_table(rows, {"group": "", "tq.decode": ".1f", "dequantize": ".1f", "bf16": ".1f",
+    common.print_table(rows, {"group": "", "tq.decode": ".1f", "dequantize": ".1f", "bf16": ".1f",
                        "vs_dequantize": ".2f", "vs_bf16": ".2f", "rel_error": ".1e"})  # fmt: skip
-    payload = {"gpu": gpu_name(), "config": vars(args), "rows": rows}
-    out = write_json(args.out, payload)
+    payload = {"gpu": common.gpu_name(), "config": vars(args), "rows": rows}
+    out = common.write_json(args.out, payload)
     print(f"wrote {out}")
     plot(payload, out.with_suffix(".png"))
 

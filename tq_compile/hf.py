@@ -12,7 +12,7 @@ window ring, all static buffers allocated at the first ``update`` and marked sta
 ``store_window``) and returns :class:`~tq_compile.kv_tensor.TurboQuantKVTensor` views of shape
 ``[B, Hk, max_cache_len, D]``; transformers' ``sdpa`` attention then reaches ``tq.decode``
 through them (its ``repeat_kv`` and ``pack_gqa`` stay lazy), so no full-precision copy of the
-cache is ever made while decoding (GQA groups up to 128 query heads per kv-head:
+cache is ever made while decoding (GQA groups up to 64 query heads per kv-head:
 ``kv_tensor.MAX_FOLDED_ROWS``). The cached length is a device tensor, as in
 ``StaticLayer``, so a compiled decode step has static shapes and no host sync.
 
@@ -38,6 +38,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "tq_compile.hf needs Hugging Face transformers: pip install 'tq-compile[hf]'"
     ) from error
 
+from custom_ops import compat
 from custom_ops.formats import get_format
 from tq_compile.cache import TurboQuantKVCache, check_cache_options, check_count
 from tq_compile.kv_tensor import TurboQuantKVTensor
@@ -136,7 +137,7 @@ class TurboQuantLayer(CacheLayerMixin):
         # the in-place writes (not allowed while tracing; prefill is not compiled)
         if not torch.compiler.is_compiling():
             for buffer in (*self.kv.buffers(), self.cumulative_length):
-                torch._dynamo.mark_static_address(buffer)
+                compat.mark_static_address(buffer)
         self.is_initialized = True
 
     def update(

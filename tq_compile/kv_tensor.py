@@ -11,9 +11,8 @@ planes as inner tensors, and intercept SDPA in ``__torch_function__``:
   compressed bytes, the attention mask passed through;
 * up to 16 query tokens with a mask per token (gpt-fast's causal-mask slice, Hugging Face's 4-D
   mask: a speculative-decoding verify step, a short chunk): ``torch.ops.tq.decode`` of the
-  sequence's last ``T`` tokens, each seeing what its mask row allows (as dense SDPA: a causal
-  mask orders them, a bidirectional prefix does not). The tokens must be the ones just written
-  (the cache's last ``T`` positions), as in every such step;
+  sequence's last ``T`` tokens, each seeing the cached positions its mask row allows (as
+  dense SDPA: a causal mask orders them, a bidirectional prefix does not);
 * otherwise (a prefill chunk: more tokens, ``is_causal``, a causal or per-query mask), when the
   view carries the chunk's own keys and values (``chunk_k``/``chunk_v``, the cache's last
   update): ``torch.ops.tq.prefill``, attention over the chunk's exact keys and values (as the
@@ -43,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torchao.utils import TorchAOBaseTensor
 
-from custom_ops import ops
+from custom_ops import compat, ops
 from custom_ops.formats import PagedKVCache, ring_window, sequence_capacity
 from custom_ops.schema import DecodeArgs, DequantizeArgs, PrefillArgs
 from custom_ops.validate import MAX_QUERY_TOKENS
@@ -330,10 +329,11 @@ def _reshape(func, types, args, kwargs):
 
 
 # Most query rows per kv-head (query heads per kv-head times query tokens) that queries sharing
-# one mask row are folded into for one tq.decode: every GQA group of a decode step (multi-query
-# models: StarCoder 48, Falcon-7B 71), not a prefill chunk's worth of tokens (the kernels hold
-# a program's rows in registers; past this a chunk reads the dequantized cache instead).
-MAX_FOLDED_ROWS = 128
+# one mask row are folded into for one tq.decode: a decode step's GQA group, multi-query models'
+# included (StarCoder's 48). The kernels hold a program's rows in registers; 64 rows are the
+# most measured on a GPU (benchmarks/wide_gqa.py): wider groups (Falcon-7B's 71) read the
+# dequantized cache until the 128-row launch is.
+MAX_FOLDED_ROWS = 64
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")  # fmt: skip
@@ -434,7 +434,7 @@ def _prefill(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, is_causal: bool,
 def _scaled_dot_product_attention(func, types, args, kwargs):
     # every k.shape of a subclass would go through __torch_function__ again (an eager step
     # pays several microseconds each)
-    with torch._C.DisableTorchFunctionSubclass():
+    with compat.DisableTorchFunctionSubclass():
         return _attention(_sdpa_arguments(args, kwargs))
 
 
@@ -445,17 +445,20 @@ def _attention(a: dict) -> torch.Tensor:
     head_dim = q.shape[-1]
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(head_dim)
     shared_row = attn_mask is None or _mask_4d(attn_mask).shape[2] == 1
-    # one token per sequence as it is; a few tokens with a mask row each (the mask alone orders
-    # them: a causal one, a bidirectional prefix, HF's pack_gqa rows under a per-head mask);
-    # queries sharing one mask row (HF's pack_gqa head group) folded into the query heads of one
-    # decode (a decode step's worth of rows, not a prefill's)
-    folded_rows = q.shape[1] * q.shape[2] // k.k_codes.shape[1]
+    # the chunk that made the view, as its queries: attention over its exact keys and values
+    chunk = k.chunk_k is not None and k.chunk_k.shape[2] == q.shape[2]
     if not a["is_causal"] and not k.truncated:
+        # one token per sequence as it is; a few tokens with a mask row each (the mask alone
+        # orders them: a causal one, a bidirectional prefix, HF's pack_gqa rows under a
+        # per-head mask)
         if q.shape[2] == 1 or (not shared_row and q.shape[2] <= MAX_QUERY_TOKENS):
             return _decode_tokens(q, k, attn_mask, scale)
-        if shared_row and folded_rows <= MAX_FOLDED_ROWS:
+        # queries sharing one mask row that are not the chunk (HF's pack_gqa head group of a
+        # decode step) folded into the query heads of one decode
+        folded_rows = q.shape[1] * q.shape[2] // k.k_codes.shape[1]
+        if shared_row and not chunk and folded_rows <= MAX_FOLDED_ROWS:
             return _decode_folded(q, k, attn_mask, scale)
-    if k.chunk_k is not None and k.chunk_k.shape[2] == q.shape[2]:
+    if chunk:
         return _prefill(q, k, attn_mask, a["is_causal"], scale)
     # A view without its chunk (kept from an earlier update): attention over the dequantized
     # cache, with every position past a sequence's length masked out.

@@ -358,7 +358,8 @@ def test_compiled_step_copies_no_cache_buffer(device, center):
         assert "store_window" in code and "decode" in code
     else:
         assert "store_window_kernel" in code and "split_kernel" in code
-        left = sorted({line.strip()[:160] for line in code.splitlines() if "torch.ops.tq." in line})
+        left = sorted({line.strip()[:160] for line in code.splitlines()
+                       if "torch.ops.tq." in line})  # fmt: skip
         assert not left, "\n".join(left)
     # the launches: each module's `call` (kernel sources above it may name a `copy_mask`)
     calls = "\n".join(c[c.index("def call(") :] for c in codes if "def call(" in c)

@@ -184,6 +184,47 @@ def test_queries_sharing_all_positions(length, monkeypatch):
     assert rel_error(out, expected) < 4e-3
 
 
+def test_unmasked_chunk_attends_over_its_exact_keys(monkeypatch):
+    """A chunk attending without a mask and not causal (a bidirectional prompt, one head per
+    kv-head) right after the update that wrote it reads its own exact keys through tq.prefill,
+    as a longer one does, not their codes through a folded decode (4bit_nc, window 0: 0.13 of
+    the output's norm)."""
+    cache = TurboQuantKVCache(1, 2, 128, D, fmt="4bit_nc", window=0)
+    gen = torch.Generator().manual_seed(8)
+    k = torch.randn(1, 2, 64, D, generator=gen).bfloat16()
+    v = torch.randn(1, 2, 64, D, generator=gen).bfloat16()
+    keys, values = cache.update(torch.arange(64), k, v)
+    q = torch.randn(1, 2, 64, D, generator=gen).bfloat16()
+    calls = []
+    decode = torch.ops.tq.decode
+    monkeypatch.setattr(torch.ops.tq, "decode", lambda *a: (calls.append(1), decode(*a))[1])
+    out = F.scaled_dot_product_attention(q, keys, values)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert not calls and rel_error(out, exact) < 4e-3
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_wide_pack_gqa_group_through_the_kernels(group, kernel_device):
+    """A decode step of a multi-query model in transformers' pack_gqa layout (q [B, 1, group,
+    D]) through the Triton kernels (32 and 64 rows per kv-head, the widest folded) equals
+    float64 attention over the dequantized cache."""
+    with triton_kernels(kernel_device):
+        cache = TurboQuantKVCache(1, 1, S_MAX, D, fmt="4bit_nc", window=WINDOW,
+                                  device=kernel_device)  # fmt: skip
+        gen = torch.Generator().manual_seed(9)
+        k = (torch.randn(1, 1, 37, D, generator=gen) * 2).bfloat16()
+        v = torch.randn(1, 1, 37, D, generator=gen).bfloat16()
+        keys, values = cache.update(torch.arange(37, device=kernel_device), k.to(kernel_device),
+                                    v.to(kernel_device))  # fmt: skip
+        q = torch.randn(1, 1, group, D, generator=gen).bfloat16()
+        out = F.scaled_dot_product_attention(q.to(kernel_device), keys, values)
+        dense_k = keys.dequantize(torch.float64).cpu()
+        dense_v = values.dequantize(torch.float64).cpu()
+    visible = (torch.arange(S_MAX) < 37)[None, None, None, :]
+    expected = F.scaled_dot_product_attention(q.double(), dense_k, dense_v, attn_mask=visible)
+    assert rel_error(out.cpu(), expected) < 4e-3
+
+
 @pytest.mark.parametrize("window", [0, WINDOW])
 def test_prefix_slice_before_causal_prefill(window):
     """k[:, :, :n] (Hugging Face's trim before a causal prefill on an empty static cache) keeps

@@ -83,9 +83,10 @@ def _dense(q, keys, values, mask, is_causal):
 
 def _case(seed):
     """The random choices of case ``seed``: (fmt, window, sinks, prefix, tokens, mask kind,
-    layout). A window of 0 only with int8 (its error is the tolerance's), any other format with
-    a window that holds the chunk: there every route reads the chunk exactly as the cache holds
-    it (a chunk of more than 16 tokens attends over its exact keys, the rest over the cache)."""
+    layout). A window of 0 only with int8, any other format with a window that holds the chunk:
+    routes differ in how they read the chunk's own tokens (``tq.prefill`` its exact keys, the
+    decode routes the cache's copy), which the ring holds exactly and int8's codes nearly so.
+    One query token always has a prefix (a single visible key would make any route exact)."""
     gen = torch.Generator().manual_seed(seed)
 
     def pick(options):
@@ -96,13 +97,15 @@ def _case(seed):
     sinks = pick([0, 4]) if window else 0
     layout = pick(["plain", "plain", "pack_gqa"])
     tokens = 1 if layout == "pack_gqa" else pick([1, 2, 5, 8, 16, 17, 24, MAX_TOKENS])
-    prefix = pick([0, 7, 45, 80])
+    prefix = pick([7, 45, 80] if tokens == 1 else [0, 7, 45, 80])
     masks = ("none", "bidirectional", "random", "additive", "per_head") if tokens == 1 else MASKS
     return fmt, window, sinks, prefix, tokens, pick(masks), layout
 
 
 @pytest.mark.parametrize("seed", range(48))
 def test_sdpa_over_views_is_dense_sdpa(seed, kernel_device):
+    """Case ``seed`` of :func:`_case` through the Triton kernels (the interpreter on the CPU)
+    equals float64 SDPA over the dequantized cache within bf16 rounding."""
     fmt, window, sinks, prefix, tokens, kind, layout = _case(seed)
     gen = torch.Generator().manual_seed(1000 + seed)
     device = kernel_device
@@ -128,8 +131,8 @@ def test_sdpa_over_views_is_dense_sdpa(seed, kernel_device):
                 q.to(device), keys, values, is_causal=is_causal, enable_gqa=True,
                 attn_mask=None if mask is None else mask.to(device),
             )  # fmt: skip
-    # bf16 rounding of the inputs the routes see and of the output (2^-9 each); int8 without
-    # a window also its codes' error on the chunk where a route reads it exactly
-    tolerance = 3e-2 if window == 0 else 1e-2
+    # bf16 rounding of the inputs the routes see and of the output (2^-9 each; measured at
+    # most 3.1e-3, int8's codes of the chunk included); one key of 120 dropped moves the
+    # output by 6e-3, a 2% scale error by 7e-3
     error = rel_error(out.cpu(), expected)
-    assert error < tolerance, (fmt, window, sinks, prefix, tokens, kind, layout, error)
+    assert error < 5e-3, (fmt, window, sinks, prefix, tokens, kind, layout, error)

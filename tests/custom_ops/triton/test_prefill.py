@@ -281,7 +281,8 @@ def test_first_chunk_is_sdpa(fmt_name, kernel_device, prefix_path, seeded):
                                    case.value.to(kernel_device), True,
                                    case.q.shape[-1] ** -0.5)[0].cpu()  # fmt: skip
     for kwargs in (dict(is_causal=True), dict(mask=case.causal_mask()),
-                   dict(is_causal=True, max_seq_len=40)):  # fmt: skip
+                   dict(is_causal=True, max_seq_len=40),
+                   dict(mask=case.causal_mask(), max_seq_len=40)):  # fmt: skip
         assert torch.equal(case.run(kernel_device, path=prefix_path, **kwargs), dense)
     case.check(kernel_device, prefix_path, is_causal=True)
 
