@@ -94,10 +94,9 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
-from torch._subclasses.functional_tensor import FunctionalTensorMode
 from triton import knobs
 
-from custom_ops import reference, sdpa_lse, validate
+from custom_ops import compat, reference, sdpa_lse, validate
 from custom_ops.formats import PagedKVCache
 from custom_ops.schema import (
     DecodeArgs,
@@ -153,14 +152,10 @@ def inductor_launches(op_args: tuple) -> bool:
     captured, a call costs its host time once, and the op's own launches keep programmatic
     dependent launch, which inductor's do not have). A plain-compiled step captured by hand
     (:class:`tq_compile.DecodeGraph`) therefore replays inductor's launches."""
-    # imported when asked: only a compiling process needs inductor's modules
-    from torch._inductor import config
-    from torch._inductor.virtualized import NullHandler, V
-
     tensors = [a for a in op_args if isinstance(a, torch.Tensor)]
     return (
-        not isinstance(V.fake_mode, NullHandler)  # inductor sets it around its trace
-        and not config.triton.cudagraphs
+        compat.inductor_is_tracing()
+        and not compat.inductor_cudagraphs()
         and tensors[0].device.type == "cuda"
         and not knobs.runtime.interpret
         and not any(isinstance(n, torch.SymInt) for t in tensors for n in (*t.shape, *t.stride()))
@@ -200,10 +195,7 @@ def is_eager() -> bool:
     like plain ones to Python)."""
     return (
         not torch.compiler.is_compiling()  # first: dynamo folds it and traces nothing after it
-        and torch._C._len_torch_dispatch_stack() == 0
-        and torch._ops._len_torch_dispatch_stack_pre_dispatch() == 0
-        and not torch._C._get_tracing_state()
-        and not torch._C._are_functorch_transforms_active()
+        and compat.dispatch_is_plain()
     )
 
 
@@ -233,7 +225,7 @@ def _define(name, args_type, impl, fake, mutates=(), returns="()", traceable=Fal
         with mode, traced.traced_launches():
             return impl(op_args, None)
 
-    torch.library.register_torch_dispatch(f"tq::{name}", FunctionalTensorMode, trace_through,
+    torch.library.register_torch_dispatch(f"tq::{name}", compat.FunctionalTensorMode, trace_through,
                                           lib=_lib)  # fmt: skip
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import SDPBackend
 
+from custom_ops import compat
+
 __all__ = ["attention_lse"]
 
 _aten = torch.ops.aten
@@ -33,7 +35,7 @@ def attention_lse(
     if q.device.type == "cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal,
                                                                   scale=scale)  # fmt: skip
-    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=True)
+    choice = compat.fused_sdp_choice(q, k, v, is_causal, scale)
     if choice == SDPBackend.CUDNN_ATTENTION.value:
         out, lse = _aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, is_causal, False, scale=scale

@@ -15,9 +15,8 @@ import os
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
-from custom_ops import formats, reference, splits
+from custom_ops import compat, formats, reference, splits
 from custom_ops.formats import KVFormat, PagedKVCache, get_format
 from custom_ops.schema import (
     DecodeArgs,
@@ -46,7 +45,7 @@ def checks_values(t: torch.Tensor) -> bool:
     """Whether the values of ``t`` may be read here (see the module docstring)."""
     if type(t) is torch.Tensor and t.is_cuda:  # an eager step's case, without is_fake's cost
         return _check_values_env()
-    if is_fake(t) or t.device.type == "meta":
+    if compat.is_fake(t) or t.device.type == "meta":
         return False
     if t.device.type == "cpu":
         return True

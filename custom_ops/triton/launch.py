@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from triton import knobs
 
+from custom_ops import compat
 from custom_ops.triton import traced
 
 __all__ = ["Launcher", "KernelLaunch", "KeyedMemo"]
@@ -99,9 +100,9 @@ class Launcher:
         """Launch the compiled kernel ``compiled`` on ``device`` through its own launcher."""
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
-        stream = torch._C._cuda_getCurrentRawStream(device)  # what Triton's own launch reads
-        compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *args, *self._constexprs)  # fmt: skip
+        stream = compat.current_raw_stream(device)  # what Triton's own launch reads
+        compat.launch_compiled(compiled, (grid[0], grid_1, grid_2), stream, args,
+                               self._constexprs)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import torch
 from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
+
+from custom_ops import compat
 
 __all__ = ["compile_offline", "offline_target"]
 
@@ -40,12 +41,8 @@ class _OfflineCudaDriver:
 @contextlib.contextmanager
 def offline_target(arch: int = 90) -> Iterator[None]:
     """Within: Triton compiles for ``sm_<arch>`` as if that GPU were the current device."""
-    previous = driver._active
-    driver.set_active(_OfflineCudaDriver(arch))
-    try:
+    with compat.active_triton_driver(_OfflineCudaDriver(arch)):
         yield
-    finally:
-        driver._active = previous
 
 
 def compile_offline(kernel, grid, *args, arch: int = 90, **kwargs):

@@ -4,7 +4,7 @@ Called while ``torch.compile`` traces a graph (see :func:`custom_ops.ops.inducto
 an op's CUDA implementation runs with fake tensors and its launches go through
 ``torch.library.wrap_triton``: they become ``triton_kernel_wrapper`` nodes of the graph, and
 inductor's generated code launches the kernels directly, with no op call and no Python of ours
-per step (what an eager or extern call of an op costs: NOTES "End to end").
+per step (what an eager or extern call of an op costs: ``docs/design/host-path.md``).
 
 Inductor takes a kernel's arguments one by one: a tuple argument (the kernels take the cache
 as ``planes``, ``table``, ``rings``... tuples, see :mod:`custom_ops.triton.paged`) is silently
@@ -13,7 +13,8 @@ kernel whose parameters are the kernel's runtime arguments with every tuple spre
 items, which rebuilds the tuples and calls the kernel (Triton inlines it: the same program).
 Its integer parameters (shapes, strides, counts, which the graph's static shapes fix) are
 constexprs, compiled in: inductor's static launch converts every runtime argument at every
-launch (store_window 42 -> 12 runtime arguments, split 38 -> 15; NOTES "End to end").
+launch (store_window 42 -> 12 runtime arguments, split 38 -> 15;
+``docs/design/host-path.md#integers-compiled-in``).
 Launch options travel in a one-config ``triton.autotune`` (``wrap_triton`` takes no
 ``maxnreg``); programmatic dependent launch is not available to inductor's launches, so the
 kernels are traced with their ``PDL`` constexpr off.
@@ -22,15 +23,16 @@ Inductor compiles a user kernel with its config's ``num_warps`` and ``num_stages
 its ``maxnreg`` (PyTorch 2.11 and 2.13: ``CachingAutotuner._create_compile_options`` copies
 neither it nor ``num_ctas``): the long-split decode compiled at 157-166 registers instead of
 its cap of 128, 16% (4bit_nc) to 35% (k8v4) slower alone at 16 x 32768, and 9% of 4bit_nc's
-split time in the 1b-shape model's plain-compiled step (NOTES "End to end"). Every process
+split time in the 1b-shape model's plain-compiled step (``docs/design/host-path.md#register-caps``).
+Every process
 that loads such a kernel to compile it mends that first (:func:`honour_register_caps`, called
 by :func:`rebuilt`; the capped kernel, the split kernel, has NamedTuple constexprs).
 
 Inductor launches such user-defined kernels with Triton's Python launcher unless
 ``torch._inductor.config.static_launch_user_defined_triton_kernels`` is on; importing
 :mod:`custom_ops` turns it on (:func:`static_launch_by_default`): its static CUDA launcher took
-the 1b-shape model's plain-compiled step at B=1 from 0.74x to 1.13x of bf16 (NOTES "End to
-end").
+the 1b-shape model's plain-compiled step at B=1 from 0.74x to 1.13x of bf16
+(``docs/design/host-path.md#the-static-launcher``).
 
 Inductor writes the constexprs into its generated module as their ``repr``; the NamedTuple
 constexprs (:class:`~custom_ops.triton.planes.CodecParams`,
@@ -49,13 +51,14 @@ import importlib
 import linecache
 import math
 import os
-import sys
 import threading
 from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
+
+from custom_ops import compat
 
 __all__ = [
     "traced_launches",
@@ -87,7 +90,7 @@ def static_launch_by_default() -> None:
     the variable when they start, before it traces."""
     if os.environ.setdefault(STATIC_LAUNCH_ENV, "1") != "1":
         return
-    config = sys.modules.get("torch._inductor.config")
+    config = compat.loaded_inductor_config()
     # imported before the variable was set, it did not read it (a torch without the switch
     # has no static launcher for user kernels: nothing to do)
     if config is not None and hasattr(config, "static_launch_user_defined_triton_kernels"):
@@ -104,8 +107,7 @@ def honour_register_caps() -> None:
     Does nothing until inductor's ``triton_heuristics`` module is imported (importing it costs
     ~2 s: not done for an eager user), or where it has no such method. :func:`rebuilt` calls it
     where inductor loads a kernel of ours, after that import."""
-    heuristics = sys.modules.get("torch._inductor.runtime.triton_heuristics")
-    autotuner = getattr(heuristics, "CachingAutotuner", None)
+    autotuner = compat.loaded_inductor_autotuner()
     options_without_cap = getattr(autotuner, "_create_compile_options", None)
     if options_without_cap is None or getattr(options_without_cap, "honours_register_caps", False):
         return
