@@ -80,8 +80,8 @@ _META_FIELDS = {
     Kind.INT8_ABSMAX: ("scale",),
 }
 
-# 5-bit codes are Lloyd-Max only: keys, which decide the attention weights (NOTES "Wider keys
-# at the 4-bit budget").
+# 5-bit codes are Lloyd-Max only: keys, which decide the attention weights
+# (docs/design/formats.md#wider-keys-at-the-4-bit-budget).
 _BITS = {Kind.FP8_ABSMAX: (8,), Kind.INT8_ABSMAX: (8,), Kind.LLOYD_MAX: (1, 2, 3, 4, 5)}
 
 
@@ -279,17 +279,17 @@ FORMATS: dict[str, KVFormat] = {
         # turboquant-vllm's TQ4: Lloyd-Max keys and rotated Lloyd-Max values, 4 bits each.
         KVFormat("tq4_nc", Codec(_LM, 4, True), Codec(_LM, 4, True), _BF16),
         # The same at 3 and 2 bits: rotated Lloyd-Max values have less error than uniform ones
-        # of the same width, which pays on SmolLM2 at 2 bits (NOTES "Lloyd-Max values at 3 and
-        # 2 bits").
+        # of the same width, which pays on SmolLM2 at 2 bits
+        # (docs/design/formats.md#lloyd-max-values-at-3-and-2-bits).
         KVFormat("tq3_nc", Codec(_LM, 3, True), Codec(_LM, 3, True), _BF16),
         KVFormat("tq2_nc", Codec(_LM, 2, True), Codec(_LM, 2, True), _BF16),
         # The 3-bit budget spent unevenly: 4-bit keys decide the attention weights, rotated
-        # 2-bit values only average (SmolLM2: +0.76% vs tq3_nc's +1.21% with 4 sinks, 4 bytes
-        # fewer; NOTES "Bits moved from values to keys").
+        # 2-bit values only average (SmolLM2: +0.76% vs tq3_nc's +1.21% with 4 sinks, the same
+        # 100 bytes at D=128; docs/design/formats.md#bits-moved-from-values-to-keys).
         KVFormat("tqk4v2_nc", Codec(_LM, 4, True), Codec(_LM, 2, True), _BF16),
         # The 4-bit budget spent the same way: 5-bit Lloyd-Max keys, tq3_nc's values (132 B at
         # D=128, tq4_nc's; SmolLM2 with 4 sinks and centred keys: +0.25% vs tq4_nc's +0.41%;
-        # NOTES "Wider keys at the 4-bit budget").
+        # docs/design/formats.md#wider-keys-at-the-4-bit-budget).
         KVFormat("tqk5v3_nc", Codec(_LM, 5, True), Codec(_LM, 3, True), _BF16),
         # 2-bit Lloyd-Max keys (sign + one magnitude bit) with 2- or 4-bit uniform values: too
         # lossy alone, usable with a full-precision recent window (see TurboQuantKVCache).

@@ -80,7 +80,7 @@ def splits_in_one_wave(num_splits: int, programs_per_split: int, num_warps: int,
     or 255 registers, so 8 of its programs fit an SM, and that grid would run in two waves. One
     wave of longer splits also writes fewer partials (``rows x D`` float32 per program: 16 KB
     at 32 rows, 33.5 MB over the 2048 programs of 1 x 32768, as much as the 4-bit cache's 35.1
-    MB): NOTES "Verify steps: one wave of splits".
+    MB): ``docs/design/decode.md#one-wave-of-splits``.
 
     Args:
         num_splits: the cache's split count (a power of two).

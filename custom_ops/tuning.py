@@ -2,7 +2,7 @@
 
 Kernels never test a preset's name; the launch plan (:mod:`custom_ops.triton.decode.plan`) reads
 this table and turns it into compile-time parameters. The numbers behind each entry (H100
-sweeps, offline SASS) are in ``benchmarks/NOTES.md``.
+sweeps, offline SASS): ``docs/design/decode.md#ring-tiles-and-16-token-tiles``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class DecodeTuning:
             tokens (short contexts): 1 (one 32-token tile) or 2 (two 16-token tiles).
         subtiles_long: the same for longer splits. Two independent 16-token tiles keep more
             loads in flight, which pays where the kernel waits on memory and the format's
-            registers allow it (NOTES "Decode v4", "Decode v9").
+            registers allow it (``docs/design/decode.md``: tiles, ring tiles).
     """
 
     subtiles_short: int = 1

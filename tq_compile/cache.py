@@ -45,8 +45,8 @@ __all__ = [
 ]
 
 # Attention sinks a cache with a recent window keeps by default: on SmolLM2 four first tokens
-# in bf16 lower every low-bit format's perplexity cost by 5-30% (int8's moves within noise),
-# for no measurable step time (NOTES "Attention sinks in the cache").
+# in bf16 lower every low-bit format's perplexity cost (by 5-30% for most; int8's moves within
+# noise), for no measurable step time (docs/design/cache.md#attention-sinks).
 DEFAULT_SINKS = 4
 
 
@@ -137,8 +137,8 @@ class TurboQuantKVCache(nn.Module):
             of the capacity and the GPU, chosen again whenever the module moves to another
             device).
         window: W, the most recent tokens of each sequence kept in ``dtype`` in a ring buffer
-            (``k_window``, ``v_window [B, Hk, W, D]``, the position of each slot in
-            ``window_pos [B, Hk, W] int32``) and quantized only when they leave it (default
+            (``k_window``, ``v_window [B, Hk, W + sinks, D]``, the position of each slot in
+            ``window_pos [B, Hk, W + sinks] int32``) and quantized only when they leave it (default
             128, at most ``max_seq_length``; 0 quantizes every token when written). An update
             may start at any position up to the current length (rollback, speculative decoding,
             a new sequence from 0): the cache is then as if the final tokens had been written
@@ -147,15 +147,15 @@ class TurboQuantKVCache(nn.Module):
             ``dtype`` for good, in ring slots ``[W, W + sinks)`` (at most ``max_seq_length``;
             default :data:`DEFAULT_SINKS` with a window, 0 without: ``window=0`` alone
             quantizes every token). Real models put large attention weights and outlier keys
-            there; keeping them exact cuts the perplexity cost of every low-bit format (NOTES
-            "Attention sinks in the cache").
+            there; keeping them exact cuts the perplexity cost of every low-bit format
+            (``docs/design/cache.md#attention-sinks``).
         center_keys: store every key minus one vector per sequence and kv-head (its
             ``key_center [B, Hk, D] float32``, the mean of the keys of positions ``[sinks,
-            sinks + max(W, 1))``, set when the sequence's first position leaves the ring and
+            sinks + max(W, 1))``, set by the write that first sends a position to a page and
             reset by a write from position 0): attention is
             unchanged (softmax ignores a shift that all of a query's scores share) and the
-            quantized keys lose less to the common component they no longer carry (NOTES "Key
-            centering"). Needs a window or sinks.
+            quantized keys lose less to the common component they no longer carry
+            (``docs/design/cache.md#key-centering``). Needs a window or sinks.
         device: where to allocate (default: the current default device, so that gpt-fast's
             ``with torch.device(...)`` in ``setup_caches`` places it).
 

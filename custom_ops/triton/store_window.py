@@ -43,7 +43,7 @@ __all__ = [
 # (rows per program, warps) of the window store: appends (at most APPEND_MAX_ROWS rows, a decode
 # step or a verify step) take one row per one-warp program, so each program's chain of loads
 # and quantizing is as short as it gets (ring full, H200: 4bit_nc B1 5.0 -> 3.7 us, tq3_nc B64
-# 10.5 -> 5.0 us against 16 rows on 4 warps; NOTES "Store: one row per program"); prefill
+# 10.5 -> 5.0 us against 16 rows on 4 warps; docs/design/cache.md, the store); prefill
 # chunks take 32 rows on 4 warps. Triton's interpreter (CPU) runs a launch's programs one after
 # another in Python: there appends keep 16 rows on 4 warps (one row per program made the store
 # tests 5x slower); the bytes written do not depend on the shape (test_store_window.py checks

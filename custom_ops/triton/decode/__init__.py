@@ -123,7 +123,8 @@ def decode(
 
     ``q [B, Hq, D]``, or ``[B, Hq, T, D]``: the kernels see its ``Hq * T`` query rows as the
     heads of one query token, row ``h * T + t`` with the causal limit of token ``t`` (without a
-    mask; a mask alone orders the tokens), so the ``T`` tokens of a GQA group share each cache byte read. Returns q's shape in q's dtype.
+    mask; a mask alone orders the tokens), so the ``T`` tokens of a GQA group share each cache
+    byte read. Returns q's shape in q's dtype.
     ``fast`` selects the inline-PTX decoding and programmatic dependent launch (default: on
     CUDA; the interpreter cannot run them); ``split_config`` and ``merge_config`` override the
     plan's kernel configurations (sweeps, tests). ``launch_key``: the op arguments' metadata key

@@ -42,7 +42,8 @@ def merge_config(num_rows: int, num_splits: int, d_pad: int, rotate_by_product: 
 
     A program of one row whose partials fit one warp's registers (``LANE_FLOATS`` per lane)
     gets one warp and one chunk: with more warps, Triton lays them along the splits (the row's
-    ``D`` fills a warp's lanes) and sums over them through shared memory (NOTES "Decode v7").
+    ``D`` fills a warp's lanes) and sums over them through shared memory
+    (``docs/design/decode.md#two-warp-splits-and-the-one-warp-merge``).
     Rows of more partials keep four warps, and so does a rotation back by products with R
     (``rotate_by_product``: rotated values, head dim not a power of two), whose ``[D_PAD, 64]``
     blocks of R would spill in one warp."""
@@ -54,7 +55,7 @@ def merge_config(num_rows: int, num_splits: int, d_pad: int, rotate_by_product: 
     if block_m == 1 and fits_one_warp:
         return MergeConfig(1, num_splits, 1)
     # (256 partials of D = 128 at a time, one row, spilled 80 bytes at the 255-register cap;
-    # 128 take 161 registers: offline SASS, NOTES "Issue 18, fifth pass")
+    # 128 take 161 registers: offline SASS, docs/design/decode.md#lengths-and-integers-compiled-in)
     tile_floats = 32 * NUM_WARPS * LANE_FLOATS
     return MergeConfig(block_m, min(num_splits, max(1, tile_floats // (block_m * d_pad))),
                        NUM_WARPS)  # fmt: skip

@@ -6,8 +6,8 @@ parameters and launch options. It is cached, so a decode step does no policy wor
 first call with the same key; the launcher (:func:`custom_ops.triton.decode.decode`) only binds
 tensors to the plan's kernels. Tools and tests read plans instead of the kernels' internals.
 
-Per-format speed choices come from :mod:`custom_ops.tuning`; measured reasons for every default
-are in ``benchmarks/NOTES.md``.
+Per-format speed choices come from :mod:`custom_ops.tuning`; the reasons for the defaults are in
+``docs/design/decode.md#the-launch-plan``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 # Tokens the split kernel reads per softmax step (one 32-token tile, or two of 16), its warps
-# per program and pipeline stages (H100 sweep, NOTES "Decode v3").
+# per program and pipeline stages (H100 sweep, docs/design/decode.md, tiles).
 TOKENS_PER_STEP = 32
 DEFAULT_WARPS = 1
 DEFAULT_STAGES = 2
@@ -51,12 +51,13 @@ RING_BLOCK = 16
 # steps only).
 MANY_ROWS = 16
 # (num_warps, register cap or None for the usual one) per padded row count. H100 sweep (4bit_nc
-# verify steps, 1x32768 and 16x8192, one warp / two / four x caps 128 / 192 / 255; NOTES
-# "Multi-token decode"): one warp with registers for the [D, rows] accumulators beats more
-# warps, which split the tile's tokens and so reduce the softmax across warps (32 rows: 66 / 173
-# us at 255, 82 / 232 on two warps, 108 / 317 on four at 128, the earlier launch); 16 rows are
-# fastest at 192 (no spills; 255 costs occupancy). 64 rows are not measured and keep the
-# earlier launch: eight warps, the usual cap.
+# verify steps, 1x32768 and 16x8192, one warp / two / four x caps 128 / 192 / 255;
+# docs/design/decode.md#multi-token-decode): one warp with registers for the [D, rows]
+# accumulators beats more warps, which split the tile's tokens and so reduce the softmax across
+# warps (32 rows: 66 / 173 us at 255, 82 / 232 on two warps, 108 / 317 on four at 128, the
+# earlier launch); 16 rows are fastest at 192 (no spills; 255 costs occupancy). 64 rows keep the
+# earlier launch, eight warps at the usual cap: a GQA group of 48 or 64 decodes at 4.5x the
+# 32-row time (H200, benchmarks/wide_gqa.py), not tuned yet.
 MANY_ROWS_LAUNCH = {16: (1, 192), 32: (1, 255), 64: (8, None)}
 # Register cap of the long-split kernel: 16 one-warp programs fit per SM, twice what the split
 # count aims at (custom_ops.splits.PROGRAMS_PER_SM).
@@ -226,7 +227,7 @@ def plan_decode(
     max_registers = split_config.max_registers
     if many_rows:
         # [D, rows] accumulators: one warp with more registers up to 32 rows, eight warps from
-        # 64 (NOTES "Multi-token decode"); as many splits as are resident at once
+        # 64 (docs/design/decode.md#multi-token-decode); as many splits as are resident at once
         rows_warps, rows_registers = MANY_ROWS_LAUNCH[min(g_pad, max(MANY_ROWS_LAUNCH))]
         num_warps = num_warps or rows_warps
         max_registers = max_registers or rows_registers
@@ -240,7 +241,8 @@ def plan_decode(
     block_n = split_config.block_n or TOKENS_PER_STEP // subtiles
     one_tile = capacity <= num_splits * subtiles * block_n
     query = _query_mode(fmt, keys, head_dim, capacity, num_splits, g_pad)
-    # the verify kernel where it serves (NOTES "The verify kernel in Gluon"); sweeps and tests
+    # the verify kernel where it serves (docs/design/decode.md#the-verify-kernel-in-gluon);
+    # sweeps and tests
     # that configure the split kernel get the split kernel
     use_verify = (
         not traced
@@ -259,7 +261,8 @@ def plan_decode(
     split_grid = (num_splits, num_kv_heads, batch)
     if num_warps is None:
         # two warps where the grid leaves SMs idle (at most two programs per SM): each decodes
-        # half of its tile, shortening the chain short contexts wait for (NOTES "Decode v7")
+        # half of its tile, shortening the chain short contexts wait for
+        # (docs/design/decode.md#two-warp-splits-and-the-one-warp-merge)
         num_warps = 2 if cuda and math.prod(split_grid) <= 2 * sm_count else DEFAULT_WARPS
     num_stages = split_config.num_stages or DEFAULT_STAGES
     launch_options = dict(num_warps=num_warps, num_stages=num_stages)

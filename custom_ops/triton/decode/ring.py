@@ -56,7 +56,7 @@ def window_parts(window: int, sinks: int = 0, sequence_heads: int = 0,
     part of their own, past the window's places: their tile then runs beside the window's
     instead of after one of them. On fuller grids the extra programs would wait for SMs
     instead, so there (and off a GPU, ``sm_count`` None) the sinks share the window's last part
-    (NOTES "The sinks' decode cost: a benchmark that read freed rings")."""
+    (``docs/design/decode.md#sinks-in-the-split-kernel``)."""
     if window == 0:
         return (1 if sinks else 0), 0
     parts = min(MAX_PARTS, triton.cdiv(window, BLOCK_W))

@@ -21,7 +21,7 @@ _LOG2E = tl.constexpr(LOG2E)
 # How far (log2 units) a tile's scores may rise above the maximum the split kernel's
 # probabilities are taken against before it moves that maximum and rescales its accumulators:
 # probabilities then reach 2**RESCALE_SLACK, and after the first tiles a rescale is rare
-# instead of a multiply of every accumulator per tile (NOTES "Rescale past a slack").
+# instead of a multiply of every accumulator per tile (docs/design/decode.md#rescale-past-a-slack).
 RESCALE_SLACK = tl.constexpr(4)
 
 
@@ -46,9 +46,9 @@ def mask_scores(scores, positions, masking, b, q_head, row_ok, MASK: tl.constexp
     """Apply the attention mask at key ``positions [N]`` to ``scores [N, G_PAD]`` (log2 units)
     of the query rows ``q_head [G_PAD]`` (head ``q_head // Q_TOKENS``, token ``q_head %
     Q_TOKENS``): ``MASK`` 0 none, 1 boolean (False masks out), 2 additive (natural-log units);
-    with several query tokens and no mask, also the causal order among them. ``masking`` is ``(mask_args,
-    row_ends)``: ``mask_args = (mask_ptr, stride_b, stride_h, stride_t, mask_len)`` and
-    ``row_ends`` from :func:`causal_ends`."""
+    with several query tokens and no mask, also the causal order among them. ``masking`` is
+    ``(mask_args, row_ends)``: ``mask_args = (mask_ptr, stride_b, stride_h, stride_t,
+    mask_len)`` and ``row_ends`` from :func:`causal_ends`."""
     mask_args, row_ends = masking
     if Q_TOKENS > 1:
         scores = tl.where(positions[:, None] < row_ends[None, :], scores, float("-inf"))

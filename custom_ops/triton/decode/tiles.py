@@ -79,7 +79,7 @@ def compressed_scores(n, end, early, b, table, k_plane, meta_plane, qs, masking,
         else:
             # SINKS <= n < end as one unsigned compare (n - SINKS wraps below the sinks):
             # streaming splits then pay 0-3% for 4 sinks instead of up to 5%, a one-tile split
-            # pays more that way (benchmarks/NOTES.md, "The sinks' mask in the split kernel")
+            # pays more that way (docs/design/decode.md#sinks-in-the-split-kernel)
             limit = (tl.maximum(end, SINKS) - SINKS).to(tl.uint32, bitcast=True)
             valid = (n - SINKS).to(tl.uint32, bitcast=True) < limit
     k_codes_ptr, k_head, stride_kc_page, stride_kc_slot = k_plane

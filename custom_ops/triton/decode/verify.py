@@ -4,8 +4,8 @@ Gluon (Triton's dialect with explicit layouts and shared memory).
 A speculative-decoding verify step of T = 8 tokens at GQA 4 (any ``T x group = 32``) asks each
 (sequence, kv-head) program for 32 query rows. The split kernel (Triton) holds their ``[D, 32]``
 float32 accumulators and the query operand in one warp and spills; a second warp would decode
-every tile again (NOTES "The verify kernel in Gluon"). This kernel keeps one warp per program
-(grid ``(num_splits, Hk, B)``, the split kernel's) and:
+every tile again (``docs/design/decode.md#the-verify-kernel-in-gluon``). This kernel keeps
+one warp per program (grid ``(num_splits, Hk, B)``, the split kernel's) and:
 
 * puts the rows on the tensor cores' M dimension (``S = Q K^T``, ``O += P V``, two m16 tiles of
   ``mma_v2``), so each operand fragment of the keys and values serves both;

@@ -23,8 +23,8 @@
      step 1 cannot answer get the chunk's keys and values from the kernel itself. A program
      whose rows need nothing more returns at once.
 
-The dense prefix is the faster one by several times on an H200 (``benchmarks/NOTES.md``,
-"Prefill"); :func:`fused_prefix` forces the fused kernel (tests, benchmarks).
+The dense prefix is the faster one by several times on an H200 (``docs/prefill.md``);
+:func:`fused_prefix` forces the fused kernel (tests, benchmarks).
 """
 
 from __future__ import annotations
