@@ -186,7 +186,7 @@ def set_caches(model: Transformer, cache: str, batch: int, context: int,
         if cache in DENSE
         else functools.partial(
             TurboQuantKVCache,
-            fmt=cache,
+            preset=cache,
             num_splits=num_splits,
             sinks=sinks,
             center_keys=center_keys,
@@ -318,7 +318,7 @@ def _cache_bytes(cfg: ModelArgs, cache: str, batch: int, context: int) -> int:
     """KV bytes a cache of this kind would take (for one that did not fit)."""
     if cache in DENSE:
         return 2 * cfg.n_layer * batch * cfg.n_local_heads * context * cfg.head_dim * 2
-    meta = TurboQuantKVCache(batch, cfg.n_local_heads, context, cfg.head_dim, fmt=cache,
+    meta = TurboQuantKVCache(batch, cfg.n_local_heads, context, cfg.head_dim, preset=cache,
                              device="meta")  # fmt: skip
     return cfg.n_layer * meta.nbytes()
 
@@ -399,7 +399,7 @@ def host_table(cfg: ModelArgs, formats: list[str], context: int = 4096) -> list[
 def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
     """The TurboQuant rows of :func:`host_table` for one format."""
     hk, d = cfg.n_local_heads, cfg.head_dim
-    cache = TurboQuantKVCache(1, hk, context, d, fmt=fmt, device="cuda")
+    cache = TurboQuantKVCache(1, hk, context, d, preset=fmt, device="cuda")
     for start in range(0, context - 8, FILL_CHUNK):  # append in order, as a prefill would
         n = min(FILL_CHUNK, context - 8 - start)
         chunk = torch.randn(1, hk, n, d, generator=gen, device="cuda").to(torch.bfloat16)
@@ -427,7 +427,7 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
     # slot and evict nothing: the slots' positions are restored before each call, and that
     # copy's own time subtracted.
     batch = 16
-    big = TurboQuantKVCache(batch, hk, context, d, fmt=fmt, device="cuda")
+    big = TurboQuantKVCache(batch, hk, context, d, preset=fmt, device="cuda")
     held = 2 * big.window
     fill = torch.randn(batch, hk, held, d, generator=gen, device="cuda").to(torch.bfloat16)
     big.update(torch.arange(held, device="cuda"), fill, fill)

@@ -72,7 +72,7 @@ from common import gpu_name, print_table, pyplot, save_figure, write_json  # noq
 from custom_ops.formats import FORMATS, get_format  # noqa: E402
 from examples.model import ModelArgs, Transformer, decode_one_token, init_weights  # noqa: E402
 from tq_compile import TurboQuantKVConfig, quantize_  # noqa: E402
-from tq_compile.cache import default_sinks  # noqa: E402
+from tq_compile.options import default_sinks  # noqa: E402
 
 SEPARATOR = b"\x00"  # between files: Python source may not contain it
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}

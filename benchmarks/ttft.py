@@ -66,7 +66,7 @@ def measure(model: Transformer, cache: str, args, batch: int, length: int, chunk
     prefills of a random prompt; the median seconds and the peak memory one prefill
     allocated."""
     factory = KVCache if cache == "bf16" else functools.partial(
-        TurboQuantKVCache, fmt=cache, window=args.window)  # fmt: skip
+        TurboQuantKVCache, preset=cache, window=args.window)  # fmt: skip
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model.setup_caches(batch, length + args.new, cache_factory=factory)

@@ -43,7 +43,7 @@ def time_group(group: int, args) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(batch, kv_heads, context, head_dim, device="cuda", generator=gen).bfloat16()
     v = torch.randn(batch, kv_heads, context, head_dim, device="cuda", generator=gen).bfloat16()
-    cache = TurboQuantKVCache(batch, kv_heads, context, head_dim, fmt=args.fmt, device="cuda")
+    cache = TurboQuantKVCache(batch, kv_heads, context, head_dim, preset=args.fmt, device="cuda")
     with torch.no_grad():
         keys, values = cache.update(torch.arange(context, device="cuda"), k, v)
         q = torch.randn(batch, kv_heads, group, head_dim, device="cuda", generator=gen).bfloat16()

@@ -35,7 +35,7 @@ from examples.hf_eval import (  # noqa: E402
     reference_text,
     teacher_forced,
 )
-from tq_compile.cache import default_sinks  # noqa: E402
+from tq_compile.options import default_sinks  # noqa: E402
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 

@@ -54,7 +54,7 @@ from examples.model import (  # noqa: E402
     prefill,
 )
 from tq_compile import TurboQuantKVConfig, quantize_  # noqa: E402
-from tq_compile.cache import default_sinks  # noqa: E402
+from tq_compile.options import default_sinks  # noqa: E402
 
 
 def verify(model: Transformer, tokens: Tensor, input_pos: Tensor) -> Tensor:

@@ -64,7 +64,7 @@ class Step(torch.nn.Module):
 
 def trace(fmt: str, window: int, batch: int, tokens: int):
     """The functional graph of one step (fake CPU tensors, the CUDA path forced)."""
-    cache = TurboQuantKVCache(batch, HK, CONTEXT, D, fmt=fmt, window=window, num_splits=4)
+    cache = TurboQuantKVCache(batch, HK, CONTEXT, D, preset=fmt, window=window, num_splits=4)
     with FakeTensorMode() as fake:
         step = Step(cache)
         for name, buffer in list(cache.named_buffers()):

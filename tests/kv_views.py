@@ -15,7 +15,7 @@ def filled_tq_cache(fmt="4bit_nc", length=37, seed=0, dtype=torch.bfloat16, wind
     """A cache on ``device`` holding ``length`` random tokens (the last ``window`` in full
     precision), and its key / value views."""
     gen = torch.Generator().manual_seed(seed)
-    cache = TurboQuantKVCache(B, HK, S_MAX, D, dtype, fmt=fmt, page_size=16, window=window,
+    cache = TurboQuantKVCache(B, HK, S_MAX, D, dtype, preset=fmt, page_size=16, window=window,
                               device=device)  # fmt: skip
     k = (torch.randn(B, HK, length, D, generator=gen) * 2).to(dtype).to(device)
     v = torch.randn(B, HK, length, D, generator=gen).to(dtype).to(device)

@@ -27,8 +27,10 @@ from tq_compile.cache import TurboQuantKVCache, kv_cache_nbytes  # noqa: E402
 from tq_compile.config import TurboQuantKVConfig, is_kv_cache, quantize_  # noqa: E402
 from tq_compile.graphs import DecodeGraph  # noqa: E402
 from tq_compile.kv_tensor import TurboQuantKVTensor  # noqa: E402
+from tq_compile.options import CacheOptions  # noqa: E402
 
 __all__ = [
+    "CacheOptions",
     "DecodeGraph",
     "TurboQuantKVCache",
     "TurboQuantKVConfig",

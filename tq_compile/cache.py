@@ -30,80 +30,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from custom_ops import api, ops, splits, validate
+from custom_ops import api, ops, validate
 from custom_ops.formats import PagedKVCache, get_format
 from custom_ops.schema import StoreArgs, StoreWindowArgs
 from tq_compile.kv_tensor import TurboQuantKVTensor
+from tq_compile.options import CacheOptions, check_count
 
-__all__ = [
-    "TurboQuantKVCache",
-    "kv_cache_nbytes",
-    "DEFAULT_SINKS",
-    "default_sinks",
-    "check_count",
-    "check_cache_options",
-]
-
-# Attention sinks a cache with a recent window keeps by default: on SmolLM2 four first tokens
-# in bf16 lower every low-bit format's perplexity cost (by 5-30% for most; int8's moves within
-# noise), for no measurable step time (docs/design/cache.md#attention-sinks).
-DEFAULT_SINKS = 4
-
-
-def default_sinks(window: int, sinks: int | None) -> int:
-    """``sinks``, or where it is None the default of a cache with this ``window``:
-    :data:`DEFAULT_SINKS` with a window, 0 without (``window=0`` quantizes every token).
-    Values that are not counts pass through to the caller's checks."""
-    if sinks is not None:
-        return sinks
-    return DEFAULT_SINKS if isinstance(window, int) and window > 0 else 0
-
-
-def check_count(name: str, value, least: int) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an integer (not a bool) of at
-    least ``least``."""
-    if type(value) is not int or value < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-
-
-def check_cache_options(*, page_size, seed, num_splits, window, sinks, center_keys) -> int:
-    """Validate the options every TurboQuant cache takes (the gpt-fast cache, the Hugging Face
-    cache and ``TurboQuantKVConfig`` check them here, before building anything).
-
-    Returns:
-        The sinks count, resolved (:func:`default_sinks`).
-
-    Raises:
-        ValueError: a count that is not an integer in range, a seed that is not an integer,
-            a ``num_splits`` that is not a power of two in ``[1, MAX_SPLITS]``.
-        TypeError: ``center_keys`` not a bool.
-    """
-    check_count("page_size", page_size, 1)
-    check_count("window", window, 0)
-    sinks = default_sinks(window, sinks)
-    check_count("sinks", sinks, 0)
-    if type(seed) is not int:
-        raise ValueError(f"seed must be an integer (the rotation's random signs), got {seed!r}")
-    if num_splits is not None and (type(num_splits) is not int
-                                   or not splits.is_valid_num_splits(num_splits)):  # fmt: skip
-        raise ValueError(
-            f"num_splits must be None (chosen per device) or a power of two in "
-            f"[1, {splits.MAX_SPLITS}], got {num_splits!r}"
-        )
-    check_center_keys(center_keys, window, sinks)
-    return sinks
-
-
-def check_center_keys(center_keys: bool, window: int, sinks: int) -> None:
-    """Raise unless ``center_keys`` is a bool that a cache of ``window`` and ``sinks`` (the
-    resolved count) can honour: centring needs a ring (a window or sinks)."""
-    if type(center_keys) is not bool:
-        raise TypeError(f"center_keys must be a bool, got {center_keys!r}")
-    if center_keys and window == 0 and sinks == 0:
-        raise ValueError("center_keys=True needs a window or sinks (window > 0 or sinks > 0): "
-                         "the centre is set from keys held in the ring before any is "
-                         "quantized")  # fmt: skip
-
+__all__ = ["TurboQuantKVCache", "kv_cache_nbytes"]
 
 class _Operands(NamedTuple):
     """The buffers a cache passes to the ops for its first ``B`` sequences."""
@@ -130,34 +63,25 @@ class TurboQuantKVCache(nn.Module):
         max_seq_length: S_max, tokens per sequence.
         head_dim: D.
         dtype: the model's dtype (bf16 / fp16): the logical dtype of the returned views.
-        fmt: format name (``custom_ops.FORMATS``), default ``"4bit_nc"``.
-        page_size: tokens per page.
-        seed: seed of the rotation.
-        num_splits: the decode kernel's split count (default: ``custom_ops.api.default_num_splits``
-            of the capacity and the GPU, chosen again whenever the module moves to another
-            device).
-        window: W, the most recent tokens of each sequence kept in ``dtype`` in a ring buffer
-            (``k_window``, ``v_window [B, Hk, W + sinks, D]``, the position of each slot in
-            ``window_pos [B, Hk, W + sinks] int32``) and quantized only when they leave it (default
-            128, at most ``max_seq_length``; 0 quantizes every token when written). An update
-            may start at any position up to the current length (rollback, speculative decoding,
-            a new sequence from 0): the cache is then as if the final tokens had been written
-            once, except that positions that had already left the ring stay quantized.
-        sinks: the first ``sinks`` positions of each sequence (attention sinks) kept in
-            ``dtype`` for good, in ring slots ``[W, W + sinks)`` (at most ``max_seq_length``;
-            default :data:`DEFAULT_SINKS` with a window, 0 without: ``window=0`` alone
-            quantizes every token). Real models put large attention weights and outlier keys
-            there; keeping them exact cuts the perplexity cost of every low-bit format
-            (``docs/design/cache.md#attention-sinks``).
-        center_keys: store every key minus one vector per sequence and kv-head (its
-            ``key_center [B, Hk, D] float32``, the mean of the keys of positions ``[sinks,
-            sinks + max(W, 1))``, set by the write that first sends a position to a page and
-            reset by a write from position 0): attention is
-            unchanged (softmax ignores a shift that all of a query's scores share) and the
-            quantized keys lose less to the common component they no longer carry
-            (``docs/design/cache.md#key-centering``). Needs a window or sinks.
+        options: the format and its options (:class:`~tq_compile.options.CacheOptions`;
+            default ``CacheOptions()``: 4bit_nc, window 128, 4 sinks).
         device: where to allocate (default: the current default device, so that gpt-fast's
             ``with torch.device(...)`` in ``setup_caches`` places it).
+        **fields: :class:`~tq_compile.options.CacheOptions` fields as keywords
+            (``preset="3bit_nc", window=64``), replacing those of ``options``.
+
+    The recent window ``W`` and the sinks (each at most ``max_seq_length``) live in rings
+    ``k_window``, ``v_window [B, Hk, W + sinks, D]`` of ``dtype``, the position of each slot in
+    ``window_pos [B, Hk, W + sinks] int32``; a token is quantized when it leaves the window,
+    the sinks' slots ``[W, W + sinks)`` keep the first positions for good. An update may start
+    at any position up to the current length (rollback, speculative decoding, a new sequence
+    from 0): the cache is then as if the final tokens had been written once, except that
+    positions that had already left the ring stay quantized. With ``center_keys`` every key is
+    stored minus ``key_center [B, Hk, D] float32``, the mean of the keys of positions
+    ``[sinks, sinks + max(W, 1))``, set by the write that first sends a position to a page and
+    reset by a write from position 0: attention is unchanged (softmax ignores a shift that all
+    of a query's scores share) and the quantized keys lose less to the common component they
+    no longer carry (``docs/design/cache.md``).
 
     The buffers are the module's: moving it (``.to()``, ``.cuda()``, ``to_empty()``) replaces
     them; nothing may resize or restride them in place (eager updates read their metadata
@@ -172,14 +96,9 @@ class TurboQuantKVCache(nn.Module):
         head_dim: int,
         dtype: torch.dtype = torch.bfloat16,
         *,
-        fmt: str = "4bit_nc",
-        page_size: int = 16,
-        seed: int = 0,
-        num_splits: int | None = None,
-        window: int = 128,
-        sinks: int | None = None,
-        center_keys: bool = False,
+        options: CacheOptions | None = None,
         device: torch.device | str | None = None,
+        **fields,
     ):
         super().__init__()
         if dtype not in (torch.bfloat16, torch.float16):
@@ -187,16 +106,14 @@ class TurboQuantKVCache(nn.Module):
         for arg, value in (("max_batch_size", max_batch_size), ("n_heads", n_heads),
                            ("max_seq_length", max_seq_length)):  # fmt: skip
             check_count(arg, value, 1)
-        sinks = check_cache_options(page_size=page_size, seed=seed, num_splits=num_splits,
-                                    window=window, sinks=sinks,
-                                    center_keys=center_keys)  # fmt: skip
-        self.kv_format = get_format(fmt)
+        self.options = options = CacheOptions.of(options, fields)
+        page_size, seed, center_keys = options.page_size, options.seed, options.center_keys
+        self.kv_format = get_format(options.preset)
         self.seed = seed
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.page_size, self.model_dtype = page_size, dtype
-        self._requested_splits = num_splits
-        self.window = min(window, max_seq_length)
-        self.sinks = min(sinks, max_seq_length)
+        self.window = min(options.window, max_seq_length)
+        self.sinks = min(options.sink_count, max_seq_length)
         # Positions in the ring never need a page: the oldest S_max - W go to pages (the
         # sinks' pages are never written: a page's worth at most).
         pages_per_seq = max(1, -(-(max_seq_length - self.window) // page_size))
@@ -238,8 +155,8 @@ class TurboQuantKVCache(nn.Module):
         self._eager_buffers = tuple(self._buffers.values())
 
     def _choose_splits(self) -> int:
-        if self._requested_splits is not None:
-            return self._requested_splits
+        if self.options.num_splits is not None:
+            return self.options.num_splits
         return api.default_num_splits(self.max_batch_size, self.k_codes.shape[1],
                                       self.pages_per_seq, self.page_size, self.window,
                                       self.k_codes.device)  # fmt: skip
@@ -440,7 +357,7 @@ class TurboQuantKVCache(nn.Module):
         return 2 * elements * self.model_dtype.itemsize
 
     def extra_repr(self) -> str:
-        return (f"fmt={self.kv_format.name}, batch={self.max_batch_size}, "
+        return (f"preset={self.kv_format.name}, batch={self.max_batch_size}, "
                 f"max_seq_length={self.max_seq_length}, page_size={self.page_size}, "
                 f"window={self.window}, sinks={self.sinks}, center_keys={self.center_keys}, "
                 f"num_splits={self.num_splits}")  # fmt: skip

@@ -23,54 +23,52 @@ from torchao.core.config import AOBaseConfig
 from torchao.quantization import quantize_ as torchao_quantize_
 from torchao.quantization.transform_module import register_quantize_module_handler
 
-from custom_ops.formats import get_format
-from tq_compile.cache import TurboQuantKVCache, check_cache_options, check_count
+from tq_compile.cache import TurboQuantKVCache
+from tq_compile.options import CacheOptions, check_count
 
 __all__ = ["TurboQuantKVConfig", "is_kv_cache", "quantize_"]
 
 
-@dataclass
+@dataclass(init=False)
 class TurboQuantKVConfig(AOBaseConfig):
-    """How to quantize a model's KV caches.
+    """How to quantize a model's KV caches: the caches' options, and the caches kept dense.
+
+    ``TurboQuantKVConfig("3bit_nc", window=64, keep_first=2)``: the format and its options as
+    keywords, or ``options=CacheOptions(...)``, make one :class:`~tq_compile.options.CacheOptions`
+    (checked at construction, before any model is touched) that every cache it builds gets
+    whole.
 
     Args:
-        preset: format name, one of ``custom_ops.FORMATS`` (vLLM's presets and ours: the
-            table in ``docs/design/formats.md``).
-        seed: seed of the random-sign Hadamard rotation (shared by every layer).
+        preset: the format (``CacheOptions.preset``; default ``"4bit_nc"``).
         keep_first: number of leading KV caches left in full precision.
         keep_last: number of trailing KV caches left in full precision.
-        num_splits: override of the decode kernel's split count (default: per cache, from its
-            capacity and the GPU).
-        page_size: tokens per page of the paged cache.
-        window: the most recent ``window`` tokens of each sequence stay in the model's dtype
-            in a ring buffer and are quantized when they leave it (0: every token is
-            quantized when written).
-        sinks: the first ``sinks`` tokens of each sequence stay in the model's dtype for good
-            (attention sinks; default: ``tq_compile.cache.DEFAULT_SINKS`` with a window, 0
-            without).
-        center_keys: store keys minus one centre per sequence and kv-head (see
-            :class:`~tq_compile.cache.TurboQuantKVCache`); needs a window or sinks.
+        options: the caches' options (default ``CacheOptions()``).
+        **fields: :class:`~tq_compile.options.CacheOptions` fields as keywords, replacing
+            those of ``options``.
+
+    Raises:
+        ValueError: an option out of range (naming it), ``keep_first`` / ``keep_last`` not a
+            count.
+        TypeError: a keyword that is no option.
     """
 
-    preset: str = "4bit_nc"
-    seed: int = 0
-    keep_first: int = 0
-    keep_last: int = 0
-    num_splits: int | None = None
-    page_size: int = 16
-    window: int = 128
-    sinks: int | None = None
-    center_keys: bool = False
+    options: CacheOptions
+    keep_first: int
+    keep_last: int
 
-    def __post_init__(self) -> None:
-        """Validate every option at construction, as the caches would (a clear error naming
-        the argument before any model is touched)."""
-        get_format(self.preset)
-        check_count("keep_first", self.keep_first, 0)
-        check_count("keep_last", self.keep_last, 0)
-        check_cache_options(page_size=self.page_size, seed=self.seed, num_splits=self.num_splits,
-                            window=self.window, sinks=self.sinks,
-                            center_keys=self.center_keys)  # fmt: skip
+    def __init__(self, preset: str | None = None, *, keep_first: int = 0, keep_last: int = 0,
+                 options: CacheOptions | None = None, **fields) -> None:  # fmt: skip
+        if preset is not None:
+            fields["preset"] = preset
+        self.options = CacheOptions.of(options, fields)
+        check_count("keep_first", keep_first, 0)
+        check_count("keep_last", keep_last, 0)
+        self.keep_first, self.keep_last = keep_first, keep_last
+
+    @property
+    def preset(self) -> str:
+        """The caches' format name."""
+        return self.options.preset
 
 
 def is_kv_cache(module: nn.Module, fqn: str = "") -> bool:
@@ -96,21 +94,8 @@ def _turboquant_kv_transform(module: nn.Module, config: TurboQuantKVConfig) -> n
             "filter_fn=tq_compile.is_kv_cache."
         )
     batch, num_kv_heads, max_seq_length, head_dim = module.k_cache.shape
-    return TurboQuantKVCache(
-        batch,
-        num_kv_heads,
-        max_seq_length,
-        head_dim,
-        module.k_cache.dtype,
-        fmt=config.preset,
-        page_size=config.page_size,
-        seed=config.seed,
-        num_splits=config.num_splits,
-        window=config.window,
-        sinks=config.sinks,
-        center_keys=config.center_keys,
-        device=module.k_cache.device,
-    )
+    return TurboQuantKVCache(batch, num_kv_heads, max_seq_length, head_dim, module.k_cache.dtype,
+                             options=config.options, device=module.k_cache.device)  # fmt: skip
 
 
 def quantize_(

@@ -39,9 +39,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 from custom_ops import compat
-from custom_ops.formats import get_format
-from tq_compile.cache import TurboQuantKVCache, check_cache_options, check_count
+from tq_compile.cache import TurboQuantKVCache
 from tq_compile.kv_tensor import TurboQuantKVTensor
+from tq_compile.options import CacheOptions, check_count
 
 __all__ = ["TurboQuantCache", "TurboQuantLayer"]
 
@@ -55,46 +55,25 @@ class TurboQuantLayer(CacheLayerMixin):
 
     Args:
         max_cache_len: S_max, tokens each sequence can hold (prompt + generated).
-        preset: format name (``custom_ops.FORMATS``).
-        window: W, most recent tokens kept in the model's dtype (0: every token quantized).
-        sinks: first tokens of each sequence kept in the model's dtype for good (attention
-            sinks; default: ``tq_compile.cache.DEFAULT_SINKS`` with a window, 0 without).
-        center_keys: keys stored minus one centre per sequence and kv-head (see
-            :class:`~tq_compile.cache.TurboQuantKVCache`).
+        options: the format and its options (:class:`~tq_compile.options.CacheOptions`),
+            passed whole to the layer's :class:`~tq_compile.cache.TurboQuantKVCache`.
         max_batch_size: sequences to allocate for (default: the first ``update``'s batch);
             later calls may use a smaller batch.
-        page_size, seed, num_splits: as for :class:`~tq_compile.cache.TurboQuantKVCache`.
     """
 
     is_compileable = True
     is_sliding = False
     cumulative_length: torch.Tensor
 
-    def __init__(
-        self,
-        max_cache_len: int,
-        *,
-        preset: str = "4bit_nc",
-        window: int = 128,
-        sinks: int | None = None,
-        center_keys: bool = False,
-        max_batch_size: int | None = None,
-        page_size: int = 16,
-        seed: int = 0,
-        num_splits: int | None = None,
-    ):
+    def __init__(self, max_cache_len: int, options: CacheOptions,
+                 max_batch_size: int | None = None):  # fmt: skip
         super().__init__()
-        get_format(preset)
         check_count("max_cache_len", max_cache_len, 1)
         if max_batch_size is not None:
             check_count("max_batch_size", max_batch_size, 1)
-        self.sinks = check_cache_options(page_size=page_size, seed=seed, num_splits=num_splits,
-                                         window=window, sinks=sinks,
-                                         center_keys=center_keys)  # fmt: skip
-        self.max_cache_len = max_cache_len
-        self.preset, self.window, self.max_batch_size = preset, window, max_batch_size
-        self.center_keys = center_keys
-        self.page_size, self.seed, self.num_splits = page_size, seed, num_splits
+        self.max_cache_len, self.options, self.max_batch_size = (
+            max_cache_len, options, max_batch_size
+        )
         self.kv: TurboQuantKVCache | None = None
         # a tensor, as in StaticLayer: positions derived from it do not recompile each step
         self.cumulative_length = torch.tensor(0, dtype=torch.int64)
@@ -107,8 +86,9 @@ class TurboQuantLayer(CacheLayerMixin):
         return True
 
     def __repr__(self) -> str:
-        return (f"TurboQuantLayer({self.preset}, window={self.window}, sinks={self.sinks}, "
-                f"center_keys={self.center_keys})")  # fmt: skip
+        options = self.options
+        return (f"TurboQuantLayer({options.preset}, window={options.window}, "
+                f"sinks={options.sink_count}, center_keys={options.center_keys})")  # fmt: skip
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the cache for the batch, heads, head dim, dtype and device of the first
@@ -127,10 +107,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.batch_size, self.num_heads = batch, num_kv_heads
         self.k_head_dim = self.v_head_dim = head_dim
         self.kv = TurboQuantKVCache(capacity, num_kv_heads, self.max_cache_len, head_dim,
-                                    key_states.dtype, fmt=self.preset, page_size=self.page_size,
-                                    seed=self.seed, num_splits=self.num_splits,
-                                    window=self.window, sinks=self.sinks,
-                                    center_keys=self.center_keys,
+                                    key_states.dtype, options=self.options,
                                     device=key_states.device)  # fmt: skip
         self.cumulative_length = self.cumulative_length.to(self.device)
         # as StaticLayer: static addresses keep compiled graphs and CUDA graphs valid across
@@ -260,21 +237,18 @@ class TurboQuantCache(Cache):
         config: the model's config (``model.config``).
         max_cache_len: tokens each sequence can hold (prompt + generated).
         max_batch_size: sequences to allocate for (default: the first forward's batch).
-        preset: format name, one of ``custom_ops.FORMATS`` (vLLM's presets and ours: the
-            table in ``docs/design/formats.md``).
-        window: the most recent tokens of each sequence kept in the model's dtype (default 128;
-            0: every token is quantized when written).
-        sinks: the first tokens of each sequence kept in the model's dtype for good (attention
-            sinks; default: ``tq_compile.cache.DEFAULT_SINKS`` with a window, 0 without).
-        center_keys: keys stored minus one centre per sequence and kv-head (see
-            :class:`~tq_compile.cache.TurboQuantKVCache`; needs a window or sinks).
         keep_first, keep_last: leading / trailing layers kept in full precision (vLLM keeps
             2 + 2 for its aggressive presets).
-        page_size, seed, num_splits: as for :class:`~tq_compile.cache.TurboQuantKVCache`.
+        options: the format and its options (:class:`~tq_compile.options.CacheOptions`;
+            default ``CacheOptions()``: 4bit_nc, window 128, 4 sinks), passed whole to every
+            quantized layer.
+        **fields: :class:`~tq_compile.options.CacheOptions` fields as keywords
+            (``preset="3bit_nc", window=64``), replacing those of ``options``.
 
     Raises:
         ValueError: an unknown preset, a negative size, or a layer kind this cache cannot serve
             (linear attention, shared KV, ...).
+        TypeError: a keyword that is no option.
     """
 
     def __init__(
@@ -283,21 +257,13 @@ class TurboQuantCache(Cache):
         max_cache_len: int,
         *,
         max_batch_size: int | None = None,
-        preset: str = "4bit_nc",
-        window: int = 128,
-        sinks: int | None = None,
-        center_keys: bool = False,
         keep_first: int = 0,
         keep_last: int = 0,
-        page_size: int = 16,
-        seed: int = 0,
-        num_splits: int | None = None,
+        options: CacheOptions | None = None,
+        **fields,
     ):
-        get_format(preset)  # a clear error for an unknown preset, now
+        options = CacheOptions.of(options, fields)  # every option checked, before anything
         check_count("max_cache_len", max_cache_len, 1)
-        sinks = check_cache_options(page_size=page_size, seed=seed, num_splits=num_splits,
-                                    window=window, sinks=sinks,
-                                    center_keys=center_keys)  # fmt: skip
         check_count("keep_first", keep_first, 0)
         check_count("keep_last", keep_last, 0)
         if max_batch_size is not None and (type(max_batch_size) is not int
@@ -327,14 +293,10 @@ class TurboQuantCache(Cache):
                 f"keep_last={keep_last} keep all {count} layers in full precision (use "
                 f"StaticCache for that, or keep fewer)"
             )
-        self.preset, self.window, self.sinks = preset, window, sinks
-        self.center_keys = center_keys
+        self.options = options
         layers = [
-            DenseLayer(max_cache_len) if index in kept else TurboQuantLayer(
-                max_cache_len, preset=preset, window=window, sinks=sinks,
-                center_keys=center_keys,
-                max_batch_size=max_batch_size,
-                page_size=page_size, seed=seed, num_splits=num_splits)
+            DenseLayer(max_cache_len) if index in kept
+            else TurboQuantLayer(max_cache_len, options, max_batch_size)
             for index in range(count)
         ]  # fmt: skip
         super().__init__(layers=layers)

@@ -188,7 +188,7 @@ def _model(
     model = model.to(device=device, dtype=dtype)
     factory = None
     if fmt is not None:
-        factory = functools.partial(TurboQuantKVCache, fmt=fmt, window=window,
+        factory = functools.partial(TurboQuantKVCache, preset=fmt, window=window,
                                     center_keys=center)  # fmt: skip
     model.setup_caches(BATCH, max_seq, cache_factory=factory)
     return model
@@ -490,12 +490,12 @@ def test_kv_bytes_4bit_at_head_dim_128():
     a window of 128 keeps its tokens in bf16 rings (and their int32 positions) instead of pages
     (+2.3% of the bf16 cache's bytes at 4096 tokens), and its default 4 sinks take 4 more ring
     slots (pages for them stay allocated)."""
-    cache = TurboQuantKVCache(4, 8, 4096, 128, fmt="4bit_nc", window=0)
+    cache = TurboQuantKVCache(4, 8, 4096, 128, preset="4bit_nc", window=0)
     ratio = cache.nbytes() / cache.dense_nbytes()
     assert ratio == pytest.approx(134 / 512) and ratio <= 0.27
-    windowed = TurboQuantKVCache(4, 8, 4096, 128, fmt="4bit_nc", window=128, sinks=0)
+    windowed = TurboQuantKVCache(4, 8, 4096, 128, preset="4bit_nc", window=128, sinks=0)
     assert windowed.nbytes() - cache.nbytes() == 4 * 8 * 128 * (512 + 4 - 134)
-    with_sinks = TurboQuantKVCache(4, 8, 4096, 128, fmt="4bit_nc", window=128)
+    with_sinks = TurboQuantKVCache(4, 8, 4096, 128, preset="4bit_nc", window=128)
     assert with_sinks.sinks == 4
     assert with_sinks.nbytes() - windowed.nbytes() == 4 * 8 * 4 * (512 + 4)
     cache = windowed

@@ -18,6 +18,7 @@ from transformers import StaticCache  # noqa: E402
 from custom_ops.formats import FORMATS  # noqa: E402
 from tq_compile.hf import TurboQuantCache, TurboQuantLayer  # noqa: E402
 from tq_compile.kv_tensor import TurboQuantKVTensor  # noqa: E402
+from tq_compile.options import CacheOptions  # noqa: E402
 
 PROMPT, NEW, CAPACITY = 12, 32, 64
 _COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -123,9 +124,9 @@ class _DequantizedLayer(TurboQuantLayer):
 
 def _reference_cache(config, preset: str, window: int, sinks: int = 0,
                      center: bool = False) -> TurboQuantCache:  # fmt: skip
-    options = dict(preset=preset, window=window, sinks=sinks, center_keys=center)
-    cache = TurboQuantCache(config, CAPACITY, **options)
-    cache.layers = [_DequantizedLayer(CAPACITY, **options) for _ in cache.layers]
+    options = CacheOptions(preset=preset, window=window, sinks=sinks, center_keys=center)
+    cache = TurboQuantCache(config, CAPACITY, options=options)
+    cache.layers = [_DequantizedLayer(CAPACITY, options) for _ in cache.layers]
     return cache
 
 

@@ -100,7 +100,7 @@ def test_bidirectional_prefix_mask_is_not_made_causal(tokens, impl, kernel_devic
     q = torch.randn(1, 4, tokens, 64, generator=gen).bfloat16()
     every = (torch.arange(64) < tokens).expand(tokens, 64)[None, None]  # [1, 1, T, S]
     with triton_kernels(device) if impl == "triton" else contextlib.nullcontext():
-        cache = TurboQuantKVCache(1, 2, 64, 64, torch.bfloat16, fmt="int8", window=128,
+        cache = TurboQuantKVCache(1, 2, 64, 64, torch.bfloat16, preset="int8", window=128,
                                   device=device)  # fmt: skip
         keys, values = cache.update(torch.arange(tokens, device=device), k.to(device),
                                     v.to(device))  # fmt: skip
@@ -135,7 +135,7 @@ def test_pack_gqa_layout_under_a_per_head_mask(impl, kernel_device):
 def test_prefill_sdpa_with_causal_mask_and_is_causal():
     """Several query tokens: attention over the dequantized cache with gpt-fast's mask slice,
     and with is_causal=True (top-left aligned, as dense SDPA), scale honoured."""
-    cache = TurboQuantKVCache(B, HK, S_MAX, D, fmt="4bit_nc")
+    cache = TurboQuantKVCache(B, HK, S_MAX, D, preset="4bit_nc")
     gen = torch.Generator().manual_seed(4)
     k = torch.randn(B, HK, 20, D, generator=gen).bfloat16()
     v = torch.randn(B, HK, 20, D, generator=gen).bfloat16()
@@ -189,7 +189,7 @@ def test_unmasked_chunk_attends_over_its_exact_keys(monkeypatch):
     kv-head) right after the update that wrote it reads its own exact keys through tq.prefill,
     as a longer one does, not their codes through a folded decode (4bit_nc, window 0: 0.13 of
     the output's norm)."""
-    cache = TurboQuantKVCache(1, 2, 128, D, fmt="4bit_nc", window=0)
+    cache = TurboQuantKVCache(1, 2, 128, D, preset="4bit_nc", window=0)
     gen = torch.Generator().manual_seed(8)
     k = torch.randn(1, 2, 64, D, generator=gen).bfloat16()
     v = torch.randn(1, 2, 64, D, generator=gen).bfloat16()
@@ -209,7 +209,7 @@ def test_wide_pack_gqa_group_through_the_kernels(group, kernel_device):
     D]) through the Triton kernels (32 and 64 rows per kv-head, the widest folded) equals
     float64 attention over the dequantized cache."""
     with triton_kernels(kernel_device):
-        cache = TurboQuantKVCache(1, 1, S_MAX, D, fmt="4bit_nc", window=WINDOW,
+        cache = TurboQuantKVCache(1, 1, S_MAX, D, preset="4bit_nc", window=WINDOW,
                                   device=kernel_device)  # fmt: skip
         gen = torch.Generator().manual_seed(9)
         k = (torch.randn(1, 1, 37, D, generator=gen) * 2).bfloat16()
@@ -232,7 +232,7 @@ def test_prefix_slice_before_causal_prefill(window):
     prompt's own keys and values, exact whatever the window (the prompt attends over itself, not
     over its codes); one query over a trimmed view reads the cache's prefix."""
     length = 20
-    cache = TurboQuantKVCache(B, HK, S_MAX, D, fmt="4bit_nc", window=window)
+    cache = TurboQuantKVCache(B, HK, S_MAX, D, preset="4bit_nc", window=window)
     gen = torch.Generator().manual_seed(6)
     k = torch.randn(B, HK, length, D, generator=gen).bfloat16()
     v = torch.randn(B, HK, length, D, generator=gen).bfloat16()

@@ -37,7 +37,7 @@ def _quantized_once(keys, values, length, center=None):
     keys' dtype, as a centring cache's ring holds them) and it added back: what such a cache's
     pages hold."""
     if center is None:
-        once = TurboQuantKVCache(1, HK, CAPACITY, D, fmt="4bit_nc", window=0, device="cpu")
+        once = TurboQuantKVCache(1, HK, CAPACITY, D, preset="4bit_nc", window=0, device="cpu")
         k_view, v_view = once.update(torch.arange(length), keys[:, :, :length],
                                      values[:, :, :length])  # fmt: skip
         return (k_view.dequantize(torch.float64)[:, :, :length],
@@ -65,7 +65,7 @@ def test_rewrites_equal_writing_the_final_tokens_once(window, sinks, center, imp
     centering the pages hold the final keys minus the centre the cache holds: it changes only
     while no page is live, so every live page was written with it.)"""
     device = impl_device(impl, kernel_device)
-    cache = TurboQuantKVCache(1, HK, CAPACITY, D, fmt="4bit_nc", window=window, sinks=sinks,
+    cache = TurboQuantKVCache(1, HK, CAPACITY, D, preset="4bit_nc", window=window, sinks=sinks,
                               center_keys=center, device=device)  # fmt: skip
     keys = torch.zeros(1, HK, CAPACITY, D, dtype=torch.bfloat16)
     values = torch.zeros_like(keys)

@@ -30,7 +30,7 @@ MASKS = ("none", "is_causal", "causal", "bidirectional", "random", "additive", "
 def _cache_views(fmt, window, sinks, prefix, tokens, gen, device):
     """A cache holding ``prefix`` random tokens and then a chunk of ``tokens`` written by one more
     update, whose key / value views are returned (the cache's last update made them)."""
-    cache = TurboQuantKVCache(B, HK, S_MAX, D, torch.bfloat16, fmt=fmt, window=window,
+    cache = TurboQuantKVCache(B, HK, S_MAX, D, torch.bfloat16, preset=fmt, window=window,
                               sinks=sinks, device=device)  # fmt: skip
     for start, length in ((0, prefix), (prefix, tokens)):
         if length == 0:

@@ -76,7 +76,7 @@ def test_flat_entries_compute_what_the_kernels_compute(fmt, window, head_dim, to
         real_launch(kernel, *args)
 
     for flat in (False, True):
-        cache = TurboQuantKVCache(1, 1, 64, head_dim, fmt=fmt, window=window, num_splits=2)
+        cache = TurboQuantKVCache(1, 1, 64, head_dim, preset=fmt, window=window, num_splits=2)
         gen = torch.Generator().manual_seed(7)
         with triton_kernels("cpu"), mock.patch.object(traced, "launch_traced", spy):
             if flat:  # under the interpreter wrap_triton hands back the kernel: launched here

@@ -1,0 +1,76 @@
+"""CacheOptions (``tq_compile/options.py``): the seven cache options, declared and checked once,
+passed whole from the config and the Hugging Face cache to every cache they build."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tq_compile import CacheOptions, TurboQuantKVCache, TurboQuantKVConfig, quantize_
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_keywords_and_options_make_the_same_cache():
+    """``preset=..., window=...`` as keywords, or whole as ``options=``, or both (keywords
+    replacing the options' fields), build the same cache; the cache holds the options object."""
+    options = CacheOptions(preset="3bit_nc", window=16, sinks=2)
+    whole = TurboQuantKVCache(1, 2, 64, 64, options=options)
+    keywords = TurboQuantKVCache(1, 2, 64, 64, preset="3bit_nc", window=16, sinks=2)
+    replaced = TurboQuantKVCache(1, 2, 64, 64, options=dataclasses.replace(options, window=8),
+                                 window=16)  # fmt: skip
+    assert whole.options is options
+    assert keywords.options == options == replaced.options
+    assert (whole.kv_format.name, whole.window, whole.sinks) == ("3bit_nc", 16, 2)
+
+
+def test_sinks_default_follows_the_window():
+    assert CacheOptions().sink_count == 4
+    assert CacheOptions(window=0).sink_count == 0
+    assert CacheOptions(window=0, sinks=3).sink_count == 3
+
+
+def test_the_config_passes_its_options_whole():
+    """quantize_'s caches get the config's one CacheOptions, not a copy of its fields."""
+    from examples.model import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs.from_name("tiny")).to(torch.bfloat16)
+    model.setup_caches(1, 64)
+    config = TurboQuantKVConfig("k8v4", window=16, keep_first=1)
+    quantize_(model, config)
+    caches = [layer.attention.kv_cache for layer in model.layers[1:]]
+    assert all(cache.options is config.options for cache in caches)
+    assert config.preset == "k8v4" and config.keep_first == 1
+
+
+def test_the_hf_cache_passes_its_options_whole():
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=3, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=32)  # fmt: skip
+    from tq_compile.hf import TurboQuantCache, TurboQuantLayer
+
+    cache = TurboQuantCache(config, 32, preset="tq4_nc", window=8, keep_last=1)
+    layers = [layer for layer in cache.layers if isinstance(layer, TurboQuantLayer)]
+    assert len(layers) == 2 and all(layer.options is cache.options for layer in layers)
+    assert cache.options == CacheOptions(preset="tq4_nc", window=8)
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: TurboQuantKVCache(1, 2, 64, 64, fmt="4bit_nc"),
+     "unknown cache option(s) ['fmt'] (the format is `preset`)"),
+    (lambda: TurboQuantKVConfig(windw=16), "unknown cache option(s) ['windw']"),
+    (lambda: TurboQuantKVCache(1, 2, 64, 64, options={"window": 8}),
+     "options must be a CacheOptions, got dict"),
+    (lambda: CacheOptions(preset="5bit"), "unknown KV format '5bit'"),
+])  # fmt: skip
+def test_bad_options_name_the_argument(build, message):
+    with pytest.raises((TypeError, ValueError)) as error:
+        build()
+    assert message in str(error.value)
+
+
+def test_options_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CacheOptions().window = 0
