@@ -37,7 +37,7 @@ def test_parallel_attention_equals_decoding_through_the_cache(fmt_name, sinks, c
     k = torch.randn(shape, generator=gen).bfloat16()
     v = torch.randn(shape, generator=gen).bfloat16()
     q = torch.randn(BATCH, KV_HEADS * GROUP, TOKENS, HEAD_DIM, generator=gen).bfloat16()
-    cache = TurboQuantKVCache(BATCH, KV_HEADS, TOKENS, HEAD_DIM, fmt=fmt_name, window=WINDOW,
+    cache = TurboQuantKVCache(BATCH, KV_HEADS, TOKENS, HEAD_DIM, preset=fmt_name, window=WINDOW,
                               sinks=sinks, center_keys=center)  # fmt: skip
     k = k + 2 * torch.randn(KV_HEADS, HEAD_DIM, generator=gen)[None, :, None].bfloat16()
     decoded = torch.full((BATCH, TOKENS, KV_HEADS * GROUP, HEAD_DIM), float("nan"))
