@@ -649,14 +649,14 @@ def main() -> None:
         type=int,
         nargs="+",
         default=[0, 128],
-        help="recent tokens kept in bf16 (TurboQuantKVConfig.window)",
+        help="recent tokens kept in bf16 (CacheOptions.window)",
     )
     parser.add_argument(
         "--sinks",
         type=int,
         nargs="+",
         default=[0],
-        help="first tokens of each sequence kept in bf16 (TurboQuantKVConfig.sinks; -1: the "
+        help="first tokens of each sequence kept in bf16 (CacheOptions.sinks; -1: the "
         "caches' default, 4 with a window and 0 without)",
     )
     parser.add_argument(
@@ -664,7 +664,7 @@ def main() -> None:
         nargs="+",
         choices=["off", "on"],
         default=["off"],
-        help="key centering (TurboQuantKVConfig.center_keys; on needs a window or sinks)",
+        help="key centering (CacheOptions.center_keys; on needs a window or sinks)",
     )
     parser.add_argument(
         "--texts",

@@ -8,8 +8,21 @@ from custom_ops import compat
 compat.require()  # a clear error on an unsupported torch / Triton, before anything uses them
 
 from custom_ops import ops  # noqa: E402
-from custom_ops.api import KVConstants, decode, dequantize, make_constants, store, store_window
-from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, KVFormat, PagedKVCache, get_format
+from custom_ops.api import (  # noqa: E402
+    KVConstants,
+    decode,
+    dequantize,
+    make_constants,
+    store,
+    store_window,
+)
+from custom_ops.formats import (  # noqa: E402
+    FORMATS,
+    SUPPORTED_HEAD_DIMS,
+    KVFormat,
+    PagedKVCache,
+    get_format,
+)
 
 __all__ = [
     "FORMATS",

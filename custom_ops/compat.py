@@ -16,20 +16,21 @@ Triton 3.6 (``docs/design/host-path.md``, "Private torch and Triton calls").
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from collections.abc import Iterator
 
 import torch
 import triton
-from torch._C import DisableTorchFunctionSubclass
-from torch._subclasses.fake_tensor import is_fake
-from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 __all__ = [
     "DisableTorchFunctionSubclass",
     "FunctionalTensorMode",
     "is_fake",
-    "dispatch_is_plain",
+    "len_dispatch_stack",
+    "len_pre_dispatch_stack",
+    "jit_tracing_state",
+    "functorch_transforms_active",
     "current_raw_stream",
     "launch_compiled",
     "fused_sdp_choice",
@@ -44,9 +45,13 @@ __all__ = [
 ]
 
 # (module, attribute path) of each private interface used below: those every process uses
-# (checked at import), those of compiling processes (dynamo, inductor: checked by missing(), not
-# imported for an eager user), and the CUDA-only ones (checked where torch is built with CUDA)
+# (checked at import), dynamo's and inductor's (checked by missing(); importing them takes
+# seconds that an eager process without the Hugging Face layer need not pay), and the CUDA-only
+# ones (checked where torch is built with CUDA)
 _PRIVATE = (
+    ("torch._C", "DisableTorchFunctionSubclass"),
+    ("torch._subclasses.fake_tensor", "is_fake"),
+    ("torch._subclasses.functional_tensor", "FunctionalTensorMode"),
     ("torch._C", "_len_torch_dispatch_stack"),
     ("torch._ops", "_len_torch_dispatch_stack_pre_dispatch"),
     ("torch._C", "_get_tracing_state"),
@@ -72,30 +77,37 @@ _PRIVATE_CUDA = (
 )
 
 
-def dispatch_is_plain() -> bool:
-    """Whether no ``TorchDispatchMode`` (fake tensors, functionalization, a recorder of ops; the
-    pre-dispatch ones of ``make_fx`` included), no ``torch.jit`` trace and no functorch
-    transform (``vmap``, ``grad``, ``functionalize``) sees the ops called now."""
-    return (
-        torch._C._len_torch_dispatch_stack() == 0
-        and torch._ops._len_torch_dispatch_stack_pre_dispatch() == 0
-        and not torch._C._get_tracing_state()
-        and not torch._C._are_functorch_transforms_active()
-    )
+def _attribute(module: str, name: str):
+    """``module.name``, or None where this release lacks it (:func:`require` names it)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
 
 
-def current_raw_stream(device: int) -> int:
-    """The current CUDA stream of ``device`` as the integer handle Triton's launch reads."""
-    return torch._C._cuda_getCurrentRawStream(device)
+# Bound as they are, not wrapped: the eager op path calls them on every op and launch, where a
+# wrapper's frame would cost host time (~0.3 us per op).
+DisableTorchFunctionSubclass = _attribute("torch._C", "DisableTorchFunctionSubclass")
+is_fake = _attribute("torch._subclasses.fake_tensor", "is_fake")
+FunctionalTensorMode = _attribute("torch._subclasses.functional_tensor", "FunctionalTensorMode")
+# ops.is_eager's probes: the TorchDispatchMode stack (fake tensors, functionalization, a recorder
+# of ops), make_fx's pre-dispatch modes, a torch.jit trace, functorch transforms (vmap, grad)
+len_dispatch_stack = _attribute("torch._C", "_len_torch_dispatch_stack")
+len_pre_dispatch_stack = _attribute("torch._ops", "_len_torch_dispatch_stack_pre_dispatch")
+jit_tracing_state = _attribute("torch._C", "_get_tracing_state")
+functorch_transforms_active = _attribute("torch._C", "_are_functorch_transforms_active")
+# the current CUDA stream of a device as the integer handle Triton's launch reads (CUDA builds)
+current_raw_stream = _attribute("torch._C", "_cuda_getCurrentRawStream")
 
 
-def launch_compiled(compiled, grid: tuple[int, int, int], stream: int, args: tuple,
+def launch_compiled(compiled, grid_0: int, grid_1: int, grid_2: int, stream: int, args: tuple,
                     constexprs: tuple) -> None:  # fmt: skip
-    """Launch Triton's ``CompiledKernel`` ``compiled`` on ``grid`` and ``stream`` through its
+    """Launch Triton's ``CompiledKernel`` ``compiled`` on the grid and ``stream`` through its
     own launcher (``run``), with the kernel's ``args`` then its ``constexprs``, as
-    ``JITFunction.run`` passes them after binding."""
-    compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *constexprs)  # fmt: skip
+    ``JITFunction.run`` passes them after binding (its ``run``, ``function`` and
+    ``packed_metadata`` exist only on a compiled kernel: tests launch through here on a GPU)."""
+    compiled.run(grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
+                 None, None, None, *args, *constexprs)  # fmt: skip
 
 
 def fused_sdp_choice(q, k, v, is_causal: bool, scale: float) -> int:
@@ -152,8 +164,9 @@ def active_triton_driver(stand_in) -> Iterator[None]:
 
 
 def _resolves(module: str, path: str) -> bool:
+    """Whether ``module`` imports and has the dotted attribute ``path``."""
     try:
-        target = __import__(module, fromlist=["_"])
+        target = importlib.import_module(module)
     except ImportError:
         return False
     for name in path.split("."):

@@ -195,7 +195,10 @@ def is_eager() -> bool:
     like plain ones to Python)."""
     return (
         not torch.compiler.is_compiling()  # first: dynamo folds it and traces nothing after it
-        and compat.dispatch_is_plain()
+        and compat.len_dispatch_stack() == 0
+        and compat.len_pre_dispatch_stack() == 0
+        and not compat.jit_tracing_state()
+        and not compat.functorch_transforms_active()
     )
 
 
@@ -225,8 +228,8 @@ def _define(name, args_type, impl, fake, mutates=(), returns="()", traceable=Fal
         with mode, traced.traced_launches():
             return impl(op_args, None)
 
-    torch.library.register_torch_dispatch(f"tq::{name}", compat.FunctionalTensorMode, trace_through,
-                                          lib=_lib)  # fmt: skip
+    torch.library.register_torch_dispatch(f"tq::{name}", compat.FunctionalTensorMode,
+                                          trace_through, lib=_lib)  # fmt: skip
 
 
 def _cache(args) -> PagedKVCache:

@@ -38,6 +38,7 @@ from tq_compile.options import CacheOptions, check_count
 
 __all__ = ["TurboQuantKVCache", "kv_cache_nbytes"]
 
+
 class _Operands(NamedTuple):
     """The buffers a cache passes to the ops for its first ``B`` sequences."""
 
@@ -82,6 +83,9 @@ class TurboQuantKVCache(nn.Module):
     reset by a write from position 0: attention is unchanged (softmax ignores a shift that all
     of a query's scores share) and the quantized keys lose less to the common component they
     no longer carry (``docs/design/cache.md``).
+
+    ``options`` keeps the options as given; ``window`` and ``sinks`` are the counts in force
+    (the default sinks resolved, both at most ``max_seq_length``).
 
     The buffers are the module's: moving it (``.to()``, ``.cuda()``, ``to_empty()``) replaces
     them; nothing may resize or restride them in place (eager updates read their metadata

@@ -65,15 +65,14 @@ class TurboQuantLayer(CacheLayerMixin):
     is_sliding = False
     cumulative_length: torch.Tensor
 
-    def __init__(self, max_cache_len: int, options: CacheOptions,
+    def __init__(self, max_cache_len: int, options: CacheOptions | None = None,
                  max_batch_size: int | None = None):  # fmt: skip
         super().__init__()
         check_count("max_cache_len", max_cache_len, 1)
         if max_batch_size is not None:
             check_count("max_batch_size", max_batch_size, 1)
-        self.max_cache_len, self.options, self.max_batch_size = (
-            max_cache_len, options, max_batch_size
-        )
+        self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
+        self.options = CacheOptions.of(options, {})
         self.kv: TurboQuantKVCache | None = None
         # a tensor, as in StaticLayer: positions derived from it do not recompile each step
         self.cumulative_length = torch.tensor(0, dtype=torch.int64)

@@ -23,9 +23,9 @@ Inductor compiles a user kernel with its config's ``num_warps`` and ``num_stages
 its ``maxnreg`` (PyTorch 2.11 and 2.13: ``CachingAutotuner._create_compile_options`` copies
 neither it nor ``num_ctas``): the long-split decode compiled at 157-166 registers instead of
 its cap of 128, 16% (4bit_nc) to 35% (k8v4) slower alone at 16 x 32768, and 9% of 4bit_nc's
-split time in the 1b-shape model's plain-compiled step (``docs/design/host-path.md#register-caps``).
-Every process
-that loads such a kernel to compile it mends that first (:func:`honour_register_caps`, called
+split time in the 1b-shape model's plain-compiled step
+(``docs/design/host-path.md#register-caps``). Every process that loads such a kernel to compile
+it mends that first (:func:`honour_register_caps`, called
 by :func:`rebuilt`; the capped kernel, the split kernel, has NamedTuple constexprs).
 
 Inductor launches such user-defined kernels with Triton's Python launcher unless

@@ -10,8 +10,6 @@ import torch
 
 from tq_compile import CacheOptions, TurboQuantKVCache, TurboQuantKVConfig, quantize_
 
-transformers = pytest.importorskip("transformers")
-
 
 def test_keywords_and_options_make_the_same_cache():
     """``preset=..., window=...`` as keywords, or whole as ``options=``, or both (keywords
@@ -27,9 +25,14 @@ def test_keywords_and_options_make_the_same_cache():
 
 
 def test_sinks_default_follows_the_window():
+    """``sinks=None`` stays the default, so a later window change derives it again (replaced
+    options, keywords over options); a given count stays."""
     assert CacheOptions().sink_count == 4
     assert CacheOptions(window=0).sink_count == 0
     assert CacheOptions(window=0, sinks=3).sink_count == 3
+    assert dataclasses.replace(CacheOptions(window=0), window=64).sink_count == 4
+    assert TurboQuantKVCache(1, 2, 64, 64, options=CacheOptions(), window=0).sinks == 0
+    assert TurboQuantKVConfig("3bit_nc", options=CacheOptions(preset="k8v4")).preset == "3bit_nc"
 
 
 def test_the_config_passes_its_options_whole():
@@ -46,6 +49,7 @@ def test_the_config_passes_its_options_whole():
 
 
 def test_the_hf_cache_passes_its_options_whole():
+    transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=3, num_attention_heads=2,
                                       num_key_value_heads=1, head_dim=32)  # fmt: skip
