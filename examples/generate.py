@@ -27,12 +27,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from custom_ops import FORMATS  # noqa: E402
 from examples.model import (  # noqa: E402
     ModelArgs,
     Transformer,
     decode_one_token,
     init_weights,
     prefill,
+    transformer_configs,
 )
 from tq_compile import TurboQuantKVConfig, kv_cache_nbytes, quantize_  # noqa: E402
 
@@ -71,11 +73,20 @@ def decode(model, step_fn, prompt, n, device, label, inputs=None):
     return torch.cat(fed, dim=1), torch.cat(predicted, dim=1), rate
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device``, ``--preset`` (the model's size) and ``--format`` (the KV cache's), each
+    refused by the parser unless it is one it knows (the speculative example shares them)."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        choices=["cpu", "cuda"])  # fmt: skip
+    parser.add_argument("--preset", choices=sorted(transformer_configs),
+                        help="model size (default: tiny on CPU, 1b-shape on CUDA)")  # fmt: skip
+    parser.add_argument("--format", default="4bit_nc", choices=sorted(FORMATS),
+                        help="the KV cache's format")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--preset", help="model preset (default: tiny on CPU, 1b-shape on CUDA)")
-    parser.add_argument("--format", default="4bit_nc")
+    add_model_arguments(parser)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)

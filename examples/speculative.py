@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.generate import sync  # noqa: E402
+from examples.generate import add_model_arguments, sync  # noqa: E402
 from examples.model import (  # noqa: E402
     ModelArgs,
     Transformer,
@@ -202,9 +202,7 @@ def speculative_greedy(model, prompt: Tensor, n_new: int, k: int, verify_fn, dev
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--preset", help="model preset (default: tiny on CPU, 1b-shape on CUDA)")
-    parser.add_argument("--format", default="4bit_nc")
+    add_model_arguments(parser)
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--draft", choices=("lookup", "early-exit", "replay"), default="lookup")
     parser.add_argument("--accept", type=float, default=0.8,

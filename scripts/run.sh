@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Main job: set up the environment if needed, then run examples/chat.py (SmolLM2-135M-Instruct
 # answering with a bf16 and a TurboQuant cache) with the given
-# arguments (e.g. `bash scripts/run.sh --preset 3bit_nc`).
+# arguments (e.g. `bash scripts/run.sh --format 3bit_nc`).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
