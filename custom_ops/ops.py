@@ -89,7 +89,6 @@ head dim (:func:`custom_ops.codebook.signed_levels`), the same on every path.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -106,6 +105,7 @@ from custom_ops.schema import (
     StoreWindowArgs,
     op_schema,
 )
+from custom_ops.thread_flag import ThreadFlag
 from custom_ops.triton import dequant as triton_dequant
 from custom_ops.triton import prefill as triton_prefill
 from custom_ops.triton import store as triton_store
@@ -115,7 +115,7 @@ from custom_ops.triton.decode import decode as triton_decode
 
 __all__ = ["triton_on_cpu", "inductor_launches", "call", "is_eager"]
 
-_state = threading.local()
+_TRITON_ON_CPU = ThreadFlag()
 _lib = torch.library.Library("tq", "DEF")
 # operator name and implementation ``impl(args, launch_key)`` by argument tuple type
 _IMPLS: dict[type, tuple[str, Callable]] = {}
@@ -129,18 +129,12 @@ def triton_on_cpu() -> Iterator[None]:
             "triton_on_cpu() needs TRITON_INTERPRET=1 set before triton kernels "
             "are defined (before importing custom_ops)"
         )
-    previous = getattr(_state, "triton_on_cpu", False)
-    _state.triton_on_cpu = True
-    try:
+    with _TRITON_ON_CPU.set():
         yield
-    finally:
-        _state.triton_on_cpu = previous
 
 
 def _use_triton(device: torch.device) -> bool:
-    return device.type == "cuda" or (
-        device.type == "cpu" and getattr(_state, "triton_on_cpu", False)
-    )
+    return device.type == "cuda" or (device.type == "cpu" and _TRITON_ON_CPU.on)
 
 
 def inductor_launches(op_args: tuple) -> bool:

@@ -51,14 +51,13 @@ import importlib
 import linecache
 import math
 import os
-import threading
-from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
 from custom_ops import compat
+from custom_ops.thread_flag import ThreadFlag
 
 __all__ = [
     "traced_launches",
@@ -128,24 +127,18 @@ def honour_register_caps() -> None:
 CONFIG_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 PDL_OPTION = "launch_pdl"
 
-_state = threading.local()
+_TRACING = ThreadFlag()
 
 
-@contextlib.contextmanager
-def traced_launches() -> Iterator[None]:
+def traced_launches() -> contextlib.AbstractContextManager[None]:
     """Within: every :class:`~custom_ops.triton.launch.Launcher` launch is traced into the graph
     being built (``wrap_triton``) instead of run."""
-    previous = tracing()
-    _state.on = True
-    try:
-        yield
-    finally:
-        _state.on = previous
+    return _TRACING.set()
 
 
 def tracing() -> bool:
     """Whether launches are being traced (inside :func:`traced_launches`)."""
-    return getattr(_state, "on", False)
+    return _TRACING.on
 
 
 def unread(like: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -41,6 +40,7 @@ import triton
 
 from custom_ops.formats import KVFormat, PagedKVCache, ring_window
 from custom_ops.sdpa_lse import attention_lse
+from custom_ops.thread_flag import ThreadFlag
 from custom_ops.triton.decode.codes import PartParams, part_params
 from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.dequant import dequantize
@@ -62,19 +62,13 @@ from custom_ops.triton.prefill.prefix import (
 
 __all__ = ["PrefillConfig", "prefill", "fused_prefix"]
 
-_state = threading.local()
+_FUSED = ThreadFlag()
 
 
-@contextlib.contextmanager
-def fused_prefix() -> Iterator[None]:
+def fused_prefix() -> contextlib.AbstractContextManager[None]:
     """Within it, prefills on this thread read their prefix by the fused kernel only (what a
     CUDA-graph capture runs): no dequantized workspace, no host sync."""
-    previous = getattr(_state, "fused", False)
-    _state.fused = True
-    try:
-        yield
-    finally:
-        _state.fused = previous
+    return _FUSED.set()
 
 
 class PrefillConfig(NamedTuple):
@@ -155,7 +149,7 @@ def prefill(
     # the fused kernel then checks that on the device, its programs returning at once, instead
     # of a host sync per layer, which lets the GPU idle while the host catches up at short
     # prompts (docs/prefill.md, time to first token).
-    dense = max_seq_len > tokens and not getattr(_state, "fused", False) and not (
+    dense = max_seq_len > tokens and not _FUSED.on and not (
         q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     )
     mask_args = mask_arguments(mask, seq_lens)
