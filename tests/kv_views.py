@@ -1,9 +1,13 @@
 """The TurboQuantKVCache that the tq_compile view and cache tests share: its shape and a cache
-holding random tokens, with the key / value views its ``update`` returned."""
+holding random tokens, with the key / value views its ``update`` returned; and dense attention
+over such views, the oracle of SDPA through them."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from tq_compile import TurboQuantKVCache
 
@@ -21,3 +25,25 @@ def filled_tq_cache(fmt="4bit_nc", length=37, seed=0, dtype=torch.bfloat16, wind
     v = torch.randn(B, HK, length, D, generator=gen).to(dtype).to(device)
     keys, values = cache.update(torch.arange(length, device=device), k, v)
     return cache, keys, values
+
+
+def dense_attention(q, keys, values, attn_mask=None, is_causal=False, scale=None):
+    """Float64 SDPA on the CPU of ``q [B, Hq, T, D]`` over the dequantized cache of the views
+    ``keys`` / ``values`` (their heads repeated to q's), positions past each sequence's length
+    masked out, ``attn_mask`` (bool, or additive) applied and ``is_causal`` top-left aligned,
+    as dense SDPA over the same positions."""
+    k = keys.dequantize(torch.float64).cpu()
+    v = values.dequantize(torch.float64).cpu()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    seq = k.shape[2]
+    visible = (torch.arange(seq)[None, :] < keys.seq_lens.cpu()[:, None])[:, None, None, :]
+    if is_causal:
+        visible = visible & torch.ones(q.shape[2], seq, dtype=torch.bool).tril()
+    if attn_mask is None:
+        mask = visible
+    elif attn_mask.dtype == torch.bool:
+        mask = visible & attn_mask.cpu()
+    else:
+        mask = torch.where(visible, attn_mask.cpu().double(), -math.inf)
+    return F.scaled_dot_product_attention(q.double().cpu(), k, v, attn_mask=mask, scale=scale)

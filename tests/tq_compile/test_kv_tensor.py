@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import triton_kernels
 from helpers import rel_error
-from kv_views import GROUP, HK, S_MAX, WINDOW, B, D, filled_tq_cache
+from kv_views import GROUP, HK, S_MAX, WINDOW, B, D, dense_attention, filled_tq_cache
 
 from tq_compile import TurboQuantKVCache, TurboQuantKVTensor
 from tq_compile.kv_tensor import MAX_FOLDED_ROWS
@@ -20,18 +20,6 @@ from tq_compile.kv_tensor import MAX_FOLDED_ROWS
 def _query(length=1, heads=HK * GROUP, seed=1, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(B, heads, length, D, generator=gen) * 2).to(dtype)
-
-
-def _dense_sdpa(q, keys, values, **kwargs):
-    """SDPA on the dequantized cache in float64, positions past each length masked."""
-    k = keys.dequantize(torch.float64)
-    v = values.dequantize(torch.float64)
-    visible = torch.arange(S_MAX)[None, :] < keys.seq_lens[:, None]
-    mask = visible[:, None, None, :]
-    user = kwargs.pop("attn_mask", None)
-    if user is not None:
-        mask = mask & user if user.dtype == torch.bool else torch.where(mask, user.double(), -1e9)
-    return F.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask, **kwargs)
 
 
 @pytest.mark.parametrize("window", [0, WINDOW])
@@ -46,8 +34,7 @@ def test_decode_sdpa_matches_dense_attention(fmt, window):
     q = _query()
     out = F.scaled_dot_product_attention(q, keys_rep, values_rep)
     assert out.shape == q.shape and out.dtype == q.dtype
-    expected = _dense_sdpa(q, keys.repeat_interleave(GROUP, dim=1),
-                           values.repeat_interleave(GROUP, dim=1))  # fmt: skip
+    expected = dense_attention(q, keys, values)
     assert rel_error(out, expected) < 4e-3  # bf16 output rounding
 
 
@@ -76,13 +63,11 @@ def test_decode_masks():
     q = _query()
     causal_row = (torch.arange(S_MAX) <= 30)[None, None, None, :]  # see only positions 0..30
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_row, enable_gqa=True)
-    expected = _dense_sdpa(q, keys.repeat_interleave(GROUP, 1), values.repeat_interleave(GROUP, 1),
-                           attn_mask=causal_row)  # fmt: skip
+    expected = dense_attention(q, keys, values, attn_mask=causal_row)
     assert rel_error(out, expected) < 4e-3
     bias = torch.randn(1, HK * GROUP, 1, S_MAX, generator=torch.Generator().manual_seed(3))
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=True)
-    expected = _dense_sdpa(q, keys.repeat_interleave(GROUP, 1), values.repeat_interleave(GROUP, 1),
-                           attn_mask=bias)  # fmt: skip
+    expected = dense_attention(q, keys, values, attn_mask=bias)
     assert rel_error(out, expected) < 4e-3
 
 
@@ -127,8 +112,7 @@ def test_pack_gqa_layout_under_a_per_head_mask(impl, kernel_device):
             q.reshape(B, HK, GROUP, D).to(device), keys, values,
             attn_mask=per_head.reshape(B, HK, GROUP, S_MAX).to(device),
         )  # fmt: skip
-        expected = _dense_sdpa(q, keys.repeat_interleave(GROUP, 1).cpu(),
-                               values.repeat_interleave(GROUP, 1).cpu(), attn_mask=per_head)
+        expected = dense_attention(q, keys, values, attn_mask=per_head)
     assert rel_error(packed.reshape(B, HK * GROUP, 1, D).cpu(), expected) < 4e-3
 
 
@@ -144,9 +128,7 @@ def test_prefill_sdpa_with_causal_mask_and_is_causal():
     mask = torch.ones(S_MAX, S_MAX, dtype=torch.bool).tril()[None, None, :20]
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True,
                                          scale=0.1)  # fmt: skip
-    dense_k = keys.repeat_interleave(GROUP, 1)
-    dense_v = values.repeat_interleave(GROUP, 1)
-    expected = _dense_sdpa(q, dense_k, dense_v, attn_mask=mask, scale=0.1)
+    expected = dense_attention(q, keys, values, attn_mask=mask, scale=0.1)
     assert rel_error(out, expected) < 4e-3
     out_causal = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True,
                                                 scale=0.1)  # fmt: skip
@@ -163,8 +145,7 @@ def test_hf_pack_gqa_layout_decodes_in_one_pass():
     out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask)
     reference = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
     assert torch.equal(out.reshape(B, HK * GROUP, 1, D), reference)
-    expected = _dense_sdpa(q, keys.repeat_interleave(GROUP, 1), values.repeat_interleave(GROUP, 1),
-                           attn_mask=mask)  # fmt: skip
+    expected = dense_attention(q, keys, values, attn_mask=mask)
     assert rel_error(reference, expected) < 4e-3
 
 
@@ -180,7 +161,7 @@ def test_queries_sharing_all_positions(length, monkeypatch):
     monkeypatch.setattr(torch.ops.tq, "decode", lambda *a: (calls.append(1), decode(*a))[1])
     out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
     assert bool(calls) == (GROUP * length <= MAX_FOLDED_ROWS)
-    expected = _dense_sdpa(q, keys.repeat_interleave(GROUP, 1), values.repeat_interleave(GROUP, 1))
+    expected = dense_attention(q, keys, values)
     assert rel_error(out, expected) < 4e-3
 
 
@@ -218,10 +199,7 @@ def test_wide_pack_gqa_group_through_the_kernels(group, kernel_device):
                                     v.to(kernel_device))  # fmt: skip
         q = torch.randn(1, 1, group, D, generator=gen).bfloat16()
         out = F.scaled_dot_product_attention(q.to(kernel_device), keys, values)
-        dense_k = keys.dequantize(torch.float64).cpu()
-        dense_v = values.dequantize(torch.float64).cpu()
-    visible = (torch.arange(S_MAX) < 37)[None, None, None, :]
-    expected = F.scaled_dot_product_attention(q.double(), dense_k, dense_v, attn_mask=visible)
+        expected = dense_attention(q, keys, values)
     assert rel_error(out.cpu(), expected) < 4e-3
 
 

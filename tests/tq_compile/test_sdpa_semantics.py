@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from conftest import triton_kernels
 from helpers import rel_error
+from kv_views import dense_attention
 
 from tq_compile import TurboQuantKVCache
 
@@ -64,23 +65,6 @@ def _user_mask(kind, tokens, length, gen):
     return torch.where(allowed, bias, -math.inf).bfloat16()
 
 
-def _dense(q, keys, values, mask, is_causal):
-    """Float64 SDPA over the dequantized cache (``q [B, Hq, T, D]``), positions past each
-    sequence's length masked out, ``is_causal`` top-left as dense SDPA aligns it."""
-    k = keys.dequantize(torch.float64).cpu().repeat_interleave(GROUP, 1)
-    v = values.dequantize(torch.float64).cpu().repeat_interleave(GROUP, 1)
-    visible = (torch.arange(S_MAX)[None, :] < keys.seq_lens.cpu()[:, None])[:, None, None, :]
-    if is_causal:
-        visible = visible & torch.ones(q.shape[2], S_MAX, dtype=torch.bool).tril()
-    if mask is None:
-        bias = torch.where(visible, 0.0, -math.inf)
-    elif mask.dtype == torch.bool:
-        bias = torch.where(visible & mask, 0.0, -math.inf)
-    else:
-        bias = torch.where(visible, mask.double(), -math.inf)
-    return F.scaled_dot_product_attention(q.double().cpu(), k, v, attn_mask=bias.double())
-
-
 def _case(seed):
     """The random choices of case ``seed``: (fmt, window, sinks, prefix, tokens, mask kind,
     layout). A window of 0 only with int8, any other format with a window that holds the chunk:
@@ -115,7 +99,7 @@ def test_sdpa_over_views_is_dense_sdpa(seed, kernel_device):
         q = (torch.randn(B, HQ, tokens, D, generator=gen) * 2).bfloat16()
         mask = _user_mask(kind, tokens, length, gen)
         is_causal = kind == "is_causal"
-        expected = _dense(q, keys, values, mask, is_causal)
+        expected = dense_attention(q, keys, values, mask, is_causal)
         if layout == "pack_gqa":
             # transformers' eager decode: q [B, Hk, group, D], a per-head mask [B, Hq, 1, S]
             # folded the same way, a shared one [B, 1, 1, S] as it is
