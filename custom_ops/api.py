@@ -170,12 +170,14 @@ def decode(
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
     sinks: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` (one token per sequence) over the cache: ``[B, Hq, D]``.
 
     ``num_splits`` defaults to :func:`default_num_splits`; ``scale`` to ``1 / sqrt(D)``;
     ``k_window``/``v_window``/``window_pos`` are the recent-window rings and their slots'
-    positions, if any, ``sinks`` the rings' sink slots.
+    positions, if any, ``sinks`` the rings' sink slots; ``softcap`` > 0 caps the scores
+    (Gemma 2's attention logit softcapping).
     """
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], cache.k_codes.shape[1], block_table.shape[1],
@@ -184,8 +186,8 @@ def decode(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     args = DecodeArgs(q, *cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
-                      num_splits, scale, mask, k_window, v_window, window_pos,
-                      sinks)  # fmt: skip
+                      num_splits, scale, mask, k_window, v_window, window_pos, sinks,
+                      softcap)  # fmt: skip
     return ops.call(args)
 
 
@@ -207,12 +209,13 @@ def prefill(
     window_pos: torch.Tensor | None = None,
     sinks: int = 0,
     key_center: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of a chunk just stored, ``q [B, Hq, T, D]``, over its own exact ``key`` /
     ``value [B, Hk, T, D]`` and each sequence's cached prefix (the positions below
     ``seq_lens[b] - T``): ``[B, Hq, T, D]`` (see ``torch.ops.tq.prefill``). ``scale`` defaults
     to ``1 / sqrt(D)``, ``max_seq_len`` to the sequences' capacity (nothing hidden past the
-    lengths)."""
+    lengths); ``softcap`` > 0 caps the scores."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if max_seq_len is None:
@@ -220,5 +223,5 @@ def prefill(
                                         ring_window(k_window, sinks))  # fmt: skip
     args = PrefillArgs(q, key, value, *cache, block_table, seq_lens, constants.rotation,
                        get_format(fmt).name, scale, is_causal, max_seq_len, mask, k_window,
-                       v_window, window_pos, sinks, key_center)  # fmt: skip
+                       v_window, window_pos, sinks, key_center, softcap)  # fmt: skip
     return ops.call(args)

@@ -52,8 +52,8 @@ stay opaque calls.
   sinks are copied from them; with ``key_center`` the keys get their centres back.
   ``max_seq_len`` is at most the sequence capacity.
 * ``tq.decode(q, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, num_splits,
-  scale, mask=None, k_window=None, v_window=None, window_pos=None, sinks=0) -> out``: attention
-  of ``q [B, Hq, D]`` (bf16/fp16, ``Hq`` a multiple of ``Hk``) over each sequence's cache,
+  scale, mask=None, k_window=None, v_window=None, window_pos=None, sinks=0, softcap=0.0) ->
+  out``: attention of ``q [B, Hq, D]`` (bf16/fp16, ``Hq`` a multiple of ``Hk``) over each sequence's cache,
   ``[B, Hq, D]`` in q's dtype; or of ``q [B, Hq, T, D]``, ``T <= 16``, the sequence's last
   ``T`` tokens (a speculative-decoding verify step), ``[B, Hq, T, D]``: without a mask token
   ``t`` sees the positions below ``len - T + t + 1``; a mask (for all tokens, or ``[B or 1,
@@ -66,9 +66,10 @@ stay opaque calls.
   ``mask`` an optional ``[B or 1, Hq or 1, M]`` bool (False masks out) or additive float mask
   over cache positions (positions ``>= M`` masked out; a query with no visible key gets zeros).
   With the rings, each sequence-head's ring run and sinks are read from them in full precision.
+  ``softcap > 0`` caps each score ``s`` at ``softcap * tanh(s / softcap)`` before the mask.
 * ``tq.prefill(q, key, value, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt,
   scale, is_causal, max_seq_len, mask=None, k_window=None, v_window=None, window_pos=None,
-  sinks=0, key_center=None) -> out``: attention of a chunk of ``T`` tokens just stored, queries
+  sinks=0, key_center=None, softcap=0.0) -> out``: attention of a chunk of ``T`` tokens just stored, queries
   ``q [B, Hq, T, D]``, over their own keys and values ``key``/``value [B, Hk, T, D]`` as the
   model computed them (exact, not their codes) and over each sequence's cached prefix, the
   positions below ``start = seq_lens[b] - T`` (``seq_lens >= T``): compressed pages, ring and
@@ -78,7 +79,8 @@ stay opaque calls.
   top-left order: a causal chunk when ``start`` is 0).
   ``[B, Hq, T, D]`` in q's dtype and layout (``torch.empty_like(q)``'s strides: a model's
   ``transpose(1, 2)`` of a transposed q is then contiguous); a row with no visible key gets zeros
-  (:func:`custom_ops.reference.prefill`).
+  (:func:`custom_ops.reference.prefill`); scores capped by ``softcap`` as for decode (on every
+  device by the reference's arithmetic: neither the dense kernel nor the prefix kernel caps).
 
 ``rotation`` (``[D, D] float32``, entries +-1) must be :func:`custom_ops.codebook.rotation_matrix`
 (for a power-of-two D the CUDA store and decode kernels use its Walsh-Hadamard structure, ``R =
@@ -268,10 +270,10 @@ def _decode(a: DecodeArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     if _use_triton(a.q.device):
         return triton_decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
                              a.num_splits, a.scale, a.mask, a.k_window, a.v_window,
-                             a.window_pos, a.sinks, launch_key=key)  # fmt: skip
+                             a.window_pos, a.sinks, a.softcap, launch_key=key)  # fmt: skip
     return reference.decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
                             a.scale, torch.float32, a.mask, a.k_window, a.v_window,
-                            a.window_pos, a.sinks)  # fmt: skip
+                            a.window_pos, a.sinks, a.softcap)  # fmt: skip
 
 
 def _decode_fake(a: DecodeArgs) -> torch.Tensor:
@@ -283,17 +285,19 @@ def _prefill(a: PrefillArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     kv_format = validate.checked(validate.check_prefill, a, key)
     args = (kv_format, a.q, a.key, a.value, _cache(a), a.block_table, a.seq_lens, a.rotation,
             a.scale, a.is_causal, a.max_seq_len)  # fmt: skip
-    if _use_triton(a.q.device):
+    if _use_triton(a.q.device) and not a.softcap:
         out = triton_prefill.prefill(*args, a.mask, a.k_window, a.v_window, a.window_pos,
                                      a.sinks, a.key_center)  # fmt: skip
-    elif reference.chunk_is_everything(a.seq_lens, a.q.shape[2], a.is_causal, a.max_seq_len,
-                                       a.mask):  # fmt: skip
+    elif not a.softcap and reference.chunk_is_everything(a.seq_lens, a.q.shape[2], a.is_causal,
+                                                         a.max_seq_len, a.mask):  # fmt: skip
         # a first chunk: what the dense model computes, by the same kernel (the CPU's flash)
         causal = a.is_causal or a.mask is not None
         out = sdpa_lse.attention_lse(a.q, a.key, a.value, causal, a.scale)[0]
     else:
+        # the CPU; and capped scores on any device (Gemma 2's prompts: neither the dense SDPA
+        # of the chunk nor the fused prefix kernel caps), in query blocks of the reference
         out = reference.prefill(*args, torch.float32, a.mask, a.k_window, a.v_window,
-                                a.window_pos, a.sinks, a.key_center)  # fmt: skip
+                                a.window_pos, a.sinks, a.key_center, a.softcap)  # fmt: skip
     return _laid_out_like(out, a.q)
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "overlay_window",
     "gather_rows",
     "dequantize",
+    "softcap_scores",
     "attention",
     "decode",
     "prefill",
@@ -556,6 +557,12 @@ def dequantize(
     return uncenter_keys(k, key_center, seq_lens).to(dtype), v.to(dtype)
 
 
+def softcap_scores(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)``, Gemma 2's attention logit softcapping, applied to
+    scores before the mask; ``softcap`` 0: ``scores`` as they are."""
+    return scores if not softcap else torch.tanh(scores / softcap) * softcap
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -563,19 +570,22 @@ def attention(
     seq_lens: torch.Tensor,
     scale: float,
     mask: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Single-query attention of ``q [B, Hq, D]`` over ``k, v [B, Hk, S, D]`` (GQA by groups).
 
-    Keys at positions ``>= seq_lens[b]`` are masked, and so are those a boolean ``mask``
-    ``[B or 1, Hq or 1, M]`` sets False (an additive mask is added to the scores; positions
-    ``>= M`` are masked). A row with no key left gives zeros; NaN in a score gives NaN.
-    Computed in the dtype of ``k``; returns ``[B, Hq, D]`` in that dtype.
+    Scores are ``scale * q . k``, capped at ``softcap * tanh(score / softcap)`` where
+    ``softcap > 0`` (:func:`softcap_scores`). Keys at positions ``>= seq_lens[b]`` are masked,
+    and so are those a boolean ``mask`` ``[B or 1, Hq or 1, M]`` sets False (an additive mask is
+    added to the capped scores; positions ``>= M`` are masked). A row with no key left gives
+    zeros; NaN in a score gives NaN. Computed in the dtype of ``k``; returns ``[B, Hq, D]`` in
+    that dtype.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, seq = k.shape[1], k.shape[2]
     group = num_q_heads // num_kv_heads
     qg = q.to(k.dtype).reshape(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,bhsd->bhgs", qg, k) * scale
+    scores = softcap_scores(torch.einsum("bhgd,bhsd->bhgs", qg, k) * scale, softcap)
     valid = torch.arange(seq, device=k.device)[None, :] < seq_lens.to(k.device)[:, None]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     if mask is not None:
@@ -612,12 +622,14 @@ def decode(
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
     sinks: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention of ``q [B, Hq, D]`` (one token per sequence), or ``[B, Hq, T, D]`` (the
     sequence's last ``T`` tokens: without a mask causal among themselves, token ``t`` seeing the
     positions below ``len - T + t + 1``; with a mask ``[B or 1, Hq or 1, T, M]``, per token,
     the mask alone decides below ``len``, as for dense SDPA), over a paged cache (and its
-    recent window, if any): dequantize, then attend (``mask`` as in :func:`attention`).
+    recent window, if any): dequantize, then attend (``mask`` and ``softcap`` as in
+    :func:`attention`).
 
     Computed in ``dtype`` (float32 for the CPU op, float64 for oracles); returns ``q``'s shape
     in the query's dtype.
@@ -628,14 +640,14 @@ def decode(
     k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, max_seq_len, dtype, k_window,
                       v_window, window_pos, sinks)  # fmt: skip
     if q.dim() == 3:
-        return attention(q, k, v, seq_lens, scale, mask).to(q.dtype)
+        return attention(q, k, v, seq_lens, scale, mask, softcap).to(q.dtype)
     tokens = q.shape[2]
     outputs = []
     for t in range(tokens):
         lag = tokens - 1 - t if mask is None else 0
         visible = (seq_lens.to(torch.int64) - lag).clamp_min(0)
         token_mask = mask if mask is None or mask.dim() == 3 else mask[:, :, t]
-        outputs.append(attention(q[:, :, t], k, v, visible, scale, token_mask))
+        outputs.append(attention(q[:, :, t], k, v, visible, scale, token_mask, softcap))
     return torch.stack(outputs, dim=2).to(q.dtype)
 
 
@@ -658,6 +670,7 @@ def prefill(
     window_pos: torch.Tensor | None = None,
     sinks: int = 0,
     key_center: torch.Tensor | None = None,
+    softcap: float = 0.0,
     query_block: int = 256,
 ) -> torch.Tensor:
     """Attention of a chunk of ``T`` tokens just stored, queries ``q [B, Hq, T, D]``, over their
@@ -684,6 +697,8 @@ def prefill(
         max_seq_len: positions at or past it are hidden (a view's length).
         dtype: the arithmetic's dtype (float32 for the CPU op, float64 for oracles).
         mask: optional ``[B or 1, Hq or 1, T, M]`` bool or additive mask.
+        softcap: logit softcap of the scores, before the mask (0: none; see
+            :func:`softcap_scores`).
         query_block: query tokens per block of scores (``[B, Hq, query_block, S]``).
 
     Returns:
@@ -712,6 +727,7 @@ def prefill(
     for t0 in range(0, tokens, query_block):
         rows = torch.arange(t0, min(t0 + query_block, tokens), device=q.device)
         scores = torch.einsum("bhtd,bhsd->bhts", q[:, :, rows].to(dtype), k) * scale
+        scores = softcap_scores(scores, softcap)
         if mask is not None:
             block = mask[:, :, t0 : t0 + rows.shape[0]].to(q.device)
             pad = max(0, seq - block.shape[-1])  # positions >= M are masked out

@@ -90,6 +90,7 @@ class DecodeArgs(NamedTuple):
     v_window: Tensor | None = None
     window_pos: Tensor | None = None
     sinks: int = 0
+    softcap: float = 0.0
 
 
 class PrefillArgs(NamedTuple):
@@ -115,6 +116,7 @@ class PrefillArgs(NamedTuple):
     window_pos: Tensor | None = None
     sinks: int = 0
     key_center: Tensor | None = None
+    softcap: float = 0.0
 
 
 # Python annotation -> schema type (this module keeps its annotations evaluated for this).

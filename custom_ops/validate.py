@@ -522,6 +522,15 @@ def check_dequantize(args: DequantizeArgs) -> tuple[KVFormat, int]:
     return kv_format, head_dim
 
 
+def check_scores(op: str, scale, softcap) -> None:
+    """Check the softmax ``scale`` (a positive finite float) and the logit ``softcap`` (0 for
+    none, else a positive finite float)."""
+    if not (scale > 0 and scale != float("inf")):
+        _fail(op, f"scale must be a positive finite float, got {scale}")
+    if not (softcap >= 0 and softcap != float("inf")):
+        _fail(op, f"softcap must be 0 (no cap) or a positive finite float, got {softcap}")
+
+
 def check_decode(args: DecodeArgs) -> KVFormat:
     """Checks of ``tq.decode``; returns the format."""
     op = "decode"
@@ -559,9 +568,7 @@ def check_decode(args: DecodeArgs) -> KVFormat:
             f"num_splits must be a power of two in [1, {splits.MAX_SPLITS}], got "
             f"{args.num_splits}",
         )
-    scale = args.scale
-    if not (scale > 0 and scale != float("inf")):
-        _fail(op, f"scale must be a positive finite float, got {scale}")
+    check_scores(op, args.scale, args.softcap)
     if mask is not None:
         check_same_device(op, device, mask=mask)
         if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
@@ -618,9 +625,7 @@ def check_prefill(args: PrefillArgs) -> KVFormat:
     if args.block_table.shape[0] != batch:
         _fail(op, f"block_table has {args.block_table.shape[0]} rows for a batch of {batch}")
     check_key_center(op, args.key_center, args.k_window, device)
-    scale = args.scale
-    if not (scale > 0 and scale != float("inf")):
-        _fail(op, f"scale must be a positive finite float, got {scale}")
+    check_scores(op, args.scale, args.softcap)
     if type(args.is_causal) is not bool:
         _fail(op, f"is_causal must be a bool, got {args.is_causal!r}", TypeError)
     if type(args.max_seq_len) is not int or args.max_seq_len < 0:

@@ -109,10 +109,10 @@ class Sequences:
         # the op returns the written sequences' lengths, 0 for the skipped ones
         assert torch.equal(lens.cpu(), torch.where(start_pos >= 0, self.lens, 0)), lens
 
-    def decode(self, q, num_splits, mask=None, lens=None):
+    def decode(self, q, num_splits, mask=None, lens=None, softcap=0.0):
         """``tq.decode`` of ``q`` over the cache and the rings by the Triton kernels on this
-        device (query and mask moved there) at the sequences' lengths (or ``lens``), returned
-        on the CPU."""
+        device (query and mask moved there) at the sequences' lengths (or ``lens``), scores
+        capped by ``softcap``, returned on the CPU."""
         d = self.device
         lens = self.lens if lens is None else lens
         with triton_kernels(d):
@@ -120,7 +120,7 @@ class Sequences:
                               self.consts, num_splits=num_splits,
                               mask=None if mask is None else mask.to(d), k_window=self.k_window,
                               v_window=self.v_window, window_pos=self.window_pos,
-                              sinks=self.sinks).cpu()  # fmt: skip
+                              sinks=self.sinks, softcap=softcap).cpu()  # fmt: skip
 
     @property
     def rings(self):

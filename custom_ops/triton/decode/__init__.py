@@ -63,6 +63,7 @@ def plan_for(
     split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
     sinks: int = 0,
+    softcap: float = 0.0,
 ) -> DecodePlan:
     """The :class:`DecodePlan` of a decode with these inputs (``q [B, Hq, D]`` or ``[B, Hq, T,
     D]``; ``fast`` default: on CUDA)."""
@@ -75,7 +76,7 @@ def plan_for(
     return plan_decode(fmt, batch, num_q_heads * q_tokens, num_kv_heads, head_dim, page_size,
                        block_table.shape[1], ring_window(k_window, sinks), q.dtype, ring_dtype,
                        mask_kind, num_splits, q.device, fast, split_config, merge_config,
-                       q_tokens, sinks, tracing())  # fmt: skip
+                       q_tokens, sinks, tracing(), softcap)  # fmt: skip
 
 
 # Plans of op calls by their arguments' metadata key (plan_decode's own cache is keyed by the
@@ -114,6 +115,7 @@ def decode(
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
     sinks: int = 0,
+    softcap: float = 0.0,
     fast: bool | None = None,
     split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
@@ -124,7 +126,8 @@ def decode(
     ``q [B, Hq, D]``, or ``[B, Hq, T, D]``: the kernels see its ``Hq * T`` query rows as the
     heads of one query token, row ``h * T + t`` with the causal limit of token ``t`` (without a
     mask; a mask alone orders the tokens), so the ``T`` tokens of a GQA group share each cache
-    byte read. Returns q's shape in q's dtype.
+    byte read. ``softcap`` > 0 caps each score ``s`` at ``softcap * tanh(s / softcap)`` before
+    the mask (the verify kernel does not serve it). Returns q's shape in q's dtype.
     ``fast`` selects the inline-PTX decoding and programmatic dependent launch (default: on
     CUDA; the interpreter cannot run them); ``split_config`` and ``merge_config`` override the
     plan's kernel configurations (sweeps, tests). ``launch_key``: the op arguments' metadata key
@@ -139,7 +142,7 @@ def decode(
     key = None if overridden or launch_key is None else (launch_key, tracing())
     plan = _PLANS.get(key, lambda: plan_for(
         fmt, q, cache, block_table, num_splits, mask, k_window, fast, split_config, merge_config,
-        sinks,
+        sinks, softcap,
     ))  # fmt: skip
     window = ring_window(k_window, sinks)
     mask_args = mask_arguments(mask, seq_lens)
@@ -184,13 +187,14 @@ def compile_split_kernel(
     v_window: torch.Tensor | None = None,
     window_pos: torch.Tensor | None = None,
     sinks: int = 0,
+    softcap: float = 0.0,
 ):
     """Compile (not launch) the split kernel of this decode (``q [B, Hq, D]`` or ``[B, Hq, T,
     D]``) through ``compile_fn(kernel, grid, *args, **kwargs)``; ``benchmarks/sass_report.py``
     compiles it for sm_90 without a GPU (``split_config`` overrides the plan's launch, register
     cap included)."""
     plan = plan_for(fmt, q, cache, block_table, num_splits, None, k_window, fast, split_config,
-                    sinks=sinks)  # fmt: skip
+                    sinks=sinks, softcap=softcap)  # fmt: skip
     if plan.verify:
         raise ValueError(
             "compile_split_kernel: this decode's plan takes the verify kernel, not the split "

@@ -25,6 +25,7 @@ from custom_ops.formats import KVFormat
 from custom_ops.splits import splits_in_one_wave
 from custom_ops.triton.decode import merge, prep, ring, verify
 from custom_ops.triton.decode.codes import PartParams, part_params
+from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.decode.split import split_kernel
 from custom_ops.triton.launch import KernelLaunch, Launcher
 from custom_ops.tuning import decode_tuning
@@ -182,6 +183,7 @@ def plan_decode(
     q_tokens: int = 1,
     sinks: int = 0,
     traced: bool = False,
+    softcap: float = 0.0,
 ) -> DecodePlan:
     """The plan of a decode over a paged cache (cached per argument tuple).
 
@@ -206,6 +208,8 @@ def plan_decode(
             ring run). Rings exist where ``window + sinks > 0``.
         traced: the launches are traced for inductor, which launches Triton kernels only (not
             the Gluon verify kernel).
+        softcap: the logit softcap of the scores (natural-log units; 0: none), compiled into
+            the split and ring kernels in log2 units; the verify kernel has none.
     """
     cuda = device.type == "cuda"
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if cuda else None
@@ -246,6 +250,7 @@ def plan_decode(
     # that configure the split kernel get the split kernel
     use_verify = (
         not traced
+        and softcap == 0
         and split_config == SplitConfig()
         and query == QueryMode.PREPARED  # the verify kernel reads the prepared q_code
         and verify.serves(fmt, head_dim, page_size, group, q_dtype, ring_dtype, device, fast)
@@ -295,7 +300,7 @@ def plan_decode(
             QUERY=int(query), INV_SQRT_D=common["INV_SQRT_D"], RING=ring_in_split,
             RING_BLOCK=RING_BLOCK,
             RING_QK_F32=ring_in_split and (not fast or ring_dtype != q_dtype),
-            RING_F32=not fast, SINKS=sinks, PDL=pdl, **launch_options,
+            RING_F32=not fast, SINKS=sinks, SOFTCAP=softcap * LOG2E, PDL=pdl, **launch_options,
         )))  # fmt: skip
 
     num_rows = batch * num_q_heads
@@ -320,7 +325,8 @@ def plan_decode(
             BLOCK_W=ring.BLOCK_W, SLOTS_PER_PART=slots_per_part,
             SINK_BLOCK=ring.SINK_BLOCK, NUM_SPLITS=num_splits,
             NUM_PARTIALS=num_partials, WINDOW_QK_F32=not fast or ring_dtype != q_dtype,
-            WINDOW_F32=not fast, SINKS=sinks, PDL=pdl, num_warps=ring.NUM_WARPS, **later,
+            WINDOW_F32=not fast, SINKS=sinks, SOFTCAP=softcap * LOG2E, PDL=pdl,
+            num_warps=ring.NUM_WARPS, **later,
         )))  # fmt: skip
     if merge_config is None:
         rotate_by_product = fmt.value.rotated and head_dim != d_pad

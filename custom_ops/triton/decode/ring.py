@@ -86,7 +86,7 @@ def _ring_values(v_window_ptr, rows, in_tile, D: tl.constexpr, D_PAD: tl.constex
 
 @triton.jit
 def _probabilities(m_w, l_w, k, in_tile, positions, query, MASK: tl.constexpr,
-                   Q_TOKENS: tl.constexpr):  # fmt: skip
+                   Q_TOKENS: tl.constexpr, SOFTCAP: tl.constexpr):  # fmt: skip
     """The online softmax's step over a tile of ring places holding ``positions [N]`` with
     keys ``k`` (:func:`_ring_keys`): ``(m, l, alpha, p [N, G_PAD])``, the accumulators to be
     rescaled by ``alpha`` when the values are added (:func:`_add_values`). ``query = (q_orig,
@@ -94,7 +94,7 @@ def _probabilities(m_w, l_w, k, in_tile, positions, query, MASK: tl.constexpr,
     q_orig, q_scale, masking, b, q_head, row_ok = query
     scores = tl.dot(k.to(q_orig.dtype), q_orig)
     scores = mask_scores(scores * q_scale, positions, masking, b, q_head, row_ok, MASK,
-                         Q_TOKENS)  # fmt: skip
+                         Q_TOKENS, SOFTCAP)  # fmt: skip
     scores = tl.where(in_tile[:, None], scores, float("-inf"))
     m_w, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_w)
     p = tl.math.exp2(scores - m_sub[None, :])
@@ -112,12 +112,14 @@ def _add_values(acc_w, alpha, p, v_t, WINDOW_F32: tl.constexpr):
 @triton.jit
 def _attend_tile(m_w, l_w, acc_w, rows, in_tile, positions, query, ring_ptrs,
                  MASK: tl.constexpr, Q_TOKENS: tl.constexpr, D: tl.constexpr,
-                 D_PAD: tl.constexpr, WINDOW_F32: tl.constexpr):  # fmt: skip
+                 D_PAD: tl.constexpr, WINDOW_F32: tl.constexpr,
+                 SOFTCAP: tl.constexpr):  # fmt: skip
     """``(m, l, O^T)`` after one tile of ring places: its keys, the softmax step, then its
     values, loaded after the scores (``ring_ptrs = (k_window_ptr, v_window_ptr)``)."""
     k_window_ptr, v_window_ptr = ring_ptrs
     k = _ring_keys(k_window_ptr, rows, in_tile, D, D_PAD)
-    m_w, l_w, alpha, p = _probabilities(m_w, l_w, k, in_tile, positions, query, MASK, Q_TOKENS)
+    m_w, l_w, alpha, p = _probabilities(m_w, l_w, k, in_tile, positions, query, MASK, Q_TOKENS,
+                                        SOFTCAP)  # fmt: skip
     v_t = _ring_values(v_window_ptr, rows, in_tile, D, D_PAD)
     return m_w, l_w, _add_values(acc_w, alpha, p, v_t, WINDOW_F32)
 
@@ -150,6 +152,7 @@ def ring_partials_kernel(
     WINDOW_QK_F32: tl.constexpr,
     WINDOW_F32: tl.constexpr,
     SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Attention of a GQA group's queries over places ``[part * SLOTS_PER_PART, ..)`` of the
@@ -200,7 +203,7 @@ def ring_partials_kernel(
         rows = ring + ring_slots(positions, window, 0).to(tl.int64) * stride_w_slot
         m_w, l_w, acc_w = _attend_tile(m_w, l_w, acc_w, rows, r < place_end, positions, query,
                                        ring_ptrs, MASK, Q_TOKENS, D, D_PAD,
-                                       WINDOW_F32)  # fmt: skip
+                                       WINDOW_F32, SOFTCAP)  # fmt: skip
     if SINKS > 0:
         # The sinks [0, min(SINKS, len)) at slots W + p, read by the last part: one past the
         # window's places on short grids, the window's last on full ones (window_parts). The
@@ -211,7 +214,7 @@ def ring_partials_kernel(
             rows = ring + ring_slots(positions, window, SINKS).to(tl.int64) * stride_w_slot
             m_w, l_w, acc_w = _attend_tile(m_w, l_w, acc_w, rows, positions < num_sinks,
                                            positions, query, ring_ptrs, MASK, Q_TOKENS, D,
-                                           D_PAD, WINDOW_F32)  # fmt: skip
+                                           D_PAD, WINDOW_F32, SOFTCAP)  # fmt: skip
     lse, inv_l = partial_normalizer(m_w, l_w)
     part_rows = q_rows * NUM_PARTIALS + NUM_SPLITS + part
     out_ptrs = part_out_ptr + part_rows[None, :] * D + d[:, None]

@@ -1,5 +1,5 @@
-"""The online-softmax state shared by the decode kernels (log2 domain), the attention mask and
-the causal order of several query tokens."""
+"""The online-softmax state shared by the decode kernels (log2 domain), the logit softcap, the
+attention mask and the causal order of several query tokens."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ __all__ = [
     "RESCALE_SLACK",
     "causal_ends",
     "mask_scores",
+    "softcap_scores",
     "needs_rescale",
     "softmax_rescale",
     "partial_normalizer",
@@ -41,14 +42,30 @@ def causal_ends(seq_len, q_head, Q_TOKENS: tl.constexpr, MASK: tl.constexpr):
 
 
 @triton.jit
+def softcap_scores(scores, SOFTCAP: tl.constexpr):
+    """``SOFTCAP * tanh(scores / SOFTCAP)`` (Gemma 2's attention logit softcapping) of scores in
+    log2 units, ``SOFTCAP`` the cap times log2(e) (a cap of natural-log scores caps the same
+    scores times log2(e) at that bound); 0: the scores as they are. ``tanh`` from ``exp2`` of
+    ``-2|x|``, which stays in ``(0, 1]`` (no overflow), to a few float32 ulps."""
+    if SOFTCAP != 0:
+        x = scores * (1.0 / SOFTCAP)
+        e = tl.math.exp2(tl.abs(x) * (-2.0 * _LOG2E))
+        magnitude = (1.0 - e) / (1.0 + e)
+        scores = tl.where(x < 0, -magnitude, magnitude) * SOFTCAP
+    return scores
+
+
+@triton.jit
 def mask_scores(scores, positions, masking, b, q_head, row_ok, MASK: tl.constexpr,
-                Q_TOKENS: tl.constexpr):  # fmt: skip
-    """Apply the attention mask at key ``positions [N]`` to ``scores [N, G_PAD]`` (log2 units)
-    of the query rows ``q_head [G_PAD]`` (head ``q_head // Q_TOKENS``, token ``q_head %
-    Q_TOKENS``): ``MASK`` 0 none, 1 boolean (False masks out), 2 additive (natural-log units);
-    with several query tokens and no mask, also the causal order among them. ``masking`` is
-    ``(mask_args, row_ends)``: ``mask_args = (mask_ptr, stride_b, stride_h, stride_t,
-    mask_len)`` and ``row_ends`` from :func:`causal_ends`."""
+                Q_TOKENS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):  # fmt: skip
+    """Cap (:func:`softcap_scores`), then apply the attention mask at key ``positions [N]`` to
+    ``scores [N, G_PAD]`` (log2 units) of the query rows ``q_head [G_PAD]`` (head ``q_head //
+    Q_TOKENS``, token ``q_head % Q_TOKENS``): ``MASK`` 0 none, 1 boolean (False masks out), 2
+    additive (natural-log units); with several query tokens and no mask, also the causal order
+    among them. ``masking`` is ``(mask_args, row_ends)``: ``mask_args = (mask_ptr, stride_b,
+    stride_h, stride_t, mask_len)`` and ``row_ends`` from :func:`causal_ends`. The cap comes
+    first, as in Gemma 2's attention: an additive mask is not capped."""
+    scores = softcap_scores(scores, SOFTCAP)
     mask_args, row_ends = masking
     if Q_TOKENS > 1:
         scores = tl.where(positions[:, None] < row_ends[None, :], scores, float("-inf"))

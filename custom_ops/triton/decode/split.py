@@ -87,7 +87,8 @@ def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, Q_TOKENS: tl.constexpr
                      PAGE_SIZE: tl.constexpr,
                      TOKEN_RUN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, SUBTILES: tl.constexpr, ONE_TILE: tl.constexpr,
-                     K: tl.constexpr, V: tl.constexpr, SINKS: tl.constexpr):  # fmt: skip
+                     K: tl.constexpr, V: tl.constexpr, SINKS: tl.constexpr,
+                     SOFTCAP: tl.constexpr):  # fmt: skip
     """The online softmax over the compressed tokens ``[start, end)`` of ``tiles``: ``(m, l,
     acc0..3, zero_acc, v_top)``, the value products accumulated in units of ``1 / inv_unit``
     and ``v_top`` the largest value scale seen.
@@ -116,13 +117,13 @@ def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, Q_TOKENS: tl.constexpr
         n_a = tile_start + tl.arange(0, BLOCK_N)
         scores_a, page_a, slot_a, m_row_a, valid_a = compressed_scores(
             n_a, end, early_a, b, table, k_plane, meta_plane, qs, masking, q_head, row_ok,
-            MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE, SINKS,
+            MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE, SINKS, SOFTCAP,
         )  # fmt: skip
         tile_max = scores_a
         if SUBTILES == 2:
             scores_b, page_b, slot_b, m_row_b, valid_b = compressed_scores(
                 n_a + BLOCK_N, end, early_b, b, table, k_plane, meta_plane, qs, masking,
-                q_head, row_ok, MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE, SINKS,
+                q_head, row_ok, MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE, SINKS, SOFTCAP,
             )  # fmt: skip
             tile_max = tl.maximum(scores_a, scores_b)
         tile_max = tl.max(tile_max, axis=0)
@@ -197,6 +198,7 @@ def split_kernel(
     RING_QK_F32: tl.constexpr,
     RING_F32: tl.constexpr,
     SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -295,13 +297,14 @@ def split_kernel(
         K,
         V,
         SINKS,
+        SOFTCAP,
     )
     unit = tl.full([], 1.0, tl.float32)
     if ((v_top > UNIT_MAX) | (v_top < UNIT_MIN)) & (v_top > 0):
         unit = v_top
         m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, v_top = _compressed_pass(
             1.0 / unit, tiles, MASK, Q_TOKENS, PAGE_SIZE, TOKEN_RUN, D, G_PAD, BLOCK_N, SUBTILES,
-            ONE_TILE, K, V, SINKS,
+            ONE_TILE, K, V, SINKS, SOFTCAP,
         )  # fmt: skip
     acc0 *= unit
     acc1 *= unit
@@ -323,7 +326,8 @@ def split_kernel(
             positions = ring_run_positions(run, compressed_len, seq_len, SINKS)
             rows = ring_slots(positions, window, SINKS) * stride_w_slot
             scores = ring_scores(k_window_ptr + ring + rows[:, None], in_ring, rqs, D) * q_scale
-            scores = mask_scores(scores, positions, masking, b, q_head, row_ok, MASK, Q_TOKENS)
+            scores = mask_scores(scores, positions, masking, b, q_head, row_ok, MASK, Q_TOKENS,
+                                 SOFTCAP)  # fmt: skip
             scores = tl.where(in_ring[:, None], scores, float("-inf"))
             m_i, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_i)
             p = tl.math.exp2(scores - m_sub[None, :])

@@ -54,9 +54,11 @@ def table_entries(n, ok, b, table, PAGE_SIZE: tl.constexpr):
 def compressed_scores(n, end, early, b, table, k_plane, meta_plane, qs, masking, q_head,
                       row_ok, MASK: tl.constexpr, Q_TOKENS: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-                      ONE_TILE: tl.constexpr, SINKS: tl.constexpr):  # fmt: skip
+                      ONE_TILE: tl.constexpr, SINKS: tl.constexpr,
+                      SOFTCAP: tl.constexpr = 0.0):  # fmt: skip
     """Scores ``S^T = K @ Q^T`` of the compressed tokens at positions ``n [BLOCK_N]`` (``-inf``
-    at and past ``end``, and below ``SINKS``: the sinks are read from the ring): ``(scores
+    at and past ``end``, and below ``SINKS``: the sinks are read from the ring), capped by
+    ``SOFTCAP`` and masked (:func:`custom_ops.triton.decode.softmax.mask_scores`): ``(scores
     [BLOCK_N, G_PAD] float32 in log2 units, page, slot, meta row pointers, valid)``.
 
     Page ids come from the block table, or from ``early`` (entries read before the length was
@@ -101,7 +103,7 @@ def compressed_scores(n, end, early, b, table, k_plane, meta_plane, qs, masking,
     m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
     k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
     scores = scores * k_mul[:, None]
-    scores = mask_scores(scores, n, masking, b, q_head, row_ok, MASK, Q_TOKENS)
+    scores = mask_scores(scores, n, masking, b, q_head, row_ok, MASK, Q_TOKENS, SOFTCAP)
     return tl.where(valid[:, None], scores, float("-inf")), page, slot, m_row, valid
 
 

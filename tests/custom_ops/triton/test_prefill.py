@@ -124,7 +124,7 @@ class Case:
     def run(self, device, dtype=None, path=PREFIX_PATHS["dense"], **kwargs):
         """``tq.prefill`` by the Triton kernels on ``device`` (CPU: the interpreter), the prefix
         read by ``path``, or with ``dtype`` the float64 oracle; returned on the CPU."""
-        kwargs = dict(is_causal=False, mask=None, max_seq_len=None) | kwargs
+        kwargs = dict(is_causal=False, mask=None, max_seq_len=None, softcap=0.0) | kwargs
         args = (self.fmt, self.q, self.key, self.value, self.cache, self.block_table,
                 self.seq_lens, self.consts.rotation)  # fmt: skip
         if dtype is not None:
@@ -132,7 +132,7 @@ class Case:
             max_seq_len = kwargs["max_seq_len"] or capacity
             return reference.prefill(*args, self.q.shape[-1] ** -0.5, kwargs["is_causal"],
                                      max_seq_len, dtype, kwargs["mask"], *self.rings, self.sinks,
-                                     self.key_center)  # fmt: skip
+                                     self.key_center, kwargs["softcap"])  # fmt: skip
 
         def moved(t):
             return None if t is None else t.to(device)
@@ -146,7 +146,8 @@ class Case:
                               max_seq_len=kwargs["max_seq_len"],
                               k_window=moved(self.rings[0]), v_window=moved(self.rings[1]),
                               window_pos=moved(self.rings[2]), sinks=self.sinks,
-                              key_center=moved(self.key_center))  # fmt: skip
+                              key_center=moved(self.key_center),
+                              softcap=kwargs["softcap"])  # fmt: skip
         return out.cpu()
 
     def check(self, device, path, **kwargs) -> float:
@@ -285,6 +286,21 @@ def test_first_chunk_is_sdpa(fmt_name, kernel_device, prefix_path, seeded):
                    dict(mask=case.causal_mask(), max_seq_len=40)):  # fmt: skip
         assert torch.equal(case.run(kernel_device, path=prefix_path, **kwargs), dense)
     case.check(kernel_device, prefix_path, is_causal=True)
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4"])
+def test_softcap(fmt_name, kernel_device, seeded):
+    """Scores capped before the mask (Gemma 2), over the chunk and the compressed prefix with
+    its ring, sinks and centred keys, a causal mask or is_causal: the float64 oracle within the
+    dense path's tolerance (capped prefills take the reference's arithmetic on every device,
+    float32), where the cap moves the answer by far more."""
+    case = Case(fmt_name, seeded)
+    case.q = case.q * 4  # scores past the cap
+    for kwargs in (dict(mask=case.causal_mask()), dict(is_causal=True)):
+        expected = case.run(kernel_device, torch.float64, softcap=2.0, **kwargs)
+        assert rel_error(case.run(kernel_device, torch.float64, **kwargs), expected) > 0.1
+        actual = case.run(kernel_device, softcap=2.0, **kwargs)
+        assert rel_error(actual, expected) < PREFIX_PATHS["dense"].tolerance
 
 
 def test_dense_prefix_where_every_row_sees_it(kernel_device, seeded, monkeypatch):

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter
 
 
 def _kernel_decode(fmt, q, cache, block_table, seq_lens, consts, device, num_splits=2,
-                   scale=None, mask=None):  # fmt: skip
+                   scale=None, mask=None, softcap=0.0):  # fmt: skip
     """``api.decode`` by the Triton kernels on ``device`` (inputs moved there), on the CPU."""
     dev = api.KVConstants(*(c.to(device) for c in consts))
     with triton_kernels(device):
@@ -55,6 +55,7 @@ def _kernel_decode(fmt, q, cache, block_table, seq_lens, consts, device, num_spl
             num_splits=num_splits,
             scale=scale,
             mask=None if mask is None else mask.to(device),
+            softcap=softcap,
         )
     return out.cpu()
 
@@ -230,13 +231,16 @@ class TestDecodeBadInput(expecttest.TestCase):
             "batch mismatch": dict(q=q[:2]),
             "a prefill's worth of query tokens": dict(q=q[:, :, None].expand(-1, -1, 17, -1)),
             "sinks without rings": dict(sinks=4),
+            "a negative softcap": dict(softcap=-1.0),
+            "an infinite softcap": dict(softcap=float("inf")),
         }
         messages = []
         for case, override in cases.items():
-            args = dict(q=q, num_splits=2, sinks=0) | override
+            args = dict(q=q, num_splits=2, sinks=0, softcap=0.0) | override
             with self.assertRaises((ValueError, TypeError)) as ctx:
                 api.decode(fmt, args["q"], cache, table, lens, consts,
-                           num_splits=args["num_splits"], sinks=args["sinks"])  # fmt: skip
+                           num_splits=args["num_splits"], sinks=args["sinks"],
+                           softcap=args["softcap"])  # fmt: skip
             messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
         self.assertExpectedInline(
             "\n".join(messages),
@@ -246,7 +250,9 @@ heads not a multiple: ValueError: tq.decode: q has 7 heads, not a multiple of th
 splits not a power of two: ValueError: tq.decode: num_splits must be a power of two in [1, 512], got 3
 batch mismatch: ValueError: tq.decode: block_table has 3 rows for a batch of 2 queries
 a prefill's worth of query tokens: ValueError: tq.decode: q must be [B, Hq, D] (one query token per sequence) or [B, Hq, T, D] with 1 <= T <= 16 (each sequence's last T tokens), got shape (3, 8, 17, 64)
-sinks without rings: ValueError: tq.decode: sinks=4 needs the rings (k_window, v_window, window_pos) that hold them""",  # noqa: E501
+sinks without rings: ValueError: tq.decode: sinks=4 needs the rings (k_window, v_window, window_pos) that hold them
+a negative softcap: ValueError: tq.decode: softcap must be 0 (no cap) or a positive finite float, got -1.0
+an infinite softcap: ValueError: tq.decode: softcap must be 0 (no cap) or a positive finite float, got inf""",  # noqa: E501
         )
 
 
@@ -311,6 +317,39 @@ def test_kernel_mask(fmt_name, kind, kernel_device, seeded):
     assert rel_error(actual, expected) < 1e-3
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "additive"])
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc", "tq4_nc", "int8"])
+def test_kernel_softcap(fmt_name, mask_kind, kernel_device, seeded):
+    """Scores capped at ``softcap * tanh(s / softcap)`` before the mask (Gemma 2): the kernel
+    equals float64 attention with the same cap within 1e-3, where the cap changes the answer by
+    far more (queries scaled so that scores reach several times the cap)."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
+    q = q * 8
+    mask = None if mask_kind == "none" else torch.randn(3, 1, 12, generator=seeded) * 2
+    softcap = 5.0
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 0.125, torch.float64, mask,
+                                softcap=softcap)  # fmt: skip
+    uncapped = reference.decode(fmt, q, cache, table, lens, *consts, 0.125, torch.float64, mask)
+    assert rel_error(uncapped, expected) > 0.1
+    actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device, num_splits=4,
+                            scale=0.125, mask=mask, softcap=softcap)  # fmt: skip
+    assert rel_error(actual, expected) < 1e-3
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq4_nc"])
+def test_decode_window_softcap(fmt_name, kernel_device, seeded):
+    """The cap applies to the ring's tokens and the sinks as to the compressed ones: in the
+    split kernel (values in the original space) and in the ring kernel (rotated values)."""
+    seqs = Sequences(fmt_name, seeded, kernel_device, sinks=3)
+    for n_new, starts in STEPS[:4]:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+    q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half() * 6
+    expected = _expected_attention(seqs, q, softcap=3.0)
+    assert rel_error(_expected_attention(seqs, q), expected) > 0.1
+    actual = seqs.decode(q, num_splits=4, softcap=3.0)
+    assert rel_error(actual, expected) < 1e-3
+
+
 def _expected_kv(seqs, dtype=torch.float64):
     """``(K, V)``: the dequantized cache for positions below each sequence's ring run and the
     exact bf16 tokens in it and in its sinks."""
@@ -323,9 +362,10 @@ def _expected_kv(seqs, dtype=torch.float64):
     return k, torch.where(exact, seqs.values.to(dtype), v)
 
 
-def _expected_attention(seqs, q, dtype=torch.float64, mask=None):
+def _expected_attention(seqs, q, dtype=torch.float64, mask=None, softcap=0.0):
     """float64 attention of ``q [B, Hq, D]`` over :func:`_expected_kv`."""
-    return reference.attention(q, *_expected_kv(seqs, dtype), seqs.lens, HEAD_DIM**-0.5, mask)
+    return reference.attention(q, *_expected_kv(seqs, dtype), seqs.lens, HEAD_DIM**-0.5, mask,
+                               softcap)  # fmt: skip
 
 
 def _expected_verify(q, k, v, lens):
