@@ -62,6 +62,8 @@ def run(asm: str, inputs: dict[int, int]) -> dict[int, int]:
             result = vals[0]
         elif op == "and.b32":
             result = vals[0] & vals[1]
+        elif op == "or.b32":
+            result = vals[0] | vals[1]
         elif op == "xor.b32":
             result = vals[0] ^ vals[1]
         elif op == "shl.b32":

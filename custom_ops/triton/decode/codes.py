@@ -75,29 +75,52 @@ def _values(codes, P: tl.constexpr):
 
 
 @triton.jit
+def _sign_offsets(row_offsets, j, P: tl.constexpr, D: tl.constexpr, BYTE_STRIDE: tl.constexpr,
+                  TOKEN_RUN: tl.constexpr):  # fmt: skip
+    """Offsets of the 1-bit sign plane's byte ``j mod D/8`` of each row, the tile's shape."""
+    D8: tl.constexpr = D // 8
+    offsets = row_offsets + (P.OFF1 + j % D8) * BYTE_STRIDE
+    if TOKEN_RUN > 1:
+        offsets = tl.max_contiguous(tl.multiple_of(offsets, [1, TOKEN_RUN]), [1, TOKEN_RUN])
+    return offsets
+
+
+@triton.jit
 def _sign_tile(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.constexpr,
                BYTE_STRIDE: tl.constexpr, TOKEN_RUN: tl.constexpr):  # fmt: skip
-    """The 1-bit sign plane of 3- and 5-bit codes, re-read as a *sign tile* that matches the low
+    """The 1-bit sign plane of 5-bit codes, re-read as a *sign tile* that matches the low
     plane's tile: its byte ``j`` is the sign plane's byte ``j mod D/8``, whose bit ``r`` is the
     sign of element ``j mod D/8 + r D/8``. Returns ``(signs, sign_shift)``, ``sign_shift = j //
-    (D/8)``: element ``j + q D/4``'s sign (3 bits) is bit ``2q`` of ``signs >> sign_shift``,
-    element ``j + h D/2``'s (5 bits) bit ``4h``. The inline asm shifts 4 packed bytes at once:
-    along the tokens (values) they share ``j``, along ``j`` (keys) they do when D/8 is a
-    multiple of 4; elsewhere (plain Triton, and keys at D = 80) ``signs`` comes shifted and the
-    shift is 0."""
+    (D/8)``: element ``j + h D/2``'s sign is bit ``4h`` of ``signs >> sign_shift``. The inline
+    asm shifts 4 packed bytes at once: along the tokens (values) they share ``j``, along ``j``
+    (keys) they do when D/8 is a multiple of 4; elsewhere (plain Triton, and keys at D = 80)
+    ``signs`` comes shifted and the shift is 0."""
     ASM: tl.constexpr = P.ASM
     D8: tl.constexpr = D // 8
-    sign_offsets = row_offsets + (P.OFF1 + j % D8) * BYTE_STRIDE
-    if TOKEN_RUN > 1:
-        sign_offsets = tl.max_contiguous(
-            tl.multiple_of(sign_offsets, [1, TOKEN_RUN]), [1, TOKEN_RUN]
-        )
-    signs = tl.load(codes_ptr + sign_offsets, mask=mask, other=0)
+    signs = tl.load(codes_ptr + _sign_offsets(row_offsets, j, P, D, BYTE_STRIDE, TOKEN_RUN),
+                    mask=mask, other=0)  # fmt: skip
     sign_shift = tl.broadcast_to((j // D8).to(tl.uint8), signs.shape)
     if (ASM == "") | ((BYTE_STRIDE == 1) & (D8 % 4 != 0)):
         signs = (signs >> sign_shift).to(tl.uint8)
         sign_shift = tl.zeros_like(sign_shift)
     return signs, sign_shift
+
+
+@triton.jit
+def _sign_halves(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.constexpr,
+                 BYTE_STRIDE: tl.constexpr, TOKEN_RUN: tl.constexpr):  # fmt: skip
+    """The 1-bit sign plane of 3-bit codes as two tiles that match the 2-bit plane's tile
+    (``j < D/4``): ``low``'s byte ``j`` is the sign plane's byte ``j`` for ``j < D/8`` (0
+    elsewhere), ``high``'s byte ``j`` its byte ``j - D/8`` for ``j >= D/8`` (0 elsewhere).
+    Sign byte ``i``'s bit ``r`` is the top bit of element ``i + r D/8``, so element ``j + q
+    D/4``'s is bit ``2q`` of ``low | high >> 1``. Both tiles are loads, never computed from
+    ``j``: then Triton decodes straight in the dot operand's layout (a sign shift ``j // (D/8)``
+    as an operand sent each decoded fp16 tile through shared memory)."""
+    D8: tl.constexpr = D // 8
+    sign_ptrs = codes_ptr + _sign_offsets(row_offsets, j, P, D, BYTE_STRIDE, TOKEN_RUN)
+    low = tl.load(sign_ptrs, mask=mask & (j < D8), other=0)
+    high = tl.load(sign_ptrs, mask=mask & (j >= D8), other=0)
+    return low, high
 
 
 @triton.jit
@@ -155,19 +178,19 @@ def decode_tile(
         p3 = p0
     elif P.BITS == 3:
         # 2-bit plane byte j holds element j + q*D/4 at bits 2q; element j + q*D/4's top bit is
-        # bit 2q of the sign tile (see _sign_tile)
-        signs, sign_shift = _sign_tile(codes_ptr, row_offsets, j, mask, P, D, BYTE_STRIDE,
-                                       TOKEN_RUN)  # fmt: skip
+        # bit 2q of low | high >> 1 (see _sign_halves)
+        low, high = _sign_halves(codes_ptr, row_offsets, j, mask, P, D, BYTE_STRIDE, TOKEN_RUN)
         if ASM != "":
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 ASM,
                 "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
-                [plane, signs, sign_shift],
+                [plane, low, high],
                 dtype=(tl.float16,) * 4,
                 is_pure=True,
                 pack=4,
             )
         else:
+            signs = low | (high >> 1)
             p0 = _values((plane & 3) | ((signs & 1) << 2), P)
             p1 = _values(((plane >> 2) & 3) | (signs & 4), P)
             p2 = _values(((plane >> 4) & 3) | ((signs >> 2) & 4), P)

@@ -11,17 +11,20 @@ following the strided bit planes of :mod:`custom_ops.formats`:
 * 4 bits, one plane: byte ``j`` = element ``j`` (low nibble) and ``j + D/2`` (high nibble).
   Inputs ``$4`` (plane bytes); outputs ``$0 $1`` (low half), ``$2 $3`` (high half).
 * 8 bits (int8): byte ``j`` = element ``j``. Input ``$2``; outputs ``$0 $1``.
-* 3 bits, a 2-bit plane (bits ``2q`` of byte ``j``: element ``j + q D/4``) and a 1-bit plane,
-  which the kernel re-reads as a *sign tile*: byte ``j`` of the 1-bit plane's byte
-  ``j mod D/8``, whose bit ``2q + s`` is element ``j + q D/4``'s top bit, with ``s = j // (D/8)``
-  (0 or 1) the *sign shift*. Inputs ``$8`` (2-bit plane bytes), ``$9`` (sign tile bytes),
-  ``$10`` (the sign shift of the 4 bytes, equal, in each byte); outputs ``$2q $2q+1`` for
-  quarter ``q``. One 32-bit shift lines up the 4 bytes' top bits (bit 7, which gets the next
-  byte's bit 0, is never read).
+* 3 bits, a 2-bit plane (bits ``2q`` of byte ``j``: element ``j + q D/4``) and a 1-bit plane
+  (bit ``r`` of byte ``i``: the top bit of element ``i + r D/8``), which the kernel re-reads as
+  two *sign halves* matching the 2-bit plane's tile: ``low`` (byte ``j`` of the 1-bit plane for
+  ``j < D/8``, else 0) and ``high`` (its byte ``j - D/8`` for ``j >= D/8``, else 0), so element
+  ``j + q D/4``'s top bit is bit ``2q`` of ``low | high >> 1``. Inputs ``$8`` (2-bit plane
+  bytes), ``$9`` (``low``), ``$10`` (``high``); outputs ``$2q $2q+1`` for quarter ``q``. One
+  32-bit shift lines up the 4 bytes' top bits (bit 7, which gets the next byte's bit 0, is never
+  read).
 * 5 bits, a 4-bit plane (magnitudes: byte ``j`` = element ``j`` in the low nibble, ``j + D/2``
-  in the high nibble) and the sign tile of the 3-bit case, whose bit ``4h + s`` is element
-  ``j + h D/2``'s sign. Inputs ``$4`` (4-bit plane bytes), ``$5`` (sign tile bytes), ``$6`` (the
-  sign shift); outputs ``$0 $1`` (low half), ``$2 $3`` (high half).
+  in the high nibble) and a 1-bit plane, which the kernel re-reads as a *sign tile*: byte ``j``
+  of the 1-bit plane's byte ``j mod D/8``, whose bit ``4h + s`` is element ``j + h D/2``'s sign,
+  with ``s = j // (D/8)`` (0 to 3) the *sign shift*. Inputs ``$4`` (4-bit plane bytes), ``$5``
+  (sign tile bytes), ``$6`` (the sign shift of the 4 bytes, equal, in each byte); outputs ``$0
+  $1`` (low half), ``$2 $3`` (high half).
 * 2 bits, one plane: bits ``2q`` of byte ``j`` = element ``j + q D/4``. Input ``$8``; outputs
   ``$2q $2q+1`` for quarter ``q``. A 4-entry fp16 table covers every code, so Lloyd-Max and
   uniform codes share one string (``lut2_asm``) with different tables.
@@ -209,12 +212,17 @@ def _shifted_signs(signs: str, shift: str) -> tuple[str, str]:
     return f"and.b32 t, {shift}, 0xff;", f"shr.b32 t, {signs}, t;"
 
 
+# 3-bit codes: t = the sign halves $9 | $10 >> 1, whose bit 2q of each byte is the top bit of
+# quarter q (bit 7 gets the next byte's bit 0 and is never read)
+_SIGN_HALVES = ("shr.b32 t, $10, 1;", "or.b32 t, t, $9;")
+
+
 def lut3_asm(levels: Sequence[float]) -> str:
     """3-bit sign-magnitude Lloyd-Max codes -> fp16 levels (``levels``: ``[8]`` signed).
 
     The 4 magnitudes fill one 8-byte table looked up by :func:`_quarter_lookup`; ``sl`` / ``sh``
-    move the sign bytes of ``j, j+1`` / ``j+2, j+3`` under bits 15 and 31 (up to the quarter's
-    shift).
+    move the sign bits of ``j, j+1`` / ``j+2, j+3`` (``low | high >> 1``) under bits 15 and 31
+    (up to the quarter's shift).
     """
     mags = _fp16_bits(levels[:4])
     lines = [
@@ -222,7 +230,7 @@ def lut3_asm(levels: Sequence[float]) -> str:
         ".reg .b32 tab0, tab1, m, p, sl, sh, t;",
         f"mov.b32 tab0, {mags[0] | mags[1] << 16:#010x};",
         f"mov.b32 tab1, {mags[2] | mags[3] << 16:#010x};",
-        *_shifted_signs("$9", "$10"),
+        *_SIGN_HALVES,
         "prmt.b32 sl, t, 0, 0x1404;",
         "prmt.b32 sh, t, 0, 0x3424;",
     ]
@@ -246,7 +254,7 @@ def _uint3_asm() -> str:
         "mov.b32 magic, 0x64006400;",
         "prmt.b32 tl, $8, 0, 0x4140;",  # bytes j, j+1 into the two 16-bit lanes
         "prmt.b32 th, $8, 0, 0x4342;",  # bytes j+2, j+3
-        *_shifted_signs("$9", "$10"),
+        *_SIGN_HALVES,
         "prmt.b32 sl, t, 0, 0x4140;",
         "prmt.b32 sh, t, 0, 0x4342;",
     ]

@@ -97,43 +97,49 @@ def test_lut5_asm(head_dim, seeded):
             assert values == [levels[c].item() for c in codes]
 
 
-def _codes3(plane_word: int, sign_word: int, shift: int, quarter: int) -> list[int]:
-    """3-bit codes of quarter ``q``: bits 2q of the 2-bit plane bytes, bit 2q + shift of the
-    sign tile's bytes."""
+def _codes3(plane_word: int, low_word: int, high_word: int, quarter: int) -> list[int]:
+    """3-bit codes of quarter ``q``: bits 2q of the 2-bit plane bytes, bit 2q of the sign
+    halves' bytes ``low | high >> 1``."""
     return [
-        ((b >> (2 * quarter)) & 3) | (((s >> (2 * quarter + shift)) & 1) << 2)
-        for b, s in zip(_bytes(plane_word), _bytes(sign_word), strict=True)
-    ]
+        ((b >> (2 * quarter)) & 3) | ((((lo | hi >> 1) >> (2 * quarter)) & 1) << 2)
+        for b, lo, hi in zip(_bytes(plane_word), _bytes(low_word), _bytes(high_word),
+                             strict=True)
+    ]  # fmt: skip
 
 
 def _sign_cases(gen):
-    """(plane word, sign word, sign shift replicated in 4 bytes, shift) triples."""
-    planes = _random_words(gen, [0, 0xFFFFFFFF])
-    signs = _random_words(gen, [0xFFFFFFFF, 0])
+    """(plane word, low sign half, high sign half) triples: as the kernel loads them (one half
+    zero, or each byte's half zero in the other) and arbitrary."""
+    planes = _random_words(gen, [0, 0xFFFFFFFF, 0x12345678, 0x87654321])
+    signs = _random_words(gen, [0xFFFFFFFF, 0, 0xFFFF0000, 0x0000FFFF])
     for i, (plane_word, sign_word) in enumerate(zip(planes, signs, strict=True)):
-        shift = i % 2
-        yield plane_word, sign_word, shift * 0x01010101, shift
+        byte_mask = (0x0000FFFF, 0xFFFF0000, 0x00FF00FF)[i % 3]
+        yield plane_word, sign_word, 0
+        yield plane_word, 0, sign_word
+        yield plane_word, sign_word & byte_mask, sign_word & ~byte_mask & 0xFFFFFFFF
+        yield plane_word, sign_word, planes[-1 - i]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_lut3_asm(head_dim, seeded):
-    """Every quarter's 3-bit sign-magnitude code becomes its fp16 Lloyd-Max level, with the
-    sign tile shifted by the sign shift (0 or 1)."""
+    """Every quarter's 3-bit sign-magnitude code becomes its fp16 Lloyd-Max level, its sign from
+    the sign halves."""
     levels = signed_levels(3, head_dim)
     asm = lut3_asm(levels)
-    for plane_word, sign_word, shift_word, shift in _sign_cases(seeded):
-        outputs = _outputs(asm, {8: plane_word, 9: sign_word, 10: shift_word}, 4)
+    for plane_word, low_word, high_word in _sign_cases(seeded):
+        outputs = _outputs(asm, {8: plane_word, 9: low_word, 10: high_word}, 4)
         for quarter, values in enumerate(outputs):
-            codes = _codes3(plane_word, sign_word, shift, quarter)
+            codes = _codes3(plane_word, low_word, high_word, quarter)
             assert values == [levels[c].item() for c in codes]
 
 
 def test_uint3_asm(seeded):
     """Every quarter's 3-bit uniform code becomes the fp16 of its integer value."""
-    for plane_word, sign_word, shift_word, shift in _sign_cases(seeded):
-        outputs = _outputs(UINT3_ASM, {8: plane_word, 9: sign_word, 10: shift_word}, 4)
+    for plane_word, low_word, high_word in _sign_cases(seeded):
+        outputs = _outputs(UINT3_ASM, {8: plane_word, 9: low_word, 10: high_word}, 4)
         for quarter, values in enumerate(outputs):
-            assert values == [float(c) for c in _codes3(plane_word, sign_word, shift, quarter)]
+            codes = _codes3(plane_word, low_word, high_word, quarter)
+            assert values == [float(c) for c in codes]
 
 
 @pytest.mark.parametrize("kind", [Kind.LLOYD_MAX, Kind.UNIFORM])
