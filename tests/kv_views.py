@@ -27,11 +27,12 @@ def filled_tq_cache(fmt="4bit_nc", length=37, seed=0, dtype=torch.bfloat16, wind
     return cache, keys, values
 
 
-def dense_attention(q, keys, values, attn_mask=None, is_causal=False, scale=None):
+def dense_attention(q, keys, values, attn_mask=None, is_causal=False, scale=None, softcap=0.0):
     """Float64 SDPA on the CPU of ``q [B, Hq, T, D]`` over the dequantized cache of the views
     ``keys`` / ``values`` (their heads repeated to q's), positions past each sequence's length
     masked out, ``attn_mask`` (bool, or additive) applied and ``is_causal`` top-left aligned,
-    as dense SDPA over the same positions."""
+    as dense SDPA over the same positions; with a ``softcap``, the scores capped at ``softcap *
+    tanh(s / softcap)`` before the mask."""
     k = keys.dequantize(torch.float64).cpu()
     v = values.dequantize(torch.float64).cpu()
     group = q.shape[1] // k.shape[1]
@@ -46,4 +47,12 @@ def dense_attention(q, keys, values, attn_mask=None, is_causal=False, scale=None
         mask = visible & attn_mask.cpu()
     else:
         mask = torch.where(visible, attn_mask.cpu().double(), -math.inf)
-    return F.scaled_dot_product_attention(q.double().cpu(), k, v, attn_mask=mask, scale=scale)
+    if not softcap:
+        return F.scaled_dot_product_attention(q.double().cpu(), k, v, attn_mask=mask, scale=scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.tanh(q.double().cpu() @ k.transpose(-1, -2) * scale / softcap) * softcap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, -math.inf)
+    else:
+        scores = scores + mask
+    return torch.softmax(scores, dim=-1) @ v

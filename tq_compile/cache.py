@@ -287,6 +287,9 @@ class TurboQuantKVCache(nn.Module):
                                       operands.rotation, operands.key_center)  # fmt: skip
         planes, rings, table, rotation, key_center = operands
         name = self.kv_format.name
+        # The codes are constants to autograd (the ops have no derivative); a chunk's views
+        # still carry k_val / v_val as they are, through which attention's gradient flows.
+        k_store, v_store = k_val.detach(), v_val.detach()
         if self.has_rings:
             # positions start .. start + T - 1: the store reads the start from input_pos (a
             # view, no kernel) and returns the new lengths start + T. A view of a graph input
@@ -294,7 +297,7 @@ class TurboQuantKVCache(nn.Module):
             # mutation analysis sees what it writes (see custom_ops.triton.traced), and the view
             # counts as read only.
             start = input_pos[:1].expand(batch)
-            seq_lens = ops.call(StoreWindowArgs(k_val, v_val, *planes, *rings, table, start,
+            seq_lens = ops.call(StoreWindowArgs(k_store, v_store, *planes, *rings, table, start,
                                                 rotation, name, self.sinks,
                                                 key_center))  # fmt: skip
         else:
@@ -302,8 +305,8 @@ class TurboQuantKVCache(nn.Module):
             pages = table[:, pos // self.page_size]  # [B, T]
             slots = pages * self.page_size + (pos % self.page_size).to(torch.int32)
             # [B, Hk, T, D] -> [B * T, Hk, D] rows in (sequence, token) order, like the slots
-            keys = k_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
-            values = v_val.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
+            keys = k_store.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
+            values = v_store.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
             ops.call(StoreArgs(keys, values, *planes, slots.reshape(-1).to(torch.int32),
                                rotation, name))  # fmt: skip
             seq_lens = (pos.max() + 1).expand(batch).to(torch.int32)

@@ -19,13 +19,24 @@ cache is ever made while decoding (GQA groups up to 64 query heads per kv-head:
 Layers of other kinds than attention over the whole past are refused at construction, except
 sliding-window and chunked layers, which are served as full layers (every token is kept; the
 model's mask still limits what each query sees) at the cost of their unused capacity.
+
+Models whose attention is eager (``attn_implementation="eager"``, and Gemma 2, which runs
+eagerly for its attention logit softcapping) are switched at construction to the attention
+function this module registers with transformers, ``"turboquant"``
+(:func:`turboquant_attention`): over this cache's views it is SDPA's route to the kernels, the
+softcap included; over dense keys (layers kept in full precision, other caches) it is the
+model's own eager attention, so the model computes what it computed before.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import torch
 
 try:
+    from transformers import AttentionInterface
     from transformers.cache_utils import (
         Cache,
         CacheLayerMixin,
@@ -33,6 +44,7 @@ try:
         get_layer_types_and_kwargs,
     )
     from transformers.configuration_utils import PreTrainedConfig
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "tq_compile.hf needs Hugging Face transformers: pip install 'tq-compile[hf]'"
@@ -40,14 +52,83 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from custom_ops import compat
 from tq_compile.cache import TurboQuantKVCache
-from tq_compile.kv_tensor import TurboQuantKVTensor
+from tq_compile.kv_tensor import TurboQuantKVTensor, attention
 from tq_compile.options import CacheOptions, check_count
 
-__all__ = ["TurboQuantCache", "TurboQuantLayer"]
+__all__ = ["TurboQuantCache", "TurboQuantLayer", "turboquant_attention", "ATTENTION"]
+
+_LOGGER = logging.getLogger(__name__)
+
+# The attention implementation (transformers' AttentionInterface key) that eager models get.
+ATTENTION = "turboquant"
 
 # Layer kinds a full TurboQuant layer serves: the mask, built by the model from its config,
 # restricts sliding and chunked layers; the cache keeps every token.
 _SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def turboquant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                         softcap=None, **kwargs):  # fmt: skip
+    """transformers' attention function ``"turboquant"`` (an ``AttentionInterface`` entry).
+
+    Over a :class:`TurboQuantCache`'s views it is what the ``"sdpa"`` implementation does over
+    them (the kernels, through :func:`tq_compile.kv_tensor.attention`) with the scores capped
+    by ``softcap`` (Gemma 2's ``attn_logit_softcapping``) before the mask; a sliding window
+    comes with the mask. Over dense keys it is the model's own eager attention (its module's
+    ``eager_attention_forward``), given the additive mask it expects.
+
+    Args:
+        module: the attention module (its ``is_causal`` and ``num_key_value_groups``).
+        query: ``[B, Hq, L, D]``.
+        key, value: ``[B, Hk, S, D]``, views of a TurboQuant layer or dense tensors.
+        attention_mask: the boolean ``[B, 1, L, S]`` mask of ``sdpa_mask``, or None.
+        dropout, scaling, softcap: the module's (dropout must be 0 over the views).
+        **kwargs: what the model passes on (``sliding_window``, ...).
+
+    Returns:
+        ``(out [B, L, Hq, D], None)``: no attention weights over the views.
+
+    Raises:
+        ValueError: dropout over the views; NotImplementedError: dense keys of a model without
+            an eager attention function.
+    """
+    is_causal = kwargs.pop("is_causal", None)
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if not isinstance(key, TurboQuantKVTensor):
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is None:
+            raise NotImplementedError(
+                f"the '{ATTENTION}' attention over dense keys runs the model's eager attention, "
+                f"and {type(module).__module__} has no eager_attention_forward"
+            )
+        mask = _additive_mask(attention_mask, query, key, is_causal)
+        return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                     softcap=softcap, **kwargs)  # fmt: skip
+    if dropout:
+        raise ValueError(f"dropout must be 0 over a TurboQuantCache (inference), got {dropout}")
+    # as the sdpa implementation decides: a mask left out means causal over a prompt
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    out = attention(query, key, value, attention_mask, is_causal, scaling, enable_gqa=True,
+                    softcap=softcap or 0.0)  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _additive_mask(mask, query, key, is_causal: bool):
+    """The additive mask an eager attention function adds to its scores ``[B, H, L, S]`` for the
+    boolean mask of ``sdpa_mask`` (or None, which it leaves out only where SDPA's top-left
+    ``is_causal`` is exact, or where nothing is masked)."""
+    queries, positions = query.shape[2], key.shape[2]
+    if mask is None:
+        if queries == 1 or not is_causal:
+            return None
+        mask = torch.ones(queries, positions, dtype=torch.bool, device=query.device).tril()
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
+
+
+AttentionInterface.register(ATTENTION, turboquant_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 class TurboQuantLayer(CacheLayerMixin):
@@ -269,15 +350,29 @@ class TurboQuantCache(Cache):
                                            or max_batch_size < 1):  # fmt: skip
             raise ValueError(f"max_batch_size must be None or an integer >= 1, "
                              f"got {max_batch_size!r}")  # fmt: skip
-        attention = _attention_implementation(config)
-        if attention == "eager":
+        text = config.get_text_config(decoder=True)
+        if options.center_keys and getattr(text, "attn_logit_softcapping", None):
             raise ValueError(
-                "TurboQuantCache needs the model's attention through SDPA (attn_implementation="
-                "'sdpa', the default of most models); this model's config says 'eager', whose "
-                "attention multiplies the cached keys as a dense tensor. Load it with "
-                "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))."
+                "center_keys=True cannot serve a model with attention logit softcapping "
+                f"(attn_logit_softcapping={text.attn_logit_softcapping}): a cap changes with the "
+                "centre that softmax alone ignores; use center_keys=False"
             )
-        layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        attention_implementation = _attention_implementation(config)
+        if attention_implementation not in ("sdpa", ATTENTION):
+            if attention_implementation != "eager":
+                raise ValueError(
+                    f"TurboQuantCache serves attn_implementation 'sdpa' or 'eager' (the latter "
+                    f"through '{ATTENTION}'); this model's config says "
+                    f"{attention_implementation!r}: load it with attn_implementation='sdpa' (or "
+                    f"call model.set_attn_implementation('sdpa'))"
+                )
+            # the model reads its config's implementation at each forward
+            config._attn_implementation = ATTENTION
+            if text is not config:
+                text._attn_implementation = ATTENTION
+            _LOGGER.info("TurboQuantCache: the model's eager attention now runs as %r (the "
+                         "model's own eager attention over dense keys)", ATTENTION)  # fmt: skip
+        layer_types, _ = get_layer_types_and_kwargs(text)
         unserved = sorted(set(layer_types) - set(_SERVED_LAYER_TYPES))
         if unserved:
             raise ValueError(
@@ -299,20 +394,6 @@ class TurboQuantCache(Cache):
             for index in range(count)
         ]  # fmt: skip
         super().__init__(layers=layers)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args, **kwargs):  # fmt: skip
-        """``Cache.update``, refused with autograd before any layer (a dense one included)
-        writes: attention over the quantized layers' views has no gradient, and a forward that
-        failed after its first layers had stored their tokens would leave the layers' lengths
-        apart."""
-        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
-            raise RuntimeError(
-                "TurboQuantCache does not support autograd: attention over the quantized cache "
-                "has no gradient. Run the model under torch.no_grad() or torch.inference_mode() "
-                "(generate() does)."
-            )
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def nbytes(self) -> int:
         """Bytes held by every layer (TurboQuant planes and rings, dense layers' K and V)."""

@@ -44,10 +44,11 @@ from torchao.utils import TorchAOBaseTensor
 
 from custom_ops import compat, ops
 from custom_ops.formats import PagedKVCache, ring_window, sequence_capacity
+from custom_ops.reference import softcap_scores
 from custom_ops.schema import DecodeArgs, DequantizeArgs, PrefillArgs
 from custom_ops.validate import MAX_QUERY_TOKENS
 
-__all__ = ["TurboQuantKVTensor"]
+__all__ = ["TurboQuantKVTensor", "attention"]
 
 _SIDES = ("key", "value")
 
@@ -347,7 +348,7 @@ def _sdpa_arguments(args, kwargs) -> dict:
     return bound
 
 
-def _check_sdpa(q, k, v, dropout_p, enable_gqa) -> None:
+def _check_sdpa(q, k, v, dropout_p, enable_gqa, softcap) -> None:
     if not (isinstance(k, TurboQuantKVTensor) and isinstance(v, TurboQuantKVTensor)):
         raise TypeError(
             "scaled_dot_product_attention over a TurboQuantKVTensor needs both key "
@@ -368,10 +369,14 @@ def _check_sdpa(q, k, v, dropout_p, enable_gqa) -> None:
         )
     if dropout_p:
         raise ValueError("dropout_p must be 0 with a TurboQuantKVTensor (inference only)")
-    if q.requires_grad:
+    if type(softcap) not in (int, float) or not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be 0 (no cap) or a positive finite float, got {softcap!r}")
+    if softcap and k.key_center is not None:
+        # the kernels' scores leave out q . centre, which all of a query's scores share:
+        # softmax ignores it, a cap does not
         raise ValueError(
-            "TurboQuantKVTensor attention is inference-only: the query requires "
-            "grad (use torch.no_grad())"
+            "softcap (Gemma 2's attention logit softcapping) needs keys stored as they are: "
+            "build the cache with center_keys=False"
         )
     heads = k.shape[1]
     if q.shape[1] != heads and not (enable_gqa and q.shape[1] % heads == 0):
@@ -387,7 +392,8 @@ def _mask_4d(attn_mask: torch.Tensor) -> torch.Tensor:
     return attn_mask
 
 
-def _decode_folded(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float):
+def _decode_folded(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float,
+                   softcap: float):  # fmt: skip
     """Attention of queries ``[B, Hq, L, D]`` that all see the same cached positions (Hugging
     Face's ``pack_gqa`` layout ``[B, Hk, group, D]``) through ``tq.decode``: the L queries of
     head ``h`` become query heads ``h * L .. h * L + L - 1``, which read the same kv-head as
@@ -398,27 +404,31 @@ def _decode_folded(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: flo
         mask = _mask_4d(attn_mask).select(2, 0)  # [B or 1, Hq or 1, S]
         if mask.shape[1] > 1:
             mask = mask.repeat_interleave(q_len, dim=1)
-    out = _tq_decode(q.reshape(batch, q_heads * q_len, head_dim), k, mask, scale)
+    out = _tq_decode(q.reshape(batch, q_heads * q_len, head_dim), k, mask, scale, softcap)
     return out.reshape(batch, q_heads, q_len, head_dim)
 
 
-def _decode_tokens(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float):
+def _decode_tokens(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float,
+                   softcap: float):  # fmt: skip
     """Attention of each sequence's last ``T`` tokens, queries ``[B, Hq, T, D]`` under a mask
     with a row per token (which alone decides what each token sees), through the multi-token
     ``tq.decode``. One decode token (T = 1, a mask or none) goes this way too: no view of q,
     the mask or the output to make (each is host time in an eager step)."""
     mask = None if attn_mask is None else _mask_4d(attn_mask)  # [B or 1, Hq or 1, T, S]
-    return _tq_decode(q, k, mask, scale)
+    return _tq_decode(q, k, mask, scale, softcap)
 
 
-def _tq_decode(q: torch.Tensor, k: TurboQuantKVTensor, mask, scale: float) -> torch.Tensor:
+def _tq_decode(q: torch.Tensor, k: TurboQuantKVTensor, mask, scale: float,
+               softcap: float) -> torch.Tensor:  # fmt: skip
     """``tq.decode`` of ``q`` (``[B, Hq, D]`` or ``[B, Hq, T, D]``) over the cache of view
-    ``k`` under ``mask`` (the op's form, or None)."""
+    ``k`` under ``mask`` (the op's form, or None), scores capped by ``softcap``."""
     return ops.call(DecodeArgs(q, *k.planes, k.block_table, k.seq_lens, k.rotation, k.fmt,
-                               k.num_splits, scale, mask, *k.rings, k.sinks))  # fmt: skip
+                               k.num_splits, scale, mask, *k.rings, k.sinks,
+                               softcap))  # fmt: skip
 
 
-def _prefill(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, is_causal: bool, scale: float):
+def _prefill(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, is_causal: bool, scale: float,
+             softcap: float):  # fmt: skip
     """``tq.prefill``: the chunk that made the view (queries ``q [B, Hq, T, D]``, its last
     ``T`` positions) over its exact keys and values and the compressed prefix before it."""
     mask = None
@@ -427,7 +437,7 @@ def _prefill(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, is_causal: bool,
         mask = mask.expand(mask.shape[0], mask.shape[1], q.shape[2], mask.shape[3])
     return ops.call(PrefillArgs(q, k.chunk_k, k.chunk_v, *k.planes, k.block_table, k.seq_lens,
                                 k.rotation, k.fmt, scale, is_causal, k.max_seq_len, mask,
-                                *k.rings, k.sinks, k.key_center))  # fmt: skip
+                                *k.rings, k.sinks, k.key_center, softcap))  # fmt: skip
 
 
 @implements_torch_function(F.scaled_dot_product_attention)
@@ -435,35 +445,79 @@ def _scaled_dot_product_attention(func, types, args, kwargs):
     # every k.shape of a subclass would go through __torch_function__ again (an eager step
     # pays several microseconds each)
     with compat.DisableTorchFunctionSubclass():
-        return _attention(_sdpa_arguments(args, kwargs))
+        return _attention(_sdpa_arguments(args, kwargs), 0.0)
 
 
-def _attention(a: dict) -> torch.Tensor:
-    """SDPA of the bound arguments ``a`` (:func:`_sdpa_arguments`) over a TurboQuant cache."""
+def attention(
+    query: torch.Tensor,
+    key: TurboQuantKVTensor,
+    value: TurboQuantKVTensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` over the key and value views of a TurboQuant cache,
+    with Gemma 2's attention logit softcapping, which SDPA lacks: each score ``s`` (``scale``
+    times ``q . k``) becomes ``softcap * tanh(s / softcap)`` before the mask applies.
+
+    Args:
+        query: ``[B, Hq, L, D]``.
+        key, value: the views a cache's ``update`` returned (``[B, Hk, S, D]``).
+        attn_mask, is_causal, scale, enable_gqa: as for SDPA.
+        softcap: the cap (0: none, which is SDPA over the views).
+
+    Returns:
+        ``[B, Hq, L, D]`` in the query's dtype.
+
+    Raises:
+        ValueError: a softcap that is negative or not finite, or one over keys stored
+            centred; and what SDPA over the views refuses.
+    """
+    with compat.DisableTorchFunctionSubclass():
+        bound = dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=0.0,
+                     is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+        return _attention(bound, softcap)
+
+
+def _attention(a: dict, softcap: float) -> torch.Tensor:
+    """SDPA of the bound arguments ``a`` (:func:`_sdpa_arguments`) over a TurboQuant cache,
+    scores capped by ``softcap`` (0: none)."""
     q, k, v, attn_mask = a["query"], a["key"], a["value"], a["attn_mask"]
-    _check_sdpa(q, k, v, a["dropout_p"], a["enable_gqa"])
+    _check_sdpa(q, k, v, a["dropout_p"], a["enable_gqa"], softcap)
     head_dim = q.shape[-1]
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(head_dim)
     shared_row = attn_mask is None or _mask_4d(attn_mask).shape[2] == 1
     # the chunk that made the view, as its queries: attention over its exact keys and values
     chunk = k.chunk_k is not None and k.chunk_k.shape[2] == q.shape[2]
-    if not a["is_causal"] and not k.truncated:
+    # a forward with autograd on: the ops have no derivative, dense attention has one
+    differentiable = torch.is_grad_enabled() and (
+        q.requires_grad or (chunk and (k.chunk_k.requires_grad or v.chunk_v.requires_grad))
+    )
+    if not a["is_causal"] and not k.truncated and not differentiable:
         # one token per sequence as it is; a few tokens with a mask row each (the mask alone
         # orders them: a causal one, a bidirectional prefix, HF's pack_gqa rows under a
         # per-head mask)
         if q.shape[2] == 1 or (not shared_row and q.shape[2] <= MAX_QUERY_TOKENS):
-            return _decode_tokens(q, k, attn_mask, scale)
+            return _decode_tokens(q, k, attn_mask, scale, softcap)
         # queries sharing one mask row that are not the chunk (HF's pack_gqa head group of a
         # decode step) folded into the query heads of one decode
         folded_rows = q.shape[1] * q.shape[2] // k.k_codes.shape[1]
         if shared_row and not chunk and folded_rows <= MAX_FOLDED_ROWS:
-            return _decode_folded(q, k, attn_mask, scale)
+            return _decode_folded(q, k, attn_mask, scale, softcap)
+    if chunk and not differentiable:
+        return _prefill(q, k, attn_mask, a["is_causal"], scale, softcap)
+    # Dense attention over the dequantized cache, with every position past a sequence's length
+    # masked out: a view without its chunk (kept from an earlier update), or autograd (the
+    # chunk's positions then hold its keys and values as the model computed them, as tq.prefill
+    # reads them: the gradient reaches them and the query, the cached tokens are constants).
+    # Keys as stored where softmax alone follows: it ignores the centre that all of a query's
+    # scores share.
+    keys = k.dequantize(q.dtype, uncenter=bool(softcap) or chunk)
+    values = v.dequantize(q.dtype)
     if chunk:
-        return _prefill(q, k, attn_mask, a["is_causal"], scale)
-    # A view without its chunk (kept from an earlier update): attention over the dequantized
-    # cache, with every position past a sequence's length masked out.
-    # (keys as stored: softmax ignores the centre that all of a query's scores share)
-    keys, values = k.dequantize(q.dtype, uncenter=False), v.dequantize(q.dtype)
+        keys, values = _with_chunk(keys, k, k.chunk_k), _with_chunk(values, v, v.chunk_v)
     seq = k.shape[2]
     visible = torch.arange(seq, device=q.device)[None, :] < k.seq_lens[:, None]
     visible = visible[:, None, None, :]  # [B, 1, 1, S]
@@ -476,8 +530,41 @@ def _attention(a: dict) -> torch.Tensor:
         mask = visible & _mask_4d(attn_mask)
     else:
         mask = torch.where(visible, _mask_4d(attn_mask).to(q.dtype), float("-inf"))
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                          enable_gqa=a["enable_gqa"])  # fmt: skip
+    return _dense_attention(q, keys, values, mask, scale, a["enable_gqa"], softcap)
+
+
+def _with_chunk(dense: torch.Tensor, view: TurboQuantKVTensor, chunk: torch.Tensor):
+    """``dense [B, H, S, D]`` (``view.dequantize()``) with the chunk's positions, each
+    sequence's last ``T`` below its length, holding ``chunk [B, Hk, T, D]`` as the model computed
+    it (differentiable in ``chunk``)."""
+    batch, heads, seq, head_dim = dense.shape
+    tokens = chunk.shape[2]
+    chunk = chunk.to(dense.dtype).repeat_interleave(heads // chunk.shape[1], dim=1)
+    starts = view.seq_lens.to(torch.int64)[:, None] - tokens
+    offset = torch.arange(seq, device=dense.device)[None, :] - starts  # [B, S]: chunk index
+    in_chunk = ((offset >= 0) & (offset < tokens))[:, None, :, None]
+    index = offset.clamp(0, tokens - 1)[:, None, :, None].expand(batch, heads, seq, head_dim)
+    return torch.where(in_chunk, chunk.gather(2, index), dense)
+
+
+def _dense_attention(q, keys, values, mask, scale: float, enable_gqa: bool, softcap: float):
+    """SDPA of ``q [B, Hq, L, D]`` over dense ``keys``/``values [B, H, S, D]`` under ``mask``
+    (bool, or additive); with a ``softcap``, the same in float32 with the scores capped before
+    the mask (SDPA has no cap), a row with no visible position giving zeros."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=enable_gqa)  # fmt: skip
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = softcap_scores(q.float() @ keys.transpose(-1, -2) * scale, softcap)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    no_key = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores, dim=-1).masked_fill(no_key, 0.0)
+    return (probs @ values).to(q.dtype)
 
 
 # ---- .to(): device moves and the logical (model) dtype ---------------------------------------

@@ -1,5 +1,7 @@
 """TurboQuantCache (``tq_compile/hf.py``) on tiny random-weight transformers models: Llama,
-Qwen2 (q/k/v biases) and Mistral (sliding-window layers), against transformers' StaticCache."""
+Qwen2 (q/k/v biases), Mistral (sliding-window layers), and eager attention (Llama with
+``attn_implementation="eager"``, Gemma 2 with its logit softcapping and sliding layers), against
+transformers' StaticCache."""
 
 from __future__ import annotations
 
@@ -29,7 +31,16 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     # sliding layers (window 24 < the 44 tokens generated) are served as full layers
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}),
+    # eager attention, served through the "turboquant" attention function
+    "llama_eager": ("LlamaConfig", "LlamaForCausalLM", {"attn_implementation": "eager"}),
+    # eager only; scores scaled by 1 (not 1/8) and capped at 2, since Gemma 2's 50 would not
+    # bind on a tiny random model; sliding layers of 24 tokens between full ones
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "attn_implementation": "eager", "attn_logit_softcapping": 2.0, "sliding_window": 24,
+        "query_pre_attn_scalar": 1,
+    }),
 }
+EAGER_ARCHS = ("llama_eager", "gemma2")
 
 # Relative logit error bounds, teacher forced (measured on these models: int8 0.9%, a window
 # holding every token 0.55% = bf16 rounding, 4-bit vs dense attention over the same dequantized
@@ -154,6 +165,35 @@ def test_quantized_logits_match_dense_attention_over_the_same_codes(preset, wind
                                       tokens[:, :-1])  # fmt: skip
     assert rel_error(tq, reference) < SAME_QUANTIZATION_BOUND
     assert rel_error(tq, static_logits) < 0.3  # 3-bit: 20%; zeros would be 100%
+
+
+@pytest.mark.parametrize(("preset", "window", "sinks"),
+                         [("4bit_nc", 0, 0), ("4bit_nc", 8, 4), ("tq4_nc", 8, 0)])  # fmt: skip
+@pytest.mark.parametrize("arch", EAGER_ARCHS)
+def test_eager_attention_logits_match_dense_attention_over_the_same_codes(arch, preset, window,
+                                                                          sinks):  # fmt: skip
+    """Eager models through the "turboquant" attention function: logits equal those of the
+    model's own eager attention over the same cache dequantized (Gemma 2: scores capped, sliding
+    layers masked), so the kernels and the capped prefill add no error of their own; and the
+    cap binds: without it the same codes give logits several times the bound away."""
+    config, model = tiny_model(arch)
+    ids, mask = prompt_batch(seed=1)
+    tokens, static_logits = static_run(model, config, ids, mask)
+    cache = TurboQuantCache(config, CAPACITY, preset=preset, window=window, sinks=sinks)
+    assert model.config._attn_implementation == "turboquant"
+    tq = teacher_forced_logits(model, cache, ids, mask, tokens[:, :-1])
+    reference = teacher_forced_logits(model, _reference_cache(config, preset, window, sinks), ids,
+                                      mask, tokens[:, :-1])  # fmt: skip
+    assert rel_error(tq, reference) < SAME_QUANTIZATION_BOUND
+    assert rel_error(tq, static_logits) < 0.3
+    if arch == "gemma2":
+        uncapped = copy.deepcopy(model)
+        uncapped.config.attn_logit_softcapping = None
+        for layer in uncapped.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        off = teacher_forced_logits(uncapped, _reference_cache(config, preset, window, sinks),
+                                    ids, mask, tokens[:, :-1])  # fmt: skip
+        assert rel_error(off, reference) > 3 * SAME_QUANTIZATION_BOUND  # measured: 10%
 
 
 def test_window_holding_every_token_is_exact():
@@ -448,38 +488,50 @@ def test_kept_layers_with_a_smaller_batch_and_assisted_generation():
     assert torch.equal(assisted, plain)
 
 
-def test_a_refused_forward_writes_nothing():
-    """A forward with grad enabled is refused before the cache is written (issue 51, defect 3:
-    on e30c341 the subclass refused autograd after layer 0 had stored the prompt, and a retry
-    under no_grad gave logits 3.9 away from a fresh cache's): every layer's length stays 0 and
-    every buffer byte for byte, and the retry equals a fresh cache."""
+def test_forward_with_grad_enabled_works():
+    """A plain forward with autograd on (a user's own loop without torch.no_grad) works as with
+    StaticCache (on 7ccf1d3 it raised "does not support autograd"): prompt and decode-step
+    logits equal the no_grad forward's to bf16 rounding, backward reaches the weights through
+    the attention, and the cache holds what the no_grad forward stored: the same lengths, and
+    the first quantized layer byte for byte (later layers' inputs differ by bf16 rounding, the
+    prompt attended by dense SDPA over the chunk instead of the flash kernel)."""
     config, model = tiny_model("qwen2")
     ids, mask = prompt_batch(seed=6)
-    for keep_first in (0, 1):  # a dense first layer is refused before writing too
-        cache = TurboQuantCache(config, CAPACITY, window=8, keep_first=keep_first)
-        with torch.no_grad():  # allocate, then empty: the buffers exist to be compared
-            model(ids, attention_mask=mask, past_key_values=cache)
-        cache.reset()
-        quantized = cache.layers[keep_first:]
-        before = [t.clone() for layer in quantized for t in layer.kv.buffers()]
-        with pytest.raises(RuntimeError, match="does not support autograd"):
-            model(ids, attention_mask=mask, past_key_values=cache)  # grad enabled
-        assert [int(layer.get_seq_length()) for layer in cache.layers] == [0, 0]
-        after = [t for layer in quantized for t in layer.kv.buffers()]
-        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    step_mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+    step_ids, step_positions = ids[:, -1:], positions[:, -1:] + 1
+    for keep_first in (0, 1):  # a dense first layer too
+        trained, plain = (TurboQuantCache(config, CAPACITY, window=8, keep_first=keep_first)
+                          for _ in range(2))  # fmt: skip
+        got = [model(ids, attention_mask=mask, position_ids=positions,
+                     past_key_values=trained).logits]  # fmt: skip
+        got.append(model(step_ids, attention_mask=step_mask, position_ids=step_positions,
+                         past_key_values=trained).logits)  # fmt: skip
         with torch.no_grad():
-            retry = model(ids, attention_mask=mask, past_key_values=cache).logits
-            fresh = model(ids, attention_mask=mask, past_key_values=TurboQuantCache(
-                config, CAPACITY, window=8, keep_first=keep_first)).logits  # fmt: skip
-        assert torch.equal(retry, fresh)
+            want = [model(ids, attention_mask=mask, position_ids=positions,
+                          past_key_values=plain).logits]  # fmt: skip
+            want.append(model(step_ids, attention_mask=step_mask, position_ids=step_positions,
+                              past_key_values=plain).logits)  # fmt: skip
+        for g, w in zip(got, want, strict=True):
+            assert g.requires_grad and rel_error(g.float(), w.float()) < 0.01
+        model.zero_grad()
+        sum(g.float().square().mean() for g in got).backward()
+        q_grad = model.model.layers[-1].self_attn.q_proj.weight.grad
+        assert q_grad is not None and bool(q_grad.isfinite().all()) and bool(q_grad.any())
+        lengths = [int(layer.get_seq_length()) for layer in trained.layers]
+        assert lengths == [int(layer.get_seq_length()) for layer in plain.layers] == [13, 13]
+        first, reference = trained.layers[keep_first].kv, plain.layers[keep_first].kv
+        assert all(torch.equal(a, b) for a, b in zip(first.buffers(), reference.buffers(),
+                                                     strict=True))  # fmt: skip
+    model.zero_grad()
 
 
 class TestMessages(expecttest.TestCase):
     def test_bad_arguments_raise_before_allocating(self):
         config, model = tiny_model("llama")
         ids, _ = prompt_batch(left_pad=0)
-        eager = copy.deepcopy(config)
-        eager._attn_implementation = "eager"
+        flex = copy.deepcopy(config)
+        flex._attn_implementation = "flex_attention"
         lines = []
         for build in (
             lambda: TurboQuantCache(config, CAPACITY, preset="5bit"),
@@ -492,7 +544,7 @@ class TestMessages(expecttest.TestCase):
             lambda: TurboQuantCache(config, CAPACITY, seed="x"),
             lambda: TurboQuantCache(config, CAPACITY, num_splits=3),
             lambda: TurboQuantCache(config, CAPACITY, keep_first=1, keep_last=1),
-            lambda: TurboQuantCache(eager, CAPACITY),
+            lambda: TurboQuantCache(flex, CAPACITY),
         ):
             with self.assertRaises((ValueError, TypeError)) as ctx:
                 build()
@@ -521,7 +573,7 @@ ValueError: keep_first must be an integer >= 0, got 1.5
 ValueError: seed must be an integer (the rotation's random signs), got 'x'
 ValueError: num_splits must be None (chosen per device) or a power of two in [1, 512], got 3
 ValueError: TurboQuantCache would quantize no layer: keep_first=1 and keep_last=1 keep all 2 layers in full precision (use StaticCache for that, or keep fewer)
-ValueError: TurboQuantCache needs the model's attention through SDPA (attn_implementation='sdpa', the default of most models); this model's config says 'eager', whose attention multiplies the cached keys as a dense tensor. Load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa')).
+ValueError: TurboQuantCache serves attn_implementation 'sdpa' or 'eager' (the latter through 'turboquant'); this model's config says 'flex_attention': load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))
 ValueError: TurboQuantCache: batch 2 exceeds max_batch_size=1
 ValueError: TurboQuantCache.crop takes a negative count of tokens to remove (or 0), as transformers' caches do, got 2""",  # noqa: E501
         )

@@ -4,6 +4,7 @@ views."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import expecttest
 import pytest
@@ -14,7 +15,7 @@ from helpers import rel_error
 from kv_views import GROUP, HK, S_MAX, WINDOW, B, D, dense_attention, filled_tq_cache
 
 from tq_compile import TurboQuantKVCache, TurboQuantKVTensor
-from tq_compile.kv_tensor import MAX_FOLDED_ROWS
+from tq_compile.kv_tensor import MAX_FOLDED_ROWS, attention
 
 
 def _query(length=1, heads=HK * GROUP, seed=1, dtype=torch.bfloat16):
@@ -299,3 +300,91 @@ dropout: ValueError: dropout_p must be 0 with a TurboQuantKVTensor (inference on
 heads mismatch: ValueError: query has 8 heads and key 2: repeat the key/value heads or pass enable_gqa=True (as for dense SDPA)
 value as key: ValueError: key and value must be the key and value views of one cache, got TurboQuantKVTensor(fmt=4bit_nc, side=value, shape=(2, 2, 48, 64), dtype=torch.bfloat16, group=1, pages=4x16, device=cpu) and TurboQuantKVTensor(fmt=4bit_nc, side=key, shape=(2, 2, 48, 64), dtype=torch.bfloat16, group=1, pages=4x16, device=cpu)""",  # noqa: E501
         )
+
+
+@pytest.mark.parametrize("window", [0, WINDOW])
+@pytest.mark.parametrize("fmt", ["4bit_nc", "tq4_nc", "int8"])
+def test_softcapped_attention_matches_capped_dense_attention(fmt, window):
+    """``attention(..., softcap=...)`` (Gemma 2's logit softcapping): one decode token, a
+    pack_gqa head group under one mask row, a few tokens with a mask row each, and a prefill
+    chunk over its exact keys, each equal to float64 attention with the same cap; the cap
+    binds (the uncapped answer is far off)."""
+    cache, keys, values = filled_tq_cache(fmt, window=window)
+    softcap = 1.5
+    q = _query() * 4
+    out = attention(q, keys, values, enable_gqa=True, softcap=softcap)
+    expected = dense_attention(q, keys, values, softcap=softcap)
+    assert rel_error(out, expected) < 4e-3
+    assert rel_error(dense_attention(q, keys, values), expected) > 0.1
+    packed = _query(length=GROUP, heads=HK) * 4  # [B, Hk, group, D]: one mask row for all
+    row = torch.rand(B, 1, 1, S_MAX, generator=torch.Generator().manual_seed(2)) > 0.3
+    out = attention(packed, keys, values, attn_mask=row, softcap=softcap)
+    assert rel_error(out, dense_attention(packed, keys, values, row, softcap=softcap)) < 4e-3
+    tokens = _query(length=3) * 4
+    causal = torch.ones(3, S_MAX, dtype=torch.bool).tril(S_MAX - 3)[None, None]
+    out = attention(tokens, keys, values, attn_mask=causal, enable_gqa=True, softcap=softcap)
+    expected = dense_attention(tokens, keys, values, causal, softcap=softcap)
+    assert rel_error(out, expected) < 4e-3
+    # a prefill chunk of 20 tokens (more than a multi-token decode takes) after 20 others
+    cache, _, _ = filled_tq_cache(fmt, length=20, window=window)
+    gen = torch.Generator().manual_seed(3)
+    k = (torch.randn(B, HK, 20, D, generator=gen) * 2).to(torch.bfloat16)
+    v = torch.randn(B, HK, 20, D, generator=gen).to(torch.bfloat16)
+    keys, values = cache.update(torch.arange(20, 40), k, v)
+    chunk = _query(length=20) * 4
+    causal = torch.ones(20, S_MAX, dtype=torch.bool).tril(20)  # [T, S]: row t to 20 + t
+    out = attention(chunk, keys, values, attn_mask=causal[None, None], enable_gqa=True,
+                    softcap=softcap)  # fmt: skip
+    # float64 over the dequantized prefix and the chunk as it was given
+    exact_k, exact_v = keys.dequantize(torch.float64), values.dequantize(torch.float64)
+    exact_k[:, :, 20:40], exact_v[:, :, 20:40] = k.double(), v.double()
+    exact_k, exact_v = exact_k.repeat_interleave(GROUP, 1), exact_v.repeat_interleave(GROUP, 1)
+    scores = torch.tanh(chunk.double() @ exact_k.transpose(-1, -2) * D**-0.5 / softcap) * softcap
+    expected = torch.softmax(scores.masked_fill(~causal, -math.inf), -1) @ exact_v
+    assert rel_error(out, expected) < 4e-3
+
+
+def test_softcap_refused_where_it_cannot_apply():
+    """A softcap over centred keys (the kernels leave out the centre's score, which a cap does
+    not ignore), and a negative or infinite one, are refused naming the argument."""
+    _, keys, values = filled_tq_cache()
+    q = _query()
+    for softcap in (-1.0, float("inf")):
+        with pytest.raises(ValueError, match="softcap must be 0"):
+            attention(q, keys, values, enable_gqa=True, softcap=softcap)
+    cache = TurboQuantKVCache(B, HK, S_MAX, D, torch.bfloat16, window=WINDOW, center_keys=True)
+    k = torch.randn(B, HK, 5, D).to(torch.bfloat16)
+    keys, values = cache.update(torch.arange(5), k, k)
+    with pytest.raises(ValueError, match="center_keys=False"):
+        attention(q, keys, values, enable_gqa=True, softcap=2.0)
+
+
+@pytest.mark.parametrize("fmt", ["4bit_nc", "k8v4"])
+def test_attention_with_autograd_is_differentiable(fmt):
+    """With grad enabled SDPA over the views works as over a dense cache: a decode query and a
+    prefill chunk give the no_grad answer (to bf16 rounding), and the gradient reaching the
+    query (and the chunk's keys and values, which the views carry) is dense autograd's over
+    the same dequantized cache."""
+    cache, keys, values = filled_tq_cache(fmt)
+    q = _query().float().requires_grad_()
+    out = F.scaled_dot_product_attention(q.to(torch.bfloat16), keys, values, enable_gqa=True)
+    with torch.no_grad():
+        plain = F.scaled_dot_product_attention(q.to(torch.bfloat16), keys, values, enable_gqa=True)
+    assert out.requires_grad and rel_error(out, plain) < 4e-3
+    out.float().square().sum().backward()
+    q64 = q.detach().double().requires_grad_()
+    dense_attention(q64, keys, values).square().sum().backward()
+    assert rel_error(q.grad, q64.grad) < 2e-2  # bf16 query, output and backward
+    gen = torch.Generator().manual_seed(4)
+    k = (torch.randn(B, HK, 6, D, generator=gen) * 2).to(torch.bfloat16).requires_grad_()
+    v = torch.randn(B, HK, 6, D, generator=gen).to(torch.bfloat16).requires_grad_()
+    keys, values = cache.update(torch.arange(37, 43), k, v)
+    chunk = _query(length=6)
+    mask = torch.ones(6, S_MAX, dtype=torch.bool).tril(37)[None, None]  # row t to 37 + t
+    out = F.scaled_dot_product_attention(chunk, keys, values, attn_mask=mask, enable_gqa=True)
+    with torch.no_grad():
+        plain = F.scaled_dot_product_attention(chunk, keys, values, attn_mask=mask,
+                                               enable_gqa=True)  # fmt: skip
+    assert rel_error(out, plain) < 4e-3
+    out.float().sum().backward()
+    assert k.grad is not None and v.grad is not None and bool(v.grad.any())
