@@ -104,6 +104,7 @@ from custom_ops.schema import (
     StoreArgs,
     StoreWindowArgs,
     op_schema,
+    window_of,
 )
 from custom_ops.thread_flag import ThreadFlag
 from custom_ops.triton import dequant as triton_dequant
@@ -241,8 +242,8 @@ def _store(a: StoreArgs, key: validate.LaunchKey | None) -> None:
 
 def _store_window(a: StoreWindowArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     kv_format = validate.checked(validate.check_store_window, a, key)
-    args = (kv_format, a.key, a.value, _cache(a), a.k_window, a.v_window, a.window_pos,
-            a.block_table, a.start_pos, a.rotation, a.sinks, a.key_center)  # fmt: skip
+    args = (kv_format, a.key, a.value, _cache(a), window_of(a), a.block_table, a.start_pos,
+            a.rotation)  # fmt: skip
     if _use_triton(a.key.device):
         return triton_store_window.store_window(*args, launch_key=key)
     return reference.store_window(*args)
@@ -254,7 +255,7 @@ def _dequantize(
     kv_format, _ = validate.checked(validate.check_dequantize, a, key)
     impl = triton_dequant.dequantize if _use_triton(a.k_codes.device) else reference.dequantize
     return impl(kv_format, _cache(a), a.block_table, a.seq_lens, a.rotation, a.max_seq_len,
-                a.dtype, a.k_window, a.v_window, a.window_pos, a.sinks, a.key_center)  # fmt: skip
+                a.dtype, window_of(a))  # fmt: skip
 
 
 def _dequantize_fake(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,11 +268,10 @@ def _decode(a: DecodeArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     kv_format = validate.checked(validate.check_decode, a, key)
     if _use_triton(a.q.device):
         return triton_decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
-                             a.num_splits, a.scale, a.mask, a.k_window, a.v_window,
-                             a.window_pos, a.sinks, launch_key=key)  # fmt: skip
+                             a.num_splits, a.scale, a.mask, window_of(a),
+                             launch_key=key)  # fmt: skip
     return reference.decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
-                            a.scale, torch.float32, a.mask, a.k_window, a.v_window,
-                            a.window_pos, a.sinks)  # fmt: skip
+                            a.scale, torch.float32, a.mask, window_of(a))  # fmt: skip
 
 
 def _decode_fake(a: DecodeArgs) -> torch.Tensor:
@@ -284,16 +284,14 @@ def _prefill(a: PrefillArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     args = (kv_format, a.q, a.key, a.value, _cache(a), a.block_table, a.seq_lens, a.rotation,
             a.scale, a.is_causal, a.max_seq_len)  # fmt: skip
     if _use_triton(a.q.device):
-        out = triton_prefill.prefill(*args, a.mask, a.k_window, a.v_window, a.window_pos,
-                                     a.sinks, a.key_center)  # fmt: skip
+        out = triton_prefill.prefill(*args, a.mask, window_of(a))
     elif reference.chunk_is_everything(a.seq_lens, a.q.shape[2], a.is_causal, a.max_seq_len,
                                        a.mask):  # fmt: skip
         # a first chunk: what the dense model computes, by the same kernel (the CPU's flash)
         causal = a.is_causal or a.mask is not None
         out = sdpa_lse.attention_lse(a.q, a.key, a.value, causal, a.scale)[0]
     else:
-        out = reference.prefill(*args, torch.float32, a.mask, a.k_window, a.v_window,
-                                a.window_pos, a.sinks, a.key_center)  # fmt: skip
+        out = reference.prefill(*args, torch.float32, a.mask, window_of(a))
     return _laid_out_like(out, a.q)
 
 
