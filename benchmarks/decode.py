@@ -51,7 +51,7 @@ from common import (  # noqa: E402
 )
 
 from custom_ops import api  # noqa: E402
-from custom_ops.formats import FORMATS, get_format  # noqa: E402
+from custom_ops.formats import FORMATS, RecentWindow, get_format  # noqa: E402
 from custom_ops.triton import decode as triton_decode  # noqa: E402
 from custom_ops.triton.decode import SplitConfig  # noqa: E402
 
@@ -163,15 +163,15 @@ def tq_inputs(fmt, batch: int, seq: int, tokens: int = 1) -> list:
 
 
 def window_rings(inputs, window: int, sinks: int = 0) -> list:
-    """Per replica: ``(k_window, v_window, window_pos, sinks)``, bf16 ``[B, Hk, W + sinks, D]``
-    rings and their slots' positions (``(None, None, None, 0)`` without either). The cache's
-    last ``W`` positions and first ``sinks`` are then read from them instead."""
+    """Per replica: a :class:`RecentWindow` of bf16 ``[B, Hk, W + sinks, D]`` rings and their
+    slots' positions (None without a window or sinks). The cache's last ``W`` positions and
+    first ``sinks`` are then read from them instead."""
     rings = []
     for q, *_, lens in inputs:
         shape = (q.shape[0], NUM_KV_HEADS, window + sinks, HEAD_DIM)
         ring = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
         positions = api.appended_window_positions(lens, NUM_KV_HEADS, window, sinks)
-        rings.append((*ring, positions, sinks) if window + sinks else (None, None, None, 0))
+        rings.append(RecentWindow(*ring, positions, sinks) if window + sinks else None)
     return rings
 
 
@@ -192,10 +192,7 @@ def tq_calls(fmt, inputs, rings, num_splits: int, **kernel_args) -> list:
             *k,
             num_splits=num_splits,
             scale=HEAD_DIM**-0.5,
-            k_window=r[0],
-            v_window=r[1],
-            window_pos=r[2],
-            sinks=r[3],
+            window=r,
             **kernel_args,
         )
         for (q, cache, consts, table, lens), ring in zip(inputs, rings, strict=True)

@@ -61,7 +61,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-from custom_ops.formats import PagedKVCache, get_format  # noqa: E402
+from custom_ops.formats import PagedKVCache, RecentWindow, get_format  # noqa: E402
 from custom_ops.triton import store_window as triton_store_window  # noqa: E402
 from examples.generate import sync  # noqa: E402
 from examples.model import (  # noqa: E402
@@ -451,8 +451,8 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
     for block_rows, num_warps in ((1, 1), (2, 1), (16, 4)):  # the append's launch shape
         us = append_us(lambda r=block_rows, w=num_warps: triton_store_window.store_window(
             get_format(fmt), k16, k16, PagedKVCache(big.k_codes, big.v_codes, big.meta),
-            big.k_window, big.v_window, big.window_pos, big.block_table, start16, big.rotation,
-            big.sinks, block_rows=r, num_warps=w))  # fmt: skip
+            RecentWindow(big.k_window, big.v_window, big.window_pos, big.sinks), big.block_table,
+            start16, big.rotation, block_rows=r, num_warps=w))  # fmt: skip
         rows.append(dict(cache=fmt, call=f"  with {block_rows} rows x {num_warps} warps: GPU us",
                          cpu_us=us))  # fmt: skip
     return rows

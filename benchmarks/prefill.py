@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import bench, gpu_name, print_table, require_cuda, write_json  # noqa: E402
 
 from custom_ops import api, sdpa_lse  # noqa: E402
-from custom_ops.formats import FORMATS, get_format  # noqa: E402
+from custom_ops.formats import FORMATS, RecentWindow, get_format  # noqa: E402
 from custom_ops.triton import prefill as triton_prefill  # noqa: E402
 from custom_ops.triton.prefill import PrefillConfig  # noqa: E402
 
@@ -54,9 +54,10 @@ def setup(fmt_name: str, prefix: int, tokens: int, heads: tuple[int, int]) -> di
     cache = fmt.allocate(pages, num_kv_heads, PAGE_SIZE, HEAD_DIM, "cuda")
     table = torch.arange(pages, dtype=torch.int32, device="cuda")[None]
     ring = (1, num_kv_heads, WINDOW + SINKS, HEAD_DIM)
-    rings = (torch.zeros(ring, dtype=torch.bfloat16, device="cuda"),
-             torch.zeros(ring, dtype=torch.bfloat16, device="cuda"),
-             torch.full(ring[:3], -1, dtype=torch.int32, device="cuda"))  # fmt: skip
+    window = RecentWindow(torch.zeros(ring, dtype=torch.bfloat16, device="cuda"),
+                          torch.zeros(ring, dtype=torch.bfloat16, device="cuda"),
+                          torch.full(ring[:3], -1, dtype=torch.int32, device="cuda"),
+                          SINKS)  # fmt: skip
     consts = api.make_constants(fmt, HEAD_DIM, device="cuda")
     keys = torch.randn(1, num_kv_heads, prefix + tokens, HEAD_DIM, device="cuda", generator=gen)
     values = torch.randn(keys.shape, device="cuda", generator=gen)
@@ -65,15 +66,15 @@ def setup(fmt_name: str, prefix: int, tokens: int, heads: tuple[int, int]) -> di
     pieces = [(a, min(a + 8192, prefix)) for a in range(0, prefix, 8192)]
     for start, end in [*pieces, (prefix, prefix + tokens)]:
         api.store_window(fmt, cache, keys[:, :, start:end].contiguous(),
-                         values[:, :, start:end].contiguous(), *rings, table,
-                         torch.tensor([start], dtype=torch.int32, device="cuda"), consts,
-                         SINKS)  # fmt: skip
+                         values[:, :, start:end].contiguous(), window, table,
+                         torch.tensor([start], dtype=torch.int32, device="cuda"),
+                         consts)  # fmt: skip
     q = torch.randn(1, num_q_heads, tokens, HEAD_DIM, device="cuda", generator=gen).bfloat16()
     lens = torch.tensor([prefix + tokens], dtype=torch.int32, device="cuda")
     rows = prefix + torch.arange(tokens, device="cuda")
     mask = (torch.arange(prefix + tokens, device="cuda")[None, :] <= rows[:, None])[None, None]
     return dict(fmt=fmt, q=q, keys=keys, values=values, cache=cache, table=table, lens=lens,
-                rotation=consts.rotation, rings=rings, mask=mask)  # fmt: skip
+                rotation=consts.rotation, window=window, mask=mask)  # fmt: skip
 
 
 def main() -> None:
@@ -103,7 +104,7 @@ def main() -> None:
             chunk_v = s["values"][:, :, prefix:].contiguous()
             call = (s["fmt"], s["q"], chunk_k, chunk_v, s["cache"], s["table"], s["lens"],
                     s["rotation"], HEAD_DIM**-0.5, False, prefix + tokens, s["mask"],
-                    *s["rings"], SINKS)  # fmt: skip
+                    s["window"])  # fmt: skip
             runs = [("dense", None)] if "dense" in args.paths else []
             if "fused" in args.paths:
                 runs += [("fused", c) for c in (SWEEP if args.sweep else [PrefillConfig()])]

@@ -101,7 +101,7 @@ def report(compiled, tokens_per_iteration: int, title: str) -> dict:
 
 def main() -> None:
     from custom_ops import api
-    from custom_ops.formats import get_format
+    from custom_ops.formats import RecentWindow, get_format
     from custom_ops.triton import decode
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -143,14 +143,12 @@ def main() -> None:
     lens = torch.zeros(batch, dtype=torch.int32)
     ring = torch.zeros(batch, hk, args.window + args.sinks, args.head_dim, dtype=torch.bfloat16)
     ring_pos = torch.full(ring.shape[:3], -1, dtype=torch.int32)
-    rings = (ring, ring, ring_pos) if args.window + args.sinks else (None, None, None)
+    window = RecentWindow(ring, ring, ring_pos, args.sinks) if args.window + args.sinks else None
     config = decode.SplitConfig(args.block_n, args.subtiles, args.warps, args.stages, args.maxnreg)
-    plan = decode.plan_for(fmt, q, cache, table, args.splits, None, rings[0], True, config,
-                           sinks=args.sinks)  # fmt: skip
+    plan = decode.plan_for(fmt, q, cache, table, args.splits, None, window, True, config)
     compiled = decode.compile_split_kernel(
         fmt, q, cache, table, lens, consts.rotation, args.splits, compile_offline,
-        split_config=config, k_window=rings[0], v_window=rings[1], window_pos=rings[2],
-        sinks=args.sinks,
+        split_config=config, window=window,
     )  # fmt: skip
     if args.dump:
         with open(args.dump, "w") as f:

@@ -1,7 +1,8 @@
 """Typed Python API over ``torch.ops.tq`` for the layers above: constants, store, decode.
 
 Each wrapper builds the operator's argument tuple (:mod:`custom_ops.schema`) from a
-:class:`~custom_ops.formats.PagedKVCache` and :class:`KVConstants`, fills in the defaults
+:class:`~custom_ops.formats.PagedKVCache`, an optional
+:class:`~custom_ops.formats.RecentWindow` and :class:`KVConstants`, fills in the defaults
 (split count, softmax scale) by the policies every caller shares, and runs the operator
 through :func:`custom_ops.ops.call` (in eager mode on CUDA, its implementation without the
 dispatcher's round trip).
@@ -18,9 +19,10 @@ from custom_ops.codebook import rotation_matrix
 from custom_ops.formats import (
     KVFormat,
     PagedKVCache,
+    RecentWindow,
     get_format,
-    ring_window,
     sequence_capacity,
+    window_size,
 )
 from custom_ops.schema import (
     DecodeArgs,
@@ -28,6 +30,7 @@ from custom_ops.schema import (
     PrefillArgs,
     StoreArgs,
     StoreWindowArgs,
+    window_fields,
 )
 
 __all__ = [
@@ -80,24 +83,19 @@ def store_window(
     cache: PagedKVCache,
     key: torch.Tensor,
     value: torch.Tensor,
-    k_window: torch.Tensor,
-    v_window: torch.Tensor,
-    window_pos: torch.Tensor,
+    window: RecentWindow,
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     constants: KVConstants,
-    sinks: int = 0,
-    key_center: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos [B] ..`` (int32 or
     int64; at most each sequence's length) to sequences whose latest tokens (and first
-    ``sinks``) live in the rings ``k_window``/``v_window [B, Hk, W + sinks, D]``, ``window_pos
-    [B, Hk, W + sinks] int32`` the position of each slot (see ``torch.ops.tq.store_window``);
-    the new lengths ``[B] int32``. ``key_center [B, Hk, D] float32`` (zeros in a new cache):
-    store the keys centred, the centres kept there."""
-    args = StoreWindowArgs(key, value, *cache, k_window, v_window, window_pos, block_table,
-                           start_pos, constants.rotation, get_format(fmt).name, sinks,
-                           key_center)  # fmt: skip
+    ``sinks``) live in ``window``'s rings (see ``torch.ops.tq.store_window``); the new lengths
+    ``[B] int32``. With the window's ``key_center`` (zeros in a new cache) the keys are stored
+    centred, the centres kept there."""
+    args = StoreWindowArgs(key, value, *cache, block_table=block_table, start_pos=start_pos,
+                           rotation=constants.rotation, fmt=get_format(fmt).name,
+                           **window_fields(window, StoreWindowArgs))  # fmt: skip
     return ops.call(args)
 
 
@@ -126,18 +124,13 @@ def dequantize(
     constants: KVConstants,
     max_seq_len: int,
     dtype: torch.dtype = torch.bfloat16,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-    window_pos: torch.Tensor | None = None,
-    sinks: int = 0,
-    key_center: torch.Tensor | None = None,
+    window: RecentWindow | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K and V ``[B, Hk, max_seq_len, D]`` of every sequence (zeros past its length; the
-    ring runs and sinks from the rings when given; keys stored centred get ``key_center``
-    back)."""
+    ring runs and sinks from the window's rings when given; keys stored centred get the
+    window's ``key_center`` back)."""
     args = DequantizeArgs(*cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
-                          max_seq_len, dtype, k_window, v_window, window_pos, sinks,
-                          key_center)  # fmt: skip
+                          max_seq_len, dtype, **window_fields(window, DequantizeArgs))  # fmt: skip
     return ops.call(args)
 
 
@@ -166,28 +159,25 @@ def decode(
     num_splits: int | None = None,
     scale: float | None = None,
     mask: torch.Tensor | None = None,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-    window_pos: torch.Tensor | None = None,
-    sinks: int = 0,
+    window: RecentWindow | None = None,
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` (one token per sequence) over the cache: ``[B, Hq, D]``.
 
     ``num_splits`` defaults to :func:`default_num_splits`; ``scale`` to ``1 / sqrt(D)``;
-    ``k_window``/``v_window``/``window_pos`` are the recent-window rings and their slots'
-    positions, if any, ``sinks`` the rings' sink slots; ``softcap`` > 0 caps the scores
-    (Gemma 2's attention logit softcapping).
+    ``window`` is the recent window, if any (its ``key_center`` is not read: the keys' scores
+    as stored differ by a shift that softmax ignores); ``softcap`` > 0 caps the scores (Gemma
+    2's attention logit softcapping).
     """
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], cache.k_codes.shape[1], block_table.shape[1],
-                                        cache.k_codes.shape[2], ring_window(k_window, sinks),
+                                        cache.k_codes.shape[2], window_size(window),
                                         q.device)  # fmt: skip
     if scale is None:
         scale = q.shape[-1] ** -0.5
     args = DecodeArgs(q, *cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
-                      num_splits, scale, mask, k_window, v_window, window_pos, sinks,
-                      softcap)  # fmt: skip
+                      num_splits, scale, mask, **window_fields(window, DecodeArgs),
+                      softcap=softcap)  # fmt: skip
     return ops.call(args)
 
 
@@ -204,24 +194,20 @@ def prefill(
     is_causal: bool = False,
     max_seq_len: int | None = None,
     mask: torch.Tensor | None = None,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-    window_pos: torch.Tensor | None = None,
-    sinks: int = 0,
-    key_center: torch.Tensor | None = None,
+    window: RecentWindow | None = None,
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of a chunk just stored, ``q [B, Hq, T, D]``, over its own exact ``key`` /
     ``value [B, Hk, T, D]`` and each sequence's cached prefix (the positions below
-    ``seq_lens[b] - T``): ``[B, Hq, T, D]`` (see ``torch.ops.tq.prefill``). ``scale`` defaults
-    to ``1 / sqrt(D)``, ``max_seq_len`` to the sequences' capacity (nothing hidden past the
-    lengths); ``softcap`` > 0 caps the scores."""
+    ``seq_lens[b] - T``): ``[B, Hq, T, D]`` (see ``torch.ops.tq.prefill``), ``window`` its
+    recent window, if any. ``scale`` defaults to ``1 / sqrt(D)``, ``max_seq_len`` to the
+    sequences' capacity (nothing hidden past the lengths); ``softcap`` > 0 caps the scores."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if max_seq_len is None:
         max_seq_len = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
-                                        ring_window(k_window, sinks))  # fmt: skip
+                                        window_size(window))  # fmt: skip
     args = PrefillArgs(q, key, value, *cache, block_table, seq_lens, constants.rotation,
-                       get_format(fmt).name, scale, is_causal, max_seq_len, mask, k_window,
-                       v_window, window_pos, sinks, key_center, softcap)  # fmt: skip
+                       get_format(fmt).name, scale, is_causal, max_seq_len, mask,
+                       **window_fields(window, PrefillArgs), softcap=softcap)  # fmt: skip
     return ops.call(args)

@@ -50,11 +50,13 @@ __all__ = [
     "BitPlane",
     "KVFormat",
     "PagedKVCache",
+    "RecentWindow",
     "FORMATS",
     "get_format",
     "check_head_dim",
     "sequence_capacity",
     "ring_window",
+    "window_size",
 ]
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -238,6 +240,52 @@ class PagedKVCache(NamedTuple):
             stride (``stride(3)``) is ``page_size``.
         """
         return self.v_codes.transpose(2, 3)
+
+
+class RecentWindow(NamedTuple):
+    """A cache's full-precision recent window: the rings that hold each sequence-head's latest
+    positions and its first ``sinks`` (attention sinks), and the keys' centre that goes with them.
+
+    Slots ``[0, W)`` of a ring hold a sequence-head's latest positions, position ``p`` at slot
+    ``p % W``; slots ``[W, W + sinks)`` its first ``sinks`` positions, position ``p`` at slot
+    ``W + p``, which never leave for a page (:func:`ring_window`; the ops' contract is in
+    :mod:`custom_ops.ops`). The ops and launchers take the window as this one argument; only a
+    ``torch.library`` schema lists its fields flat (:func:`custom_ops.schema.window_fields`,
+    :func:`custom_ops.schema.window_of`), under the same names.
+
+    ``key_center`` is here and not beside the planes: it exists only with rings (the ops reject
+    it otherwise), has their batch and kv-heads, is set from the keys the ring holds before any
+    is quantized and re-centres the ring's keys when it changes; so every op that takes the
+    rings takes it too. ``tq.decode`` alone has no use for it (softmax ignores the shift that
+    all of a query's scores share) and drops it when the window is flattened.
+
+    Attributes:
+        k_window: ``[>= B, Hk, W + sinks, D]`` bf16/fp16 (the model's dtype), contiguous: the
+            keys of the positions each slot holds (minus ``key_center`` where there is one).
+        v_window: the values, like ``k_window``.
+        window_pos: ``[>= B, Hk, W + sinks] int32``, contiguous: the position each slot holds,
+            -1 for none (a new cache fills it with -1).
+        sinks: the rings' sink slots, ``>= 0``.
+        key_center: optional ``[>= B, Hk, D] float32`` (the rings' batch; zeros in a new
+            cache): the vector each sequence-head's keys are stored minus; None: keys stored as
+            they are.
+    """
+
+    k_window: torch.Tensor
+    v_window: torch.Tensor
+    window_pos: torch.Tensor
+    sinks: int = 0
+    key_center: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        """W, the rings' window slots (the sinks' slots aside)."""
+        return ring_window(self.k_window, self.sinks)
+
+
+def window_size(window: RecentWindow | None) -> int:
+    """W of an optional window: :attr:`RecentWindow.size`, 0 without one."""
+    return 0 if window is None else window.size
 
 
 def sequence_capacity(max_pages: int, page_size: int, window: int = 0) -> int:

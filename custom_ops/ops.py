@@ -53,10 +53,10 @@ stay opaque calls.
   ``max_seq_len`` is at most the sequence capacity.
 * ``tq.decode(q, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, num_splits,
   scale, mask=None, k_window=None, v_window=None, window_pos=None, sinks=0, softcap=0.0) ->
-  out``: attention of ``q [B, Hq, D]`` (bf16/fp16, ``Hq`` a multiple of ``Hk``) over each sequence's cache,
-  ``[B, Hq, D]`` in q's dtype; or of ``q [B, Hq, T, D]``, ``T <= 16``, the sequence's last
-  ``T`` tokens (a speculative-decoding verify step), ``[B, Hq, T, D]``: without a mask token
-  ``t`` sees the positions below ``len - T + t + 1``; a mask (for all tokens, or ``[B or 1,
+  out``: attention of ``q [B, Hq, D]`` (bf16/fp16, ``Hq`` a multiple of ``Hk``) over each
+  sequence's cache, ``[B, Hq, D]`` in q's dtype; or of ``q [B, Hq, T, D]``, ``T <= 16``, the
+  sequence's last ``T`` tokens (a speculative-decoding verify step), ``[B, Hq, T, D]``: without
+  a mask token ``t`` sees the positions below ``len - T + t + 1``; a mask (for all tokens, or ``[B or 1,
   Hq or 1, T, M]``, per token) alone decides which positions below ``len`` each token sees, as
   dense SDPA does (gpt-fast's and Hugging Face's masks are causal; a bidirectional prefix stays
   one). Block-table entries past a sequence's pages may hold anything (short contexts read
@@ -69,9 +69,9 @@ stay opaque calls.
   ``softcap > 0`` caps each score ``s`` at ``softcap * tanh(s / softcap)`` before the mask.
 * ``tq.prefill(q, key, value, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt,
   scale, is_causal, max_seq_len, mask=None, k_window=None, v_window=None, window_pos=None,
-  sinks=0, key_center=None, softcap=0.0) -> out``: attention of a chunk of ``T`` tokens just stored, queries
-  ``q [B, Hq, T, D]``, over their own keys and values ``key``/``value [B, Hk, T, D]`` as the
-  model computed them (exact, not their codes) and over each sequence's cached prefix, the
+  sinks=0, key_center=None, softcap=0.0) -> out``: attention of a chunk of ``T`` tokens just
+  stored, queries ``q [B, Hq, T, D]``, over their own keys and values ``key``/``value [B, Hk,
+  T, D]`` as the model computed them (exact, not their codes) and over each sequence's cached prefix, the
   positions below ``start = seq_lens[b] - T`` (``seq_lens >= T``): compressed pages, ring and
   sinks, keys with their centre. Position ``p`` is visible to token ``t`` below ``min(len,
   max_seq_len)`` where the optional ``mask [B or 1, Hq or 1, T, M]`` (bool, or additive;
@@ -106,6 +106,7 @@ from custom_ops.schema import (
     StoreArgs,
     StoreWindowArgs,
     op_schema,
+    window_of,
 )
 from custom_ops.thread_flag import ThreadFlag
 from custom_ops.triton import dequant as triton_dequant
@@ -243,8 +244,8 @@ def _store(a: StoreArgs, key: validate.LaunchKey | None) -> None:
 
 def _store_window(a: StoreWindowArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     kv_format = validate.checked(validate.check_store_window, a, key)
-    args = (kv_format, a.key, a.value, _cache(a), a.k_window, a.v_window, a.window_pos,
-            a.block_table, a.start_pos, a.rotation, a.sinks, a.key_center)  # fmt: skip
+    args = (kv_format, a.key, a.value, _cache(a), window_of(a), a.block_table, a.start_pos,
+            a.rotation)  # fmt: skip
     if _use_triton(a.key.device):
         return triton_store_window.store_window(*args, launch_key=key)
     return reference.store_window(*args)
@@ -256,7 +257,7 @@ def _dequantize(
     kv_format, _ = validate.checked(validate.check_dequantize, a, key)
     impl = triton_dequant.dequantize if _use_triton(a.k_codes.device) else reference.dequantize
     return impl(kv_format, _cache(a), a.block_table, a.seq_lens, a.rotation, a.max_seq_len,
-                a.dtype, a.k_window, a.v_window, a.window_pos, a.sinks, a.key_center)  # fmt: skip
+                a.dtype, window_of(a))  # fmt: skip
 
 
 def _dequantize_fake(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,11 +270,10 @@ def _decode(a: DecodeArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     kv_format = validate.checked(validate.check_decode, a, key)
     if _use_triton(a.q.device):
         return triton_decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
-                             a.num_splits, a.scale, a.mask, a.k_window, a.v_window,
-                             a.window_pos, a.sinks, a.softcap, launch_key=key)  # fmt: skip
+                             a.num_splits, a.scale, a.mask, window_of(a), a.softcap,
+                             launch_key=key)  # fmt: skip
     return reference.decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
-                            a.scale, torch.float32, a.mask, a.k_window, a.v_window,
-                            a.window_pos, a.sinks, a.softcap)  # fmt: skip
+                            a.scale, torch.float32, a.mask, window_of(a), a.softcap)  # fmt: skip
 
 
 def _decode_fake(a: DecodeArgs) -> torch.Tensor:
@@ -286,8 +286,7 @@ def _prefill(a: PrefillArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     args = (kv_format, a.q, a.key, a.value, _cache(a), a.block_table, a.seq_lens, a.rotation,
             a.scale, a.is_causal, a.max_seq_len)  # fmt: skip
     if _use_triton(a.q.device) and not a.softcap:
-        out = triton_prefill.prefill(*args, a.mask, a.k_window, a.v_window, a.window_pos,
-                                     a.sinks, a.key_center)  # fmt: skip
+        out = triton_prefill.prefill(*args, a.mask, window_of(a))
     elif not a.softcap and reference.chunk_is_everything(a.seq_lens, a.q.shape[2], a.is_causal,
                                                          a.max_seq_len, a.mask):  # fmt: skip
         # a first chunk: what the dense model computes, by the same kernel (the CPU's flash)
@@ -296,8 +295,7 @@ def _prefill(a: PrefillArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     else:
         # the CPU; and capped scores on any device (Gemma 2's prompts: neither the dense SDPA
         # of the chunk nor the fused prefix kernel caps), in query blocks of the reference
-        out = reference.prefill(*args, torch.float32, a.mask, a.k_window, a.v_window,
-                                a.window_pos, a.sinks, a.key_center, a.softcap)  # fmt: skip
+        out = reference.prefill(*args, torch.float32, a.mask, window_of(a), a.softcap)
     return _laid_out_like(out, a.q)
 
 

@@ -22,8 +22,10 @@ from custom_ops.formats import (
     Kind,
     KVFormat,
     PagedKVCache,
+    RecentWindow,
     ring_window,
     sequence_capacity,
+    window_size,
 )
 
 __all__ = [
@@ -296,39 +298,37 @@ def store_window(
     key: torch.Tensor,
     value: torch.Tensor,
     cache: PagedKVCache,
-    k_window: torch.Tensor,
-    v_window: torch.Tensor,
-    window_pos: torch.Tensor,
+    window: RecentWindow,
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     rotation: torch.Tensor,
-    sinks: int = 0,
-    key_center: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write ``key``/``value`` ``[B, Hk, T, D]`` at positions ``start_pos[b] ..`` of sequences
     that keep their most recent tokens, and their first ``sinks``, in full precision; the
     sequences' new lengths (:func:`written_lengths`).
 
     Each sequence-head keeps a run of its latest positions ``[w, len)`` (at most ``W``) in the
-    ring ``k_window / v_window [B, Hk, W + sinks, D]``, position ``p`` at slot ``p % W``, its
-    first ``sinks`` positions at slots ``W + p`` (never evicted), and the positions in ``[sinks,
-    w)`` quantized in its pages; ``window_pos [B, Hk, W + sinks] int32`` records the position
-    each slot holds (-1: none; :func:`ring_start` finds ``w``). The new tokens take positions
-    ``start .. start + T - 1`` (a negative start skips the sequence), for any start up to the
-    current length: everything from ``start`` on is new (a rollback, a re-run step, rejected
-    drafts, a new sequence from 0). A ring slot's old position leaves for its page only if it is
-    below ``start`` (still part of the sequence); new tokens that do not fit the ring go straight
-    to their pages. Afterwards the ring holds the last ``min(W, start + T - w)`` positions of at
-    least ``sinks``, and every position in ``[sinks, w)`` is in its page: written once if it
-    left the ring in this call or an earlier one.
+    rings ``window.k_window / v_window [B, Hk, W + sinks, D]``, position ``p`` at slot ``p %
+    W``, its first ``sinks`` positions at slots ``W + p`` (never evicted), and the positions in
+    ``[sinks, w)`` quantized in its pages; ``window.window_pos [B, Hk, W + sinks] int32``
+    records the position each slot holds (-1: none; :func:`ring_start` finds ``w``). The new
+    tokens take positions ``start .. start + T - 1`` (a negative start skips the sequence), for
+    any start up to the current length: everything from ``start`` on is new (a rollback, a
+    re-run step, rejected drafts, a new sequence from 0). A ring slot's old position leaves for
+    its page only if it is below ``start`` (still part of the sequence); new tokens that do not
+    fit the ring go straight to their pages. Afterwards the ring holds the last ``min(W, start +
+    T - w)`` positions of at least ``sinks``, and every position in ``[sinks, w)`` is in its
+    page: written once if it left the ring in this call or an earlier one.
 
-    With ``key_center [>= B, Hk, D] float32`` every key is stored minus its sequence-head's
-    centre, which :func:`center_keys` sets first.
+    With ``window.key_center [>= B, Hk, D] float32`` every key is stored minus its
+    sequence-head's centre, which :func:`center_keys` sets first. The rings, ``window_pos`` and
+    the centres are written in place.
     """
-    if key_center is not None:
-        key = center_keys(key, k_window, window_pos, start_pos, key_center, sinks)
+    if window.key_center is not None:
+        key = center_keys(key, window, start_pos)
+    k_window, v_window, window_pos, sinks, _ = window
     n_new = key.shape[2]
-    window = ring_window(k_window, sinks)
+    size = window.size
     page_size = cache.k_codes.shape[2]
     for b in range(key.shape[0]):
         start = int(start_pos[b])
@@ -337,9 +337,9 @@ def store_window(
         new_pos = start + torch.arange(n_new)
         sink = new_pos < sinks
         # new positions >= start + T - W end up in the ring, the others (sinks aside) in pages
-        stay = (new_pos >= start + n_new - window) & ~sink
+        stay = (new_pos >= start + n_new - size) & ~sink
         direct = ~stay & ~sink
-        written = ring_slots(new_pos[stay], window, sinks)  # the window slots written
+        written = ring_slots(new_pos[stay], size, sinks)  # the window slots written
         held = window_pos[b][:, written].to(torch.int64)  # [Hk, C] their old positions
         leaves = (held >= 0) & (held < start)
         leaving = torch.where(leaves, held, 0)  # (a stale position may lie past the pages)
@@ -353,28 +353,22 @@ def store_window(
             store(fmt, k_rows.transpose(0, 1).float(), v_rows.transpose(0, 1).float(), cache,
                   slots, rotation)  # fmt: skip
         kept = stay | sink
-        kept_slots = ring_slots(new_pos, window, sinks)[kept]
+        kept_slots = ring_slots(new_pos, size, sinks)[kept]
         k_window[b][:, kept_slots] = key[b][:, kept].to(k_window.dtype)
         v_window[b][:, kept_slots] = value[b][:, kept].to(v_window.dtype)
         window_pos[b][:, kept_slots] = new_pos[kept].to(window_pos.dtype)
     return written_lengths(start_pos, n_new)
 
 
-def center_keys(
-    key: torch.Tensor,
-    k_window: torch.Tensor,
-    window_pos: torch.Tensor,
-    start_pos: torch.Tensor,
-    key_center: torch.Tensor,
-    sinks: int = 0,
-) -> torch.Tensor:
+def center_keys(key: torch.Tensor, window: RecentWindow, start_pos: torch.Tensor) -> torch.Tensor:
     """Key centering before :func:`store_window` writes ``key [B, Hk, T, D]`` from
     ``start_pos[b]`` on: the keys minus their sequence-head's centre, rounded to the ring's
     dtype (what a key that passes through the ring is quantized from, so a chunk written
     straight to the pages gives the same codes).
 
     Every key a sequence-head holds (ring, sinks and pages) is stored minus one vector ``mu =
-    key_center[b, h]`` (``[>= B, Hk, D] float32``, 0 in a new cache). Attention is unchanged:
+    window.key_center[b, h]`` (``[>= B, Hk, D] float32``, 0 in a new cache; written in place,
+    and so are the ring's keys where they are re-centred). Attention is unchanged:
     softmax is invariant to the shift ``-q . mu`` that every score of a query then shares, so
     decode reads the stored keys as they are; the quantized ones lose less to a common component
     they no longer carry. ``mu`` may change only while no page holds a live position of the
@@ -385,9 +379,10 @@ def center_keys(
     0; a rollback to a start at or below ``sinks`` (no page live any more) lets the next such
     write set it anew.
     """
-    window = ring_window(k_window, sinks)
+    k_window, _, window_pos, sinks, key_center = window
+    size = window.size
     n_new = key.shape[2]
-    samples = max(window, 1)
+    samples = max(size, 1)
     centered = key.float()
     for b in range(key.shape[0]):
         start = int(start_pos[b])
@@ -399,12 +394,12 @@ def center_keys(
         live = (held >= 0) & (held < start)
         # pages hold [sinks, paged_to): the ring run's start for the length `start`
         paged_to = ring_start(window_pos[b : b + 1], torch.tensor([start]), sinks)[0]  # [Hk]
-        freeze = (paged_to <= sinks) & (start + n_new - window > sinks)  # [Hk]
+        freeze = (paged_to <= sinks) & (start + n_new - size > sinks)  # [Hk]
         if freeze.any():
             old = key_center[b].clone()  # [Hk, D]
             ring = k_window[b].float() + old[:, None]  # un-centred
             in_sample = live & (held >= sinks) & (held < sinks + samples)
-            in_sample[:, window:] = False
+            in_sample[:, size:] = False
             new_pos = start + torch.arange(n_new)
             chunk_sample = (new_pos >= sinks) & (new_pos < sinks + samples)
             zero = torch.zeros((), dtype=torch.float32)
@@ -519,23 +514,18 @@ def dequantize(
     rotation: torch.Tensor,
     max_seq_len: int,
     dtype: torch.dtype,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-    window_pos: torch.Tensor | None = None,
-    sinks: int = 0,
-    key_center: torch.Tensor | None = None,
+    window: RecentWindow | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantize every sequence's cache to ``[B, Hk, max_seq_len, D]`` K and V in ``dtype``.
 
-    Positions at or beyond ``seq_lens[b]`` are zero. With a recent window (``k_window`` /
-    ``v_window [B, Hk, W + sinks, D]`` and ``window_pos``, see :func:`store_window`) each
-    sequence-head's ring run and sinks come from it; with ``key_center`` the keys get their
-    centre back (:func:`uncenter_keys`). float64 ``dtype`` computes in float64 (the oracle);
-    anything else computes in float32 and casts at the end.
+    Positions at or beyond ``seq_lens[b]`` are zero. With a recent window (see
+    :func:`store_window`) each sequence-head's ring run and sinks come from its rings; with its
+    ``key_center`` the keys get their centre back (:func:`uncenter_keys`). float64 ``dtype``
+    computes in float64 (the oracle); anything else computes in float32 and casts at the end.
     """
     paged_lens = seq_lens
-    if k_window is not None:
-        paged_lens = ring_start(window_pos, seq_lens, sinks).amax(dim=1)
+    if window is not None:
+        paged_lens = ring_start(window.window_pos, seq_lens, window.sinks).amax(dim=1)
     rows = gather_rows(cache, block_table, max_seq_len, paged_lens)
     batch, num_kv_heads, seq, _ = rows.k_codes.shape
     compute = torch.float64 if dtype == torch.float64 else torch.float32
@@ -551,10 +541,11 @@ def dequantize(
     valid = valid[:, None, :, None]
     k = torch.where(valid, k, torch.zeros((), dtype=compute))
     v = torch.where(valid, v, torch.zeros((), dtype=compute))
-    if k_window is not None:
-        k = overlay_window(k, k_window, window_pos, seq_lens, sinks)
-        v = overlay_window(v, v_window, window_pos, seq_lens, sinks)
-    return uncenter_keys(k, key_center, seq_lens).to(dtype), v.to(dtype)
+    if window is None:
+        return k.to(dtype), v.to(dtype)
+    k = overlay_window(k, window.k_window, window.window_pos, seq_lens, window.sinks)
+    v = overlay_window(v, window.v_window, window.window_pos, seq_lens, window.sinks)
+    return uncenter_keys(k, window.key_center, seq_lens).to(dtype), v.to(dtype)
 
 
 def softcap_scores(scores: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -618,10 +609,7 @@ def decode(
     scale: float,
     dtype: torch.dtype = torch.float32,
     mask: torch.Tensor | None = None,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-    window_pos: torch.Tensor | None = None,
-    sinks: int = 0,
+    window: RecentWindow | None = None,
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention of ``q [B, Hq, D]`` (one token per sequence), or ``[B, Hq, T, D]`` (the
@@ -629,16 +617,18 @@ def decode(
     positions below ``len - T + t + 1``; with a mask ``[B or 1, Hq or 1, T, M]``, per token,
     the mask alone decides below ``len``, as for dense SDPA), over a paged cache (and its
     recent window, if any): dequantize, then attend (``mask`` and ``softcap`` as in
-    :func:`attention`).
+    :func:`attention`). The keys are read as stored: a window's ``key_center`` is not added
+    back (softmax ignores the shift that all of a query's scores share; a cap does not, so
+    capped scores need keys stored without a centre).
 
     Computed in ``dtype`` (float32 for the CPU op, float64 for oracles); returns ``q``'s shape
     in the query's dtype.
     """
     # the ring's window slots hold the last W positions
     max_seq_len = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
-                                    ring_window(k_window, sinks))  # fmt: skip
-    k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, max_seq_len, dtype, k_window,
-                      v_window, window_pos, sinks)  # fmt: skip
+                                    window_size(window))  # fmt: skip
+    stored = None if window is None else window._replace(key_center=None)
+    k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, max_seq_len, dtype, stored)
     if q.dim() == 3:
         return attention(q, k, v, seq_lens, scale, mask, softcap).to(q.dtype)
     tokens = q.shape[2]
@@ -665,11 +655,7 @@ def prefill(
     max_seq_len: int,
     dtype: torch.dtype = torch.float32,
     mask: torch.Tensor | None = None,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-    window_pos: torch.Tensor | None = None,
-    sinks: int = 0,
-    key_center: torch.Tensor | None = None,
+    window: RecentWindow | None = None,
     softcap: float = 0.0,
     query_block: int = 256,
 ) -> torch.Tensor:
@@ -690,8 +676,8 @@ def prefill(
         fmt: the format.
         q: ``[B, Hq, T, D]`` the chunk's queries (``Hq`` a multiple of ``Hk``).
         key, value: ``[B, Hk, T, D]`` the chunk's keys and values.
-        cache, block_table, seq_lens, rotation, k_window, v_window, window_pos, sinks,
-            key_center: the cache after the chunk was stored, as :func:`dequantize` takes it.
+        cache, block_table, seq_lens, rotation, window: the cache after the chunk was stored,
+            as :func:`dequantize` takes it.
         scale: the softmax scale.
         is_causal: SDPA's top-left causal order (with a mask too: both apply).
         max_seq_len: positions at or past it are hidden (a view's length).
@@ -708,10 +694,9 @@ def prefill(
     num_kv_heads = key.shape[1]
     group = num_q_heads // num_kv_heads
     capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
-                                 ring_window(k_window, sinks))  # fmt: skip
+                                 window_size(window))  # fmt: skip
     seq = min(capacity, max_seq_len)
-    k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, capacity, dtype, k_window,
-                      v_window, window_pos, sinks, key_center)  # fmt: skip
+    k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, capacity, dtype, window)
     # the chunk's own keys and values at its positions, as they are
     positions = torch.arange(capacity, device=q.device)
     lens = seq_lens.to(device=q.device, dtype=torch.int64)

@@ -4,12 +4,21 @@ Each operator's arguments are a ``NamedTuple`` here: :mod:`custom_ops.ops` deriv
 operator's schema from it (:func:`op_schema`), its real and fake implementations receive one,
 :mod:`custom_ops.validate` checks one and :mod:`custom_ops.api` builds one. The docstrings of the
 operators are in :mod:`custom_ops.ops`.
+
+A recent window (:class:`~custom_ops.formats.RecentWindow`) is one argument everywhere but
+here: a schema takes tensors, ints and optionals, not a tuple of them, so an op's arguments
+list the window's fields flat under the window's own names. :func:`window_fields` flattens a
+window into them and :func:`window_of` gathers it back, the two halves of that one mapping.
 """
 
+import functools
+import operator
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from custom_ops.formats import RecentWindow
 
 __all__ = [
     "StoreArgs",
@@ -18,6 +27,8 @@ __all__ = [
     "DecodeArgs",
     "PrefillArgs",
     "op_schema",
+    "window_fields",
+    "window_of",
 ]
 
 
@@ -117,6 +128,50 @@ class PrefillArgs(NamedTuple):
     sinks: int = 0
     key_center: Tensor | None = None
     softcap: float = 0.0
+
+
+def window_fields(window: RecentWindow | None, args: type[NamedTuple]) -> dict:
+    """``window`` as keyword arguments of the op argument tuple ``args`` (the flat form its
+    schema takes; the inverse of :func:`window_of`).
+
+    Args:
+        window: the recent window, or None.
+        args: the op's argument ``NamedTuple`` type.
+
+    Returns:
+        ``{field: value}`` for each field of ``window`` that ``args`` has (``tq.decode``'s
+        has no ``key_center``: the decode reads the keys as stored); ``{}`` for None, which
+        leaves the fields at their defaults (no rings).
+    """
+    if window is None:
+        return {}
+    # the names are a prefix of the window's fields
+    return dict(zip(_window_names(args), window, strict=False))
+
+
+def window_of(args: NamedTuple) -> RecentWindow | None:
+    """The recent window that op arguments ``args`` carry flat (:func:`window_fields`), or None
+    without rings (``args.k_window`` None); a field ``args`` lacks takes its default."""
+    if args.k_window is None:
+        return None
+    return RecentWindow(*_window_getter(type(args))(args))
+
+
+# Both run on every eager op call: what they read of an argument type is worked out once.
+@functools.cache
+def _window_names(args: type[NamedTuple]) -> tuple[str, ...]:
+    """The fields of :class:`RecentWindow` that op argument type ``args`` has: a prefix of them
+    (``tq.decode`` stops before ``key_center``)."""
+    names = tuple(name for name in RecentWindow._fields if name in args._fields)
+    if names != RecentWindow._fields[: len(names)]:
+        raise TypeError(f"{args.__name__} must take a prefix of {RecentWindow._fields}")
+    return names
+
+
+@functools.cache
+def _window_getter(args: type[NamedTuple]) -> operator.attrgetter:
+    """Reads :func:`_window_names`' fields off an ``args`` tuple, as a tuple."""
+    return operator.attrgetter(*_window_names(args))
 
 
 # Python annotation -> schema type (this module keeps its annotations evaluated for this).

@@ -11,7 +11,14 @@ import torch
 from conftest import ROOT, triton_kernels
 
 from custom_ops import api, reference
-from custom_ops.formats import Codec, Kind, KVFormat, PagedKVCache, get_format
+from custom_ops.formats import Codec, Kind, KVFormat, PagedKVCache, RecentWindow, get_format
+
+
+def window_on(window: RecentWindow | None, device) -> RecentWindow | None:
+    """``window`` with its tensors on ``device`` (a copy where they move; None stays None)."""
+    if window is None:
+        return None
+    return RecentWindow(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in window))
 
 
 def random_kv(n_tokens: int, num_kv_heads: int, head_dim: int, dtype=torch.bfloat16, gen=None):

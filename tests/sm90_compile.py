@@ -13,7 +13,7 @@ import torch
 import triton
 
 from custom_ops import api
-from custom_ops.formats import get_format
+from custom_ops.formats import RecentWindow, get_format
 from custom_ops.triton import center, decode, dequant, prefill, store, store_window
 from custom_ops.triton.decode import verify
 from custom_ops.triton.decode.codes import part_params
@@ -39,6 +39,7 @@ def kernels(name: str) -> dict:
     lens = torch.zeros(2, dtype=torch.int32)
     ring = torch.empty(2, HEADS, WINDOW + SINKS, d, dtype=torch.bfloat16)
     ring_pos = torch.empty(2, HEADS, WINDOW + SINKS, dtype=torch.int32)
+    window = RecentWindow(ring, ring, ring_pos, SINKS)
     rows = torch.empty(4, HEADS, d, dtype=torch.bfloat16)
     new = torch.empty(2, HEADS, 1, d, dtype=torch.bfloat16)
     centres = torch.empty(2, HEADS, d)
@@ -66,7 +67,7 @@ def kernels(name: str) -> dict:
             SINKS=SINKS, BLOCK=32, num_warps=4),
         "dequant": lambda: compile_offline(
             dequant.dequant_kernel, (4, 2), plane_arguments(cache), table_arguments(table), lens,
-            rot, dense, dense, ring_arguments(ring, ring, ring_pos), WINDOW, HEADS, PAGE, 4, 64,
+            rot, dense, dense, ring_arguments(window), WINDOW, HEADS, PAGE, 4, 64,
             HAS_WINDOW=True, D=d, D_PAD=d, INV_SQRT_D=inv, BLOCK_S=32, K=kp, V=vp, SINKS=SINKS,
             num_warps=4),
     }  # fmt: skip
@@ -74,15 +75,14 @@ def kernels(name: str) -> dict:
     long_table = torch.zeros(2, 64, dtype=torch.int32)
     for fast in (True, False):
         for label, block_table in (("short", table), ("long", long_table)):
-            plan = decode.plan_for(fmt, q, cache, block_table, 2, None, ring, fast, sinks=SINKS)
+            plan = decode.plan_for(fmt, q, cache, block_table, 2, None, window, fast)
             q_code = torch.empty(2, HEADS * GROUP, max(1, plan.q_code_columns),
                                  dtype=torch.float16)  # fmt: skip
             part_out = torch.empty(2, HEADS * GROUP, plan.num_partials, d)
             part_lse = torch.empty(2, HEADS * GROUP, plan.num_partials)
             mask_args = (lens, 0, 0, 0, 0)
             split_args = split_arguments(q, q_code, LOG2E, rot, cache, block_table, lens,
-                                         mask_args, ring, ring, ring_pos, WINDOW, part_out,
-                                         part_lse)  # fmt: skip
+                                         mask_args, window, part_out, part_lse)  # fmt: skip
             launches = {
                 "split": (plan.split, split_args),
                 "merge": (plan.merge, (part_out, part_lse, rot, q, 2 * HEADS * GROUP)),
@@ -99,7 +99,7 @@ def kernels(name: str) -> dict:
                         q,
                         *q.stride()[:2],
                         LOG2E,
-                        ring_arguments(ring, ring, ring_pos),
+                        ring_arguments(window),
                         WINDOW,
                         lens,
                         64,
@@ -138,7 +138,8 @@ def _prefill_job(fmt, window, sinks, mask_kind, chunk_mode, fast):
     lens = torch.zeros(2, dtype=torch.int32)
     ring = torch.empty(2, HEADS, WINDOW + SINKS, d, dtype=torch.bfloat16)
     ring_pos = torch.empty(2, HEADS, WINDOW + SINKS, dtype=torch.int32)
-    rings = ring_arguments(ring, ring, ring_pos) if window + sinks else (q, q, lens, 0, 0, 0)
+    rings = (ring_arguments(RecentWindow(ring, ring, ring_pos, SINKS)) if window + sinks
+             else (q, q, lens, 0, 0, 0))  # fmt: skip
     mask = torch.empty(1, 1, tokens, 64, dtype=torch.bool if mask_kind == 1 else torch.bfloat16)
     mask_args = (mask, 0, 0, 64, 64) if mask_kind else (lens, 0, 0, 0, 0)
     config = prefill.PrefillConfig()
@@ -167,7 +168,7 @@ def _store_window_job(fmt, d, start, center, launch):
     lens = torch.zeros(2, dtype=torch.int32)
     return compile_offline(
         store_window.store_window_kernel, (1,), new, new, *new.stride(), *new.stride(),
-        ring_arguments(ring, ring, ring_pos), plane_arguments(cache),
+        ring_arguments(RecentWindow(ring, ring, ring_pos, SINKS)), plane_arguments(cache),
         table_arguments(torch.zeros(2, 4, dtype=torch.int32)), start, start.stride(0), lens,
         api.make_constants(fmt, d).rotation, torch.empty(2, HEADS, d), 4, HEADS, 1, 1, WINDOW,
         PAGE, 4, D=d, D_PAD=d_pad, INV_SQRT_D=1 / math.sqrt(d), BLOCK_R=launch[0], K=kp, V=vp,
@@ -212,8 +213,8 @@ def verify_kernels() -> dict:
     no_mask = (lens, 0, 0, 0, 0)
 
     def job(query, paged, page, window, sinks, mask_kind=0, mask_args=no_mask):
-        rings = (ring, ring, ring_pos) if window + sinks else (None,) * 3
-        args = verify.verify_arguments(query, q_code, LOG2E, paged, table, lens, *rings,
+        rings = RecentWindow(ring, ring, ring_pos, SINKS) if window + sinks else None
+        args = verify.verify_arguments(query, q_code, LOG2E, paged, table, lens, rings,
                                        mask_args, part_out, part_lse)  # fmt: skip
         kwargs = verify.verify_constexprs(fmt, 0, 1, tokens, page, window, sinks, mask_kind,
                                           splits, splits, True)  # fmt: skip

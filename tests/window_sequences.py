@@ -9,7 +9,7 @@ from conftest import triton_kernels
 from helpers import clone_cache, poisoned_cache, random_kv
 
 from custom_ops import api
-from custom_ops.formats import get_format
+from custom_ops.formats import RecentWindow, get_format
 from custom_ops.triton import store_window as triton_store_window
 
 BATCH, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, WINDOW, PAGES_PER_SEQ = 2, 2, 64, 4, 8, 7
@@ -96,16 +96,15 @@ class Sequences:
             assert use_triton, "a launch shape is the Triton kernels'"
             with triton_kernels(d):
                 lens = triton_store_window.store_window(
-                    self.fmt, key.to(d), value.to(d), self.cache, self.k_window, self.v_window,
-                    self.window_pos, self.block_table, start_pos.to(d), self.consts.rotation,
-                    self.sinks, self.key_center, block_rows=launch[0], num_warps=launch[1],
+                    self.fmt, key.to(d), value.to(d), self.cache, self.recent, self.block_table,
+                    start_pos.to(d), self.consts.rotation, block_rows=launch[0],
+                    num_warps=launch[1],
                 )  # fmt: skip
         else:
             with triton_kernels(d) if use_triton else torch.no_grad():
-                lens = api.store_window(self.fmt, self.cache, key.to(d), value.to(d),
-                                        self.k_window, self.v_window, self.window_pos,
-                                        self.block_table, start_pos.to(d), self.consts,
-                                        self.sinks, self.key_center)  # fmt: skip
+                lens = api.store_window(self.fmt, self.cache, key.to(d), value.to(d), self.recent,
+                                        self.block_table, start_pos.to(d),
+                                        self.consts)  # fmt: skip
         # the op returns the written sequences' lengths, 0 for the skipped ones
         assert torch.equal(lens.cpu(), torch.where(start_pos >= 0, self.lens, 0)), lens
 
@@ -118,14 +117,18 @@ class Sequences:
         with triton_kernels(d):
             return api.decode(self.fmt, q.to(d), self.cache, self.block_table, lens.to(d),
                               self.consts, num_splits=num_splits,
-                              mask=None if mask is None else mask.to(d), k_window=self.k_window,
-                              v_window=self.v_window, window_pos=self.window_pos,
-                              sinks=self.sinks, softcap=softcap).cpu()  # fmt: skip
+                              mask=None if mask is None else mask.to(d),
+                              window=self.recent, softcap=softcap).cpu()  # fmt: skip
 
     @property
     def rings(self):
         """``(k_window, v_window, window_pos)``."""
         return self.k_window, self.v_window, self.window_pos
+
+    @property
+    def recent(self) -> RecentWindow:
+        """The rings, sinks and (with ``center``) the keys' centres, as the ops take them."""
+        return RecentWindow(*self.rings, self.sinks, self.key_center)
 
     def exact(self, positions):
         """``[B, n] bool``: which of ``positions [n]`` each sequence holds in full precision

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from custom_ops import api, ops, validate
-from custom_ops.formats import PagedKVCache, get_format
-from custom_ops.schema import StoreArgs, StoreWindowArgs
+from custom_ops.formats import PagedKVCache, RecentWindow, get_format
+from custom_ops.schema import StoreArgs, StoreWindowArgs, window_fields
 from tq_compile.kv_tensor import TurboQuantKVTensor
 from tq_compile.options import CacheOptions, check_count
 
@@ -43,10 +43,9 @@ class _Operands(NamedTuple):
     """The buffers a cache passes to the ops for its first ``B`` sequences."""
 
     planes: PagedKVCache
-    rings: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+    window: RecentWindow | None  # the rings and centres of all max_batch_size sequences
     table: torch.Tensor  # [B, pages_per_seq] int32
     rotation: torch.Tensor
-    key_center: torch.Tensor | None  # [max_batch_size, Hk, D] float32, like the rings
 
 
 class TurboQuantKVCache(nn.Module):
@@ -283,9 +282,10 @@ class TurboQuantKVCache(nn.Module):
             if eager:
                 self._eager_operands[batch] = operands
                 # the module's own buffers: only replaced (_apply), never resized in place
-                validate.fix_metadata(*operands.planes, *operands.rings, operands.table,
-                                      operands.rotation, operands.key_center)  # fmt: skip
-        planes, rings, table, rotation, key_center = operands
+                # (fix_metadata passes over the window's sinks and a None centre)
+                validate.fix_metadata(*operands.planes, *(operands.window or ()), operands.table,
+                                      operands.rotation)  # fmt: skip
+        planes, window, table, rotation = operands
         name = self.kv_format.name
         # The codes are constants to autograd (the ops have no derivative); a chunk's views
         # still carry k_val / v_val as they are, through which attention's gradient flows.
@@ -297,9 +297,9 @@ class TurboQuantKVCache(nn.Module):
             # mutation analysis sees what it writes (see custom_ops.triton.traced), and the view
             # counts as read only.
             start = input_pos[:1].expand(batch)
-            seq_lens = ops.call(StoreWindowArgs(k_store, v_store, *planes, *rings, table, start,
-                                                rotation, name, self.sinks,
-                                                key_center))  # fmt: skip
+            seq_lens = ops.call(StoreWindowArgs(k_store, v_store, *planes, block_table=table,
+                                                start_pos=start, rotation=rotation, fmt=name,
+                                                **window_fields(window, StoreWindowArgs)))
         else:
             pos = input_pos.to(torch.int64)
             pages = table[:, pos // self.page_size]  # [B, T]
@@ -330,10 +330,13 @@ class TurboQuantKVCache(nn.Module):
     def _operands(self, batch: int) -> _Operands:
         """The buffers the ops take for the first ``batch`` sequences."""
         table = self.block_table if batch == self.max_batch_size else self.block_table[:batch]
-        rings = (self.k_window, self.v_window, self.window_pos) if self.has_rings else (None,) * 3
+        window = None
+        if self.has_rings:  # whole: the ops take rings of at least B sequences
+            key_center = self.key_center if self.center_keys else None
+            window = RecentWindow(self.k_window, self.v_window, self.window_pos, self.sinks,
+                                  key_center)  # fmt: skip
         planes = PagedKVCache(self.k_codes, self.v_codes, self.meta)
-        key_center = self.key_center if self.center_keys else None  # whole, like the rings
-        return _Operands(planes, rings, table, self.rotation, key_center)
+        return _Operands(planes, window, table, self.rotation)
 
     def _views(self, operands: _Operands, seq_lens: torch.Tensor,
                chunk_k: torch.Tensor | None = None, chunk_v: torch.Tensor | None = None):
@@ -344,8 +347,7 @@ class TurboQuantKVCache(nn.Module):
             TurboQuantKVTensor.from_cache(side, self.kv_format.name, operands.planes,
                                           operands.table, seq_lens, operands.rotation,
                                           self.max_seq_length, self.num_splits, self.model_dtype,
-                                          *operands.rings, self.sinks, operands.key_center,
-                                          chunk_k, chunk_v)
+                                          operands.window, chunk_k, chunk_v)
             for side in ("key", "value")
         )  # fmt: skip
 

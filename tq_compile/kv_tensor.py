@@ -43,14 +43,16 @@ import torch.nn.functional as F
 from torchao.utils import TorchAOBaseTensor
 
 from custom_ops import compat, ops
-from custom_ops.formats import PagedKVCache, ring_window, sequence_capacity
+from custom_ops.formats import PagedKVCache, RecentWindow, sequence_capacity, window_size
 from custom_ops.reference import softcap_scores
-from custom_ops.schema import DecodeArgs, DequantizeArgs, PrefillArgs
+from custom_ops.schema import DecodeArgs, DequantizeArgs, PrefillArgs, window_fields
 from custom_ops.validate import MAX_QUERY_TOKENS
 
 __all__ = ["TurboQuantKVTensor", "attention"]
 
 _SIDES = ("key", "value")
+# the flattened fields (k_window, v_window, window_pos, sinks, key_center) of no window
+_NO_WINDOW = (None, None, None, 0, None)
 
 
 class TurboQuantKVTensor(TorchAOBaseTensor):
@@ -65,12 +67,9 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         block_table: ``[B, max_pages] int32`` page ids of each sequence.
         seq_lens: ``[B] int32`` number of cached tokens of each sequence.
         rotation: ``[D, D] float32`` +-1 rotation.
-        k_window, v_window: optional ``[B, Hk, W + sinks, D]`` bf16/fp16 rings holding each
-            sequence's latest tokens and its first ``sinks`` in full precision (``None``: no
-            window).
-        window_pos: with the rings, ``[B, Hk, W + sinks] int32`` the position each ring slot
-            holds.
-        key_center: optional ``[B, Hk, D] float32`` the centre the keys are stored minus.
+        k_window, v_window, window_pos, key_center: the recent window's tensors (``None``: no
+            window; no centre), held one by one as the subclass protocol flattens them; read
+            them together as :attr:`window`.
         chunk_k, chunk_v: optional ``[B, Hk, T, D]``: the keys and values of the update that
             made the view (its last ``T`` positions), as the model computed them: a prefill
             chunk attends over them exactly.
@@ -87,6 +86,10 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             as Hugging Face's SDPA does before a causal prefill); attention over it always reads
             the dequantized prefix, since the decode kernel reads each sequence to its length.
         sinks: the rings' sink slots (attention sinks: each sequence's first positions).
+
+    The constructor's arguments are the flattened form (``tensor_data_names``, then
+    ``tensor_attribute_names``, then ``optional_tensor_data_names``) that ``TorchAOBaseTensor``
+    rebuilds a tensor from; build a view with :meth:`from_cache`.
     """
 
     tensor_data_names = ["k_codes", "v_codes", "meta", "block_table", "seq_lens", "rotation"]
@@ -140,11 +143,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         max_seq_len: int,
         num_splits: int,
         model_dtype: torch.dtype,
-        k_window: torch.Tensor | None = None,
-        v_window: torch.Tensor | None = None,
-        window_pos: torch.Tensor | None = None,
-        sinks: int = 0,
-        key_center: torch.Tensor | None = None,
+        window: RecentWindow | None = None,
         chunk_k: torch.Tensor | None = None,
         chunk_v: torch.Tensor | None = None,
     ) -> TurboQuantKVTensor:
@@ -160,14 +159,12 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             max_seq_len: S_max, the logical length.
             num_splits: the decode split count of this cache.
             model_dtype: bf16 or fp16.
-            k_window, v_window: the recent-window rings ``[B, Hk, W + sinks, D]``, or None.
-            window_pos: their slots' positions ``[B, Hk, W + sinks] int32``, or None.
-            sinks: the rings' sink slots.
-            key_center: ``[B, Hk, D] float32`` the centre each sequence-head's keys are stored
-                minus (``tq.store_window``'s), or None.
+            window: the recent window (rings ``[B, Hk, W + sinks, D]``, their slots'
+                positions, sinks and the keys' centre, ``tq.store_window``'s), or None.
             chunk_k, chunk_v: ``[B, Hk, T, D]`` the keys and values just written at each
                 sequence's last ``T`` positions, as the model computed them, or None.
         """
+        k_window, v_window, window_pos, sinks, key_center = window or _NO_WINDOW
         return cls(*cache, block_table, seq_lens, rotation, fmt, side, max_seq_len, 1, False,
                    num_splits, model_dtype, False, sinks, k_window, v_window, window_pos,
                    key_center, chunk_k, chunk_v)  # fmt: skip
@@ -186,10 +183,13 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         return PagedKVCache(self.k_codes, self.v_codes, self.meta)
 
     @property
-    def rings(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """The recent-window rings and their slots' positions ``(k_window, v_window,
-        window_pos)``, or ``(None, None, None)``."""
-        return self.k_window, self.v_window, self.window_pos
+    def window(self) -> RecentWindow | None:
+        """The recent window (rings, their slots' positions, sinks and the keys' centre), or
+        None; read off the flattened attributes, which is what compilation traces."""
+        if self.k_window is None:
+            return None
+        return RecentWindow(self.k_window, self.v_window, self.window_pos, self.sinks,
+                            self.key_center)  # fmt: skip
 
     def dequantize(self, dtype: torch.dtype | None = None, uncenter: bool = True) -> torch.Tensor:
         """Dense ``[B, H, S_max, D]`` (this view's logical shape) in ``dtype`` (default: the
@@ -197,15 +197,16 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         centre back unless ``uncenter`` is False (then every key of a sequence-head is off by
         the same vector: attention over them is the same)."""
         length = self.max_seq_len
-        # (a value view's dequantize leaves the keys as stored: they are dropped)
-        centres = self.key_center if uncenter and self.side == "key" else None
+        window = self.window
+        if window is not None and not (uncenter and self.side == "key"):
+            # (a value view's dequantize leaves the keys as stored: they are dropped)
+            window = window._replace(key_center=None)
         if self.truncated:  # sequences may run past the prefix: dequantize all, keep the prefix
-            window = ring_window(self.k_window, self.sinks)
-            length = sequence_capacity(self.block_table.shape[1], self.k_codes.shape[2], window)
+            length = sequence_capacity(self.block_table.shape[1], self.k_codes.shape[2],
+                                       window_size(window))  # fmt: skip
         k, v = ops.call(DequantizeArgs(*self.planes, self.block_table, self.seq_lens,
-                                       self.rotation, self.fmt, length,
-                                       dtype or self.model_dtype, *self.rings, self.sinks,
-                                       centres))  # fmt: skip
+                                       self.rotation, self.fmt, length, dtype or self.model_dtype,
+                                       **window_fields(window, DequantizeArgs)))  # fmt: skip
         dense = (k if self.side == "key" else v)[:, :, : self.max_seq_len]
         if self.split_heads:
             return dense[:, :, None].expand(self.shape)
@@ -423,8 +424,9 @@ def _tq_decode(q: torch.Tensor, k: TurboQuantKVTensor, mask, scale: float,
     """``tq.decode`` of ``q`` (``[B, Hq, D]`` or ``[B, Hq, T, D]``) over the cache of view
     ``k`` under ``mask`` (the op's form, or None), scores capped by ``softcap``."""
     return ops.call(DecodeArgs(q, *k.planes, k.block_table, k.seq_lens, k.rotation, k.fmt,
-                               k.num_splits, scale, mask, *k.rings, k.sinks,
-                               softcap))  # fmt: skip
+                               k.num_splits, scale, mask,
+                               **window_fields(k.window, DecodeArgs),
+                               softcap=softcap))  # fmt: skip
 
 
 def _prefill(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, is_causal: bool, scale: float,
@@ -437,7 +439,8 @@ def _prefill(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, is_causal: bool,
         mask = mask.expand(mask.shape[0], mask.shape[1], q.shape[2], mask.shape[3])
     return ops.call(PrefillArgs(q, k.chunk_k, k.chunk_v, *k.planes, k.block_table, k.seq_lens,
                                 k.rotation, k.fmt, scale, is_causal, k.max_seq_len, mask,
-                                *k.rings, k.sinks, k.key_center, softcap))  # fmt: skip
+                                **window_fields(k.window, PrefillArgs),
+                                softcap=softcap))  # fmt: skip
 
 
 @implements_torch_function(F.scaled_dot_product_attention)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.formats import ring_window
+from custom_ops.formats import RecentWindow
 from custom_ops.triton.launch import KeyedMemo, Launcher
 from custom_ops.triton.paged import ring_start
 
@@ -152,23 +152,21 @@ _LAUNCHERS = KeyedMemo()
 
 def center_keys(
     key: torch.Tensor,
-    k_window: torch.Tensor,
-    window_pos: torch.Tensor,
+    window: RecentWindow,
     start_pos: torch.Tensor,
-    key_center: torch.Tensor,
-    sinks: int = 0,
     launch_key: Hashable | None = None,
 ) -> None:
-    """Update ``key_center [>= B, Hk, D] float32`` (and re-centre the ring ``k_window [>= B,
-    Hk, W + sinks, D]`` where it is set) before the window store writes ``key [B, Hk, T, D]``
-    from ``start_pos [B]`` on; see :func:`custom_ops.reference.center_keys` (inputs validated
-    by the op). ``launch_key``: the launcher's specialization key."""
+    """Update ``window.key_center [>= B, Hk, D] float32`` (and re-centre the ring
+    ``window.k_window [>= B, Hk, W + sinks, D]`` where it is set) before the window store
+    writes ``key [B, Hk, T, D]`` from ``start_pos [B]`` on; see
+    :func:`custom_ops.reference.center_keys` (inputs validated by the op). ``launch_key``: the
+    launcher's specialization key."""
     batch, num_kv_heads, n_new, head_dim = key.shape
     if batch == 0 or n_new == 0:
         return
-    launcher = _LAUNCHERS.get(launch_key, lambda: _launcher(head_dim, sinks))
+    launcher = _LAUNCHERS.get(launch_key, lambda: _launcher(head_dim, window.sinks))
     launcher(
-        (batch * num_kv_heads,), key, *key.stride(), k_window, window_pos,
-        *k_window.stride()[:3], key_center, start_pos, start_pos.stride(0), num_kv_heads, n_new,
-        ring_window(k_window, sinks), key=launch_key,
+        (batch * num_kv_heads,), key, *key.stride(), window.k_window, window.window_pos,
+        *window.k_window.stride()[:3], window.key_center, start_pos, start_pos.stride(0),
+        num_kv_heads, n_new, window.size, key=launch_key,
     )  # fmt: skip

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.formats import KVFormat, PagedKVCache, ring_window
+from custom_ops.formats import KVFormat, PagedKVCache, RecentWindow
 from custom_ops.reference import uncenter_keys
 from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX, UNIFORM
 from custom_ops.triton.launch import Launcher
@@ -175,16 +175,13 @@ def dequantize(
     rotation: torch.Tensor,
     max_seq_len: int,
     dtype: torch.dtype,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-    window_pos: torch.Tensor | None = None,
-    sinks: int = 0,
-    key_center: torch.Tensor | None = None,
+    window: RecentWindow | None = None,
     block_s: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dequantize kernel (inputs already validated; see ``torch.ops.tq.dequantize``).
-    With ``key_center`` the keys are dequantized in float32, get their centres back
-    (:func:`custom_ops.reference.uncenter_keys`) and are rounded to ``dtype`` once."""
+    With the window's ``key_center`` the keys are dequantized in float32, get their centres
+    back (:func:`custom_ops.reference.uncenter_keys`) and are rounded to ``dtype`` once."""
+    key_center = None if window is None else window.key_center
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
     head_dim = rotation.shape[0]
     batch = block_table.shape[0]
@@ -195,14 +192,13 @@ def dequantize(
     if k_out.numel() == 0:
         return k_out.to(dtype), v_out
     grid = (batch * num_kv_heads, triton.cdiv(max_seq_len, block_s))
-    has_window = k_window is not None
+    has_window = window is not None
     if has_window:
-        window_args = (ring_arguments(k_window, v_window, window_pos),
-                       ring_window(k_window, sinks))  # fmt: skip
+        window_args = (ring_arguments(window), window.size)
     else:
         window_args = ((k_out, v_out, seq_lens, 0, 0, 0), 0)  # never read; no ring
     launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, has_window, block_s,
-                         sinks)  # fmt: skip
+                         0 if window is None else window.sinks)  # fmt: skip
     launcher(grid, plane_arguments(cache), table_arguments(block_table), seq_lens, rotation, k_out,
              v_out, *window_args, num_kv_heads, page_size, block_table.shape[1],
              max_seq_len)  # fmt: skip

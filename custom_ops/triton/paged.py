@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl  # noqa: F401  (the interpreter wants it beside every jit function)
 
-from custom_ops.formats import PagedKVCache
+from custom_ops.formats import PagedKVCache, RecentWindow
 from custom_ops.triton.traced import unread
 
 __all__ = [
@@ -53,11 +53,10 @@ def table_arguments(block_table: torch.Tensor) -> tuple:
     return (block_table, *block_table.stride())
 
 
-def ring_arguments(k_window: torch.Tensor, v_window: torch.Tensor,
-                   window_pos: torch.Tensor) -> tuple:  # fmt: skip
-    """The ``rings`` tuple of ``k_window``, ``v_window [>= B, Hk, W + sinks, D]`` and
-    ``window_pos`` (all contiguous)."""
-    return (k_window, v_window, window_pos, *k_window.stride()[:3])
+def ring_arguments(window: RecentWindow) -> tuple:
+    """The ``rings`` tuple of ``window``: ``k_window``, ``v_window [>= B, Hk, W + sinks, D]``,
+    ``window_pos`` (all contiguous) and the rings' batch, head and slot strides."""
+    return (window.k_window, window.v_window, window.window_pos, *window.k_window.stride()[:3])
 
 
 def mask_arguments(mask: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.formats import KVFormat, PagedKVCache, ring_window
+from custom_ops.formats import KVFormat, PagedKVCache, RecentWindow
 from custom_ops.reference import written_lengths
 from custom_ops.triton.center import center_keys, recenter_ring, ring_sample_sum
 from custom_ops.triton.encode import encode_side
@@ -253,39 +253,36 @@ def store_window(
     key: torch.Tensor,
     value: torch.Tensor,
     cache: PagedKVCache,
-    k_window: torch.Tensor,
-    v_window: torch.Tensor,
-    window_pos: torch.Tensor,
+    window: RecentWindow,
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     rotation: torch.Tensor,
-    sinks: int = 0,
-    key_center: torch.Tensor | None = None,
     block_rows: int | None = None,
     num_warps: int | None = None,
     launch_key: Hashable | None = None,
 ) -> torch.Tensor:
     """Launch the window store (inputs validated; see ``torch.ops.tq.store_window``); the
-    sequences' new lengths ``[B] int32``. With ``key_center`` the centres are set first
-    (:func:`custom_ops.triton.center.center_keys`) and every key is stored minus its centre.
+    sequences' new lengths ``[B] int32``. With the window's ``key_center`` the centres are set
+    first (:func:`custom_ops.triton.center.center_keys`) and every key is stored minus its
+    centre.
 
     ``block_rows``, ``num_warps``: rows per program and its warps (each None: that of
     :data:`APPEND_LAUNCH` for appends on a GPU, of :data:`PREFILL_LAUNCH` for more rows);
     ``launch_key``: the launchers' specialization key (see
     :class:`~custom_ops.triton.launch.Launcher`)."""
     batch, num_kv_heads, n_new, head_dim = key.shape
-    window = ring_window(k_window, sinks)
     if batch == 0 or n_new == 0:
         return written_lengths(start_pos, n_new)
+    key_center, sinks, size = window.key_center, window.sinks, window.size
     seq_lens = torch.empty(batch, dtype=torch.int32, device=key.device)
     page_size = cache.k_codes.shape[2]
     # one new token with a window: the store kernel sets the centres itself
-    center_inline = key_center is not None and n_new == 1 and window > 0
+    center_inline = key_center is not None and n_new == 1 and size > 0
     if key_center is not None and not center_inline:
-        center_keys(key, k_window, window_pos, start_pos, key_center, sinks, launch_key)
-    if n_new > window:
+        center_keys(key, window, start_pos, launch_key)
+    if n_new > size:
         positions = start_pos[:, None].to(torch.int64) + torch.arange(
-            n_new - window, device=key.device
+            n_new - size, device=key.device
         )  # [B, T - W]
         page_index = positions // page_size
         # sinks stay in the ring's sink slots (the kernel writes them)
@@ -295,17 +292,17 @@ def store_window(
         slots = torch.where(in_table, pages * page_size + positions % page_size, -1)
 
         def rows_of(x):  # [B, Hk, T, D] -> [B * (T - W), Hk, D], in the slots' order
-            return x[:, :, : n_new - window].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
+            return x[:, :, : n_new - size].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
 
         # (centred keys are a new tensor: the op's launch key does not describe them)
         direct_keys = key
         if key_center is not None:  # [B, Hk, T - W, D] centred, rounded as the ring rounds
-            centred = key[:, :, : n_new - window].float() - key_center[:batch, :, None]
-            direct_keys = centred.to(k_window.dtype)
+            centred = key[:, :, : n_new - size].float() - key_center[:batch, :, None]
+            direct_keys = centred.to(window.k_window.dtype)
         store(fmt, rows_of(direct_keys), rows_of(value), cache,
               slots.reshape(-1).to(torch.int32), rotation,
               launch_key=None if key_center is not None else launch_key)  # fmt: skip
-    num_chains = min(n_new, max(window, sinks))
+    num_chains = min(n_new, max(size, sinks))
     num_rows = batch * num_chains * num_kv_heads
     # the memo holds the default launch shape's launches only
     defaults = block_rows is None and num_warps is None
@@ -314,9 +311,9 @@ def store_window(
         center_inline))  # fmt: skip
     launcher(
         grid, key, value, *key.stride(), *value.stride(),
-        ring_arguments(k_window, v_window, window_pos), plane_arguments(cache),
+        ring_arguments(window), plane_arguments(cache),
         table_arguments(block_table), start_pos, start_pos.stride(0), seq_lens, rotation,
         seq_lens if key_center is None else key_center, num_rows, num_kv_heads, n_new,
-        num_chains, window, page_size, block_table.shape[1], key=launch_key,
+        num_chains, size, page_size, block_table.shape[1], key=launch_key,
     )  # fmt: skip
     return seq_lens

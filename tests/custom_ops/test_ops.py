@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from custom_ops import api, ops
-from custom_ops.formats import get_format
+from custom_ops.formats import RecentWindow, get_format
 from custom_ops.schema import DecodeArgs
 
 
@@ -191,9 +191,9 @@ def test_cuda_graph_loop_crossing_the_window(fmt_name, seeded):
     num_splits = api.default_num_splits(batch, num_kv_heads, max_pages, page_size, 0, "cuda")
 
     def step(cache, rings):
-        api.store_window(fmt, cache, token[:, :, 0], token[:, :, 1], *rings, table, start, consts)
-        return api.decode(fmt, q, cache, table, seq_lens, consts, num_splits, k_window=rings[0],
-                          v_window=rings[1], window_pos=rings[2])  # fmt: skip
+        window = RecentWindow(*rings)
+        api.store_window(fmt, cache, token[:, :, 0], token[:, :, 1], window, table, start, consts)
+        return api.decode(fmt, q, cache, table, seq_lens, consts, num_splits, window=window)
 
     token.normal_(), q.normal_()
     side = torch.cuda.Stream()

@@ -28,10 +28,18 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import CUDA, triton_kernels
-from helpers import by_slot, clone_cache, poisoned_cache, random_kv, rel_error, slot_rows
+from helpers import (
+    by_slot,
+    clone_cache,
+    poisoned_cache,
+    random_kv,
+    rel_error,
+    slot_rows,
+    window_on,
+)
 
 from custom_ops import api, reference
-from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, get_format
+from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, RecentWindow, get_format
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
 
@@ -177,11 +185,10 @@ class Case:
 
     def reference_dequantized(self, path: str) -> tuple[torch.Tensor, torch.Tensor]:
         """float64 ``(K, V) [B, Hk, capacity, D]`` of ``path``'s cache by the reference."""
-        rings = self.rings[path] if self.cfg.window else (None, None, None)
+        window = RecentWindow(*self.rings[path]) if self.cfg.window else None
         return reference.dequantize(
             self.fmt, clone_cache(self.caches[path]), self.block_table, self.lens,
-            self.rotation, self.cfg.capacity, torch.float64,
-            *(None if r is None else r.cpu() for r in rings),
+            self.rotation, self.cfg.capacity, torch.float64, window_on(window, "cpu"),
         )  # fmt: skip
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import IMPLS, impl_context, impl_device, random_kv
+from helpers import IMPLS, impl_context, impl_device, random_kv, window_on
 
 from custom_ops import api, reference
-from custom_ops.formats import FORMATS, PagedKVCache, get_format
+from custom_ops.formats import FORMATS, PagedKVCache, RecentWindow, get_format
 
 MAGNITUDES = (1e-6, 1e-3, 1.0, 1e3, 1e6)
 T, HK, GROUP, D, W, PAGE = 12, 2, 2, 64, 4, 4  # 8 compressed tokens, 4 in the ring
@@ -22,18 +22,18 @@ def _store(fmt, key, value, device):
     consts = api.KVConstants(*(c.to(device) for c in api.make_constants(fmt, D, seed=5)))
     cache = PagedKVCache(*(p.to(device) for p in fmt.allocate(2, HK, PAGE, D)))
     rings = [torch.zeros(1, HK, W, D, dtype=key.dtype, device=device) for _ in range(2)]
-    rings.append(torch.full((1, HK, W), -1, dtype=torch.int32, device=device))
+    window = RecentWindow(*rings, torch.full((1, HK, W), -1, dtype=torch.int32, device=device))
     table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
     start = torch.zeros(1, dtype=torch.int32, device=device)
-    api.store_window(fmt, cache, key.to(device), value.to(device), *rings, table, start, consts)
-    return consts, cache, rings, table
+    api.store_window(fmt, cache, key.to(device), value.to(device), window, table, start, consts)
+    return consts, cache, window, table
 
 
-def _oracle(fmt, cache, rings, table, lens, q, consts):
+def _oracle(fmt, cache, window, table, lens, q, consts):
     """float64 attention over what the cache holds (its dequantized K and V)."""
     cpu = PagedKVCache(*(p.cpu() for p in cache))
     k, v = reference.dequantize(fmt, cpu, table.cpu(), lens, consts.rotation.cpu(), T,
-                                torch.float64, *(r.cpu() for r in rings))  # fmt: skip
+                                torch.float64, window_on(window, "cpu"))  # fmt: skip
     return k, v, reference.attention(q.double(), k, v, lens, D**-0.5)
 
 
@@ -62,19 +62,18 @@ def test_every_magnitude_is_represented(fmt_name, impl, kernel_device, seeded):
             key = (base_k * (magnitude if side == "key" else 1.0)).to(torch.bfloat16)
             value = (base_v * (magnitude if side == "value" else 1.0)).to(torch.bfloat16)
             with impl_context(impl, device):
-                consts, cache, rings, table = _store(fmt, key, value, device)
+                consts, cache, window, table = _store(fmt, key, value, device)
                 k_deq, v_deq = api.dequantize(fmt, cache, table, lens.to(device), consts, T,
-                                              torch.float32, *rings)  # fmt: skip
+                                              torch.float32, window)  # fmt: skip
                 out = api.decode(fmt, q.to(device), cache, table, lens.to(device), consts,
-                                 num_splits=2, k_window=rings[0], v_window=rings[1],
-                                 window_pos=rings[2]).cpu()  # fmt: skip
+                                 num_splits=2, window=window).cpu()  # fmt: skip
             stored = k_deq if side == "key" else v_deq
             errors[side, magnitude] = _row_errors(stored.cpu(), key if side == "key" else value)
             where = f"{fmt_name} {side}s x {magnitude:g}"
             assert out.isfinite().all(), f"{where}: non-finite decode output"
             assert (out.abs().amax(dim=-1) > 0).all(), f"{where}: a head's output is zero"
             if side == "value" or magnitude <= 1.0:
-                _, v64, expected = _oracle(fmt, cache, rings, table, lens, q, consts)
+                _, v64, expected = _oracle(fmt, cache, window, table, lens, q, consts)
                 # fp16 products on the tensor cores, bf16 output: relative to the values' size
                 scale = v64.abs().amax()
                 error = ((out.double() - expected).abs().amax() / scale).item()
@@ -100,9 +99,9 @@ def test_norms_up_to_bf16_max(fmt_name, impl, kernel_device, seeded):
     value = value.transpose(0, 1)[None].to(torch.bfloat16)
     lens = torch.tensor([T], dtype=torch.int32)
     with impl_context(impl, device):
-        consts, cache, rings, table = _store(fmt, key, value, device)
+        consts, cache, window, table = _store(fmt, key, value, device)
         k_deq, _ = api.dequantize(fmt, cache, table, lens.to(device), consts, T, torch.float32,
-                                  *rings)  # fmt: skip
+                                  window)  # fmt: skip
     assert cache.meta.isfinite().all()
     error = _row_errors(k_deq.cpu()[:, :, : T - W], key[:, :, : T - W])
     assert error < 0.25, f"relative error {error:.3g} of rows with norms near bf16's maximum"

@@ -9,7 +9,7 @@ import torch
 from helpers import random_kv, rel_error
 
 from custom_ops import api, reference
-from custom_ops.formats import FORMATS, get_format
+from custom_ops.formats import FORMATS, RecentWindow, get_format
 
 NUM_KV_HEADS, PAGE_SIZE = 2, 4
 
@@ -129,17 +129,17 @@ def test_block_table_past_the_length_is_not_followed(window, seeded):
     stale = clean.clone()
     stale[torch.arange(5)[None, :] * 4 >= paged[:, None]] = 2**30
     assert (stale == 2**30).any()
-    rings = {}
+    recent = None
     if window:
         ring_k, ring_v = random_kv(2 * window, 2, 64, torch.bfloat16, seeded)
         as_ring = lambda x: x.reshape(2, window, 2, 64).transpose(1, 2).contiguous()  # noqa: E731
-        rings = dict(k_window=as_ring(ring_k), v_window=as_ring(ring_v),
-                     window_pos=api.appended_window_positions(lens, 2, window))  # fmt: skip
+        recent = RecentWindow(as_ring(ring_k), as_ring(ring_v),
+                              api.appended_window_positions(lens, 2, window))  # fmt: skip
     q = torch.randn(2, 8, 64, generator=seeded).to(torch.bfloat16)
     outputs = []
     for table in (clean, stale):
-        dense = api.dequantize(fmt, cache, table, lens, consts, 20, torch.float32, **rings)
-        attended = api.decode(fmt, q, cache, table, lens, consts, num_splits=1, **rings)
+        dense = api.dequantize(fmt, cache, table, lens, consts, 20, torch.float32, recent)
+        attended = api.decode(fmt, q, cache, table, lens, consts, num_splits=1, window=recent)
         outputs.append((*dense, attended))
     for with_stale, with_clean in zip(outputs[1], outputs[0], strict=True):
         torch.testing.assert_close(with_stale, with_clean, rtol=0, atol=0)

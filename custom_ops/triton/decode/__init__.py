@@ -28,7 +28,7 @@ from collections.abc import Hashable
 
 import torch
 
-from custom_ops.formats import KVFormat, PagedKVCache, ring_window, sequence_capacity
+from custom_ops.formats import KVFormat, PagedKVCache, RecentWindow, sequence_capacity, window_size
 from custom_ops.triton.decode.merge import MergeConfig, launch_merge
 from custom_ops.triton.decode.plan import DecodePlan, QueryMode, SplitConfig, plan_decode
 from custom_ops.triton.decode.prep import launch_prep
@@ -58,11 +58,10 @@ def plan_for(
     block_table: torch.Tensor,
     num_splits: int,
     mask: torch.Tensor | None = None,
-    k_window: torch.Tensor | None = None,
+    window: RecentWindow | None = None,
     fast: bool | None = None,
     split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
-    sinks: int = 0,
     softcap: float = 0.0,
 ) -> DecodePlan:
     """The :class:`DecodePlan` of a decode with these inputs (``q [B, Hq, D]`` or ``[B, Hq, T,
@@ -72,9 +71,10 @@ def plan_for(
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
     fast = q.device.type == "cuda" if fast is None else fast
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
-    ring_dtype = None if k_window is None else k_window.dtype
+    ring_dtype = None if window is None else window.k_window.dtype
+    sinks = 0 if window is None else window.sinks
     return plan_decode(fmt, batch, num_q_heads * q_tokens, num_kv_heads, head_dim, page_size,
-                       block_table.shape[1], ring_window(k_window, sinks), q.dtype, ring_dtype,
+                       block_table.shape[1], window_size(window), q.dtype, ring_dtype,
                        mask_kind, num_splits, q.device, fast, split_config, merge_config,
                        q_tokens, sinks, tracing(), softcap)  # fmt: skip
 
@@ -111,10 +111,7 @@ def decode(
     num_splits: int,
     scale: float,
     mask: torch.Tensor | None = None,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-    window_pos: torch.Tensor | None = None,
-    sinks: int = 0,
+    window: RecentWindow | None = None,
     softcap: float = 0.0,
     fast: bool | None = None,
     split_config: SplitConfig | None = None,
@@ -126,8 +123,10 @@ def decode(
     ``q [B, Hq, D]``, or ``[B, Hq, T, D]``: the kernels see its ``Hq * T`` query rows as the
     heads of one query token, row ``h * T + t`` with the causal limit of token ``t`` (without a
     mask; a mask alone orders the tokens), so the ``T`` tokens of a GQA group share each cache
-    byte read. ``softcap`` > 0 caps each score ``s`` at ``softcap * tanh(s / softcap)`` before
-    the mask (the verify kernel does not serve it). Returns q's shape in q's dtype.
+    byte read. Returns q's shape in q's dtype. ``window``: the recent window, if any (its
+    ``key_center`` is not read: softmax ignores the shift the stored keys' scores share).
+    ``softcap`` > 0 caps each score ``s`` at ``softcap * tanh(s / softcap)`` before the mask
+    (the verify kernel does not serve it).
     ``fast`` selects the inline-PTX decoding and programmatic dependent launch (default: on
     CUDA; the interpreter cannot run them); ``split_config`` and ``merge_config`` override the
     plan's kernel configurations (sweeps, tests). ``launch_key``: the op arguments' metadata key
@@ -141,10 +140,9 @@ def decode(
     # a graph traced for inductor gets Triton kernels only (see plan_decode's ``traced``)
     key = None if overridden or launch_key is None else (launch_key, tracing())
     plan = _PLANS.get(key, lambda: plan_for(
-        fmt, q, cache, block_table, num_splits, mask, k_window, fast, split_config, merge_config,
-        sinks, softcap,
+        fmt, q, cache, block_table, num_splits, mask, window, fast, split_config, merge_config,
+        softcap,
     ))  # fmt: skip
-    window = ring_window(k_window, sinks)
     mask_args = mask_arguments(mask, seq_lens)
     q_scale = scale * LOG2E
     rows = q.reshape(batch, -1, head_dim)  # [B, Hq * T, D]: a view, or a copy of a few rows
@@ -156,18 +154,17 @@ def decode(
     if plan.prep is not None:
         launch_prep(plan.prep, rows, rotation, q_code, q_scale, key)
     if plan.verify:
-        plan.split(*verify_arguments(rows, q_code, q_scale, cache, block_table, seq_lens,
-                                     k_window, v_window, window_pos, mask_args, part_out,
-                                     part_lse), key=key)  # fmt: skip
+        plan.split(*verify_arguments(rows, q_code, q_scale, cache, block_table, seq_lens, window,
+                                     mask_args, part_out, part_lse), key=key)  # fmt: skip
     else:
         launch_split(plan.split, split_arguments(
-            rows, q_code, q_scale, rotation, cache, block_table, seq_lens, mask_args, k_window,
-            v_window, window_pos, window, part_out, part_lse,
+            rows, q_code, q_scale, rotation, cache, block_table, seq_lens, mask_args, window,
+            part_out, part_lse,
         ), key)  # fmt: skip
-    if plan.ring is not None:
-        capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2], window)
-        launch_ring(plan.ring, rows, q_scale, k_window, v_window, window_pos, window, seq_lens,
-                    capacity, mask_args, part_out, part_lse, key)  # fmt: skip
+    if plan.ring is not None:  # (a ring plan only with a window)
+        capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2], window.size)
+        launch_ring(plan.ring, rows, q_scale, window, seq_lens, capacity, mask_args, part_out,
+                    part_lse, key)  # fmt: skip
     launch_merge(plan.merge, part_out, part_lse, rotation, out, key)
     return out.view(q.shape)
 
@@ -183,18 +180,15 @@ def compile_split_kernel(
     compile_fn,
     fast: bool = True,
     split_config: SplitConfig | None = None,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-    window_pos: torch.Tensor | None = None,
-    sinks: int = 0,
+    window: RecentWindow | None = None,
     softcap: float = 0.0,
 ):
     """Compile (not launch) the split kernel of this decode (``q [B, Hq, D]`` or ``[B, Hq, T,
     D]``) through ``compile_fn(kernel, grid, *args, **kwargs)``; ``benchmarks/sass_report.py``
     compiles it for sm_90 without a GPU (``split_config`` overrides the plan's launch, register
     cap included)."""
-    plan = plan_for(fmt, q, cache, block_table, num_splits, None, k_window, fast, split_config,
-                    sinks=sinks, softcap=softcap)  # fmt: skip
+    plan = plan_for(fmt, q, cache, block_table, num_splits, None, window, fast, split_config,
+                    softcap=softcap)  # fmt: skip
     if plan.verify:
         raise ValueError(
             "compile_split_kernel: this decode's plan takes the verify kernel, not the split "
@@ -204,6 +198,5 @@ def compile_split_kernel(
     rows = q.reshape(q.shape[0], -1, q.shape[-1])  # [B, Hq * T, D]
     q_code, part_out, part_lse = _buffers(plan, rows)
     arguments = split_arguments(rows, q_code, LOG2E, rotation, cache, block_table, seq_lens,
-                                mask_args, k_window, v_window, window_pos,
-                                ring_window(k_window, sinks), part_out, part_lse)  # fmt: skip
+                                mask_args, window, part_out, part_lse)  # fmt: skip
     return compile_split(plan.split, arguments, compile_fn)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from custom_ops.formats import RecentWindow
 from custom_ops.triton.decode.query import original_query
 from custom_ops.triton.decode.softmax import (
     causal_ends,
@@ -224,15 +225,13 @@ def ring_partials_kernel(
         gdc_wait()  # for the split kernel: the merge waits only for this one
 
 
-def launch_ring(launch, q: torch.Tensor, q_scale: float, k_window: torch.Tensor,
-                v_window: torch.Tensor, window_pos: torch.Tensor, window: int,
+def launch_ring(launch, q: torch.Tensor, q_scale: float, window: RecentWindow,
                 seq_lens: torch.Tensor, capacity: int, mask_args: tuple, part_out: torch.Tensor,
                 part_lse: torch.Tensor, key: Hashable | None = None) -> None:  # fmt: skip
-    """Write the ring's partials of ``q [B, Hq * T, D]`` (query rows) into
-    ``part_out``/``part_lse`` after the splits' (``launch``: the plan's launch of this kernel;
-    ``window``: W, the rings' window slots; ``capacity``: positions a sequence holds;
-    ``mask_args``: ``(mask, stride_b, stride_h, stride_t, mask_len)``; ``key``: the launcher's
-    specialization key)."""
-    launch(q, q.stride(0), q.stride(1), q_scale, ring_arguments(k_window, v_window, window_pos),
-           window, seq_lens, capacity, mask_args, part_out, part_lse, k_window.shape[1],
+    """Write the ring's partials of ``q [B, Hq * T, D]`` (query rows) over ``window``'s rings
+    into ``part_out``/``part_lse`` after the splits' (``launch``: the plan's launch of this
+    kernel; ``capacity``: positions a sequence holds; ``mask_args``: ``(mask, stride_b,
+    stride_h, stride_t, mask_len)``; ``key``: the launcher's specialization key)."""
+    launch(q, q.stride(0), q.stride(1), q_scale, ring_arguments(window), window.size, seq_lens,
+           capacity, mask_args, part_out, part_lse, window.k_window.shape[1],
            key=key)  # fmt: skip

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from custom_ops.formats import PagedKVCache
+from custom_ops.formats import PagedKVCache, RecentWindow
 from custom_ops.triton.decode.query import query_part, ring_query, rotate_query
 from custom_ops.triton.decode.softmax import (
     RESCALE_SLACK,
@@ -355,20 +355,19 @@ def split_kernel(
 
 
 def split_arguments(q, q_code, q_scale, rotation, cache: PagedKVCache, block_table, seq_lens,
-                    mask_args, k_window, v_window, window_pos, window, part_out,
+                    mask_args, window: RecentWindow | None, part_out,
                     part_lse) -> tuple:  # fmt: skip
     """The split kernel's runtime arguments, in order (``mask_args``: ``(mask, stride_b,
-    stride_h, stride_t, mask_len)``). ``k_window``/``v_window``/``window_pos`` are the rings
-    and their slots' positions, or None (then placeholders, never read); ``window`` is W, their
-    window slots (:func:`custom_ops.formats.ring_window`). The kernel reads the ring positions
-    for where its compressed tokens end, and the rings only where its plan says."""
-    if k_window is None:
-        rings = (unread(q), unread(q), unread(seq_lens), 0, 0, 0)
+    stride_h, stride_t, mask_len)``). ``window``: the recent window, or None (then
+    placeholders, never read, and W = 0). The kernel reads the ring positions for where its
+    compressed tokens end, and the rings only where its plan says."""
+    if window is None:
+        rings, size = (unread(q), unread(q), unread(seq_lens), 0, 0, 0), 0
     else:
-        rings = ring_arguments(k_window, v_window, window_pos)
+        rings, size = ring_arguments(window), window.size
     return (
         q_code, q, q.stride(0), q.stride(1), q_scale, rotation, plane_arguments(cache),
-        table_arguments(block_table), seq_lens, mask_args, window, rings, part_out, part_lse,
+        table_arguments(block_table), seq_lens, mask_args, size, rings, part_out, part_lse,
         cache.k_codes.shape[1], block_table.shape[1],
     )  # fmt: skip
 

@@ -41,7 +41,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from custom_ops.formats import Kind, KVFormat, PagedKVCache
+from custom_ops.formats import Kind, KVFormat, PagedKVCache, RecentWindow
 from custom_ops.triton.decode.ptx import decode_asm, words_asm
 from custom_ops.triton.decode.softmax import LOG2E, RESCALE_SLACK, causal_ends
 from custom_ops.triton.decode.split import UNIT_MAX, UNIT_MIN
@@ -100,14 +100,13 @@ def verify_constexprs(fmt: KVFormat, key_meta: int, value_meta: int, q_tokens: i
 
 def verify_arguments(rows: torch.Tensor, q_code: torch.Tensor, q_scale: float,
                      cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     k_window: torch.Tensor | None, v_window: torch.Tensor | None,
-                     window_pos: torch.Tensor | None, mask_args: tuple, part_out: torch.Tensor,
+                     window: RecentWindow | None, mask_args: tuple, part_out: torch.Tensor,
                      part_lse: torch.Tensor) -> tuple:  # fmt: skip
     """The kernel's runtime arguments: the query rows ``rows [B, Hq * T, D]`` (the rings' dtype;
     read for the rings), their prepared form ``q_code [B, Hq * T, D] fp16`` and ``q_scale``
     (``scale * log2(e)``), the cache (contiguous planes), ``block_table [B, max_pages]``,
-    ``seq_lens [B]``, the rings ``[>= B, Hk, W + sinks, D]`` and their slots' positions
-    ``window_pos [>= B, Hk, W + sinks]`` (None without rings: placeholders, never read),
+    ``seq_lens [B]``, the recent window (rings ``[>= B, Hk, W + sinks, D]`` and their slots'
+    positions ``[>= B, Hk, W + sinks]``; None without rings: placeholders, never read),
     ``mask_args`` (``(mask, stride_b, stride_h, stride_t, mask_len)``) and the partials ``[B,
     Hq * T, num_partials, D]`` and their lse.
 
@@ -116,9 +115,10 @@ def verify_arguments(rows: torch.Tensor, q_code: torch.Tensor, q_scale: float,
     elements (its specialization). Other rows (a padded or offset query) are passed as a
     contiguous copy."""
     k_codes, v_codes, meta = cache
-    if k_window is None:
+    if window is None:
         rings = (unread(rows), unread(rows), 0, 0, 0, unread(seq_lens), 0, 0)
     else:
+        k_window, v_window, window_pos = window[:3]
         rings = (k_window, v_window, *k_window.stride()[:3], window_pos,
                  *window_pos.stride()[:2])  # fmt: skip
         stride_b, stride_h, stride_d = rows.stride()

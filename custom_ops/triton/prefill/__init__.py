@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from custom_ops.formats import KVFormat, PagedKVCache, ring_window
+from custom_ops.formats import KVFormat, PagedKVCache, RecentWindow, window_size
 from custom_ops.sdpa_lse import attention_lse
 from custom_ops.thread_flag import ThreadFlag
 from custom_ops.triton.decode.codes import PartParams, part_params
@@ -116,11 +116,7 @@ def prefill(
     is_causal: bool,
     max_seq_len: int,
     mask: torch.Tensor | None = None,
-    k_window: torch.Tensor | None = None,
-    v_window: torch.Tensor | None = None,
-    window_pos: torch.Tensor | None = None,
-    sinks: int = 0,
-    key_center: torch.Tensor | None = None,
+    window: RecentWindow | None = None,
     fast: bool | None = None,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
@@ -129,8 +125,8 @@ def prefill(
 
     Args:
         fmt, q, key, value, cache, block_table, seq_lens, rotation, scale, is_causal,
-            max_seq_len, mask, k_window, v_window, window_pos, sinks, key_center: the op's
-            arguments (the planes as ``cache``).
+            max_seq_len, mask: the op's arguments (the planes as ``cache``).
+        window: the recent window (the op's ring arguments), or None.
         fast: the inline-PTX decoding of codes (default: on CUDA; the interpreter cannot run
             it).
         config: the prefix kernel's launch (default :class:`PrefillConfig`).
@@ -157,8 +153,8 @@ def prefill(
     if mask is not None:
         flags = causal_rows(mask_args, mask.shape[1], tokens, seq_lens, mask.dtype != torch.bool,
                             check_prefix=dense and not is_causal)  # fmt: skip
-    window = ring_window(k_window, sinks)
-    capacity = block_table.shape[1] * cache.k_codes.shape[2] + window
+    capacity = block_table.shape[1] * cache.k_codes.shape[2] + window_size(window)
+    key_center = None if window is None else window.key_center
     # what the dense prefix decides by starts for the host now; the chunk's attention runs
     # meanwhile
     facts = _prefix_facts(seq_lens, tokens, capacity, flags) if dense else None
@@ -169,8 +165,10 @@ def prefill(
         if prefix_len == 0:
             return out
         if prefix_len is not None:
+            # the keys as stored: the merge adds the centres' share to the scores
+            stored = None if window is None else window._replace(key_center=None)
             keys, values = dequantize(fmt, cache, block_table, prefix_lens, rotation, prefix_len,
-                                      q.dtype, k_window, v_window, window_pos, sinks)  # fmt: skip
+                                      q.dtype, stored)  # fmt: skip
             prefix_out, prefix_lse = attention_lse(q, keys, values, False, scale)
             merge_prefix(out, lse, prefix_out, prefix_lse, q, scale, key_center)
             return out
@@ -181,22 +179,22 @@ def prefill(
     else:
         flag_strides = (flags.stride(0), flags.stride(1) if flags.shape[1] > 1 else 0)
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
-    has_rings = k_window is not None
+    has_rings = window is not None
     if has_rings:
-        rings = ring_arguments(k_window, v_window, window_pos)
+        rings = ring_arguments(window)
     else:  # never read
         rings = (q, q, seq_lens, 0, 0, 0)
     group = num_q_heads // num_kv_heads
     sides = (part_params(fmt, "k", head_dim, fast), part_params(fmt, "v", head_dim, fast))
-    launcher = _launcher(*sides, group, head_dim, cache.k_codes.shape[2], sinks, has_rings,
-                         key_center is not None, mask_kind, is_causal, chunk_mode,
-                         config)  # fmt: skip
+    launcher = _launcher(*sides, group, head_dim, cache.k_codes.shape[2],
+                         window.sinks if has_rings else 0, has_rings, key_center is not None,
+                         mask_kind, is_causal, chunk_mode, config)  # fmt: skip
     grid = (batch * num_kv_heads, triton.cdiv(tokens * group, config.block_m))
     launcher(grid, q, *q.stride()[:3], key, value, *key.stride()[:3], *value.stride()[:3], out,
              *out.stride()[:3], lse, *lse.stride(), plane_arguments(cache),
              table_arguments(block_table), seq_lens, rotation, rings,
              seq_lens if key_center is None else key_center, mask_args, flags, *flag_strides,
-             num_kv_heads, tokens, window, block_table.shape[1], max_seq_len,
+             num_kv_heads, tokens, window_size(window), block_table.shape[1], max_seq_len,
              scale * LOG2E)  # fmt: skip
     return out
 

@@ -15,6 +15,7 @@ from helpers import (
     impl_device,
     poisoned_cache,
     rel_error,
+    window_on,
 )
 from window_sequences import BATCH, CAPACITY, REWRITE_STEPS, STEPS, WINDOW, Sequences
 
@@ -99,13 +100,13 @@ def test_dequantize_window_kernel_matches_reference(fmt_name, steps, window, sin
         seqs.append(n_new, starts, seeded, use_triton=False)
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
     args = (seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(), seqs.lens, consts,
-            seqs.capacity, torch.float32, *(r.cpu() for r in seqs.rings), sinks)  # fmt: skip
+            seqs.capacity, torch.float32, window_on(seqs.recent, "cpu"))  # fmt: skip
     expected = api.dequantize(*args)
     d = kernel_device
     with triton_kernels(d):
         actual = api.dequantize(seqs.fmt, seqs.cache, seqs.block_table, seqs.lens.to(d),
-                                seqs.consts, seqs.capacity, torch.float32, *seqs.rings,
-                                sinks)  # fmt: skip
+                                seqs.consts, seqs.capacity, torch.float32,
+                                seqs.recent)  # fmt: skip
     exact = seqs.exact(torch.arange(seqs.capacity))
     for e, a, tokens in zip(expected, actual, (seqs.keys, seqs.values), strict=True):
         torch.testing.assert_close(a.cpu(), e, rtol=1e-5, atol=1e-5)
@@ -139,15 +140,15 @@ def test_dequantize_gives_centred_keys_back(fmt_name, steps, window, sinks, kern
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
     center = seqs.key_center.cpu()
     args = (seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(), seqs.lens, consts,
-            seqs.capacity, torch.float32, *(r.cpu() for r in seqs.rings), sinks)  # fmt: skip
-    stored_k, stored_v = api.dequantize(*args)
-    k, v = api.dequantize(*args, center)
+            seqs.capacity, torch.float32)  # fmt: skip
+    window = window_on(seqs.recent, "cpu")
+    stored_k, stored_v = api.dequantize(*args, window._replace(key_center=None))
+    k, v = api.dequantize(*args, window)
     d = kernel_device
     with triton_kernels(d):
         actual_k, actual_v = api.dequantize(seqs.fmt, seqs.cache, seqs.block_table,
                                             seqs.lens.to(d), seqs.consts, seqs.capacity,
-                                            torch.float32, *seqs.rings, sinks,
-                                            seqs.key_center)  # fmt: skip
+                                            torch.float32, seqs.recent)  # fmt: skip
     torch.testing.assert_close(actual_k.cpu(), k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(actual_v.cpu(), v, rtol=1e-5, atol=1e-5)
     assert torch.equal(v, stored_v)
@@ -223,8 +224,9 @@ class TestDequantizeBadInput(expecttest.TestCase):
                 api.dequantize(fmt, cache, bt, lens, consts, max_len)
             messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
         with self.assertRaises(ValueError) as ctx:  # no rings to have set them
-            api.dequantize(fmt, cache, table, torch.tensor([9], dtype=torch.int32), consts, 12,
-                           key_center=torch.zeros(1, 2, 128))  # fmt: skip
+            torch.ops.tq.dequantize(*cache, table, torch.tensor([9], dtype=torch.int32), *consts,
+                                    "k8v4", 12, torch.bfloat16,
+                                    key_center=torch.zeros(1, 2, 128))  # fmt: skip
         messages.append(f"key centres without rings: ValueError: {ctx.exception}")
         self.assertExpectedInline(
             "\n".join(messages),

@@ -25,10 +25,10 @@ import expecttest
 import pytest
 import torch
 from conftest import CUDA, triton_kernels
-from helpers import IMPLS, impl_context, impl_device, random_kv, rel_error
+from helpers import IMPLS, impl_context, impl_device, random_kv, rel_error, window_on
 
 from custom_ops import api, reference, sdpa_lse
-from custom_ops.formats import FORMATS, get_format
+from custom_ops.formats import FORMATS, RecentWindow, get_format
 from custom_ops.triton import prefill as triton_prefill
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
@@ -71,14 +71,14 @@ class Case:
         self.cache = self.fmt.allocate(num_pages, num_kv_heads, page_size, head_dim)
         pages = torch.randperm(num_pages, generator=gen)[: batch * pages_per_seq]
         self.block_table = pages.to(torch.int32).reshape(batch, pages_per_seq)
-        self.rings = (None, None, None)
-        self.key_center, self.sinks = None, sinks if window + sinks else 0
+        self.recent = None  # the recent window: rings, sinks, keys' centres
         if window + sinks:
             shape = (batch, num_kv_heads, window + sinks, head_dim)
-            self.rings = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
-                          torch.full(shape[:3], -1, dtype=torch.int32))  # fmt: skip
-            if center:
-                self.key_center = torch.zeros(batch, num_kv_heads, head_dim)
+            centres = torch.zeros(batch, num_kv_heads, head_dim) if center else None
+            self.recent = RecentWindow(torch.zeros(shape, dtype=dtype),
+                                       torch.zeros(shape, dtype=dtype),
+                                       torch.full(shape[:3], -1, dtype=torch.int32), sinks,
+                                       centres)  # fmt: skip
         offset = 4 * torch.randn(num_kv_heads, 1, head_dim, generator=gen)  # a shared component
         lens = torch.zeros(batch, dtype=torch.int64)
 
@@ -90,10 +90,9 @@ class Case:
             value = value.reshape(batch, n, num_kv_heads, head_dim).transpose(1, 2)
             key, value = key.to(dtype).contiguous(), value.contiguous()
             begins = torch.tensor(begins, dtype=torch.int64)
-            if self.rings[0] is not None:
-                api.store_window(self.fmt, self.cache, key, value, *self.rings, self.block_table,
-                                 begins.to(torch.int32), self.consts, self.sinks,
-                                 self.key_center)  # fmt: skip
+            if self.recent is not None:
+                api.store_window(self.fmt, self.cache, key, value, self.recent, self.block_table,
+                                 begins.to(torch.int32), self.consts)  # fmt: skip
             else:
                 positions = begins[:, None] + torch.arange(n)  # [B, n]
                 pages = self.block_table.to(torch.int64).gather(1, positions // page_size)
@@ -131,8 +130,8 @@ class Case:
             capacity = self.block_table.shape[1] * self.cache.k_codes.shape[2] + 10**6
             max_seq_len = kwargs["max_seq_len"] or capacity
             return reference.prefill(*args, self.q.shape[-1] ** -0.5, kwargs["is_causal"],
-                                     max_seq_len, dtype, kwargs["mask"], *self.rings, self.sinks,
-                                     self.key_center, kwargs["softcap"])  # fmt: skip
+                                     max_seq_len, dtype, kwargs["mask"], self.recent,
+                                     kwargs["softcap"])  # fmt: skip
 
         def moved(t):
             return None if t is None else t.to(device)
@@ -144,9 +143,7 @@ class Case:
                               api.KVConstants(self.consts.rotation.to(device)),
                               is_causal=kwargs["is_causal"], mask=moved(kwargs["mask"]),
                               max_seq_len=kwargs["max_seq_len"],
-                              k_window=moved(self.rings[0]), v_window=moved(self.rings[1]),
-                              window_pos=moved(self.rings[2]), sinks=self.sinks,
-                              key_center=moved(self.key_center),
+                              window=window_on(self.recent, device),
                               softcap=kwargs["softcap"])  # fmt: skip
         return out.cpu()
 
@@ -401,9 +398,10 @@ def test_opcheck_prefill(impl, kernel_device, seeded):
 
 
 def _opcheck_prefill(case: Case, q: torch.Tensor, impl: str, device: str) -> None:
+    # the window's fields are the op's last arguments, in their order
     args = (q, case.key, case.value, *case.cache, case.block_table, case.seq_lens,
-            case.consts.rotation, "4bit_nc", 0.125, False, 64, case.causal_mask(), *case.rings,
-            case.sinks, case.key_center)  # fmt: skip
+            case.consts.rotation, "4bit_nc", 0.125, False, 64, case.causal_mask(),
+            *case.recent)  # fmt: skip
     with impl_context(impl, device):
         torch.library.opcheck(torch.ops.tq.prefill.default,
                               tuple(a.to(device) if isinstance(a, torch.Tensor) else a
@@ -448,9 +446,8 @@ class TestPrefillBadInput(expecttest.TestCase):
             with self.assertRaises((ValueError, TypeError)) as ctx:
                 api.prefill(case.fmt, args["q"], args["key"], args["value"], case.cache,
                             case.block_table, args["seq_lens"], case.consts,
-                            is_causal=args["is_causal"], mask=args["mask"], k_window=case.rings[0],
-                            v_window=case.rings[1], window_pos=case.rings[2], sinks=case.sinks,
-                            key_center=case.key_center)  # fmt: skip
+                            is_causal=args["is_causal"], mask=args["mask"],
+                            window=case.recent)  # fmt: skip
             messages.append(f"{name}: {type(ctx.exception).__name__}: {ctx.exception}")
         self.assertExpectedInline("\n".join(messages), """\
 float32 query: TypeError: tq.prefill: q must be bfloat16 or float16, got torch.float32
@@ -475,8 +472,7 @@ def test_fast_and_portable_paths_agree(seeded):
         args = (case.fmt, case.q.cuda(), case.key.cuda(), case.value.cuda(),
                 type(case.cache)(*(p.cuda() for p in case.cache)), case.block_table.cuda(),
                 case.seq_lens.cuda(), case.consts.rotation.cuda(), case.q.shape[-1] ** -0.5,
-                False, 10**6, mask.cuda(), *(r.cuda() for r in case.rings), case.sinks,
-                case.key_center.cuda())  # fmt: skip
+                False, 10**6, mask.cuda(), window_on(case.recent, "cuda"))  # fmt: skip
         for fast in (True, False):
             with triton_prefill.fused_prefix():
                 actual = triton_prefill.prefill(*args, fast=fast).cpu()

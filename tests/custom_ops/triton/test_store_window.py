@@ -18,6 +18,7 @@ from helpers import (
     random_kv,
     rel_error,
     slot_rows,
+    window_on,
 )
 from window_sequences import (
     BATCH,
@@ -31,7 +32,7 @@ from window_sequences import (
 )
 
 from custom_ops import api, reference
-from custom_ops.formats import FORMATS, get_format
+from custom_ops.formats import FORMATS, RecentWindow, get_format
 from custom_ops.triton import store_window as triton_store_window
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
@@ -222,7 +223,7 @@ def test_centre_is_the_mean_of_the_first_window(use_triton, kernel_device, seede
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
     k, _ = reference.dequantize(seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(),
                                 seqs.lens, *consts, seqs.capacity, torch.float32,
-                                *(r.cpu() for r in seqs.rings), sinks, center)  # fmt: skip
+                                window_on(seqs.recent, "cpu"))  # fmt: skip
     exact = seqs.exact(torch.arange(seqs.capacity))[:, None, :, None]
     ring_error = torch.where(exact, k - seqs.keys.float(), 0).abs()
     assert float(ring_error.max()) <= 2**-7 * float(seqs.keys.float().abs().max())
@@ -383,7 +384,7 @@ def test_start_read_from_a_model_input_pos(n_new, kernel_device, seeded):
                     cache,
                     key[:, :, :1].expand(-1, -1, n, -1),
                     value[:, :, :1].expand(-1, -1, n, -1),
-                    *rings,
+                    RecentWindow(*rings),
                     table,
                     torch.full((BATCH,), first, dtype=torch.int32, device=kernel_device),
                     api.KVConstants(rotation),
@@ -394,7 +395,7 @@ def test_start_read_from_a_model_input_pos(n_new, kernel_device, seeded):
                 cache,
                 key,
                 value,
-                *rings,
+                RecentWindow(*rings),
                 table,
                 start.to(kernel_device),
                 api.KVConstants(rotation),
@@ -428,8 +429,9 @@ def test_short_sequence_table_may_end_in_padding(kernel_device, seeded):
                  for _ in range(2)]  # fmt: skip
         rings.append(torch.full((2, 2, window), -1, dtype=torch.int32, device=kernel_device))
         with triton_kernels(kernel_device):
-            api.store_window(fmt, cache, key, value, *rings, block_table.to(kernel_device),
-                             starts, api.KVConstants(rotation))  # fmt: skip
+            api.store_window(fmt, cache, key, value, RecentWindow(*rings),
+                             block_table.to(kernel_device), starts,
+                             api.KVConstants(rotation))  # fmt: skip
         results.append([p.cpu() for p in (*cache, *rings)])
     for with_padding, without in zip(*results, strict=True):
         assert torch.equal(with_padding, without)

@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from triton import knobs
 
 from custom_ops import api, ops
-from custom_ops.formats import get_format
+from custom_ops.formats import RecentWindow, get_format
 from custom_ops.triton import traced
 from custom_ops.triton.decode.codes import part_params
 from custom_ops.triton.store import side_params
@@ -178,8 +178,8 @@ def test_inductor_compiles_the_long_split_under_its_register_cap():
     q = torch.randn(1, 4 * heads, head_dim, device="cuda", dtype=torch.bfloat16)
 
     def attend(q):  # 4 splits of 512 tokens: 16 tiles each
-        return api.decode(fmt, q, cache, table, lens, consts, num_splits=4, k_window=rings[0],
-                          v_window=rings[1], window_pos=positions)  # fmt: skip
+        return api.decode(fmt, q, cache, table, lens, consts, num_splits=4,
+                          window=RecentWindow(*rings, positions))  # fmt: skip
 
     torch._dynamo.reset()
     with fresh_cache():  # empties PyCodeCache.modules on entry and on exit: read inside

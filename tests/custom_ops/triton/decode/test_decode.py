@@ -19,6 +19,7 @@ from helpers import (
     random_kv,
     rel_error,
     stale_tables,
+    window_on,
 )
 from window_sequences import (
     BATCH,
@@ -32,7 +33,7 @@ from window_sequences import (
 )
 
 from custom_ops import api, reference
-from custom_ops.formats import FORMATS, get_format
+from custom_ops.formats import FORMATS, RecentWindow, get_format
 from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode import MergeConfig, SplitConfig
 from custom_ops.triton.decode.softmax import LOG2E
@@ -237,10 +238,10 @@ class TestDecodeBadInput(expecttest.TestCase):
         messages = []
         for case, override in cases.items():
             args = dict(q=q, num_splits=2, sinks=0, softcap=0.0) | override
-            with self.assertRaises((ValueError, TypeError)) as ctx:
-                api.decode(fmt, args["q"], cache, table, lens, consts,
-                           num_splits=args["num_splits"], sinks=args["sinks"],
-                           softcap=args["softcap"])  # fmt: skip
+            with self.assertRaises((ValueError, TypeError)) as ctx:  # (a window has rings: the op)
+                torch.ops.tq.decode(args["q"], *cache, table, lens, *consts, fmt.name,
+                                    args["num_splits"], 0.125, sinks=args["sinks"],
+                                    softcap=args["softcap"])  # fmt: skip
             messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
         self.assertExpectedInline(
             "\n".join(messages),
@@ -462,26 +463,25 @@ def test_sinks_in_a_ring_part_of_their_own_or_the_last(sinks, kernel_device, see
         shape = (batch, NUM_KV_HEADS, window + sinks, HEAD_DIM)
         rings = [torch.randn(shape, generator=seeded).bfloat16().to(device) for _ in range(2)]
         window_pos = api.appended_window_positions(lens.to(device), NUM_KV_HEADS, window, sinks)
+        recent = RecentWindow(*rings, window_pos, sinks)
         with triton_kernels(device):
             cache = fmt.allocate(num_pages, NUM_KV_HEADS, page, HEAD_DIM, device)
             slots = torch.arange(num_pages * page, dtype=torch.int32, device=device)
             api.store(fmt, cache, key.bfloat16().to(device), value.bfloat16().to(device), slots,
                       consts)  # fmt: skip
-        rings_cpu = [r.cpu() for r in (*rings, window_pos)]
         k, v = reference.dequantize(fmt, clone_cache(cache), table, lens,
                                     *(c.cpu() for c in consts), capacity, torch.float64,
-                                    *rings_cpu, sinks)  # fmt: skip
+                                    window_on(recent, "cpu"))  # fmt: skip
         with triton_kernels(device):
             for q in (
                 torch.randn(batch, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half(),
                 torch.randn(batch, NUM_KV_HEADS * 4, 3, HEAD_DIM, generator=seeded).half(),
             ):
                 plan = triton_decode.plan_for(fmt, q.to(device), cache, table.to(device), 4, None,
-                                              rings[0], sinks=sinks)  # fmt: skip
+                                              recent)  # fmt: skip
                 assert plan.ring.grid[0] == 2 + own_part, (batch, plan.ring.grid)
                 actual = api.decode(fmt, q.to(device), cache, table.to(device), lens.to(device),
-                                    consts, num_splits=4, k_window=rings[0], v_window=rings[1],
-                                    window_pos=window_pos, sinks=sinks)  # fmt: skip
+                                    consts, num_splits=4, window=recent)  # fmt: skip
                 expected = (reference.attention(q, k, v, lens, HEAD_DIM**-0.5) if q.dim() == 3
                             else _expected_verify(q, k, v, lens))  # fmt: skip
                 assert rel_error(actual.cpu(), expected) < 1e-3, (batch, q.dim())
@@ -504,8 +504,7 @@ def test_decode_of_centred_keys_is_attention_over_the_keys(fmt_name, window, sin
         seqs.append(n_new, starts, seeded, use_triton=False)
         k, v = reference.dequantize(seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(),
                                     seqs.lens, *consts, seqs.capacity, torch.float64,
-                                    *(r.cpu() for r in seqs.rings), sinks,
-                                    seqs.key_center.cpu())  # fmt: skip
+                                    window_on(seqs.recent, "cpu"))  # fmt: skip
         exact = seqs.exact(torch.arange(seqs.capacity))[:, None, :, None]
         k = torch.where(exact, seqs.keys.double(), k)
         q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half()

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CUDA
-from helpers import poisoned_cache, random_kv, rel_error
+from helpers import poisoned_cache, random_kv, rel_error, window_on
 
 from custom_ops import api, reference
-from custom_ops.formats import get_format
+from custom_ops.formats import RecentWindow, get_format
 from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode import SplitConfig
 from custom_ops.triton.decode.plan import plan_decode
@@ -87,7 +87,7 @@ def _case(window, sinks, mask_kind, gen, dtype=torch.float16, page_size=PAGE_SIZ
             window_pos[b, :, p % window] = p
         for p in range(min(sinks, length)):
             window_pos[b, :, window + p] = p
-    rings = (k_window, v_window, window_pos) if window + sinks else (None, None, None)
+    recent = RecentWindow(k_window, v_window, window_pos, sinks) if window + sinks else None
     num_q_heads = NUM_KV_HEADS * group
     q = torch.randn(len(LENS), num_q_heads, tokens, HEAD_DIM, generator=gen).to(dtype)
     mask = None
@@ -99,18 +99,18 @@ def _case(window, sinks, mask_kind, gen, dtype=torch.float16, page_size=PAGE_SIZ
     sink_slots = torch.cat(sink_slots)
     cache.meta[sink_slots // page_size, :, sink_slots % page_size] = float("nan")
     lens = torch.tensor(LENS, dtype=torch.int32)
-    return fmt, consts, cache, table, lens, q, mask, rings
+    return fmt, consts, cache, table, lens, q, mask, recent
 
 
 def _on_cuda(case):
     """``_case``'s tensors moved to the GPU (strides kept: a column-major table stays so)."""
-    fmt, consts, cache, table, lens, q, mask, rings = case
+    fmt, consts, cache, table, lens, q, mask, recent = case
 
     def move(x):
         return None if x is None else x.cuda()
 
     return (fmt, api.KVConstants(*map(move, consts)), type(cache)(*map(move, cache)), move(table),
-            move(lens), move(q), move(mask), tuple(map(move, rings)))  # fmt: skip
+            move(lens), move(q), move(mask), window_on(recent, "cuda"))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -134,15 +134,15 @@ def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype
     sinks (a ring tile per split, round robin: several in a split at 2 splits; NaN scalars in
     their page slots), either mask, 32-token pages and a block table with strided entries;
     each sequence within the bound."""
-    fmt, consts, cache, table, lens, q, mask, rings = _case(
+    fmt, consts, cache, table, lens, q, mask, recent = _case(
         window, sinks, mask_kind, seeded, dtype, page_size, tokens, group
     )
     if transposed:  # the same entries, column-major
         table = table.t().contiguous().t()
     expected = reference.decode(fmt, q, cache, table, lens, consts.rotation, HEAD_DIM**-0.5,
-                                torch.float64, mask, *rings, sinks)  # fmt: skip
-    _, consts_cuda, cache_cuda, table_cuda, lens_cuda, q_cuda, mask_cuda, rings_cuda = _on_cuda(
-        (fmt, consts, cache, table, lens, q, mask, rings)
+                                torch.float64, mask, recent)  # fmt: skip
+    _, consts_cuda, cache_cuda, table_cuda, lens_cuda, q_cuda, mask_cuda, recent_cuda = _on_cuda(
+        (fmt, consts, cache, table, lens, q, mask, recent)
     )
     num_splits = num_splits or api.default_num_splits(
         len(LENS), NUM_KV_HEADS, table.shape[1], page_size, window, torch.device("cuda")
@@ -156,14 +156,13 @@ def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype
             table_cuda,
             num_splits,
             mask_cuda,
-            rings_cuda[0],
+            recent_cuda,
             split_config=split_config,
-            sinks=sinks,
         )
         assert plan.verify == (name == "verify")
         outputs[name] = triton_decode.decode(
             fmt, q_cuda, cache_cuda, table_cuda, lens_cuda, consts_cuda.rotation, num_splits,
-            HEAD_DIM**-0.5, mask_cuda, *rings_cuda, sinks, split_config=split_config,
+            HEAD_DIM**-0.5, mask_cuda, recent_cuda, split_config=split_config,
         ).cpu()  # fmt: skip
     actual = outputs["verify"]
     assert actual.shape == q.shape and actual.isfinite().all()
@@ -177,18 +176,18 @@ def test_op_calls_launch_the_compiled_verify_kernel(seeded):
     """``tq.decode`` through the op (keyed launches: after the first, the launcher calls the
     compiled kernel's own launch) gives the plain launch's output, call after call, with rings,
     sinks and a mask."""
-    fmt, consts_cuda, cache_cuda, table_cuda, lens_cuda, q_cuda, mask_cuda, rings_cuda = _on_cuda(
+    fmt, consts_cuda, cache_cuda, table_cuda, lens_cuda, q_cuda, mask_cuda, recent_cuda = _on_cuda(
         _case(128, 4, "bool", seeded)
     )
     plan = triton_decode.plan_for(fmt, q_cuda, cache_cuda, table_cuda, 8, mask_cuda,
-                                  rings_cuda[0], sinks=4)  # fmt: skip
+                                  recent_cuda)  # fmt: skip
     assert plan.verify
     plain = triton_decode.decode(fmt, q_cuda, cache_cuda, table_cuda, lens_cuda,
-                                 consts_cuda.rotation, 8, HEAD_DIM**-0.5, mask_cuda, *rings_cuda,
-                                 4)  # fmt: skip
+                                 consts_cuda.rotation, 8, HEAD_DIM**-0.5, mask_cuda,
+                                 recent_cuda)  # fmt: skip
     for _ in range(3):
         out = api.decode(fmt, q_cuda, cache_cuda, table_cuda, lens_cuda, consts_cuda, 8,
-                         HEAD_DIM**-0.5, mask_cuda, *rings_cuda, 4)  # fmt: skip
+                         HEAD_DIM**-0.5, mask_cuda, recent_cuda)  # fmt: skip
         assert torch.equal(out, plain)
 
 
@@ -197,7 +196,7 @@ def test_padded_query_rows_with_a_ring(seeded):
     aligned, which the ring pass's ``cp.async`` of the query needs) give the contiguous
     query's output exactly: ``verify_arguments`` passes the kernel a contiguous copy (without
     it the kernel does not compile; ``test_offline.py`` builds that case on the CPU)."""
-    fmt, consts_cuda, cache_cuda, table_cuda, lens_cuda, q_cuda, mask_cuda, rings_cuda = _on_cuda(
+    fmt, consts_cuda, cache_cuda, table_cuda, lens_cuda, q_cuda, mask_cuda, recent_cuda = _on_cuda(
         _case(128, 4, "bool", seeded)
     )
     padded = torch.full((*q_cuda.shape[:-1], HEAD_DIM + 8), float("nan"), dtype=q_cuda.dtype,
@@ -205,11 +204,11 @@ def test_padded_query_rows_with_a_ring(seeded):
     padded[..., :HEAD_DIM] = q_cuda
     q_view = padded[..., :HEAD_DIM]
     plan = triton_decode.plan_for(fmt, q_view, cache_cuda, table_cuda, 8, mask_cuda,
-                                  rings_cuda[0], sinks=4)  # fmt: skip
+                                  recent_cuda)  # fmt: skip
     assert plan.verify
     out = {}
     for name, query in (("contiguous", q_cuda), ("padded", q_view)):
         out[name] = triton_decode.decode(fmt, query, cache_cuda, table_cuda, lens_cuda,
                                          consts_cuda.rotation, 8, HEAD_DIM**-0.5, mask_cuda,
-                                         *rings_cuda, 4)  # fmt: skip
+                                         recent_cuda)  # fmt: skip
     assert torch.equal(out["padded"], out["contiguous"])
