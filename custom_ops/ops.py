@@ -56,31 +56,33 @@ stay opaque calls.
   out``: attention of ``q [B, Hq, D]`` (bf16/fp16, ``Hq`` a multiple of ``Hk``) over each
   sequence's cache, ``[B, Hq, D]`` in q's dtype; or of ``q [B, Hq, T, D]``, ``T <= 16``, the
   sequence's last ``T`` tokens (a speculative-decoding verify step), ``[B, Hq, T, D]``: without
-  a mask token ``t`` sees the positions below ``len - T + t + 1``; a mask (for all tokens, or ``[B or 1,
-  Hq or 1, T, M]``, per token) alone decides which positions below ``len`` each token sees, as
-  dense SDPA does (gpt-fast's and Hugging Face's masks are causal; a bidirectional prefix stays
-  one). Block-table entries past a sequence's pages may hold anything (short contexts read
-  them early but never follow them); a sequence of length 0 gives zeros. ``num_splits`` is the
-  fixed split count (a power of two, :mod:`custom_ops.splits`; launches of many query rows
-  per program may use fewer), ``scale`` the softmax scale,
-  ``mask`` an optional ``[B or 1, Hq or 1, M]`` bool (False masks out) or additive float mask
-  over cache positions (positions ``>= M`` masked out; a query with no visible key gets zeros).
-  With the rings, each sequence-head's ring run and sinks are read from them in full precision.
-  ``softcap > 0`` caps each score ``s`` at ``softcap * tanh(s / softcap)`` before the mask.
+  a mask token ``t`` sees the positions below ``len - T + t + 1``; a mask (for all tokens, or
+  ``[B or 1, Hq or 1, T, M]``, per token) alone decides which positions below ``len`` each
+  token sees, as dense SDPA does (gpt-fast's and Hugging Face's masks are causal; a
+  bidirectional prefix stays one). Block-table entries past a sequence's pages may hold
+  anything (short contexts read them early but never follow them); a sequence of length 0
+  gives zeros. ``num_splits`` is the fixed split count (a power of two,
+  :mod:`custom_ops.splits`; launches of many query rows per program may use fewer), ``scale``
+  the softmax scale, ``mask`` an optional ``[B or 1, Hq or 1, M]`` bool (False masks out) or
+  additive float mask over cache positions (positions ``>= M`` masked out; a query with no
+  visible key gets zeros). With the rings, each sequence-head's ring run and sinks are read
+  from them in full precision. ``softcap > 0`` caps each score ``s`` at ``softcap * tanh(s /
+  softcap)`` before the mask.
 * ``tq.prefill(q, key, value, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt,
   scale, is_causal, max_seq_len, mask=None, k_window=None, v_window=None, window_pos=None,
   sinks=0, key_center=None, softcap=0.0) -> out``: attention of a chunk of ``T`` tokens just
   stored, queries ``q [B, Hq, T, D]``, over their own keys and values ``key``/``value [B, Hk,
-  T, D]`` as the model computed them (exact, not their codes) and over each sequence's cached prefix, the
-  positions below ``start = seq_lens[b] - T`` (``seq_lens >= T``): compressed pages, ring and
-  sinks, keys with their centre. Position ``p`` is visible to token ``t`` below ``min(len,
-  max_seq_len)`` where the optional ``mask [B or 1, Hq or 1, T, M]`` (bool, or additive;
-  positions ``>= M`` masked) allows it and, with ``is_causal``, where ``p <= t`` (SDPA's
-  top-left order: a causal chunk when ``start`` is 0).
+  T, D]`` as the model computed them (exact, not their codes) and over each sequence's cached
+  prefix, the positions below ``start = seq_lens[b] - T`` (``seq_lens >= T``): compressed
+  pages, ring and sinks, keys with their centre. Position ``p`` is visible to token ``t`` below
+  ``min(len, max_seq_len)`` where the optional ``mask [B or 1, Hq or 1, T, M]`` (bool, or
+  additive; positions ``>= M`` masked) allows it and, with ``is_causal``, where ``p <= t``
+  (SDPA's top-left order: a causal chunk when ``start`` is 0).
   ``[B, Hq, T, D]`` in q's dtype and layout (``torch.empty_like(q)``'s strides: a model's
-  ``transpose(1, 2)`` of a transposed q is then contiguous); a row with no visible key gets zeros
-  (:func:`custom_ops.reference.prefill`); scores capped by ``softcap`` as for decode (on every
-  device by the reference's arithmetic: neither the dense kernel nor the prefix kernel caps).
+  ``transpose(1, 2)`` of a transposed q is then contiguous); a row with no visible key gets
+  zeros (:func:`custom_ops.reference.prefill`); scores capped by ``softcap`` as for decode (on
+  every device by the reference's arithmetic: neither the dense kernel nor the prefix kernel
+  caps).
 
 ``rotation`` (``[D, D] float32``, entries +-1) must be :func:`custom_ops.codebook.rotation_matrix`
 (for a power-of-two D the CUDA store and decode kernels use its Walsh-Hadamard structure, ``R =
