@@ -25,6 +25,7 @@ lets the others (meta records, rotation, keys' centres) follow device moves only
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -36,7 +37,7 @@ from custom_ops.schema import StoreArgs, StoreWindowArgs, window_fields
 from tq_compile.kv_tensor import TurboQuantKVTensor
 from tq_compile.options import CacheOptions, check_count
 
-__all__ = ["TurboQuantKVCache", "kv_cache_nbytes"]
+__all__ = ["TurboQuantKVCache", "kv_cache_nbytes", "warn_unquantized_cache"]
 
 
 class _Operands(NamedTuple):
@@ -67,10 +68,14 @@ class TurboQuantKVCache(nn.Module):
             default ``CacheOptions()``: 4bit_nc, window 128, 4 sinks).
         device: where to allocate (default: the current default device, so that gpt-fast's
             ``with torch.device(...)`` in ``setup_caches`` places it).
+        warn_unquantized: warn (``UserWarning``) when the window and sinks cover
+            ``max_seq_length``, so that no token is ever quantized (False: the caller warned,
+            as ``TurboQuantCache`` does once for all its layers).
         **fields: :class:`~tq_compile.options.CacheOptions` fields as keywords
             (``preset="3bit_nc", window=64``), replacing those of ``options``.
 
-    The recent window ``W`` and the sinks (each at most ``max_seq_length``) live in rings
+    The recent window ``W`` and the sinks (sized down to what ``max_seq_length`` can use,
+    :meth:`~tq_compile.options.CacheOptions.ring_for`) live in rings
     ``k_window``, ``v_window [B, Hk, W + sinks, D]`` of ``dtype``, the position of each slot in
     ``window_pos [B, Hk, W + sinks] int32``; a token is quantized when it leaves the window,
     the sinks' slots ``[W, W + sinks)`` keep the first positions for good. An update may start
@@ -84,7 +89,9 @@ class TurboQuantKVCache(nn.Module):
     no longer carry (``docs/design/cache.md``).
 
     ``options`` keeps the options as given; ``window`` and ``sinks`` are the counts in force
-    (the default sinks resolved, both at most ``max_seq_length``).
+    (the default sinks resolved, the ring sized down to the capacity). Where they cover
+    ``max_seq_length``, every token stays in ``dtype`` and the cache is as large as a dense one
+    (a little larger: positions, a page, the rotation): it warns, naming both sizes.
 
     The buffers are the module's: moving it (``.to()``, ``.cuda()``, ``to_empty()``) replaces
     them; nothing may resize or restride them in place (eager updates read their metadata
@@ -101,6 +108,7 @@ class TurboQuantKVCache(nn.Module):
         *,
         options: CacheOptions | None = None,
         device: torch.device | str | None = None,
+        warn_unquantized: bool = True,
         **fields,
     ):
         super().__init__()
@@ -115,8 +123,7 @@ class TurboQuantKVCache(nn.Module):
         self.seed = seed
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.page_size, self.model_dtype = page_size, dtype
-        self.window = min(options.window, max_seq_length)
-        self.sinks = min(options.sink_count, max_seq_length)
+        self.window, self.sinks = options.ring_for(max_seq_length)
         # Positions in the ring never need a page: the oldest S_max - W go to pages (the
         # sinks' pages are never written: a page's worth at most).
         pages_per_seq = max(1, -(-(max_seq_length - self.window) // page_size))
@@ -144,6 +151,16 @@ class TurboQuantKVCache(nn.Module):
         self.num_kv_heads, self.head_dim = n_heads, head_dim
         self.num_splits = self._choose_splits()
         self._forget_eager()
+        if warn_unquantized and self.quantizes_nothing:
+            warn_unquantized_cache("TurboQuantKVCache", "max_seq_length", max_seq_length,
+                                   options, max_batch_size, self.nbytes(), self.dense_nbytes(),
+                                   "dense cache", stacklevel=2)  # fmt: skip
+
+    @property
+    def quantizes_nothing(self) -> bool:
+        """Whether the window and sinks cover ``max_seq_length``: every token stays in the
+        ring, in the model's dtype."""
+        return self.window + self.sinks == self.max_seq_length
 
     @property
     def has_rings(self) -> bool:
@@ -352,12 +369,11 @@ class TurboQuantKVCache(nn.Module):
         )  # fmt: skip
 
     def nbytes(self) -> int:
-        """Bytes of the cache: codes and meta of every slot, and the rings (recent window and
-        sinks) and their slots' positions."""
-        held = [self.k_codes, self.v_codes, self.meta]
-        held += [self.k_window, self.v_window, self.window_pos] if self.has_rings else []
-        held += [self.key_center] if self.center_keys else []
-        return sum(t.numel() * t.element_size() for t in held)
+        """Bytes the cache holds, every buffer counted: codes and meta of every page slot, the
+        rings (recent window and sinks, in the model's dtype) and their slots' int32 positions,
+        the keys' centres, the block table and the rotation (``[D, D]`` float32, one per
+        cache)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
     def dense_nbytes(self) -> int:
         """Bytes a dense cache of the model's dtype with the same capacity takes (K and V)."""
@@ -385,3 +401,32 @@ def kv_cache_nbytes(model: nn.Module) -> int:
                 if isinstance(buffers.get(name), torch.Tensor):
                     total += buffers[name].numel() * buffers[name].element_size()
     return total
+
+
+def warn_unquantized_cache(where: str, capacity_name: str, capacity: int, options: CacheOptions,
+                           sequences: int, held: int, dense: int, dense_name: str,
+                           stacklevel: int) -> None:  # fmt: skip
+    """Warn that a cache's window and sinks cover its capacity, so that it quantizes nothing
+    (``UserWarning``; Python shows a message once per line that warns it).
+
+    Args:
+        where: the cache's class, for the message.
+        capacity_name, capacity: the argument that sized the cache, and its value.
+        options: the options it was given (window and sinks as asked).
+        sequences: the sequences the byte counts are for.
+        held, dense: bytes the cache holds, and bytes a dense cache of the model's dtype holds.
+        dense_name: what the dense cache is called for this user (``StaticCache``, ...).
+        stacklevel: the caller's ``stacklevel`` (1: the line calling this function's caller).
+    """
+    window, sinks = options.ring_for(capacity)
+    warnings.warn(
+        f"{where}: the recent window ({options.window}) and sinks ({options.sink_count}) cover "
+        f"{capacity_name}={capacity}, so no token is ever quantized: every one stays in the "
+        f"model's dtype, in a ring sized to the capacity (window {window}, sinks {sinks}). For "
+        f"{sequences} sequence(s) the cache holds {held:,} bytes, {held / dense:.3f}x the "
+        f"{dense:,} of a bf16 / fp16 {dense_name} of this capacity. To compress, keep window + "
+        f"sinks below {capacity_name} (window={capacity // 4}, say); otherwise a {dense_name} "
+        f"is smaller and faster.",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )

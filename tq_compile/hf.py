@@ -2,8 +2,12 @@
 
 A drop-in for transformers' ``StaticCache``, compileable and CUDA-graph safe the same way::
 
-    cache = TurboQuantCache(model.config, max_cache_len=4096, max_batch_size=8, preset="4bit_nc")
+    cache = TurboQuantCache.for_generation(model, ids, max_new_tokens=256, preset="4bit_nc")
     out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+
+(``for_generation`` sizes it for that request: ``max_cache_len`` = prompt + new tokens,
+``max_batch_size`` = prompts x beams; ``TurboQuantCache(model.config, max_cache_len=...,
+max_batch_size=...)`` builds one of any size.)
 
 Each attention layer is a :class:`TurboQuantLayer` (transformers' ``CacheLayerMixin``
 contract) owning one :class:`~tq_compile.cache.TurboQuantKVCache`: paged codes, the recent
@@ -43,7 +47,7 @@ try:
         StaticLayer,
         get_layer_types_and_kwargs,
     )
-    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.configuration_utils import PreTrainedConfig, get_head_shapes
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -51,7 +55,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 from custom_ops import compat
-from tq_compile.cache import TurboQuantKVCache
+from tq_compile.cache import TurboQuantKVCache, warn_unquantized_cache
 from tq_compile.kv_tensor import TurboQuantKVTensor, attention
 from tq_compile.options import CacheOptions, check_count
 
@@ -186,9 +190,12 @@ class TurboQuantLayer(CacheLayerMixin):
         # the batch, as StaticLayer reports it (layers kept dense hold exactly this many)
         self.batch_size, self.num_heads = batch, num_kv_heads
         self.k_head_dim = self.v_head_dim = head_dim
+        # TurboQuantCache warned at construction if the ring covers the capacity (here the
+        # first forward may be traced, where a warning would break the graph)
         self.kv = TurboQuantKVCache(capacity, num_kv_heads, self.max_cache_len, head_dim,
                                     key_states.dtype, options=self.options,
-                                    device=key_states.device)  # fmt: skip
+                                    device=key_states.device,
+                                    warn_unquantized=False)  # fmt: skip
         self.cumulative_length = self.cumulative_length.to(self.device)
         # as StaticLayer: static addresses keep compiled graphs and CUDA graphs valid across
         # the in-place writes (not allowed while tracing; prefill is not compiled)
@@ -264,12 +271,18 @@ class TurboQuantLayer(CacheLayerMixin):
         raise NotImplementedError("TurboQuantCache does not offload layers to the CPU")
 
     def nbytes(self) -> int:
-        """Bytes held (codes, meta and rings); 0 before the first ``update``."""
-        return self.kv.nbytes() if self.kv is not None else 0
+        """Bytes held: every buffer of the layer's cache
+        (:meth:`~tq_compile.cache.TurboQuantKVCache.nbytes`) and its length; 0 before the first
+        ``update``."""
+        if self.kv is None:
+            return 0
+        return self.kv.nbytes() + _tensor_bytes(self.cumulative_length)
 
     def dense_nbytes(self) -> int:
-        """Bytes a ``StaticLayer`` of the same capacity and dtype holds."""
-        return self.kv.dense_nbytes() if self.kv is not None else 0
+        """Bytes a ``StaticLayer`` of the same capacity and dtype holds (K, V and its length)."""
+        if self.kv is None:
+            return 0
+        return self.kv.dense_nbytes() + _tensor_bytes(self.cumulative_length)
 
 
 def _attention_implementation(config: PreTrainedConfig) -> str | None:
@@ -324,6 +337,11 @@ class TurboQuantCache(Cache):
             quantized layer.
         **fields: :class:`~tq_compile.options.CacheOptions` fields as keywords
             (``preset="3bit_nc", window=64``), replacing those of ``options``.
+
+    Where the window and sinks cover ``max_cache_len`` (``TurboQuantCache(config, 64)`` with the
+    default window of 128), no token is ever quantized: the ring is sized down to the capacity
+    (nothing is lost) and the cache warns once, here, with the bytes it will hold against a
+    ``StaticCache``'s. :meth:`for_generation` sizes a cache for one ``generate`` call.
 
     Raises:
         ValueError: an unknown preset, a negative size, or a layer kind this cache cannot serve
@@ -394,9 +412,68 @@ class TurboQuantCache(Cache):
             for index in range(count)
         ]  # fmt: skip
         super().__init__(layers=layers)
+        if sum(options.ring_for(max_cache_len)) == max_cache_len:
+            batch = max_batch_size or 1  # the first forward's batch: unknown yet
+            held, dense = _planned_nbytes(config, self.layers, max_cache_len, batch)
+            warn_unquantized_cache("TurboQuantCache", "max_cache_len", max_cache_len, options,
+                                   batch, held, dense, "StaticCache", stacklevel=2)  # fmt: skip
+
+    @classmethod
+    def for_generation(
+        cls,
+        model,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        num_beams: int | None = None,
+        num_return_sequences: int | None = None,
+        keep_first: int = 0,
+        keep_last: int = 0,
+        options: CacheOptions | None = None,
+        **fields,
+    ) -> TurboQuantCache:
+        """A cache sized for ``model.generate(input_ids, max_new_tokens=max_new_tokens, ...)``.
+
+        ``max_cache_len`` is the prompt's length (padding included) plus ``max_new_tokens``,
+        ``max_batch_size`` the prompts times ``max(num_beams, num_return_sequences)``, as
+        ``generate`` sizes a ``StaticCache``; device and dtype are taken at the first forward.
+
+        Args:
+            model: a transformers model (its ``config`` is read).
+            input_ids: ``[B, T]`` integer prompt tokens, the ones given to ``generate``.
+            max_new_tokens: the ``max_new_tokens`` given to ``generate``.
+            num_beams, num_return_sequences: as given to ``generate`` (None: the model's
+                ``generation_config``, as ``generate`` reads them).
+            keep_first, keep_last, options, **fields: as for :class:`TurboQuantCache`
+                (``preset="3bit_nc", window=64``).
+
+        Returns:
+            A :class:`TurboQuantCache` for ``model.config``.
+
+        Raises:
+            TypeError: ``model`` without a transformers config, ``input_ids`` not an integer
+                tensor, a keyword that is no option.
+            ValueError: ``input_ids`` not ``[B, T]`` with ``B, T >= 1``, a count below 1, or
+                what :class:`TurboQuantCache` refuses.
+        """
+        config = getattr(model, "config", None)
+        if not isinstance(config, PreTrainedConfig):
+            raise TypeError(
+                f"TurboQuantCache.for_generation: model must be a transformers model (a "
+                f"PreTrainedConfig as .config), got {type(model).__name__}"
+            )
+        _check_prompt(input_ids)
+        check_count("max_new_tokens", max_new_tokens, 1)
+        expand = max(_generation_count(model, "num_beams", num_beams),
+                     _generation_count(model, "num_return_sequences", num_return_sequences))  # fmt: skip
+        batch, prompt_length = input_ids.shape
+        return cls(config, prompt_length + max_new_tokens, max_batch_size=batch * expand,
+                   keep_first=keep_first, keep_last=keep_last, options=options,
+                   **fields)  # fmt: skip
 
     def nbytes(self) -> int:
-        """Bytes held by every layer (TurboQuant planes and rings, dense layers' K and V)."""
+        """Bytes held by every layer (TurboQuant layers' buffers: pages, the window and sinks in
+        the model's dtype, positions, rotation; dense layers' K and V; the lengths)."""
         return sum(_layer_nbytes(layer, dense=False) for layer in self.layers)
 
     def dense_nbytes(self) -> int:
@@ -404,11 +481,63 @@ class TurboQuantCache(Cache):
         return sum(_layer_nbytes(layer, dense=True) for layer in self.layers)
 
 
+def _tensor_bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _layer_nbytes(layer: CacheLayerMixin, dense: bool) -> int:
     """Bytes of one layer: a TurboQuant layer's own (or its dense equivalent's), a
-    ``StaticLayer``'s K and V; 0 before the first forward."""
+    ``StaticLayer``'s K, V and length; 0 before the first forward."""
     if isinstance(layer, TurboQuantLayer):
         return layer.dense_nbytes() if dense else layer.nbytes()
     if not layer.is_initialized:
         return 0
-    return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+    return _tensor_bytes(layer.keys, layer.values, layer.cumulative_length)
+
+
+def _planned_nbytes(config: PreTrainedConfig, layers: list[CacheLayerMixin], max_cache_len: int,
+                    batch: int) -> tuple[int, int]:  # fmt: skip
+    """``(held, dense)``: bytes ``layers`` will hold for ``batch`` sequences of a bf16 / fp16
+    model, and a ``StaticCache``'s, before the first forward allocates them. The kv-heads and
+    head dims are the config's (per layer, as ``generate`` reads them); each TurboQuant layer's
+    cache is built on the meta device, which allocates nothing, and its buffers counted."""
+    num_heads, head_dims = get_head_shapes(config.get_text_config(decoder=True))
+    count = len(layers)
+    num_heads = num_heads if isinstance(num_heads, list) else [num_heads] * count
+    head_dims = head_dims if isinstance(head_dims, list) else [head_dims] * count
+    held = dense = 0
+    for layer, heads, head_dim in zip(layers, num_heads, head_dims, strict=True):
+        length = _tensor_bytes(layer.cumulative_length)
+        static = 2 * batch * heads * max_cache_len * head_dim * 2 + length  # K, V of 2 bytes
+        dense += static
+        if not isinstance(layer, TurboQuantLayer):
+            held += static
+            continue
+        kv = TurboQuantKVCache(batch, heads, max_cache_len, head_dim, torch.bfloat16,
+                               options=layer.options, device="meta",
+                               warn_unquantized=False)  # fmt: skip
+        held += kv.nbytes() + length
+    return held, dense
+
+
+def _check_prompt(input_ids) -> None:
+    """Raise unless ``input_ids`` is a ``[B, T]`` integer tensor with ``B, T >= 1``."""
+    where = "TurboQuantCache.for_generation"
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or (
+            input_ids.dtype.is_complex or input_ids.dtype == torch.bool):  # fmt: skip
+        got = (f"a {input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor)
+               else type(input_ids).__name__)  # fmt: skip
+        raise TypeError(f"{where}: input_ids must be the [batch, prompt_length] integer tensor "
+                        f"given to generate (tokenizer(...)['input_ids']), got {got}")  # fmt: skip
+    if input_ids.dim() != 2 or min(input_ids.shape) < 1:
+        raise ValueError(f"{where}: input_ids must be [batch, prompt_length] with both >= 1, got "
+                         f"shape {tuple(input_ids.shape)}")  # fmt: skip
+
+
+def _generation_count(model, name: str, value: int | None) -> int:
+    """``value`` (an integer >= 1), or where None the model's ``generation_config``'s (1
+    without one), as ``generate`` reads it."""
+    if value is None:
+        value = getattr(getattr(model, "generation_config", None), name, None) or 1
+    check_count(name, value, 1)
+    return value

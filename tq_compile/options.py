@@ -106,6 +106,18 @@ class CacheOptions:
         """The sinks a cache keeps: ``sinks``, or its default for the window."""
         return default_sinks(self.window, self.sinks)
 
+    def ring_for(self, capacity: int) -> tuple[int, int]:
+        """``(window, sinks)`` that a cache of ``capacity`` tokens per sequence keeps: the
+        window at most the capacity, and no more sinks than positions that can leave it.
+
+        Sizing the ring down loses nothing: with ``W`` window slots a position leaves the window
+        only when ``W`` later ones are written, so positions at or past ``capacity - W`` never
+        do and need no sink slot. When the two cover the capacity (``window + sinks ==
+        capacity``), no token is ever quantized.
+        """
+        window = min(self.window, capacity)
+        return window, min(self.sink_count, capacity - window)
+
     @classmethod
     def of(cls, options: CacheOptions | None, fields: dict) -> CacheOptions:
         """``options`` (default ``CacheOptions()``) with the keyword ``fields`` a constructor

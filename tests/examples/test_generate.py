@@ -26,15 +26,18 @@ def _number(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-def _kv_ratio(fmt_name: str, max_seq: int, head_dim: int) -> float:
-    """TurboQuant cache bytes over bf16 cache bytes per (layer, sequence, kv-head): whole pages
-    of the format's bytes per token-head for the positions that leave the window, and bf16 K
-    and V rings of the window and the sinks, against bf16 K and V of every position."""
+def _kv_ratio(fmt_name: str, max_seq: int, head_dim: int, kv_heads: int) -> float:
+    """TurboQuant cache bytes over bf16 cache bytes per layer: for each sequence and kv-head,
+    whole pages of the format's bytes per token-head for the positions that leave the window,
+    and bf16 K and V rings of the window and the sinks; for the cache, its rotation and block
+    table; against bf16 K and V of every position."""
     pages = -(-(max_seq - WINDOW) // PAGE_SIZE)
     slots = WINDOW + SINKS
     ring = 2 * slots * head_dim * 2 + slots * 4  # bf16 K and V, int32 slot positions
-    tq = pages * PAGE_SIZE * get_format(fmt_name).bytes_per_token_head(head_dim) + ring
-    return tq / (2 * max_seq * head_dim * 2)
+    per_head = pages * PAGE_SIZE * get_format(fmt_name).bytes_per_token_head(head_dim) + ring
+    constants = head_dim * head_dim * 4 + BATCH * pages * 4  # [D, D] float32, [B, pages] int32
+    dense = BATCH * kv_heads * 2 * max_seq * head_dim * 2
+    return (BATCH * kv_heads * per_head + constants) / dense
 
 
 def test_generate_runs_and_reports():
@@ -70,7 +73,7 @@ def test_generate_runs_and_reports():
                    r"and the first (\d+)", out)  # fmt: skip
     assert kv, out
     max_seq = PROMPT_LEN + NEW_TOKENS + 1
-    ratio = _kv_ratio("4bit_nc", max_seq, tiny.head_dim)
+    ratio = _kv_ratio("4bit_nc", max_seq, tiny.head_dim, tiny.n_local_heads)
     dense = tiny.n_layer * BATCH * tiny.n_local_heads * 2 * max_seq * tiny.head_dim * 2
     assert (int(kv[4]), int(kv[5])) == (WINDOW, SINKS)
     assert abs(float(kv[3]) - ratio) <= 5e-4, (kv[3], ratio)

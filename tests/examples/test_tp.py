@@ -121,12 +121,16 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 def _cache_sizes(model: Transformer) -> list[tuple[int, int]]:
-    """(kv-heads, bytes held) of each layer's cache, TurboQuant or bf16."""
+    """(kv-heads, bytes held for them) of each layer's cache, TurboQuant or bf16: a TurboQuant
+    cache's rotation and block table, which every rank holds whole, left out."""
     sizes = []
     for layer in model.layers:
         cache = layer.attention.kv_cache
-        keys = cache.k_codes if isinstance(cache, TurboQuantKVCache) else cache.k_cache
-        sizes.append((keys.shape[1], kv_cache_nbytes(cache)))
+        if isinstance(cache, TurboQuantKVCache):
+            shared = sum(t.numel() * t.element_size() for t in (cache.rotation, cache.block_table))
+            sizes.append((cache.k_codes.shape[1], kv_cache_nbytes(cache) - shared))
+        else:
+            sizes.append((cache.k_cache.shape[1], kv_cache_nbytes(cache)))
     return sizes
 
 
@@ -194,7 +198,7 @@ def test_tp_decode_matches_single_process(ranks, world_size, route, cache, backe
     """N-rank decode (prefill 12, then 10 steps crossing the 8-token window) gives the
     single-process logits within TP_BOUND at every step, on every rank, and the same next
     token wherever the top two logits are not near-tied; compiled: one graph; each rank's cache
-    holds Hk / N kv-heads and 1 / N of the single-process cache's bytes."""
+    holds Hk / N kv-heads and 1 / N of the single-process cache's bytes for its kv-heads."""
     expected, single_caches = _single(cache)
     for rank, result in enumerate(ranks(world_size)):
         got = result[route, cache, backend]

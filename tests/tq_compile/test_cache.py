@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 
 import expecttest
 import pytest
@@ -489,18 +490,62 @@ def test_kv_bytes_4bit_at_head_dim_128():
     """4bit_nc at D=128 takes <= 0.27x the bytes of the bf16 cache (134 / 512 per token-head);
     a window of 128 keeps its tokens in bf16 rings (and their int32 positions) instead of pages
     (+2.3% of the bf16 cache's bytes at 4096 tokens), and its default 4 sinks take 4 more ring
-    slots (pages for them stay allocated)."""
+    slots (pages for them stay allocated). Every buffer counts: the rotation ([D, D] float32)
+    and the block table ([B, pages] int32) too."""
     cache = TurboQuantKVCache(4, 8, 4096, 128, preset="4bit_nc", window=0)
-    ratio = cache.nbytes() / cache.dense_nbytes()
-    assert ratio == pytest.approx(134 / 512) and ratio <= 0.27
+    assert cache.nbytes() == 4 * 8 * 4096 * 134 + 128 * 128 * 4 + 4 * 256 * 4
+    assert cache.nbytes() / cache.dense_nbytes() <= 0.27
     windowed = TurboQuantKVCache(4, 8, 4096, 128, preset="4bit_nc", window=128, sinks=0)
-    assert windowed.nbytes() - cache.nbytes() == 4 * 8 * 128 * (512 + 4 - 134)
+    fewer_pages = 4 * 8 * 4  # [B, 8 pages] of the block table: the window's 128 positions
+    assert windowed.nbytes() - cache.nbytes() == 4 * 8 * 128 * (512 + 4 - 134) - fewer_pages
     with_sinks = TurboQuantKVCache(4, 8, 4096, 128, preset="4bit_nc", window=128)
     assert with_sinks.sinks == 4
     assert with_sinks.nbytes() - windowed.nbytes() == 4 * 8 * 4 * (512 + 4)
     cache = windowed
     new_kv = torch.randn(4, 8, 3, 128).bfloat16()
     assert isinstance(cache.update(torch.arange(3), new_kv, new_kv)[0], TurboQuantKVTensor)
+
+
+def test_a_ring_that_covers_the_capacity_is_sized_down_and_warns():
+    """Window and sinks that cover max_seq_length (the default 128 + 4 over 64 tokens: issue
+    53's 1.147x bf16's bytes, silently) quantize nothing: the cache warns once, at the caller's
+    line, naming the capacity, window, sinks, the bytes it holds and a dense cache's, and sizes
+    the ring down to the capacity (no sink slot for a position the window holds anyway), which
+    loses nothing: every token reads back exact. A cache that quantizes a token does not warn."""
+    with pytest.warns(UserWarning) as record:
+        cache = TurboQuantKVCache(1, 8, 64, 128)
+    assert len(record) == 1 and record[0].filename == __file__
+    message = str(record[0].message)
+    for part in ("max_seq_length=64", "window (128)", "sinks (4)", "no token is ever quantized",
+                 f"{cache.nbytes():,} bytes", f"{cache.dense_nbytes():,} of a bf16",
+                 "keep window + sinks below max_seq_length"):  # fmt: skip
+        assert part in message, part
+    assert (cache.window, cache.sinks, cache.k_window.shape[2]) == (64, 0, 64)
+    with pytest.warns(UserWarning, match=r"sized to the capacity \(window 16, sinks 4\)"):
+        sized = TurboQuantKVCache(1, 2, 20, 64, window=16, sinks=8)
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 1, 2, 20, 64, generator=gen).bfloat16()
+    for position in range(20):
+        one = slice(position, position + 1)
+        keys, values = sized.update(torch.tensor([position]), k[:, :, one], v[:, :, one])
+    assert torch.equal(keys.dequantize(torch.bfloat16), k)
+    assert torch.equal(values.dequantize(torch.bfloat16), v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TurboQuantKVCache(1, 8, 256, 128)  # positions 4 .. 127 reach the pages
+
+
+@pytest.mark.parametrize("options", [dict(window=0), dict(window=8, sinks=0), dict(window=8),
+                                     dict(window=8, center_keys=True), dict()])  # fmt: skip
+def test_nbytes_counts_everything_the_cache_holds(options):
+    """nbytes() is the bytes of every tensor the module holds (pages, rings, positions, centres,
+    block table, rotation): no cache reports fewer bytes than it holds."""
+    cache = TurboQuantKVCache(2, 2, 48, 64, **options)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in vars(cache).values() if isinstance(t, torch.Tensor)}  # fmt: skip
+    storages.update((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                    for t in cache.buffers())  # fmt: skip
+    assert cache.nbytes() == sum(storages.values())
 
 
 class TestUpdateBadInput(expecttest.TestCase):

@@ -128,16 +128,20 @@ def test_torchao_quantize_with_the_kv_filter():
 
 
 def test_kv_cache_nbytes_before_and_after():
-    """kv_cache_nbytes counts dense k_cache/v_cache buffers, then the quantized planes (and the
-    recent window's rings and their int32 slot positions)."""
+    """kv_cache_nbytes counts dense k_cache/v_cache buffers, then every buffer of the quantized
+    caches: planes, the recent window's rings and their int32 slot positions, the rotation and
+    the block table."""
     from tq_compile import kv_cache_nbytes
 
     model = _model(layers=2)  # B=2, Hk=2, S=64, D=64, fp16 caches
     assert kv_cache_nbytes(model) == 2 * 2 * (2 * 2 * 64 * 64 * 2)
     quantize_(model, TurboQuantKVConfig("4bit_nc", window=0))
     expected = sum(layer.attention.kv_cache.nbytes() for layer in model.layers)
-    assert kv_cache_nbytes(model) == expected == 2 * 2 * 2 * 64 * 70
+    constants = 64 * 64 * 4 + 2 * 4 * 4  # rotation [D, D] float32, block table [B, 4 pages] int32
+    assert kv_cache_nbytes(model) == expected == 2 * (2 * 2 * 64 * 70 + constants)
     quantize_(model := _model(layers=2), TurboQuantKVConfig("4bit_nc", window=8, sinks=0))
-    assert kv_cache_nbytes(model) == 2 * 2 * 2 * (64 * 70 + 8 * 64 * 2 * 2 + 8 * 4)
+    ring = 2 * 2 * (8 * 64 * 2 * 2 + 8 * 4)  # [B, Hk, 8] K and V of fp16, positions int32
+    assert kv_cache_nbytes(model) == 2 * (2 * 2 * 64 * 70 + ring + constants)
     quantize_(model := _model(layers=2), TurboQuantKVConfig("4bit_nc", window=8))  # 4 sinks
-    assert kv_cache_nbytes(model) == 2 * 2 * 2 * (64 * 70 + 12 * 64 * 2 * 2 + 12 * 4)
+    ring = 2 * 2 * (12 * 64 * 2 * 2 + 12 * 4)
+    assert kv_cache_nbytes(model) == 2 * (2 * 2 * 64 * 70 + ring + constants)

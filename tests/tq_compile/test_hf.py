@@ -6,6 +6,7 @@ transformers' StaticCache."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import expecttest
 import pytest
@@ -451,7 +452,7 @@ def test_crop_with_a_window():
 
 def test_nbytes_and_kept_layers():
     """keep_first / keep_last layers are dense (StaticLayers); nbytes counts both kinds after the first
-    forward; a 4bit_nc cache with window 0 takes under a third of StaticCache's bytes."""
+    forward; a 4bit_nc cache with window 0 takes its pages, rotation and block table."""
     config, model = tiny_model("llama")
     ids, _ = prompt_batch(left_pad=0)
     cache = TurboQuantCache(config, CAPACITY, keep_first=1)
@@ -459,12 +460,76 @@ def test_nbytes_and_kept_layers():
     assert cache.is_compileable
     with torch.no_grad():
         model(ids, past_key_values=cache)
-    dense_layer = 2 * 2 * 2 * CAPACITY * 64 * 2  # K+V, B, Hk, S, D, bf16
+    dense_layer = 2 * 2 * 2 * CAPACITY * 64 * 2 + 8  # K+V, B, Hk, S, D, bf16; the int64 length
     assert cache.dense_nbytes() == 2 * dense_layer
     compact = TurboQuantCache(config, CAPACITY, window=0)
     with torch.no_grad():
         model(ids, past_key_values=compact)
-    assert compact.nbytes() * 3 < compact.dense_nbytes()
+    # per layer: pages of 70 bytes per token-head (D = 64), the rotation [D, D] float32, the
+    # block table [B, 4] int32, the length
+    assert compact.nbytes() == 2 * (2 * 2 * CAPACITY * 70 + 64 * 64 * 4 + 2 * 4 * 4 + 8)
+
+
+def held_storages(cache) -> int:
+    """Bytes of every tensor storage the cache's layers hold (attributes, and their modules'
+    buffers), each storage once."""
+    storages = {}
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            tensors = value.buffers() if isinstance(value, torch.nn.Module) else [value]
+            for tensor in tensors:
+                if isinstance(tensor, torch.Tensor):
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_a_short_cache_warns_once_with_the_bytes_it_will_hold():
+    """TurboQuantCache(config, 64) with the default window of 128 and 4 sinks quantizes nothing
+    (issue 53: silently larger than StaticCache): it warns once, at construction (the user's
+    line), naming max_cache_len, window, sinks and the bytes it will hold against StaticCache's,
+    the ones nbytes() / dense_nbytes() report after the first forward; nbytes() counts every
+    tensor the layers hold, a kept dense layer's included. A cache that quantizes does not
+    warn."""
+    config, model = tiny_model("llama")
+    ids, _ = prompt_batch(left_pad=0)
+    with pytest.warns(UserWarning) as record:
+        cache = TurboQuantCache(config, CAPACITY, max_batch_size=2, keep_first=1)
+        model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    ours = [w for w in record if "no token is ever quantized" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__
+    for part in (f"max_cache_len={CAPACITY}", "window (128)", "sinks (4)", "For 2 sequence(s)",
+                 f"{cache.nbytes():,} bytes", f"{cache.dense_nbytes():,} of a bf16 / fp16 "
+                 "StaticCache"):  # fmt: skip
+        assert part in str(ours[0].message), part
+    assert cache.nbytes() == held_storages(cache) > cache.dense_nbytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compact = TurboQuantCache(config, CAPACITY, window=16)
+    with torch.no_grad():
+        model(ids, past_key_values=compact)
+    assert compact.nbytes() == held_storages(compact) < compact.dense_nbytes()
+
+
+def test_for_generation_sizes_the_cache_for_the_request():
+    """for_generation(model, ids, max_new_tokens, ...) holds the prompt plus the new tokens for
+    the prompts times max(num_beams, num_return_sequences) (by default the model's generation
+    config's, as generate reads them), with the options given; generate through it equals
+    generate through the same cache built by hand."""
+    config, model = tiny_model("llama")
+    ids, mask = prompt_batch()
+    cache = TurboQuantCache.for_generation(model, ids, NEW, preset="int8", window=8)
+    layer = cache.layers[0]
+    assert (layer.max_cache_len, layer.max_batch_size) == (PROMPT + NEW, 2)
+    assert (layer.options.preset, layer.options.window) == ("int8", 8)
+    by_hand = TurboQuantCache(config, PROMPT + NEW, preset="int8", window=8)
+    out, want = (model.generate(ids, attention_mask=mask, past_key_values=c, max_new_tokens=NEW,
+                                do_sample=False) for c in (cache, by_hand))  # fmt: skip
+    assert torch.equal(out, want)
+    beams = TurboQuantCache.for_generation(model, ids, 4, num_beams=3, num_return_sequences=2)
+    assert beams.layers[0].max_batch_size == 6
+    model.generation_config.num_return_sequences = 4
+    assert TurboQuantCache.for_generation(model, ids, 4).layers[0].max_batch_size == 8
 
 
 def test_kept_layers_with_a_smaller_batch_and_assisted_generation():
@@ -576,4 +641,38 @@ ValueError: TurboQuantCache would quantize no layer: keep_first=1 and keep_last=
 ValueError: TurboQuantCache serves attn_implementation 'sdpa' or 'eager' (the latter through 'turboquant'); this model's config says 'flex_attention': load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))
 ValueError: TurboQuantCache: batch 2 exceeds max_batch_size=1
 ValueError: TurboQuantCache.crop takes a negative count of tokens to remove (or 0), as transformers' caches do, got 2""",  # noqa: E501
+        )
+
+    def test_for_generation_bad_arguments_name_them(self):
+        config, model = tiny_model("llama")
+        ids, _ = prompt_batch(left_pad=0)
+        lines = []
+        for build in (
+            lambda: TurboQuantCache.for_generation(config, ids, 8),
+            lambda: TurboQuantCache.for_generation(model, {"input_ids": ids}, 8),
+            lambda: TurboQuantCache.for_generation(model, ids.float(), 8),
+            lambda: TurboQuantCache.for_generation(model, ids[0], 8),
+            lambda: TurboQuantCache.for_generation(model, ids[:, :0], 8),
+            lambda: TurboQuantCache.for_generation(model, ids, 0),
+            lambda: TurboQuantCache.for_generation(model, ids, 8, num_beams=0),
+            lambda: TurboQuantCache.for_generation(model, ids, 8, num_return_sequences=1.0),
+            lambda: TurboQuantCache.for_generation(model, ids, 8, fmt="int8"),
+            lambda: TurboQuantCache.for_generation(model, ids, 8, preset="5bit"),
+        ):
+            with self.assertRaises((ValueError, TypeError)) as ctx:
+                build()
+            lines.append(f"{type(ctx.exception).__name__}: {ctx.exception}")
+        self.assertExpectedInline(
+            "\n".join(lines),
+            """\
+TypeError: TurboQuantCache.for_generation: model must be a transformers model (a PreTrainedConfig as .config), got LlamaConfig
+TypeError: TurboQuantCache.for_generation: input_ids must be the [batch, prompt_length] integer tensor given to generate (tokenizer(...)['input_ids']), got dict
+TypeError: TurboQuantCache.for_generation: input_ids must be the [batch, prompt_length] integer tensor given to generate (tokenizer(...)['input_ids']), got a torch.float32 tensor
+ValueError: TurboQuantCache.for_generation: input_ids must be [batch, prompt_length] with both >= 1, got shape (12,)
+ValueError: TurboQuantCache.for_generation: input_ids must be [batch, prompt_length] with both >= 1, got shape (2, 0)
+ValueError: max_new_tokens must be an integer >= 1, got 0
+ValueError: num_beams must be an integer >= 1, got 0
+ValueError: num_return_sequences must be an integer >= 1, got 1.0
+TypeError: unknown cache option(s) ['fmt'] (the format is `preset`): the options are ['preset', 'window', 'sinks', 'center_keys', 'page_size', 'seed', 'num_splits']
+ValueError: unknown KV format '5bit': expected one of ['3bit_nc', '4bit_nc', 'fp8', 'int8', 'k2v2_nc', 'k2v4_nc', 'k3v4_nc', 'k8v4', 'tq2_nc', 'tq3_nc', 'tq4_nc', 'tqk4v2_nc', 'tqk5v3_nc']""",  # noqa: E501
         )

@@ -35,6 +35,16 @@ def test_sinks_default_follows_the_window():
     assert TurboQuantKVConfig("3bit_nc", options=CacheOptions(preset="k8v4")).preset == "3bit_nc"
 
 
+def test_ring_for_sizes_the_ring_to_the_capacity():
+    """ring_for(capacity): the window at most the capacity, the sinks at most the positions that
+    can leave it; the two sum to the capacity exactly when they cover it."""
+    assert CacheOptions().ring_for(1024) == (128, 4)
+    assert CacheOptions().ring_for(130) == (128, 2)
+    assert CacheOptions().ring_for(64) == (64, 0)
+    assert CacheOptions(window=0, sinks=8).ring_for(4) == (0, 4)
+    assert CacheOptions(window=0).ring_for(4) == (0, 0)
+
+
 def test_the_config_passes_its_options_whole():
     """quantize_'s caches get the config's one CacheOptions, not a copy of its fields."""
     from examples.model import ModelArgs, Transformer
