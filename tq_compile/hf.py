@@ -464,8 +464,9 @@ class TurboQuantCache(Cache):
             )
         _check_prompt(input_ids)
         check_count("max_new_tokens", max_new_tokens, 1)
-        expand = max(_generation_count(model, "num_beams", num_beams),
-                     _generation_count(model, "num_return_sequences", num_return_sequences))  # fmt: skip
+        beams = _generation_count(model, "num_beams", num_beams)
+        returned = _generation_count(model, "num_return_sequences", num_return_sequences)
+        expand = max(beams, returned)
         batch, prompt_length = input_ids.shape
         return cls(config, prompt_length + max_new_tokens, max_batch_size=batch * expand,
                    keep_first=keep_first, keep_last=keep_last, options=options,
