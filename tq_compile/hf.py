@@ -376,7 +376,8 @@ class TurboQuantCache(Cache):
                 "centre that softmax alone ignores; use center_keys=False"
             )
         attention_implementation = _attention_implementation(config)
-        if attention_implementation not in ("sdpa", ATTENTION):
+        # None: a config no model has set up yet (the model picks its default when it loads)
+        if attention_implementation not in (None, "sdpa", ATTENTION):
             if attention_implementation != "eager":
                 raise ValueError(
                     f"TurboQuantCache serves attn_implementation 'sdpa' or 'eager' (the latter "
