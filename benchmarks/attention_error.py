@@ -71,15 +71,17 @@ def quantized(codec, x: torch.Tensor, rotation: torch.Tensor, record: torch.dtyp
     return rows.reshape(x.shape)
 
 
-def attention(q, k, v, k_exact, v_exact, window: int, sinks: int = 0,
-              dtype: torch.dtype = torch.float64) -> torch.Tensor:  # fmt: skip
+def attention(
+    q, k, v, k_exact, v_exact, window: int, sinks: int = 0, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """Causal GQA attention ``[B, Hq, T, D]`` in ``dtype`` over ``k, v``, except that the
     ``window`` positions up to each query (the ring) and the first ``sinks`` positions read
     ``k_exact, v_exact``."""
     group = q.shape[1] // k.shape[1]
     q = q.to(dtype)
-    k, v, k_exact, v_exact = (t.to(dtype).repeat_interleave(group, 1)
-                              for t in (k, v, k_exact, v_exact))  # fmt: skip
+    k, v, k_exact, v_exact = (
+        t.to(dtype).repeat_interleave(group, 1) for t in (k, v, k_exact, v_exact)
+    )
     positions = torch.arange(q.shape[2])
     distance = positions[:, None] - positions[None, :]  # query - key
     exact = (distance >= 0) & ((distance < window) | (positions[None, :] < sinks))
@@ -103,11 +105,15 @@ def measure(captured, fmt_name: str, record: torch.dtype, window: int) -> dict:
         row_errors.append(((approx - exact).norm(dim=-1) / exact.norm(dim=-1)).flatten())
     rows = torch.cat(row_errors)
     return dict(
-        format=fmt_name, record=str(record).removeprefix("torch."), window=window,
+        format=fmt_name,
+        record=str(record).removeprefix("torch."),
+        window=window,
         mean_error=sum(layer_errors) / len(layer_errors),
-        p99=float(rows.quantile(0.99)), p999=float(rows.quantile(0.999)), max=float(rows.max()),
+        p99=float(rows.quantile(0.99)),
+        p999=float(rows.quantile(0.999)),
+        max=float(rows.max()),
         worst_layer=max(range(len(layer_errors)), key=layer_errors.__getitem__),
-    )  # fmt: skip
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -128,9 +134,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=sorted(FORMATS), choices=sorted(FORMATS))
     parser.add_argument(
-        "--records", nargs="*", default=[], choices=sorted(RECORDS),
+        "--records",
+        nargs="*",
+        default=[],
+        choices=sorted(RECORDS),
         help="meta-record dtypes to try besides each format's own",
-    )  # fmt: skip
+    )
     parser.add_argument("--tokens", type=int, default=512, help="tokens of the text (>= 2)")
     parser.add_argument("--window", type=int, default=0, help="exact positions before a query")
     parser.add_argument("--out", default="attention_error.json")
@@ -144,10 +153,22 @@ def main() -> None:
         for record in dict.fromkeys([own, *(RECORDS[r] for r in args.records)]):
             rows.append(measure(captured, fmt_name, record, args.window))
             print(f"  {fmt_name} {rows[-1]['record']}: {rows[-1]['mean_error']:.5f}", flush=True)
-    print_table(rows, {"format": "", "record": "", "mean_error": ".5f", "p99": ".4f",
-                       "p999": ".4f", "max": ".3f", "worst_layer": "d"})  # fmt: skip
-    path = write_json(args.out, dict(model="SmolLM2-135M-Instruct", tokens=args.tokens,
-                                     window=args.window, rows=rows))  # fmt: skip
+    print_table(
+        rows,
+        {
+            "format": "",
+            "record": "",
+            "mean_error": ".5f",
+            "p99": ".4f",
+            "p999": ".4f",
+            "max": ".3f",
+            "worst_layer": "d",
+        },
+    )
+    path = write_json(
+        args.out,
+        dict(model="SmolLM2-135M-Instruct", tokens=args.tokens, window=args.window, rows=rows),
+    )
     print(f"wrote {path}")
     if importlib.util.find_spec("matplotlib") is not None:
         plot(rows, path.with_suffix(".png"))

@@ -48,8 +48,9 @@ def worker(tree: Path) -> None:
             torch.manual_seed(request["seed"])
             inputs = bench.tq_inputs(fmt, batch, seq)
             for window in request["windows"]:
-                calls = bench.tq_calls(fmt, inputs, bench.window_rings(inputs, window),
-                                       splits_for(batch, seq))  # fmt: skip
+                calls = bench.tq_calls(
+                    fmt, inputs, bench.window_rings(inputs, window), splits_for(batch, seq)
+                )
                 graphs[window] = bench.capture(calls)
                 held[window] = calls
             reply = {"ok": True}
@@ -66,9 +67,12 @@ class Worker:
     def __init__(self, tree: Path):
         env = dict(os.environ, PYTHONPATH=str(tree), PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(tree)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
+            [sys.executable, __file__, "--worker", str(tree)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
 
     def ask(self, **request) -> dict:
         self.process.stdin.write(json.dumps(request) + "\n")
@@ -107,8 +111,14 @@ def main() -> None:
     for batch, seq in shapes:
         for name in args.formats or list(FORMATS):
             for side in sides.values():
-                side.ask(op="prepare", format=name, batch=batch, seq=seq, windows=args.windows,
-                         seed=len(rows))  # fmt: skip
+                side.ask(
+                    op="prepare",
+                    format=name,
+                    batch=batch,
+                    seq=seq,
+                    windows=args.windows,
+                    seed=len(rows),
+                )
             best = {}
             for r in range(args.rounds):
                 order = list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]
@@ -120,18 +130,32 @@ def main() -> None:
                 side.ask(op="drop")
             for window in args.windows:
                 base_us, head_us = best["base", window], best["head", window]
-                rows.append(dict(shape=f"{batch}x{seq}", format=name, window=window,
-                                 base_us=base_us, head_us=head_us,
-                                 speed=base_us / head_us))  # fmt: skip
-            print(f"{batch}x{seq} {name}: " + ", ".join(
-                f"w{r['window']} {r['speed']:.3f}" for r in rows[-len(args.windows):]
-            ), flush=True)  # fmt: skip
-    print_table(rows, dict(shape="", format="", window="d", base_us=".1f", head_us=".1f",
-                           speed=".3f"))  # fmt: skip
+                rows.append(
+                    dict(
+                        shape=f"{batch}x{seq}",
+                        format=name,
+                        window=window,
+                        base_us=base_us,
+                        head_us=head_us,
+                        speed=base_us / head_us,
+                    )
+                )
+            print(
+                f"{batch}x{seq} {name}: "
+                + ", ".join(
+                    f"w{r['window']} {r['speed']:.3f}" for r in rows[-len(args.windows) :]
+                ),
+                flush=True,
+            )
+    print_table(
+        rows, dict(shape="", format="", window="d", base_us=".1f", head_us=".1f", speed=".3f")
+    )
     speeds = [r["speed"] for r in rows]
     print(f"head / base speed: min {min(speeds):.3f}, max {max(speeds):.3f} over {len(rows)}")
-    path = write_json("compare_decode.json", dict(gpu=gpu_name(), base=str(args.base),
-                                                  head=str(args.head), rows=rows))  # fmt: skip
+    path = write_json(
+        "compare_decode.json",
+        dict(gpu=gpu_name(), base=str(args.base), head=str(args.head), rows=rows),
+    )
     print(f"wrote {path}")
 
 

@@ -123,12 +123,14 @@ def sdpa_time(batch: int, seq: int, tokens: int = 1) -> float:
     mask = causal_lower_right(tokens, seq) if tokens > 1 else None
     calls = []
     for _ in range(replicas(kv_bytes)):
-        q = torch.randn(batch, NUM_Q_HEADS, tokens, HEAD_DIM, device="cuda",
-                        dtype=torch.bfloat16)  # fmt: skip
+        q = torch.randn(batch, NUM_Q_HEADS, tokens, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch, NUM_KV_HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        calls.append(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=True))  # fmt: skip
+        calls.append(
+            lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=True
+            )
+        )
     return time_graph(calls)
 
 
@@ -216,8 +218,18 @@ SPLIT_FACTORS = (0.5, 2, 4)
 # Sweep of a verify step (several query tokens): (tokens per tile, num_warps, register cap) of
 # one tile per softmax step, the plan's choice for many query rows; 16-token tiles hold half
 # the scores and decoded codes (32 rows at 32 tokens spill at 255 registers).
-VERIFY_SWEEP = [(32, 1, 128), (32, 1, 192), (32, 1, 255), (32, 2, 128), (32, 2, 192),
-                (32, 2, 255), (32, 4, 128), (32, 4, 255), (16, 1, 192), (16, 1, 255)]  # fmt: skip
+VERIFY_SWEEP = [
+    (32, 1, 128),
+    (32, 1, 192),
+    (32, 1, 255),
+    (32, 2, 128),
+    (32, 2, 192),
+    (32, 2, 255),
+    (32, 4, 128),
+    (32, 4, 255),
+    (16, 1, 192),
+    (16, 1, 255),
+]
 
 
 def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,), sink_counts=(0,)) -> dict:
@@ -231,12 +243,23 @@ def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,), sink_coun
         base_us = sdpa_time(batch, seq, tokens)
         bf16_bytes = 2 * batch * NUM_KV_HEADS * seq * HEAD_DIM * 2
         one_token_us.setdefault((shape, "bf16 sdpa", (0, 0), ""), base_us)
-        rows.append(dict(
-            shape=shape, tokens=tokens, format="bf16 sdpa", us=base_us,
-            tb_s=bf16_bytes / base_us / 1e6, copy_pct=100 * bf16_bytes / base_us / 1e-6 / copy_bw,
-            speedup=1.0, window=0, sinks=0, vs_window0=1.0,
-            vs_t1=base_us / one_token_us[shape, "bf16 sdpa", (0, 0), ""], splits=0, config="",
-        ))  # fmt: skip
+        rows.append(
+            dict(
+                shape=shape,
+                tokens=tokens,
+                format="bf16 sdpa",
+                us=base_us,
+                tb_s=bf16_bytes / base_us / 1e6,
+                copy_pct=100 * bf16_bytes / base_us / 1e-6 / copy_bw,
+                speedup=1.0,
+                window=0,
+                sinks=0,
+                vs_window0=1.0,
+                vs_t1=base_us / one_token_us[shape, "bf16 sdpa", (0, 0), ""],
+                splits=0,
+                config="",
+            )
+        )
         splits_default = default_splits(batch, seq)
         for name in formats:
             fmt = get_format(name)
@@ -274,19 +297,43 @@ def run(formats, shapes, sweep: bool, windows=(0,), token_counts=(1,), sink_coun
                 plan = triton_decode.plan_for(fmt, q, cache, table, splits, **config)
                 for (window, sinks), us in times.items():
                     t1 = one_token_us.setdefault((shape, name, (window, sinks), label), us)
-                    rows.append(dict(
-                        shape=shape, tokens=tokens, format=name, us=us, tb_s=nbytes / us / 1e6,
-                        copy_pct=100 * nbytes / us / 1e-6 / copy_bw, speedup=base_us / us,
-                        window=window, sinks=sinks,
-                        vs_window0=times.get((0, 0), float("nan")) / us, vs_t1=us / t1,
-                        splits=plan.num_splits, config=label,
-                    ))  # fmt: skip
+                    rows.append(
+                        dict(
+                            shape=shape,
+                            tokens=tokens,
+                            format=name,
+                            us=us,
+                            tb_s=nbytes / us / 1e6,
+                            copy_pct=100 * nbytes / us / 1e-6 / copy_bw,
+                            speedup=base_us / us,
+                            window=window,
+                            sinks=sinks,
+                            vs_window0=times.get((0, 0), float("nan")) / us,
+                            vs_t1=us / t1,
+                            splits=plan.num_splits,
+                            config=label,
+                        )
+                    )
             del inputs
             torch.cuda.empty_cache()
-    print_table(rows, dict(
-        shape="", tokens="d", format="", us=".1f", tb_s=".2f", copy_pct=".1f", speedup=".2f",
-        window="d", sinks="d", vs_window0=".3f", vs_t1=".2f", splits="d", config="",
-    ))  # fmt: skip
+    print_table(
+        rows,
+        dict(
+            shape="",
+            tokens="d",
+            format="",
+            us=".1f",
+            tb_s=".2f",
+            copy_pct=".1f",
+            speedup=".2f",
+            window="d",
+            sinks="d",
+            vs_window0=".3f",
+            vs_t1=".2f",
+            splits="d",
+            config="",
+        ),
+    )
     return dict(gpu=gpu_name(), copy_bandwidth=copy_bw, rows=rows)
 
 
@@ -337,17 +384,26 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", help="BxS, e.g. 1x131072")
     parser.add_argument("--sweep", action="store_true", help="tune block/warps/stages/splits")
     parser.add_argument(
-        "--windows", nargs="*", type=int, default=[0, 128],
+        "--windows",
+        nargs="*",
+        type=int,
+        default=[0, 128],
         help="recent-window sizes to time (tokens in bf16 rings; 0: none)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--sinks", nargs="*", type=int, default=[0],
+        "--sinks",
+        nargs="*",
+        type=int,
+        default=[0],
         help="sink counts to time with each window (first tokens in the bf16 rings)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--tokens", nargs="*", type=int, default=[1],
+        "--tokens",
+        nargs="*",
+        type=int,
+        default=[1],
         help="query tokens per sequence to time (several: a speculative-decoding verify step)",
-    )  # fmt: skip
+    )
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
     parser.add_argument("--out", default="decode.json")
     args = parser.parse_args()

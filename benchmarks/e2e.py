@@ -105,8 +105,9 @@ def step_function(mode: str):
 
 
 @torch.no_grad()
-def time_decode(model: Transformer, step, batch: int, position: int, steps: int,
-                installs: dict | None = None):  # fmt: skip
+def time_decode(
+    model: Transformer, step, batch: int, position: int, steps: int, installs: dict | None = None
+):
     """Milliseconds per decode step at positions ``position, position + 1, ...`` (on the
     model's device: the CPU too, for benchmarks/tp.py's gloo runs), and per block: the median
     over blocks of consecutive steps (:data:`BLOCKS`, or one per step if fewer), so that a
@@ -165,14 +166,22 @@ def kernel_times(model: Transformer, step, batch: int, position: int, steps: int
             entry = totals.setdefault(event.name, [0.0, 0])
             entry[0] += event.device_time
             entry[1] += 1
-    rows = [dict(kernel=name, us=us / steps, launches=count / steps)
-            for name, (us, count) in totals.items()]  # fmt: skip
+    rows = [
+        dict(kernel=name, us=us / steps, launches=count / steps)
+        for name, (us, count) in totals.items()
+    ]
     return sorted(rows, key=lambda r: -r["us"])
 
 
-def set_caches(model: Transformer, cache: str, batch: int, context: int,
-               num_splits: int | None = None, sinks: int | None = None,
-               center_keys: bool = False) -> None:  # fmt: skip
+def set_caches(
+    model: Transformer,
+    cache: str,
+    batch: int,
+    context: int,
+    num_splits: int | None = None,
+    sinks: int | None = None,
+    center_keys: bool = False,
+) -> None:
     """Give ``model`` caches of kind ``cache`` (``DENSE`` names or a format; ``num_splits``:
     the TurboQuant caches' split count, default theirs; ``sinks``: theirs; ``center_keys``:
     theirs)."""
@@ -208,24 +217,25 @@ def run_cells(model: Transformer, args) -> list[dict]:
                     eager = _time_interleaved(model, args, batch, context, caches)
                 base_ms = None
                 for cache in caches:
-                    timed = eager.get(cache) or _time_cell(model, args, mode, batch, context,
-                                                           cache)  # fmt: skip
+                    timed = eager.get(cache) or _time_cell(
+                        model, args, mode, batch, context, cache
+                    )
                     row = dict(mode=mode, batch=batch, context=context, cache=cache, **timed)
                     ms = row["ms"]
                     base_ms = ms if cache == BASELINE else base_ms
                     row.update(
                         tok_s=batch / ms * 1e3 if ms else None,
                         speedup=base_ms / ms if ms and base_ms else None,
-                        max_context=int(args.kv_budget_gb * 1e9 * context /
-                                        (row["kv_gb"] * 1e9 * batch)),
-                    )  # fmt: skip
+                        max_context=int(
+                            args.kv_budget_gb * 1e9 * context / (row["kv_gb"] * 1e9 * batch)
+                        ),
+                    )
                     rows.append(row)
                     _print_row(row)
     return rows
 
 
-def _time_cell(model: Transformer, args, mode: str, batch: int, context: int,
-               cache: str) -> dict:  # fmt: skip
+def _time_cell(model: Transformer, args, mode: str, batch: int, context: int, cache: str) -> dict:
     """``ms`` (median block), ``block_ms``, ``kv_gb`` and, with ``--kernels``, ``kernels`` of
     one cell: its caches set up, filled, the step made for ``mode`` (compiled unless eager) and
     timed, then freed; ``ms`` None where the GPU ran out of memory."""
@@ -235,8 +245,9 @@ def _time_cell(model: Transformer, args, mode: str, batch: int, context: int,
         step = step_function(mode)
         result["ms"], result["block_ms"] = time_decode(model, step, batch, filled, args.steps)
         if args.kernels:
-            result["kernels"] = kernel_times(model, step, batch, filled + args.steps + 3,
-                                             args.kernels)  # fmt: skip
+            result["kernels"] = kernel_times(
+                model, step, batch, filled + args.steps + 3, args.kernels
+            )
         result["kv_gb"] = kv_cache_nbytes(model) / 1e9
     except torch.cuda.OutOfMemoryError:
         result = dict(ms=None, kv_gb=_cache_bytes(model.config, cache, batch, context) / 1e9)
@@ -245,8 +256,9 @@ def _time_cell(model: Transformer, args, mode: str, batch: int, context: int,
     return result
 
 
-def _time_interleaved(model: Transformer, args, batch: int, context: int,
-                      caches: list[str]) -> dict[str, dict]:  # fmt: skip
+def _time_interleaved(
+    model: Transformer, args, batch: int, context: int, caches: list[str]
+) -> dict[str, dict]:
     """:func:`_time_cell`'s results for eager steps, every cache's caches alive at once and
     their blocks interleaved (block ``i`` of each cache before block ``i + 1`` of any): eager
     steps are host-bound, and a slow stretch of a shared host then slows a block of every
@@ -254,8 +266,10 @@ def _time_interleaved(model: Transformer, args, batch: int, context: int,
     measured 0.74x in the next). Where the caches together would take more than half of the
     GPU's free memory, or run out of it, the cells are timed one by one instead, so that no
     cache is reported ``oom`` that fits alone."""
-    cells = {cache: functools.partial(_time_cell, model, args, "eager", batch, context, cache)
-             for cache in caches}  # fmt: skip
+    cells = {
+        cache: functools.partial(_time_cell, model, args, "eager", batch, context, cache)
+        for cache in caches
+    }
     device = model.output.weight.device
     if device.type == "cuda":
         need = sum(_cache_bytes(model.config, cache, batch, context) for cache in caches)
@@ -270,8 +284,9 @@ def _time_interleaved(model: Transformer, args, batch: int, context: int,
     try:
         for cache in caches:
             filled = _filled_caches(model, args, batch, context, cache)
-            held[cache] = [(layer.attention.gqa, layer.attention.kv_cache)
-                           for layer in model.layers]  # fmt: skip
+            held[cache] = [
+                (layer.attention.gqa, layer.attention.kv_cache) for layer in model.layers
+            ]
             results[cache] = dict(kv_gb=kv_cache_nbytes(model) / 1e9)
         installs = {cache: functools.partial(install, cache) for cache in caches}
         timed = time_decode(model, decode_one_token, batch, filled, args.steps, installs)
@@ -280,8 +295,9 @@ def _time_interleaved(model: Transformer, args, batch: int, context: int,
             if args.kernels:
                 install(cache)
                 first = filled + args.steps + 3
-                results[cache]["kernels"] = kernel_times(model, decode_one_token, batch, first,
-                                                         args.kernels)  # fmt: skip
+                results[cache]["kernels"] = kernel_times(
+                    model, decode_one_token, batch, first, args.kernels
+                )
     except torch.cuda.OutOfMemoryError:
         results = None
     _drop_caches(model)
@@ -308,8 +324,10 @@ def _print_row(row: dict) -> None:
     print(_row_text(row), flush=True)
     if row.get("kernels"):
         total = sum(r["us"] for r in row["kernels"])
-        print(f"  GPU time per step {total:.1f} us in "
-              f"{sum(r['launches'] for r in row['kernels']):.0f} launches")  # fmt: skip
+        print(
+            f"  GPU time per step {total:.1f} us in "
+            f"{sum(r['launches'] for r in row['kernels']):.0f} launches"
+        )
         top = [dict(r, kernel=r["kernel"][:90]) for r in row["kernels"][:24]]
         print_table(top, dict(kernel="", us=".1f", launches=".0f"))
 
@@ -318,23 +336,28 @@ def _cache_bytes(cfg: ModelArgs, cache: str, batch: int, context: int) -> int:
     """KV bytes a cache of this kind would take (for one that did not fit)."""
     if cache in DENSE:
         return 2 * cfg.n_layer * batch * cfg.n_local_heads * context * cfg.head_dim * 2
-    meta = TurboQuantKVCache(batch, cfg.n_local_heads, context, cfg.head_dim, preset=cache,
-                             device="meta")  # fmt: skip
+    meta = TurboQuantKVCache(
+        batch, cfg.n_local_heads, context, cfg.head_dim, preset=cache, device="meta"
+    )
     return cfg.n_layer * meta.nbytes()
 
 
 def _row_text(row: dict) -> str:
     ms = "oom" if row["ms"] is None else f"{row['ms']:.2f} ms"
     speed = "" if row["speedup"] is None else f" {row['speedup']:.2f}x"
-    return (f"{row['mode']:>15} B{row['batch']:<3} ctx {row['context']:>6} {row['cache']:>11}: "
-            f"{ms}{speed}")  # fmt: skip
+    return (
+        f"{row['mode']:>15} B{row['batch']:<3} ctx {row['context']:>6} {row['cache']:>11}: "
+        f"{ms}{speed}"
+    )
 
 
 def _printable(row: dict) -> dict:
     """``row`` with its timings as text (``oom`` where the cache did not fit)."""
     text = {"ms": "{:.2f}", "tok_s": "{:.0f}", "speedup": "{:.2f}x"}
-    return {k: (("oom" if v is None else fmt.format(v)) if (fmt := text.get(k)) else v)
-            for k, v in row.items()}  # fmt: skip
+    return {
+        k: (("oom" if v is None else fmt.format(v)) if (fmt := text.get(k)) else v)
+        for k, v in row.items()
+    }
 
 
 def host_cpu_us(call, n: int = 200) -> float:
@@ -385,12 +408,21 @@ def host_table(cfg: ModelArgs, formats: list[str], context: int = 4096) -> list[
     dense = KVCache(1, hk, context, d).cuda()
     k_all, v_all = dense.update(pos, k_new, k_new)
     rows = [
-        dict(cache="bf16", call="KVCache.update",
-             cpu_us=host_cpu_us(lambda: dense.update(pos, k_new, k_new))),
-        dict(cache="bf16", call="SDPA (mask, enable_gqa)", cpu_us=host_cpu_us(
-            lambda: F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
-                                                   enable_gqa=True))),
-    ]  # fmt: skip
+        dict(
+            cache="bf16",
+            call="KVCache.update",
+            cpu_us=host_cpu_us(lambda: dense.update(pos, k_new, k_new)),
+        ),
+        dict(
+            cache="bf16",
+            call="SDPA (mask, enable_gqa)",
+            cpu_us=host_cpu_us(
+                lambda: F.scaled_dot_product_attention(
+                    q, k_all, v_all, attn_mask=mask, enable_gqa=True
+                )
+            ),
+        ),
+    ]
     for fmt in formats:
         rows += _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context)
     return rows
@@ -414,13 +446,25 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
         # an update at a fixed position writes the same token each time: the cost is the same
         "TurboQuantKVCache.update": lambda: cache.update(pos, k_new, k_new),
         "SDPA via TurboQuantKVTensor": lambda: F.scaled_dot_product_attention(
-            q, k_tq, v_tq, attn_mask=mask, enable_gqa=True),
+            q, k_tq, v_tq, attn_mask=mask, enable_gqa=True
+        ),
         "tq.decode (raw op)": lambda: torch.ops.tq.decode(
-            q_rows, *planes, table, seq_lens, cache.rotation, fmt, cache.num_splits,
-            d**-0.5, None, *rings, cache.sinks),
+            q_rows,
+            *planes,
+            table,
+            seq_lens,
+            cache.rotation,
+            fmt,
+            cache.num_splits,
+            d**-0.5,
+            None,
+            *rings,
+            cache.sinks,
+        ),
         "tq.store_window (raw op)": lambda: torch.ops.tq.store_window(
-            k_new, k_new, *planes, *rings, table, start_pos, cache.rotation, fmt, cache.sinks),
-    }  # fmt: skip
+            k_new, k_new, *planes, *rings, table, start_pos, cache.rotation, fmt, cache.sinks
+        ),
+    }
     rows = [dict(cache=fmt, call=call, cpu_us=host_cpu_us(fn)) for call, fn in calls.items()]
     # The append of a decode step: the ring is full, so each row also quantizes the token that
     # leaves it into its page. A replay at the same position would find its own token in the
@@ -443,18 +487,44 @@ def _tq_host_rows(fmt, cfg, q, k_new, mask, pos, gen, context) -> list[dict]:
     def append_us(append) -> float:
         return graph_gpu_us(lambda: (restore(), append())) - restore_us
 
-    op_us = append_us(lambda: torch.ops.tq.store_window(
-        k16, k16, big.k_codes, big.v_codes, big.meta, big.k_window, big.v_window, big.window_pos,
-        big.block_table, start16, big.rotation, fmt, big.sinks))  # fmt: skip
-    rows.append(dict(cache=fmt, call="tq.store_window B=16, T=1, ring full: GPU us",
-                     cpu_us=op_us))  # fmt: skip
+    op_us = append_us(
+        lambda: torch.ops.tq.store_window(
+            k16,
+            k16,
+            big.k_codes,
+            big.v_codes,
+            big.meta,
+            big.k_window,
+            big.v_window,
+            big.window_pos,
+            big.block_table,
+            start16,
+            big.rotation,
+            fmt,
+            big.sinks,
+        )
+    )
+    rows.append(dict(cache=fmt, call="tq.store_window B=16, T=1, ring full: GPU us", cpu_us=op_us))
     for block_rows, num_warps in ((1, 1), (2, 1), (16, 4)):  # the append's launch shape
-        us = append_us(lambda r=block_rows, w=num_warps: triton_store_window.store_window(
-            get_format(fmt), k16, k16, PagedKVCache(big.k_codes, big.v_codes, big.meta),
-            RecentWindow(big.k_window, big.v_window, big.window_pos, big.sinks), big.block_table,
-            start16, big.rotation, block_rows=r, num_warps=w))  # fmt: skip
-        rows.append(dict(cache=fmt, call=f"  with {block_rows} rows x {num_warps} warps: GPU us",
-                         cpu_us=us))  # fmt: skip
+        us = append_us(
+            lambda r=block_rows, w=num_warps: triton_store_window.store_window(
+                get_format(fmt),
+                k16,
+                k16,
+                PagedKVCache(big.k_codes, big.v_codes, big.meta),
+                RecentWindow(big.k_window, big.v_window, big.window_pos, big.sinks),
+                big.block_table,
+                start16,
+                big.rotation,
+                block_rows=r,
+                num_warps=w,
+            )
+        )
+        rows.append(
+            dict(
+                cache=fmt, call=f"  with {block_rows} rows x {num_warps} warps: GPU us", cpu_us=us
+            )
+        )
     return rows
 
 
@@ -479,8 +549,11 @@ def plot(payload: dict, path: Path, cell=_batch_context, label=_batch_context_la
         caches = list(dict.fromkeys(r["cache"] for r in rows if r["mode"] == mode))
         width = 0.8 / len(caches)
         for i, cache in enumerate(caches):
-            speed = {cell(r): r["speedup"] or 0 for r in rows
-                     if r["mode"] == mode and r["cache"] == cache}  # fmt: skip
+            speed = {
+                cell(r): r["speedup"] or 0
+                for r in rows
+                if r["mode"] == mode and r["cache"] == cache
+            }
             xs = [j + i * width for j in range(len(cells))]
             bars = ax.bar(xs, [speed.get(c, 0) for c in cells], width, label=cache)
             ax.bar_label(bars, [f"{speed.get(c, 0):.2f}" for c in cells], fontsize=6)
@@ -500,21 +573,35 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--formats", nargs="*", default=["4bit_nc", "k8v4", "3bit_nc"])
-    parser.add_argument("--dense", nargs="*", default=["bf16-repeat"], choices=["bf16-repeat"],
-                        help="dense caches timed besides the bf16 baseline")  # fmt: skip
+    parser.add_argument(
+        "--dense",
+        nargs="*",
+        default=["bf16-repeat"],
+        choices=["bf16-repeat"],
+        help="dense caches timed besides the bf16 baseline",
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kv-budget-gb", type=float, default=40.0)
-    parser.add_argument("--splits", type=int, help="the TurboQuant caches' decode split count "
-                        "(default: theirs)")  # fmt: skip
+    parser.add_argument(
+        "--splits", type=int, help="the TurboQuant caches' decode split count (default: theirs)"
+    )
     parser.add_argument(
         "--sinks",
         type=int,
         help="the TurboQuant caches' attention sinks (default: theirs, TurboQuantKVCache.sinks)",
     )
-    parser.add_argument("--center", action="store_true", help="TurboQuant caches with key "
-                        "centering (TurboQuantKVCache.center_keys)")  # fmt: skip
-    parser.add_argument("--kernels", type=int, default=0, metavar="N",
-                        help="also profile N steps per cell: GPU time per kernel")  # fmt: skip
+    parser.add_argument(
+        "--center",
+        action="store_true",
+        help="TurboQuant caches with key centering (TurboQuantKVCache.center_keys)",
+    )
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile N steps per cell: GPU time per kernel",
+    )
     parser.add_argument("--host", action="store_true", help="also the host-overhead table")
     parser.add_argument("--out", default="e2e.json")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
@@ -526,8 +613,14 @@ def main() -> None:
         return
     require_cuda("benchmarks/e2e.py")
     cfg = ModelArgs.from_name(args.preset)
-    payload = dict(gpu=gpu_name(), preset=args.preset, kv_budget_gb=args.kv_budget_gb,
-                   num_splits=args.splits, sinks=args.sinks, center_keys=args.center)  # fmt: skip
+    payload = dict(
+        gpu=gpu_name(),
+        preset=args.preset,
+        kv_budget_gb=args.kv_budget_gb,
+        num_splits=args.splits,
+        sinks=args.sinks,
+        center_keys=args.center,
+    )
     if args.host:
         payload["host"] = host_table(cfg, args.formats)
         print(f"{gpu_name()}: one layer of {args.preset} at B=1, 4096 tokens")
@@ -540,9 +633,20 @@ def main() -> None:
         f"max_context: tokens per sequence whose KV cache fits {args.kv_budget_gb} GB"
     )
     if payload["rows"]:
-        print_table([_printable(r) for r in payload["rows"]],
-                    dict(mode="", batch="d", context="d", cache="", ms="", tok_s="", speedup="",
-                         kv_gb=".2f", max_context="d"))  # fmt: skip
+        print_table(
+            [_printable(r) for r in payload["rows"]],
+            dict(
+                mode="",
+                batch="d",
+                context="d",
+                cache="",
+                ms="",
+                tok_s="",
+                speedup="",
+                kv_gb=".2f",
+                max_context="d",
+            ),
+        )
     path = write_json(args.out, payload)
     print(f"wrote {path}")
     if payload["rows"]:

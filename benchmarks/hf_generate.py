@@ -59,11 +59,21 @@ def model_config(name: str):
     if name == "smollm2":
         return smollm2_config()
     if name == "1b-shape":  # examples/model.py's 1b-shape
-        return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                           num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                           head_dim=128, max_position_embeddings=32768, rope_theta=500000.0,
-                           attn_implementation="sdpa", bos_token_id=1, eos_token_id=2,
-                           pad_token_id=2)  # fmt: skip
+        return LlamaConfig(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=32768,
+            rope_theta=500000.0,
+            attn_implementation="sdpa",
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
     raise ValueError(f"unknown model {name!r}: expected smollm2 or 1b-shape")
 
 
@@ -72,14 +82,20 @@ def time_generate(model, cache, prompt, new_tokens: int, mode: str, chunk: int, 
     from transformers import CompileConfig, GenerationConfig
 
     timer = StepTimer()
-    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, prefill_chunk_size=chunk,
-                              disable_compile=mode == "eager", pad_token_id=2,
-                              compile_config=None if mode == "eager"
-                              else CompileConfig(mode=None if mode == "default" else mode,
-                                                 fullgraph=True))  # fmt: skip
-    model.generate(prompt, past_key_values=cache, generation_config=config,
-                   logits_processor=[timer])  # fmt: skip
+    config = GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        prefill_chunk_size=chunk,
+        disable_compile=mode == "eager",
+        pad_token_id=2,
+        compile_config=None
+        if mode == "eager"
+        else CompileConfig(mode=None if mode == "default" else mode, fullgraph=True),
+    )
+    model.generate(
+        prompt, past_key_values=cache, generation_config=config, logits_processor=[timer]
+    )
     tok_s = timer.tokens_per_second(prompt.shape[0], skip)
     return tok_s, prompt.shape[0] / tok_s * 1e3
 
@@ -94,8 +110,13 @@ def run(args) -> list[dict]:
         with torch.device("cuda"):
             model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
         gen = torch.Generator(device="cuda").manual_seed(0)
-        prompt = torch.randint(3, config.vocab_size, (args.batch, args.context - args.new_tokens),
-                               device="cuda", generator=gen)  # fmt: skip
+        prompt = torch.randint(
+            3,
+            config.vocab_size,
+            (args.batch, args.context - args.new_tokens),
+            device="cuda",
+            generator=gen,
+        )
         for mode in args.modes:
             baseline = None
             for cache_name in [BASELINE, *args.dense, *args.presets]:
@@ -103,26 +124,41 @@ def run(args) -> list[dict]:
                 if dense:
                     cache = StaticCache(config, max_cache_len=args.context)
                 else:
-                    cache = TurboQuantCache(config, args.context, preset=cache_name,
-                                            window=args.window)  # fmt: skip
+                    cache = TurboQuantCache(
+                        config, args.context, preset=cache_name, window=args.window
+                    )
                 torch._dynamo.reset()
                 # static-gqa: transformers' switch for SDPA with enable_gqa despite the mask
                 force_gqa = "1" if cache_name == "static-gqa" else "0"
                 os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = force_gqa
                 try:
-                    tok_s, ms = time_generate(model, cache, prompt, args.new_tokens, mode,
-                                              args.prefill_chunk, args.skip)  # fmt: skip
+                    tok_s, ms = time_generate(
+                        model, cache, prompt, args.new_tokens, mode, args.prefill_chunk, args.skip
+                    )
                 except torch.OutOfMemoryError:
                     tok_s = ms = None
                 os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "0"
-                kv_bytes = cache.nbytes() if not dense else sum(
-                    layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)  # fmt: skip
+                kv_bytes = (
+                    cache.nbytes()
+                    if not dense
+                    else sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+                )
                 if cache_name == BASELINE:
                     baseline = tok_s
                 speedup = tok_s / baseline if tok_s and baseline else None
-                rows.append(dict(model=name, mode=mode, batch=args.batch, context=args.context,
-                                 cache=cache_name, tok_s=tok_s, ms=ms, kv_gb=kv_bytes / 1e9,
-                                 speedup=speedup))  # fmt: skip
+                rows.append(
+                    dict(
+                        model=name,
+                        mode=mode,
+                        batch=args.batch,
+                        context=args.context,
+                        cache=cache_name,
+                        tok_s=tok_s,
+                        ms=ms,
+                        kv_gb=kv_bytes / 1e9,
+                        speedup=speedup,
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
                 del cache
                 torch.cuda.empty_cache()
@@ -143,8 +179,9 @@ def plot(payload: dict, path: Path) -> None:
         ax.bar_label(bars, [f"{r['speedup'] or 0:.2f}x" for r in rows], fontsize=7)
         ax.set_title(f"{model}, {mode}")
         ax.set_ylabel("decode tokens/s")
-    fig.suptitle(f"generate, B={payload['batch']}, {payload['context']} tokens, on "
-                 f"{payload['gpu']}")  # fmt: skip
+    fig.suptitle(
+        f"generate, B={payload['batch']}, {payload['context']} tokens, on {payload['gpu']}"
+    )
     save_figure(fig, path)
 
 
@@ -152,17 +189,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "1b-shape"])
     parser.add_argument("--presets", nargs="+", default=["4bit_nc", "k8v4"])
-    parser.add_argument("--dense", nargs="*", default=list(DENSE_VARIANTS),
-                        choices=DENSE_VARIANTS, help="StaticCache variants besides the "
-                        "baseline (static-gqa: TRANSFORMERS_SDPA_FORCE_GQA=1)")  # fmt: skip
+    parser.add_argument(
+        "--dense",
+        nargs="*",
+        default=list(DENSE_VARIANTS),
+        choices=DENSE_VARIANTS,
+        help="StaticCache variants besides the "
+        "baseline (static-gqa: TRANSFORMERS_SDPA_FORCE_GQA=1)",
+    )
     parser.add_argument("--modes", nargs="+", default=["reduce-overhead"], choices=MODES)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--skip", type=int, default=16, help="steps left out of the timing")
     parser.add_argument("--window", type=int, default=128)
-    parser.add_argument("--prefill-chunk", type=int, default=None,
-                        help="transformers' prefill_chunk_size (default: none)")  # fmt: skip
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="transformers' prefill_chunk_size (default: none)",
+    )
     parser.add_argument("--out", default="hf_generate.json")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
     args = parser.parse_args()
@@ -172,18 +218,27 @@ def main() -> None:
     require_cuda("benchmarks/hf_generate.py")
     if args.new_tokens <= args.skip + 1:
         parser.error(f"--new-tokens ({args.new_tokens}) must exceed --skip + 1 ({args.skip + 1})")
-    payload = dict(gpu=gpu_name(), batch=args.batch, context=args.context, window=args.window,
-                   rows=run(args))  # fmt: skip
-    print(f"{payload['gpu']}: generate, B={args.batch}, context {args.context}, window "
-          f"{args.window}; speed-up over StaticCache in the same mode")  # fmt: skip
+    payload = dict(
+        gpu=gpu_name(), batch=args.batch, context=args.context, window=args.window, rows=run(args)
+    )
+    print(
+        f"{payload['gpu']}: generate, B={args.batch}, context {args.context}, window "
+        f"{args.window}; speed-up over StaticCache in the same mode"
+    )
     specs = dict(tok_s=".0f", ms=".2f", speedup=".2f", kv_gb=".2f")
     printable = [
-        {**row, **{key: "oom" if row[key] is None else format(row[key], spec)
-                   for key, spec in specs.items()}}
+        {
+            **row,
+            **{
+                key: "oom" if row[key] is None else format(row[key], spec)
+                for key, spec in specs.items()
+            },
+        }
         for row in payload["rows"]
-    ]  # fmt: skip
-    print_table(printable, dict(model="", mode="", cache="", tok_s="", ms="", speedup="",
-                                kv_gb=""))  # fmt: skip
+    ]
+    print_table(
+        printable, dict(model="", mode="", cache="", tok_s="", ms="", speedup="", kv_gb="")
+    )
     path = write_json(args.out, payload)
     print(f"wrote {path}")
     try:

@@ -35,8 +35,9 @@ def main() -> None:
     require_cuda("benchmarks/profile_decode.py")
     fmt = get_format(args.format)
     cache, consts, table, lens = bench.filled_cache(fmt, args.batch, args.seq)
-    q = torch.randn(args.batch, bench.NUM_Q_HEADS, bench.HEAD_DIM, device="cuda",
-                    dtype=torch.bfloat16)  # fmt: skip
+    q = torch.randn(
+        args.batch, bench.NUM_Q_HEADS, bench.HEAD_DIM, device="cuda", dtype=torch.bfloat16
+    )
     splits = bench.default_splits(args.batch, args.seq)
     for _ in range(args.warm + 1):
         api.decode(fmt, q, cache, table, lens, consts, splits)

@@ -85,10 +85,15 @@ PLOT_TICKS = [-10, -1, -0.5, 0, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1
 MODELS = {
     "base": dict(vocab_size=256, n_layer=8, n_head=4, n_local_heads=2, dim=512, head_dim=128),
     "tiny": dict(
-        vocab_size=256, n_layer=2, n_head=4, n_local_heads=2, dim=128, head_dim=64,
+        vocab_size=256,
+        n_layer=2,
+        n_head=4,
+        n_local_heads=2,
+        dim=128,
+        head_dim=64,
         intermediate_size=256,
     ),
-}  # fmt: skip
+}
 # Defaults per model: training steps, batch, bytes per training sequence; eval sequences and
 # length. "base" trains at the eval length: RoPE positions never trained on would dominate the
 # perplexity otherwise.
@@ -142,9 +147,10 @@ class Corpus:
     def read(cls, root: Path) -> Corpus:
         """Read every ``*.py`` file under ``root``, except in ``SKIP_DIRS`` and unreadable ones."""
         files = sorted(
-            p for p in root.rglob("*.py") if p.is_file()
-            and not SKIP_DIRS & set(p.relative_to(root).parts)
-        )  # fmt: skip
+            p
+            for p in root.rglob("*.py")
+            if p.is_file() and not SKIP_DIRS & set(p.relative_to(root).parts)
+        )
         chunks, paths, starts, offset = [], [], [], 0
         for path in files:
             try:
@@ -183,19 +189,23 @@ def checkpoint_path(
     """``<cache_dir>/<model>-<shape>-<steps>x<batch>x<seq_len>-<hash>.pt``; the hash covers the
     model, every training setting and the corpus (root, file count, bytes)."""
     shape = dataclasses.asdict(cfg) | dict(block_size=None)  # RoPE length is not a weight
-    key = json.dumps(dict(model=shape, train=dataclasses.asdict(train), corpus=corpus.summary()),
-                     sort_keys=True)  # fmt: skip
+    key = json.dumps(
+        dict(model=shape, train=dataclasses.asdict(train), corpus=corpus.summary()), sort_keys=True
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-    stem = (f"{name}-d{cfg.dim}-l{cfg.n_layer}-h{cfg.n_head}kv{cfg.n_local_heads}-D{cfg.head_dim}"
-            f"-{train.steps}x{train.batch}x{train.seq_len}-{digest}")  # fmt: skip
+    stem = (
+        f"{name}-d{cfg.dim}-l{cfg.n_layer}-h{cfg.n_head}kv{cfg.n_local_heads}-D{cfg.head_dim}"
+        f"-{train.steps}x{train.batch}x{train.seq_len}-{digest}"
+    )
     return cache_dir / f"{stem}.pt"
 
 
 def sample_batch(corpus: Tensor, batch: int, length: int, gen: torch.Generator) -> Tensor:
     """``[batch, length] int64`` windows of ``corpus [N] uint8`` (on its device) at random
     offsets."""
-    starts = torch.randint(0, corpus.numel() - length, (batch, 1), generator=gen,
-                           device=corpus.device)  # fmt: skip
+    starts = torch.randint(
+        0, corpus.numel() - length, (batch, 1), generator=gen, device=corpus.device
+    )
     return corpus[starts + torch.arange(length, device=corpus.device)].long()
 
 
@@ -218,19 +228,26 @@ def train(cfg: ModelArgs, train_cfg: TrainConfig, corpus: Corpus, device: str) -
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
-        [dict(params=matrices, weight_decay=train_cfg.weight_decay),
-         dict(params=vectors, weight_decay=0.0)],
-        lr=train_cfg.lr, betas=(0.9, 0.95), fused=cuda,
-    )  # fmt: skip
+        [
+            dict(params=matrices, weight_decay=train_cfg.weight_decay),
+            dict(params=vectors, weight_decay=0.0),
+        ],
+        lr=train_cfg.lr,
+        betas=(0.9, 0.95),
+        fused=cuda,
+    )
     loss_fn = torch.compile(lm_loss) if cuda else lm_loss
     data = corpus.data.to(device)
     gen = torch.Generator(device=device).manual_seed(train_cfg.seed)
     positions = torch.arange(train_cfg.seq_len, device=device)
     log_every = max(1, train_cfg.steps // 20)
     tokens_per_step = train_cfg.batch * train_cfg.seq_len
-    print(f"training {n_params / 1e6:.1f}M parameters on {corpus.data.numel() / 1e6:.1f} MB of "
-          f"{corpus.root}: {train_cfg.steps} steps of {train_cfg.batch} x {train_cfg.seq_len} "
-          f"bytes on {device}", flush=True)  # fmt: skip
+    print(
+        f"training {n_params / 1e6:.1f}M parameters on {corpus.data.numel() / 1e6:.1f} MB of "
+        f"{corpus.root}: {train_cfg.steps} steps of {train_cfg.batch} x {train_cfg.seq_len} "
+        f"bytes on {device}",
+        flush=True,
+    )
     loss_sum, n_summed = torch.zeros((), device=device), 0
     start = interval_start = time.perf_counter()
     for step in range(train_cfg.steps):
@@ -249,9 +266,12 @@ def train(cfg: ModelArgs, train_cfg: TrainConfig, corpus: Corpus, device: str) -
             train_loss = loss_sum.item() / n_summed  # the one host sync per interval
             now = time.perf_counter()
             rate = n_summed * tokens_per_step / (now - interval_start)
-            print(f"  step {step + 1:5d}/{train_cfg.steps}  loss {train_loss:.4f} "
-                  f"({train_loss / math.log(2):.3f} bits/byte)  lr {lr:.2e}  "
-                  f"{rate:,.0f} tokens/s", flush=True)  # fmt: skip
+            print(
+                f"  step {step + 1:5d}/{train_cfg.steps}  loss {train_loss:.4f} "
+                f"({train_loss / math.log(2):.3f} bits/byte)  lr {lr:.2e}  "
+                f"{rate:,.0f} tokens/s",
+                flush=True,
+            )
             loss_sum.zero_()
             n_summed, interval_start = 0, now
     seconds = time.perf_counter() - start
@@ -356,8 +376,9 @@ def run(args) -> dict:
         sys.exit("--steps, --batch, --seq-len, --eval-seqs must be >= 1 and --eval-len >= 2")
     for fmt in args.formats:
         get_format(fmt)  # fail on a typo before training
-    train_cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len,
-                            seed=args.seed)  # fmt: skip
+    train_cfg = TrainConfig(
+        steps=args.steps, batch=args.batch, seq_len=args.seq_len, seed=args.seed
+    )
     cfg = ModelArgs(block_size=args.seq_len, **MODELS[name])
 
     train_corpus = Corpus.read(args.train_root)
@@ -365,19 +386,24 @@ def run(args) -> dict:
     model = eval_model(checkpoint, args.eval_len, device)
     cfg = model.config
     if args.eval_len > checkpoint["train"]["seq_len"]:
-        print(f"note: evaluating {args.eval_len} positions, trained on "
-              f"{checkpoint['train']['seq_len']}: later ones are extrapolation")  # fmt: skip
+        print(
+            f"note: evaluating {args.eval_len} positions, trained on "
+            f"{checkpoint['train']['seq_len']}: later ones are extrapolation"
+        )
 
     eval_corpus = Corpus.read(args.eval_root)
     gen = torch.Generator().manual_seed(EVAL_SEED)
-    offsets = torch.randint(0, eval_corpus.data.numel() - args.eval_len, (args.eval_seqs,),
-                            generator=gen).tolist()  # fmt: skip
+    offsets = torch.randint(
+        0, eval_corpus.data.numel() - args.eval_len, (args.eval_seqs,), generator=gen
+    ).tolist()
     tokens = torch.stack([eval_corpus.data[o : o + args.eval_len] for o in offsets])
     tokens = tokens.long().to(device)  # [eval_seqs, eval_len]
     parallel_ppl = forward_ppl(model, tokens)
-    print(f"eval: {args.eval_seqs} x {args.eval_len} bytes of {eval_corpus.root} "
-          f"({len(eval_corpus.paths)} files); bf16 perplexity without cache (one parallel "
-          f"forward) {parallel_ppl:.4f}")  # fmt: skip
+    print(
+        f"eval: {args.eval_seqs} x {args.eval_len} bytes of {eval_corpus.root} "
+        f"({len(eval_corpus.paths)} files); bf16 perplexity without cache (one parallel "
+        f"forward) {parallel_ppl:.4f}"
+    )
 
     rows, reference = [], None
     for fmt, window, sinks, center in configurations(args):
@@ -386,8 +412,10 @@ def run(args) -> dict:
         torch._dynamo.reset()
         model.setup_caches(max_batch_size=args.eval_seqs, max_seq_length=args.eval_len)
         if window is not None:
-            quantize_(model, TurboQuantKVConfig(preset=fmt, window=window, sinks=sinks,
-                                                center_keys=center))  # fmt: skip
+            quantize_(
+                model,
+                TurboQuantKVConfig(preset=fmt, window=window, sinks=sinks, center_keys=center),
+            )
         nll, argmax = decode_teacher_forced(model, tokens, label)
         ppl = math.exp(nll.double().mean().item())
         reference = (ppl, argmax) if reference is None else reference
@@ -395,14 +423,24 @@ def run(args) -> dict:
             bytes_per = 4 * cfg.head_dim  # bf16 K and V
         else:
             bytes_per = get_format(fmt).bytes_per_token_head(cfg.head_dim)
-        rows.append(dict(
-            cache=fmt, window=window, sinks=sinks, center=center, bytes_per_token_head=bytes_per,
-            ppl=ppl, ppl_delta_pct=100 * (ppl / reference[0] - 1),
-            top1_pct=100 * (argmax == reference[1]).double().mean().item(),
-            seconds=time.perf_counter() - start,
-        ))  # fmt: skip
-        print(f"  {label}: perplexity {ppl:.4f} ({rows[-1]['ppl_delta_pct']:+.3f}%), top-1 "
-              f"{rows[-1]['top1_pct']:.2f}%, {rows[-1]['seconds']:.0f} s", flush=True)  # fmt: skip
+        rows.append(
+            dict(
+                cache=fmt,
+                window=window,
+                sinks=sinks,
+                center=center,
+                bytes_per_token_head=bytes_per,
+                ppl=ppl,
+                ppl_delta_pct=100 * (ppl / reference[0] - 1),
+                top1_pct=100 * (argmax == reference[1]).double().mean().item(),
+                seconds=time.perf_counter() - start,
+            )
+        )
+        print(
+            f"  {label}: perplexity {ppl:.4f} ({rows[-1]['ppl_delta_pct']:+.3f}%), top-1 "
+            f"{rows[-1]['top1_pct']:.2f}%, {rows[-1]['seconds']:.0f} s",
+            flush=True,
+        )
         for layer in model.layers:
             layer.attention.kv_cache = None
         if device == "cuda":
@@ -410,10 +448,12 @@ def run(args) -> dict:
     torch._dynamo.reset()
 
     on = gpu_name() if device == "cuda" else "cpu"
-    print(f"\n{on}, {name} byte-level model ({checkpoint['n_params'] / 1e6:.1f}M parameters, "
-          f"train loss {checkpoint['train_loss']:.4f} nats/byte), {args.eval_seqs} x "
-          f"{args.eval_len} bytes teacher-forced through the cache; bytes per token-head at "
-          f"D={cfg.head_dim}")  # fmt: skip
+    print(
+        f"\n{on}, {name} byte-level model ({checkpoint['n_params'] / 1e6:.1f}M parameters, "
+        f"train loss {checkpoint['train_loss']:.4f} nats/byte), {args.eval_seqs} x "
+        f"{args.eval_len} bytes teacher-forced through the cache; bytes per token-head at "
+        f"D={cfg.head_dim}"
+    )
     print_rows(rows)
     return dict(
         device=on,
@@ -476,14 +516,24 @@ def run_smollm2(args) -> dict:
         if window is None:
             cache = StaticCache(model.config, max_cache_len=evaluated)
         else:
-            cache = TurboQuantCache(model.config, evaluated, preset=fmt, window=window,
-                                    sinks=sinks, center_keys=center)  # fmt: skip
+            cache = TurboQuantCache(
+                model.config, evaluated, preset=fmt, window=window, sinks=sinks, center_keys=center
+            )
 
         def progress(done, total):
             print(f"\r  {label}: {done}/{total} positions", end="", flush=True)
 
-        return per_text(teacher_forced(model, cache, batch, progress, chunk=chunk,
-                                       prompt=prompt, prompt_chunk=args.prompt_chunk))
+        return per_text(
+            teacher_forced(
+                model,
+                cache,
+                batch,
+                progress,
+                chunk=chunk,
+                prompt=prompt,
+                prompt_chunk=args.prompt_chunk,
+            )
+        )
 
     def compared(runs, references, start=0) -> tuple[list[float], list[float]]:
         pairs = list(zip(runs, references, strict=True))
@@ -502,48 +552,85 @@ def run_smollm2(args) -> dict:
             prompted = runs_of(fmt, window, sinks, center, f"{label}, prompt", args.prompt, 1)
         references = references or (stepwise, prompted)
         deltas, top1 = compared(stepwise, references[0])
-        rows.append(dict(
-            cache=fmt, window=window, sinks=sinks, center=center, bytes_per_token_head=bytes_per,
-            ppl=sum(perplexity(r) for r in stepwise) / len(stepwise),
-            ppl_delta_pct=sum(deltas) / len(deltas), min_pct=min(deltas), max_pct=max(deltas),
-            top1_pct=sum(top1) / len(top1), seconds=stepwise[0].seconds, per_text=deltas,
-        ))  # fmt: skip
+        rows.append(
+            dict(
+                cache=fmt,
+                window=window,
+                sinks=sinks,
+                center=center,
+                bytes_per_token_head=bytes_per,
+                ppl=sum(perplexity(r) for r in stepwise) / len(stepwise),
+                ppl_delta_pct=sum(deltas) / len(deltas),
+                min_pct=min(deltas),
+                max_pct=max(deltas),
+                top1_pct=sum(top1) / len(top1),
+                seconds=stepwise[0].seconds,
+                per_text=deltas,
+            )
+        )
         summary = f"{rows[-1]['ppl_delta_pct']:+.3f}%"
         if prompted is not None:
             answer_deltas, answer_top1 = compared(prompted, references[1], answer)
             stepwise_deltas, _ = compared(stepwise, references[0], answer)
             rows[-1].update(
                 answer_pct=sum(answer_deltas) / len(answer_deltas),
-                answer_min_pct=min(answer_deltas), answer_max_pct=max(answer_deltas),
+                answer_min_pct=min(answer_deltas),
+                answer_max_pct=max(answer_deltas),
                 answer_top1_pct=sum(answer_top1) / len(answer_top1),
                 stepwise_answer_pct=sum(stepwise_deltas) / len(stepwise_deltas),
-                answer_seconds=prompted[0].seconds, answer_per_text=answer_deltas,
-            )  # fmt: skip
-            summary += (f"; answer after the prompt {rows[-1]['answer_pct']:+.3f}% (token at a "
-                        f"time {rows[-1]['stepwise_answer_pct']:+.3f}%)")  # fmt: skip
+                answer_seconds=prompted[0].seconds,
+                answer_per_text=answer_deltas,
+            )
+            summary += (
+                f"; answer after the prompt {rows[-1]['answer_pct']:+.3f}% (token at a "
+                f"time {rows[-1]['stepwise_answer_pct']:+.3f}%)"
+            )
         print(f"\r  {label}: {summary}, {rows[-1]['seconds']:.0f} s" + " " * 20, flush=True)
     on = gpu_name() if args.device == "cuda" else "cpu"
     names = [name for name, _ in chapters]
-    print(f"\n{on}, SmolLM2-135M-Instruct ({args.dtype}), {len(chapters)} x {evaluated} tokens "
-          f"of CPython's reference ({', '.join(names)}) teacher-forced through the cache, "
-          f"{args.chunk} per forward; bytes per token-head at D={head_dim}")  # fmt: skip
+    print(
+        f"\n{on}, SmolLM2-135M-Instruct ({args.dtype}), {len(chapters)} x {evaluated} tokens "
+        f"of CPython's reference ({', '.join(names)}) teacher-forced through the cache, "
+        f"{args.chunk} per forward; bytes per token-head at D={head_dim}"
+    )
     print_rows(rows)
     if args.prompt:
         chunks = f"in chunks of {args.prompt_chunk}" if args.prompt_chunk else "in one forward"
-        print(f"\nPrompt then answer: the first {args.prompt} tokens prefilled {chunks}, then "
-              f"{evaluated - args.prompt} teacher forced one at a time; perplexity over those "
-              "answer tokens (answer_pct) and, for comparison, over the same tokens when the "
-              f"whole text went {args.chunk} per forward (stepwise_answer_pct)")  # fmt: skip
+        print(
+            f"\nPrompt then answer: the first {args.prompt} tokens prefilled {chunks}, then "
+            f"{evaluated - args.prompt} teacher forced one at a time; perplexity over those "
+            "answer tokens (answer_pct) and, for comparison, over the same tokens when the "
+            f"whole text went {args.chunk} per forward (stepwise_answer_pct)"
+        )
         table = [r | dict(window="-" if r["window"] is None else str(r["window"])) for r in rows]
-        print_table(table, dict(cache="", window="", sinks="d", answer_pct="+.3f",
-                               answer_min_pct="+.3f", answer_max_pct="+.3f",
-                               answer_top1_pct=".2f", stepwise_answer_pct="+.3f"))  # fmt: skip
-    return dict(device=on, torch=torch.__version__, model="smollm2", dtype=args.dtype,
-                chunk=args.chunk, prompt=args.prompt, prompt_chunk=args.prompt_chunk,
-                model_args=dict(head_dim=head_dim), eval_seqs=len(chapters),
-                eval_len=evaluated, texts=names,
-                eval_corpus=dict(root=f"pydoc_data.topics[{', '.join(names)}]"),
-                rows=rows)  # fmt: skip
+        print_table(
+            table,
+            dict(
+                cache="",
+                window="",
+                sinks="d",
+                answer_pct="+.3f",
+                answer_min_pct="+.3f",
+                answer_max_pct="+.3f",
+                answer_top1_pct=".2f",
+                stepwise_answer_pct="+.3f",
+            ),
+        )
+    return dict(
+        device=on,
+        torch=torch.__version__,
+        model="smollm2",
+        dtype=args.dtype,
+        chunk=args.chunk,
+        prompt=args.prompt,
+        prompt_chunk=args.prompt_chunk,
+        model_args=dict(head_dim=head_dim),
+        eval_seqs=len(chapters),
+        eval_len=evaluated,
+        texts=names,
+        eval_corpus=dict(root=f"pydoc_data.topics[{', '.join(names)}]"),
+        rows=rows,
+    )
 
 
 def configurations(args) -> list[tuple[str, int | None, int, bool]]:
@@ -559,16 +646,31 @@ def configurations(args) -> list[tuple[str, int | None, int, bool]]:
 def config_label(fmt: str, window: int | None, sinks: int, center: bool = False) -> str:
     if window is None:
         return "bf16"
-    return (f"{fmt} window {window}" + (f" sinks {sinks}" if sinks else "")
-            + (" centred" if center else ""))  # fmt: skip
+    return (
+        f"{fmt} window {window}"
+        + (f" sinks {sinks}" if sinks else "")
+        + (" centred" if center else "")
+    )
 
 
 def print_rows(rows: list[dict]) -> None:
     table = [r | dict(window="-" if r["window"] is None else str(r["window"])) for r in rows]
     spread = dict(min_pct="+.3f", max_pct="+.3f") if "min_pct" in rows[0] else {}
-    print_table(table, dict(cache="", window="", sinks="d", center="", bytes_per_token_head="d",
-                            ppl=".4f", ppl_delta_pct="+.3f", **spread, top1_pct=".2f",
-                            seconds=".1f"))  # fmt: skip
+    print_table(
+        table,
+        dict(
+            cache="",
+            window="",
+            sinks="d",
+            center="",
+            bytes_per_token_head="d",
+            ppl=".4f",
+            ppl_delta_pct="+.3f",
+            **spread,
+            top1_pct=".2f",
+            seconds=".1f",
+        ),
+    )
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -588,31 +690,58 @@ def plot(payload: dict, path: Path) -> None:
     named = (128, 4, False) if (128, 4, False) in variants else None
     for i, (window, sinks, center) in enumerate(variants):
         points = [r for r in rows if variant(r) == (window, sinks, center)]
-        label = (f"window {window}" + (f", sinks {sinks}" if sinks else "")
-                 + (", centred keys" if center else ""))  # fmt: skip
-        ax.scatter([r["bytes_per_token_head"] for r in points],
-                   [r["ppl_delta_pct"] for r in points], marker="osD^v<>"[i % 7], s=36,
-                   label=label, zorder=3)  # fmt: skip
+        label = (
+            f"window {window}"
+            + (f", sinks {sinks}" if sinks else "")
+            + (", centred keys" if center else "")
+        )
+        ax.scatter(
+            [r["bytes_per_token_head"] for r in points],
+            [r["ppl_delta_pct"] for r in points],
+            marker="osD^v<>"[i % 7],
+            s=36,
+            label=label,
+            zorder=3,
+        )
         if named not in (None, (window, sinks, center)):
             continue
         offset = 3 if named else 3 - 9 * i  # apart from other series' names at one size
         for r in points:
-            ax.annotate(r["cache"], (r["bytes_per_token_head"], r["ppl_delta_pct"]),
-                        textcoords="offset points", xytext=(5, offset), fontsize=7)  # fmt: skip
-    cached = sorted((r for r in rows if r["window"] is not None),
-                    key=lambda r: (r["bytes_per_token_head"], r["ppl_delta_pct"]))  # fmt: skip
+            ax.annotate(
+                r["cache"],
+                (r["bytes_per_token_head"], r["ppl_delta_pct"]),
+                textcoords="offset points",
+                xytext=(5, offset),
+                fontsize=7,
+            )
+    cached = sorted(
+        (r for r in rows if r["window"] is not None),
+        key=lambda r: (r["bytes_per_token_head"], r["ppl_delta_pct"]),
+    )
     frontier = []
     for r in cached:
         if not frontier or r["ppl_delta_pct"] < frontier[-1]["ppl_delta_pct"]:
             frontier.append(r)
-    ax.step([r["bytes_per_token_head"] for r in frontier],
-            [r["ppl_delta_pct"] for r in frontier], where="post", color="black",
-            linestyle="--", linewidth=0.8,
-            label="frontier (best at this size or less)")  # fmt: skip
+    ax.step(
+        [r["bytes_per_token_head"] for r in frontier],
+        [r["ppl_delta_pct"] for r in frontier],
+        where="post",
+        color="black",
+        linestyle="--",
+        linewidth=0.8,
+        label="frontier (best at this size or less)",
+    )
     for r in rows:
         if r["window"] is None:
-            ax.scatter([r["bytes_per_token_head"]], [0.0], marker="*", s=90, color="black",
-                       label="bf16", zorder=3)  # fmt: skip
+            ax.scatter(
+                [r["bytes_per_token_head"]],
+                [0.0],
+                marker="*",
+                s=90,
+                color="black",
+                label="bf16",
+                zorder=3,
+            )
     ax.axhline(0.0, color="grey", linewidth=0.6)
     ax.set_yscale("symlog", linthresh=1.0)  # linear within +-1 %, logarithmic beyond
     lowest = min(r["ppl_delta_pct"] for r in rows)
@@ -625,9 +754,12 @@ def plot(payload: dict, path: Path) -> None:
     real = payload["model"] == "smollm2"
     described = "SmolLM2-135M" if real else f"{payload['model']} byte-level"
     unit = "tokens" if real else "bytes"
-    ax.set_title(f"{described} model, {payload['eval_seqs']} x {payload['eval_len']} {unit} of "
-                 f"{Path(payload['eval_corpus']['root']).name}, teacher-forced decode, "
-                 f"{payload['device']}", fontsize=9)  # fmt: skip
+    ax.set_title(
+        f"{described} model, {payload['eval_seqs']} x {payload['eval_len']} {unit} of "
+        f"{Path(payload['eval_corpus']['root']).name}, teacher-forced decode, "
+        f"{payload['device']}",
+        fontsize=9,
+    )
     ax.grid(True, which="both", linewidth=0.3)
     ax.legend()
     save_figure(fig, path)
@@ -743,8 +875,10 @@ def main() -> None:
         plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
         return
     if args.texts < 0 or args.chunk < 1 or args.prompt < 0 or args.prompt_chunk < 0:
-        parser.error(f"--texts, --prompt and --prompt-chunk must be >= 0 and --chunk >= 1, got "
-                     f"{args.texts}, {args.prompt}, {args.prompt_chunk} and {args.chunk}")
+        parser.error(
+            f"--texts, --prompt and --prompt-chunk must be >= 0 and --chunk >= 1, got "
+            f"{args.texts}, {args.prompt}, {args.prompt_chunk} and {args.chunk}"
+        )
     if args.model == "smollm2":
         if args.out == parser.get_default("out"):
             args.out = "quality_smollm2.json"

@@ -114,16 +114,22 @@ def format_of(name: str) -> KVFormat | DesignFormat:
         return get_format(name)
     sides = name.split("+")
     if len(sides) != 2 or not set(sides) <= set(_SPEC_CODECS):
-        raise ValueError(f"format {name!r}: expected a format name or <keys>+<values> with each "
-                         f"side one of {sorted(_SPEC_CODECS)}")  # fmt: skip
+        raise ValueError(
+            f"format {name!r}: expected a format name or <keys>+<values> with each "
+            f"side one of {sorted(_SPEC_CODECS)}"
+        )
     key, value = (_SPEC_CODECS[side] for side in sides)
     if isinstance(key, Codec) and isinstance(value, Codec):
         return KVFormat(name, key, value, torch.bfloat16)
     return DesignFormat(name, key, value, torch.bfloat16)
 
 
-def round_trip(side: Codec | WideLloydMax | Exact, x: torch.Tensor, rotation: torch.Tensor,
-               meta_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+def round_trip(
+    side: Codec | WideLloydMax | Exact,
+    x: torch.Tensor,
+    rotation: torch.Tensor,
+    meta_dtype: torch.dtype,
+) -> torch.Tensor:
     """``x [B, H, T, D]`` as one side of a format reads it back (float32)."""
     if isinstance(side, Exact):
         return x
@@ -147,8 +153,7 @@ class Setting:
     def label(self) -> str:
         if self.fmt is None:
             return "uncompressed"
-        return (f"{self.fmt_name} W{self.window} S{self.sinks}"
-                f"{' centered' if self.center else ''}")  # fmt: skip
+        return f"{self.fmt_name} W{self.window} S{self.sinks}{' centered' if self.center else ''}"
 
 
 def quantized_attention(setting: Setting, rotation: torch.Tensor):
@@ -161,8 +166,10 @@ def quantized_attention(setting: Setting, rotation: torch.Tensor):
     def serve(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
         head_dim = query.shape[-1]
         if scaling is not None and abs(scaling * head_dim**0.5 - 1) > 1e-6:
-            raise ValueError(f"quality_design: attention scaling must be D ** -0.5 = "
-                             f"{head_dim**-0.5:g}, got {scaling!r}")  # fmt: skip
+            raise ValueError(
+                f"quality_design: attention scaling must be D ** -0.5 = "
+                f"{head_dim**-0.5:g}, got {scaling!r}"
+            )
         k, v = key.float(), value.float()
         if setting.fmt is None:
             out = attention(query, k, v, k, v, window=0, dtype=torch.float32)
@@ -176,8 +183,9 @@ def quantized_attention(setting: Setting, rotation: torch.Tensor):
             centred = (k - mu).to(key.dtype).float()
             k_hat = round_trip(fmt.key, centred, rotation, fmt.meta_dtype) + mu
             v_hat = round_trip(fmt.value, v, rotation, fmt.meta_dtype)
-            out = attention(query, k_hat, v_hat, k, v, setting.window, setting.sinks,
-                            dtype=torch.float32)  # fmt: skip
+            out = attention(
+                query, k_hat, v_hat, k, v, setting.window, setting.sinks, dtype=torch.float32
+            )
         return out.transpose(1, 2).to(query.dtype), None
 
     return serve
@@ -201,8 +209,9 @@ def texts(tokenizer, count: int, length: int) -> list[tuple[str, torch.Tensor]]:
     from pydoc_data.topics import topics
 
     encoded = {name: tokenizer(text)["input_ids"] for name, text in topics.items()}
-    longest = sorted((n for n in encoded if len(encoded[n]) >= length),
-                     key=lambda n: -len(encoded[n]))  # fmt: skip
+    longest = sorted(
+        (n for n in encoded if len(encoded[n]) >= length), key=lambda n: -len(encoded[n])
+    )
     if len(longest) < count:
         raise ValueError(f"--texts: only {len(longest)} chapters have {length} tokens")
     return [(name, torch.tensor(encoded[name][:length])) for name in longest[:count]]
@@ -220,17 +229,28 @@ def plot(payload: dict, path: Path) -> None:
         points = [r for r in rows if (r["window"], r["sinks"], r["center"]) == variant]
         points.sort(key=lambda r: r["bytes_per_token_head"])
         label = f"window {window}, sinks {sinks}{', centered' if center else ''}"
-        ax.plot([r["bytes_per_token_head"] for r in points],
-                [r["ppl_delta_pct"] for r in points], marker="osD^v<>"[i % 7], linewidth=0.8,
-                label=label)  # fmt: skip
+        ax.plot(
+            [r["bytes_per_token_head"] for r in points],
+            [r["ppl_delta_pct"] for r in points],
+            marker="osD^v<>"[i % 7],
+            linewidth=0.8,
+            label=label,
+        )
         for r in points:
-            ax.annotate(r["format"], (r["bytes_per_token_head"], r["ppl_delta_pct"]),
-                        textcoords="offset points", xytext=(4, 3), fontsize=6)  # fmt: skip
+            ax.annotate(
+                r["format"],
+                (r["bytes_per_token_head"], r["ppl_delta_pct"]),
+                textcoords="offset points",
+                xytext=(4, 3),
+                fontsize=6,
+            )
     ax.set_yscale("symlog", linthresh=0.1)  # linear within +-0.1 %, logarithmic beyond
     ax.set_xlabel("KV-cache bytes per token-head (D=64)")
     ax.set_ylabel("perplexity increase over the uncompressed cache (%)")
-    ax.set_title(f"SmolLM2-135M-Instruct ({payload['dtype']}), {len(payload['texts'])} texts x "
-                 f"{payload['eval_len']} tokens, mean over texts")  # fmt: skip
+    ax.set_title(
+        f"SmolLM2-135M-Instruct ({payload['dtype']}), {len(payload['texts'])} texts x "
+        f"{payload['eval_len']} tokens, mean over texts"
+    )
     ax.grid(True, which="both", linewidth=0.3)
     ax.legend(fontsize=8)
     save_figure(fig, path)
@@ -262,33 +282,60 @@ def main() -> None:
     grid = itertools.product(args.formats, args.windows, args.sinks, args.center)
     settings = [Setting(f, w, s, c == "on") for f, w, s, c in grid]
     chapters = texts(tokenizer, args.texts, args.eval_len)
-    payload = dict(model="SmolLM2-135M-Instruct", dtype=args.dtype, eval_len=args.eval_len,
-                   texts=[name for name, _ in chapters])  # fmt: skip
+    payload = dict(
+        model="SmolLM2-135M-Instruct",
+        dtype=args.dtype,
+        eval_len=args.eval_len,
+        texts=[name for name, _ in chapters],
+    )
     start = time.perf_counter()
-    plain = [token_nll(model, ids, Setting(None), rotation).double().mean().exp().item()
-            for _, ids in chapters]  # fmt: skip
+    plain = [
+        token_nll(model, ids, Setting(None), rotation).double().mean().exp().item()
+        for _, ids in chapters
+    ]
     rows = []
     for s in settings:
-        ppl = [token_nll(model, ids, s, rotation).double().mean().exp().item()
-               for _, ids in chapters]  # fmt: skip
+        ppl = [
+            token_nll(model, ids, s, rotation).double().mean().exp().item() for _, ids in chapters
+        ]
         deltas = [100 * (p / b - 1) for p, b in zip(ppl, plain, strict=True)]
-        rows.append(dict(
-            format=s.fmt_name, window=s.window, sinks=s.sinks, center=s.center,
-            bytes_per_token_head=s.fmt.bytes_per_token_head(head_dim),
-            ppl_delta_pct=sum(deltas) / len(deltas), min_pct=min(deltas), max_pct=max(deltas),
-            per_text=deltas,
-        ))  # fmt: skip
-        print(f"  {s.label}: {rows[-1]['ppl_delta_pct']:+.3f}% "
-              f"({min(deltas):+.3f} .. {max(deltas):+.3f}), {time.perf_counter() - start:.0f} s",
-              flush=True)  # fmt: skip
+        rows.append(
+            dict(
+                format=s.fmt_name,
+                window=s.window,
+                sinks=s.sinks,
+                center=s.center,
+                bytes_per_token_head=s.fmt.bytes_per_token_head(head_dim),
+                ppl_delta_pct=sum(deltas) / len(deltas),
+                min_pct=min(deltas),
+                max_pct=max(deltas),
+                per_text=deltas,
+            )
+        )
+        print(
+            f"  {s.label}: {rows[-1]['ppl_delta_pct']:+.3f}% "
+            f"({min(deltas):+.3f} .. {max(deltas):+.3f}), {time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
     payload |= dict(uncompressed_ppl=plain, rows=rows)
     print(
         f"\nSmolLM2-135M-Instruct ({args.dtype}), {len(chapters)} texts x {args.eval_len} "
         f"tokens; perplexity increase over the uncompressed cache, mean over texts (smallest, "
         f"largest); bytes at D={head_dim}"
     )
-    print_table(rows, dict(format="", window="d", sinks="d", center="", bytes_per_token_head="d",
-                           ppl_delta_pct="+.3f", min_pct="+.3f", max_pct="+.3f"))  # fmt: skip
+    print_table(
+        rows,
+        dict(
+            format="",
+            window="d",
+            sinks="d",
+            center="",
+            bytes_per_token_head="d",
+            ppl_delta_pct="+.3f",
+            min_pct="+.3f",
+            max_pct="+.3f",
+        ),
+    )
     path = write_json(args.out, payload)
     print(f"wrote {path}")
     if importlib.util.find_spec("matplotlib") is None:

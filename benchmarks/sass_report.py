@@ -147,9 +147,17 @@ def main() -> None:
     config = decode.SplitConfig(args.block_n, args.subtiles, args.warps, args.stages, args.maxnreg)
     plan = decode.plan_for(fmt, q, cache, table, args.splits, None, window, True, config)
     compiled = decode.compile_split_kernel(
-        fmt, q, cache, table, lens, consts.rotation, args.splits, compile_offline,
-        split_config=config, window=window,
-    )  # fmt: skip
+        fmt,
+        q,
+        cache,
+        table,
+        lens,
+        consts.rotation,
+        args.splits,
+        compile_offline,
+        split_config=config,
+        window=window,
+    )
     if args.dump:
         with open(args.dump, "w") as f:
             f.write("\n".join(disassemble(compiled.asm["cubin"])))

@@ -63,10 +63,19 @@ def build_model(preset: str, device: torch.device) -> Transformer:
 
 def cells(model: Transformer, args, batch: int, world_size: int) -> list[dict]:
     """``benchmarks/e2e.py``'s cells at ``batch x args.context``, tagged with ``world_size``."""
-    cell_args = argparse.Namespace(modes=args.modes, batches=[batch], contexts=[args.context],
-                                   dense=[], formats=args.formats, steps=args.steps,
-                                   kv_budget_gb=args.kv_budget_gb, splits=None, sinks=None,
-                                   center=False, kernels=0)  # fmt: skip
+    cell_args = argparse.Namespace(
+        modes=args.modes,
+        batches=[batch],
+        contexts=[args.context],
+        dense=[],
+        formats=args.formats,
+        steps=args.steps,
+        kv_budget_gb=args.kv_budget_gb,
+        splits=None,
+        sinks=None,
+        center=False,
+        kernels=0,
+    )
     return [dict(world_size=world_size, **row) for row in run_cells(model.eval(), cell_args)]
 
 
@@ -79,9 +88,17 @@ def comparison(rows: list[dict], world_size: int) -> list[dict]:
         for single in (r for r in singles if (r["mode"], r["cache"]) == (tp["mode"], tp["cache"])):
             both = tp["speedup"] and single["speedup"]  # None where a cache did not fit
             ratio = tp["speedup"] / single["speedup"] if both else None
-            out.append(dict(mode=tp["mode"], cache=tp["cache"], tp_batch=tp["batch"],
-                            tp_speedup=tp["speedup"], single_batch=single["batch"],
-                            single_speedup=single["speedup"], tp_over_single=ratio))  # fmt: skip
+            out.append(
+                dict(
+                    mode=tp["mode"],
+                    cache=tp["cache"],
+                    tp_batch=tp["batch"],
+                    tp_speedup=tp["speedup"],
+                    single_batch=single["batch"],
+                    single_speedup=single["speedup"],
+                    tp_over_single=ratio,
+                )
+            )
     return out
 
 
@@ -99,17 +116,34 @@ def _setting_label(setting: tuple[int, int, int]) -> str:
 def report(payload: dict, out: str) -> None:
     """Rank 0: the table, the comparison lines, the JSON and the PNG."""
     world_size = payload["world_size"]
-    print(f"\n{payload['preset']} on {payload['gpu']}, context {payload['context']}; "
-          f"speed-up over bf16 SDPA enable_gqa in the same setting; kv_gb per GPU")  # fmt: skip
-    print_table([_printable(r) for r in payload["rows"]],
-                dict(world_size="d", mode="", batch="d", context="d", cache="", ms="", tok_s="",
-                     speedup="", kv_gb=".2f"))  # fmt: skip
+    print(
+        f"\n{payload['preset']} on {payload['gpu']}, context {payload['context']}; "
+        f"speed-up over bf16 SDPA enable_gqa in the same setting; kv_gb per GPU"
+    )
+    print_table(
+        [_printable(r) for r in payload["rows"]],
+        dict(
+            world_size="d",
+            mode="",
+            batch="d",
+            context="d",
+            cache="",
+            ms="",
+            tok_s="",
+            speedup="",
+            kv_gb=".2f",
+        ),
+    )
     for c in payload["comparison"]:
-        text = {k: "n/a" if c[k] is None else f"{c[k]:.2f}x"
-                for k in ("tp_speedup", "single_speedup", "tp_over_single")}  # fmt: skip
-        print(f"{c['mode']} {c['cache']}: TP={world_size} at B={c['tp_batch']} "
-              f"{text['tp_speedup']} vs one GPU at B={c['single_batch']} "
-              f"{text['single_speedup']} (ratio {text['tp_over_single']})")  # fmt: skip
+        text = {
+            k: "n/a" if c[k] is None else f"{c[k]:.2f}x"
+            for k in ("tp_speedup", "single_speedup", "tp_over_single")
+        }
+        print(
+            f"{c['mode']} {c['cache']}: TP={world_size} at B={c['tp_batch']} "
+            f"{text['tp_speedup']} vs one GPU at B={c['single_batch']} "
+            f"{text['single_speedup']} (ratio {text['tp_over_single']})"
+        )
     path = write_json(out, payload)
     print(f"wrote {path}")
     try:
@@ -120,28 +154,40 @@ def report(payload: dict, out: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        choices=sorted(DEFAULTS))  # fmt: skip
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=sorted(DEFAULTS),
+    )
     parser.add_argument("--preset", help="model preset (default: 8b-shape on CUDA, tiny on CPU)")
     parser.add_argument("--batch", type=int, help="TP batch (default: 16 on CUDA, 4 on CPU)")
     parser.add_argument("--context", type=int, help="tokens (default: 32768 on CUDA, 128 on CPU)")
     parser.add_argument("--modes", nargs="+", default=["eager", "reduce-overhead"], choices=MODES)
     parser.add_argument("--formats", nargs="+", default=["4bit_nc"])
-    parser.add_argument("--single-batches", type=int, nargs="*",
-                        help="one-GPU batches run by rank 0 afterwards (default: batch / N; "
-                        "none: no one-GPU run)")  # fmt: skip
+    parser.add_argument(
+        "--single-batches",
+        type=int,
+        nargs="*",
+        help="one-GPU batches run by rank 0 afterwards (default: batch / N; none: no one-GPU run)",
+    )
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--kv-budget-gb", type=float, default=40.0,
-                        help="e2e.py's max_context column (in the JSON)")  # fmt: skip
-    parser.add_argument("--out", default="tp.json",
-                        help="JSON (relative: under benchmarks/results), PNG beside")  # fmt: skip
+    parser.add_argument(
+        "--kv-budget-gb",
+        type=float,
+        default=40.0,
+        help="e2e.py's max_context column (in the JSON)",
+    )
+    parser.add_argument(
+        "--out", default="tp.json", help="JSON (relative: under benchmarks/results), PNG beside"
+    )
     args = parser.parse_args()
     preset, batch, context = DEFAULTS[args.device]
     args.preset, args.batch = args.preset or preset, args.batch or batch
     args.context = args.context or context
     if args.steps < 1 or args.context <= args.steps + 4:
-        parser.error(f"need --steps >= 1 and --context > steps + 4, got {args.steps} and "
-                     f"{args.context}")  # fmt: skip
+        parser.error(
+            f"need --steps >= 1 and --context > steps + 4, got {args.steps} and {args.context}"
+        )
 
     rank, world_size, device = init_distributed(args.device)
     if world_size < 2:
@@ -152,8 +198,11 @@ def main() -> None:
     # One printer: the other ranks run the same cells silently.
     quiet = contextlib.redirect_stdout(open(os.devnull, "w")) if rank else contextlib.nullcontext()
     with quiet:
-        print(f"TP={world_size} over {device.type} ranks: {args.preset}, B={args.batch}, "
-              f"context {args.context}", flush=True)  # fmt: skip
+        print(
+            f"TP={world_size} over {device.type} ranks: {args.preset}, B={args.batch}, "
+            f"context {args.context}",
+            flush=True,
+        )
         model = apply_tp(build_model(args.preset, device))
         rows = cells(model, args, args.batch, world_size)
         del model
@@ -165,9 +214,14 @@ def main() -> None:
         torch.cuda.empty_cache()
         print(f"one {device.type} device: {args.preset}, B={batch}", flush=True)
         rows += cells(build_model(args.preset, device), args, batch, 1)
-    payload = dict(gpu=gpu_name(device) if device.type == "cuda" else "cpu",
-                   preset=args.preset, world_size=world_size, context=args.context,
-                   steps=args.steps, rows=rows)  # fmt: skip
+    payload = dict(
+        gpu=gpu_name(device) if device.type == "cuda" else "cpu",
+        preset=args.preset,
+        world_size=world_size,
+        context=args.context,
+        steps=args.steps,
+        rows=rows,
+    )
     payload["comparison"] = comparison(rows, world_size)
     report(payload, args.out)
 

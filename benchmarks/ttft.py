@@ -56,25 +56,29 @@ def prefill(model: Transformer, prompt: torch.Tensor, chunk: int, style: str) ->
     for start in range(0, length, step):
         end = min(start + step, length)
         positions = torch.arange(start, end, device=prompt.device)
-        model(prompt[:, start:end], positions, causal_prompt=style == "causal",
-              last_only=True)  # fmt: skip
+        model(prompt[:, start:end], positions, causal_prompt=style == "causal", last_only=True)
 
 
-def measure(model: Transformer, cache: str, args, batch: int, length: int, chunk: int,
-            style: str) -> dict:  # fmt: skip
+def measure(
+    model: Transformer, cache: str, args, batch: int, length: int, chunk: int, style: str
+) -> dict:
     """Set up ``cache`` caches for ``batch`` x (``length`` + ``--new``) tokens, then time
     prefills of a random prompt; the median seconds and the peak memory one prefill
     allocated."""
-    factory = KVCache if cache == "bf16" else functools.partial(
-        TurboQuantKVCache, preset=cache, window=args.window)  # fmt: skip
+    factory = (
+        KVCache
+        if cache == "bf16"
+        else functools.partial(TurboQuantKVCache, preset=cache, window=args.window)
+    )
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model.setup_caches(batch, length + args.new, cache_factory=factory)
     if style == "causal":
         model.causal_mask = None  # the causal style needs no [S, S] mask
     gen = torch.Generator(device="cuda").manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, length), device="cuda",
-                           generator=gen)  # fmt: skip
+    prompt = torch.randint(
+        0, model.config.vocab_size, (batch, length), device="cuda", generator=gen
+    )
     prefill(model, prompt, chunk, style)  # warm-up: kernels compiled, allocator primed
     torch.cuda.synchronize()
     seconds = []
@@ -87,8 +91,15 @@ def measure(model: Transformer, cache: str, args, batch: int, length: int, chunk
     for layer in model.layers:  # free the caches before the next row's
         layer.attention.kv_cache = None
     model.causal_mask = None
-    return dict(cache=cache, style=style, batch=batch, prompt=length, chunk=chunk,
-                ms=1e3 * statistics.median(seconds), peak_gb=peak / 1e9)  # fmt: skip
+    return dict(
+        cache=cache,
+        style=style,
+        batch=batch,
+        prompt=length,
+        chunk=chunk,
+        ms=1e3 * statistics.median(seconds),
+        peak_gb=peak / 1e9,
+    )
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -96,9 +107,11 @@ def plot(payload: dict, path: Path) -> None:
     plt = pyplot()
     rows = [r for r in payload["rows"] if r["cache"] != "bf16"]
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    labels = [f"{r['cache']} {r['style']}\nB{r['batch']} {r['prompt'] // 1024}k "
-              f"{'chunks of ' + str(r['chunk']) if r['chunk'] else 'one forward'}"
-              for r in rows]  # fmt: skip
+    labels = [
+        f"{r['cache']} {r['style']}\nB{r['batch']} {r['prompt'] // 1024}k "
+        f"{'chunks of ' + str(r['chunk']) if r['chunk'] else 'one forward'}"
+        for r in rows
+    ]
     ax.bar(range(len(rows)), [r["vs_best_bf16"] for r in rows], color="tab:blue")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=60, ha="right")
@@ -126,8 +139,9 @@ def main() -> None:
     parser.add_argument("--out", default="ttft.json")
     args = parser.parse_args()
     require_cuda("ttft.py")
-    config = dataclasses.replace(ModelArgs.from_name("1b-shape"),
-                                 block_size=max(args.prompts) + args.new)  # fmt: skip
+    config = dataclasses.replace(
+        ModelArgs.from_name("1b-shape"), block_size=max(args.prompts) + args.new
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = init_weights(Transformer(config), seed=0).to(torch.bfloat16).eval()
@@ -144,21 +158,43 @@ def main() -> None:
                         rows.append(measure(model, cache, args, batch, length, chunk, style))
                         print(f"  {rows[-1]}", flush=True)
     for row in rows:
-        same = [r for r in rows if (r["batch"], r["prompt"], r["chunk"]) ==
-                (row["batch"], row["prompt"], row["chunk"]) and r["cache"] == "bf16"]  # fmt: skip
-        fastest = min(r["ms"] for r in rows if r["cache"] == "bf16"
-                      and (r["batch"], r["prompt"]) == (row["batch"], row["prompt"]))  # fmt: skip
+        same = [
+            r
+            for r in rows
+            if (r["batch"], r["prompt"], r["chunk"]) == (row["batch"], row["prompt"], row["chunk"])
+            and r["cache"] == "bf16"
+        ]
+        fastest = min(
+            r["ms"]
+            for r in rows
+            if r["cache"] == "bf16" and (r["batch"], r["prompt"]) == (row["batch"], row["prompt"])
+        )
         own = next(r for r in same if r["style"] == row["style"])
-        row.update(vs_bf16=own["ms"] / row["ms"], vs_best_bf16=fastest / row["ms"],
-                   peak_vs_bf16=row["peak_gb"] / own["peak_gb"])  # fmt: skip
+        row.update(
+            vs_bf16=own["ms"] / row["ms"],
+            vs_best_bf16=fastest / row["ms"],
+            peak_vs_bf16=row["peak_gb"] / own["peak_gb"],
+        )
     device = gpu_name()
     print(
         f"\n{device}, 1b-shape, bf16 weights, eager prefill (last position's logits only); "
         f"TurboQuant window {args.window}; median of {args.reps}"
     )
-    print_table(rows, dict(cache="", style="", batch="d", prompt="d", chunk="d", ms=".1f",
-                           vs_bf16=".3f", vs_best_bf16=".3f", peak_gb=".2f",
-                           peak_vs_bf16=".3f"))  # fmt: skip
+    print_table(
+        rows,
+        dict(
+            cache="",
+            style="",
+            batch="d",
+            prompt="d",
+            chunk="d",
+            ms=".1f",
+            vs_bf16=".3f",
+            vs_best_bf16=".3f",
+            peak_gb=".2f",
+            peak_vs_bf16=".3f",
+        ),
+    )
     payload = dict(device=device, torch=torch.__version__, window=args.window, rows=rows)
     out = write_json(args.out, payload)
     print(f"wrote {out}")

@@ -55,8 +55,9 @@ def time_group(group: int, args) -> dict:
 
         def dequantized():
             dense_k, dense_v = keys.dequantize(), values.dequantize()
-            return F.scaled_dot_product_attention(q_heads, dense_k, dense_v, attn_mask=mask,
-                                                  enable_gqa=True)  # fmt: skip
+            return F.scaled_dot_product_attention(
+                q_heads, dense_k, dense_v, attn_mask=mask, enable_gqa=True
+            )
 
         def dense():
             return F.scaled_dot_product_attention(q_heads, k, v, attn_mask=mask, enable_gqa=True)
@@ -65,8 +66,13 @@ def time_group(group: int, args) -> dict:
         error = (folded().reshape(q_heads.shape).float() - exact).norm() / exact.norm()
         routes = zip(ROUTES, (folded, dequantized, dense), strict=True)
         times = {name: common.bench(fn, cuda_graph=True) for name, fn in routes}
-    return {"group": group, **times, "vs_dequantize": times["dequantize"] / times["tq.decode"],
-            "vs_bf16": times["bf16"] / times["tq.decode"], "rel_error": error.item()}  # fmt: skip
+    return {
+        "group": group,
+        **times,
+        "vs_dequantize": times["dequantize"] / times["tq.decode"],
+        "vs_bf16": times["bf16"] / times["tq.decode"],
+        "rel_error": error.item(),
+    }
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -81,8 +87,11 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_xlabel("query heads per kv-head")
     ax.set_ylabel("us per layer (one decode step)")
     cfg = payload["config"]
-    ax.set_title(f"{cfg['fmt']}, B{cfg['batch']}, {cfg['context']} tokens, "
-                 f"Hk {cfg['kv_heads']}, D {cfg['head_dim']}\n{payload['gpu']}", fontsize=9)
+    ax.set_title(
+        f"{cfg['fmt']}, B{cfg['batch']}, {cfg['context']} tokens, "
+        f"Hk {cfg['kv_heads']}, D {cfg['head_dim']}\n{payload['gpu']}",
+        fontsize=9,
+    )
     ax.legend()
     common.save_figure(fig, path)
 
@@ -99,10 +108,22 @@ def main() -> None:
     args = parser.parse_args()
     common.require_cuda("wide_gqa.py")
     rows = [time_group(group, args) for group in args.groups]
-    print(f"{common.gpu_name()}: {args.fmt}, B {args.batch}, {args.context} tokens, "
-          f"{args.kv_heads} kv-heads of dim {args.head_dim}; us per layer")
-    common.print_table(rows, {"group": "", "tq.decode": ".1f", "dequantize": ".1f", "bf16": ".1f",
-                       "vs_dequantize": ".2f", "vs_bf16": ".2f", "rel_error": ".1e"})  # fmt: skip
+    print(
+        f"{common.gpu_name()}: {args.fmt}, B {args.batch}, {args.context} tokens, "
+        f"{args.kv_heads} kv-heads of dim {args.head_dim}; us per layer"
+    )
+    common.print_table(
+        rows,
+        {
+            "group": "",
+            "tq.decode": ".1f",
+            "dequantize": ".1f",
+            "bf16": ".1f",
+            "vs_dequantize": ".2f",
+            "vs_bf16": ".2f",
+            "rel_error": ".1e",
+        },
+    )
     payload = {"gpu": common.gpu_name(), "config": vars(args), "rows": rows}
     out = common.write_json(args.out, payload)
     print(f"wrote {out}")

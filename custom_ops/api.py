@@ -93,9 +93,16 @@ def store_window(
     ``sinks``) live in ``window``'s rings (see ``torch.ops.tq.store_window``); the new lengths
     ``[B] int32``. With the window's ``key_center`` (zeros in a new cache) the keys are stored
     centred, the centres kept there."""
-    args = StoreWindowArgs(key, value, *cache, block_table=block_table, start_pos=start_pos,
-                           rotation=constants.rotation, fmt=get_format(fmt).name,
-                           **window_fields(window, StoreWindowArgs))  # fmt: skip
+    args = StoreWindowArgs(
+        key,
+        value,
+        *cache,
+        block_table=block_table,
+        start_pos=start_pos,
+        rotation=constants.rotation,
+        fmt=get_format(fmt).name,
+        **window_fields(window, StoreWindowArgs),
+    )
     return ops.call(args)
 
 
@@ -129,8 +136,16 @@ def dequantize(
     """Dense K and V ``[B, Hk, max_seq_len, D]`` of every sequence (zeros past its length; the
     ring runs and sinks from the window's rings when given; keys stored centred get the
     window's ``key_center`` back)."""
-    args = DequantizeArgs(*cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
-                          max_seq_len, dtype, **window_fields(window, DequantizeArgs))  # fmt: skip
+    args = DequantizeArgs(
+        *cache,
+        block_table,
+        seq_lens,
+        constants.rotation,
+        get_format(fmt).name,
+        max_seq_len,
+        dtype,
+        **window_fields(window, DequantizeArgs),
+    )
     return ops.call(args)
 
 
@@ -170,14 +185,29 @@ def decode(
     2's attention logit softcapping).
     """
     if num_splits is None:
-        num_splits = default_num_splits(q.shape[0], cache.k_codes.shape[1], block_table.shape[1],
-                                        cache.k_codes.shape[2], window_size(window),
-                                        q.device)  # fmt: skip
+        num_splits = default_num_splits(
+            q.shape[0],
+            cache.k_codes.shape[1],
+            block_table.shape[1],
+            cache.k_codes.shape[2],
+            window_size(window),
+            q.device,
+        )
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    args = DecodeArgs(q, *cache, block_table, seq_lens, constants.rotation, get_format(fmt).name,
-                      num_splits, scale, mask, **window_fields(window, DecodeArgs),
-                      softcap=softcap)  # fmt: skip
+    args = DecodeArgs(
+        q,
+        *cache,
+        block_table,
+        seq_lens,
+        constants.rotation,
+        get_format(fmt).name,
+        num_splits,
+        scale,
+        mask,
+        **window_fields(window, DecodeArgs),
+        softcap=softcap,
+    )
     return ops.call(args)
 
 
@@ -205,9 +235,23 @@ def prefill(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if max_seq_len is None:
-        max_seq_len = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
-                                        window_size(window))  # fmt: skip
-    args = PrefillArgs(q, key, value, *cache, block_table, seq_lens, constants.rotation,
-                       get_format(fmt).name, scale, is_causal, max_seq_len, mask,
-                       **window_fields(window, PrefillArgs), softcap=softcap)  # fmt: skip
+        max_seq_len = sequence_capacity(
+            block_table.shape[1], cache.k_codes.shape[2], window_size(window)
+        )
+    args = PrefillArgs(
+        q,
+        key,
+        value,
+        *cache,
+        block_table,
+        seq_lens,
+        constants.rotation,
+        get_format(fmt).name,
+        scale,
+        is_causal,
+        max_seq_len,
+        mask,
+        **window_fields(window, PrefillArgs),
+        softcap=softcap,
+    )
     return ops.call(args)

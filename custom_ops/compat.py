@@ -100,14 +100,26 @@ functorch_transforms_active = _attribute("torch._C", "_are_functorch_transforms_
 current_raw_stream = _attribute("torch._C", "_cuda_getCurrentRawStream")
 
 
-def launch_compiled(compiled, grid_0: int, grid_1: int, grid_2: int, stream: int, args: tuple,
-                    constexprs: tuple) -> None:  # fmt: skip
+def launch_compiled(
+    compiled, grid_0: int, grid_1: int, grid_2: int, stream: int, args: tuple, constexprs: tuple
+) -> None:
     """Launch Triton's ``CompiledKernel`` ``compiled`` on the grid and ``stream`` through its
     own launcher (``run``), with the kernel's ``args`` then its ``constexprs``, as
     ``JITFunction.run`` passes them after binding (its ``run``, ``function`` and
     ``packed_metadata`` exist only on a compiled kernel: tests launch through here on a GPU)."""
-    compiled.run(grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
-                 None, None, None, *args, *constexprs)  # fmt: skip
+    compiled.run(
+        grid_0,
+        grid_1,
+        grid_2,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        None,
+        None,
+        None,
+        *args,
+        *constexprs,
+    )
 
 
 def fused_sdp_choice(q, k, v, is_causal: bool, scale: float) -> int:

@@ -215,8 +215,9 @@ def _define(name, args_type, impl, fake, mutates=(), returns="()", traceable=Fal
         return impl(args, validate.launch_key(args))
 
     _lib.impl(name, run, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"tq::{name}", lambda *a, **kw: fake(args_type(*a, **kw)),
-                                lib=_lib)  # fmt: skip
+    torch.library.register_fake(
+        f"tq::{name}", lambda *a, **kw: fake(args_type(*a, **kw)), lib=_lib
+    )
     if not traceable:
         return
 
@@ -227,8 +228,9 @@ def _define(name, args_type, impl, fake, mutates=(), returns="()", traceable=Fal
         with mode, traced.traced_launches():
             return impl(op_args, None)
 
-    torch.library.register_torch_dispatch(f"tq::{name}", compat.FunctionalTensorMode,
-                                          trace_through, lib=_lib)  # fmt: skip
+    torch.library.register_torch_dispatch(
+        f"tq::{name}", compat.FunctionalTensorMode, trace_through, lib=_lib
+    )
 
 
 def _cache(args) -> PagedKVCache:
@@ -238,16 +240,25 @@ def _cache(args) -> PagedKVCache:
 def _store(a: StoreArgs, key: validate.LaunchKey | None) -> None:
     kv_format = validate.checked(validate.check_store, a, key)
     if _use_triton(a.key.device):
-        triton_store.store(kv_format, a.key, a.value, _cache(a), a.slot_mapping, a.rotation,
-                           launch_key=key)  # fmt: skip
+        triton_store.store(
+            kv_format, a.key, a.value, _cache(a), a.slot_mapping, a.rotation, launch_key=key
+        )
     else:
         reference.store(kv_format, a.key, a.value, _cache(a), a.slot_mapping, a.rotation)
 
 
 def _store_window(a: StoreWindowArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     kv_format = validate.checked(validate.check_store_window, a, key)
-    args = (kv_format, a.key, a.value, _cache(a), window_of(a), a.block_table, a.start_pos,
-            a.rotation)  # fmt: skip
+    args = (
+        kv_format,
+        a.key,
+        a.value,
+        _cache(a),
+        window_of(a),
+        a.block_table,
+        a.start_pos,
+        a.rotation,
+    )
     if _use_triton(a.key.device):
         return triton_store_window.store_window(*args, launch_key=key)
     return reference.store_window(*args)
@@ -258,8 +269,16 @@ def _dequantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kv_format, _ = validate.checked(validate.check_dequantize, a, key)
     impl = triton_dequant.dequantize if _use_triton(a.k_codes.device) else reference.dequantize
-    return impl(kv_format, _cache(a), a.block_table, a.seq_lens, a.rotation, a.max_seq_len,
-                a.dtype, window_of(a))  # fmt: skip
+    return impl(
+        kv_format,
+        _cache(a),
+        a.block_table,
+        a.seq_lens,
+        a.rotation,
+        a.max_seq_len,
+        a.dtype,
+        window_of(a),
+    )
 
 
 def _dequantize_fake(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,11 +290,33 @@ def _dequantize_fake(a: DequantizeArgs) -> tuple[torch.Tensor, torch.Tensor]:
 def _decode(a: DecodeArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     kv_format = validate.checked(validate.check_decode, a, key)
     if _use_triton(a.q.device):
-        return triton_decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
-                             a.num_splits, a.scale, a.mask, window_of(a), a.softcap,
-                             launch_key=key)  # fmt: skip
-    return reference.decode(kv_format, a.q, _cache(a), a.block_table, a.seq_lens, a.rotation,
-                            a.scale, torch.float32, a.mask, window_of(a), a.softcap)  # fmt: skip
+        return triton_decode(
+            kv_format,
+            a.q,
+            _cache(a),
+            a.block_table,
+            a.seq_lens,
+            a.rotation,
+            a.num_splits,
+            a.scale,
+            a.mask,
+            window_of(a),
+            a.softcap,
+            launch_key=key,
+        )
+    return reference.decode(
+        kv_format,
+        a.q,
+        _cache(a),
+        a.block_table,
+        a.seq_lens,
+        a.rotation,
+        a.scale,
+        torch.float32,
+        a.mask,
+        window_of(a),
+        a.softcap,
+    )
 
 
 def _decode_fake(a: DecodeArgs) -> torch.Tensor:
@@ -285,12 +326,24 @@ def _decode_fake(a: DecodeArgs) -> torch.Tensor:
 
 def _prefill(a: PrefillArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     kv_format = validate.checked(validate.check_prefill, a, key)
-    args = (kv_format, a.q, a.key, a.value, _cache(a), a.block_table, a.seq_lens, a.rotation,
-            a.scale, a.is_causal, a.max_seq_len)  # fmt: skip
+    args = (
+        kv_format,
+        a.q,
+        a.key,
+        a.value,
+        _cache(a),
+        a.block_table,
+        a.seq_lens,
+        a.rotation,
+        a.scale,
+        a.is_causal,
+        a.max_seq_len,
+    )
     if _use_triton(a.q.device) and not a.softcap:
         out = triton_prefill.prefill(*args, a.mask, window_of(a))
-    elif not a.softcap and reference.chunk_is_everything(a.seq_lens, a.q.shape[2], a.is_causal,
-                                                         a.max_seq_len, a.mask):  # fmt: skip
+    elif not a.softcap and reference.chunk_is_everything(
+        a.seq_lens, a.q.shape[2], a.is_causal, a.max_seq_len, a.mask
+    ):
         # a first chunk: what the dense model computes, by the same kernel (the CPU's flash)
         causal = a.is_causal or a.mask is not None
         out = sdpa_lse.attention_lse(a.q, a.key, a.value, causal, a.scale)[0]
@@ -325,12 +378,18 @@ def _store_window_fake(a: StoreWindowArgs) -> torch.Tensor:
     return a.key.new_empty(a.key.shape[0], dtype=torch.int32)
 
 
-_define("store", StoreArgs, _store, _store_fake, mutates=("k_codes", "v_codes", "meta"),
-        traceable=True)  # fmt: skip
-_define("store_window", StoreWindowArgs, _store_window, _store_window_fake,
-        mutates=("k_codes", "v_codes", "meta", "k_window", "v_window", "window_pos",
-                 "key_center"),
-        returns="Tensor", traceable=True)  # fmt: skip
+_define(
+    "store", StoreArgs, _store, _store_fake, mutates=("k_codes", "v_codes", "meta"), traceable=True
+)
+_define(
+    "store_window",
+    StoreWindowArgs,
+    _store_window,
+    _store_window_fake,
+    mutates=("k_codes", "v_codes", "meta", "k_window", "v_window", "window_pos", "key_center"),
+    returns="Tensor",
+    traceable=True,
+)
 _define("dequantize", DequantizeArgs, _dequantize, _dequantize_fake, returns="(Tensor, Tensor)")
 _define("decode", DecodeArgs, _decode, _decode_fake, returns="Tensor", traceable=True)
 _define("prefill", PrefillArgs, _prefill, _prefill_fake, returns="Tensor")

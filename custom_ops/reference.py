@@ -268,8 +268,9 @@ def store(
     n_tokens, num_kv_heads, head_dim = key.shape
     page_size = cache.k_codes.shape[2]
     k_packed, k_meta = encode_rows(fmt.key, key.reshape(-1, head_dim), rotation, fmt.meta_dtype)
-    v_packed, v_meta = encode_rows(fmt.value, value.reshape(-1, head_dim), rotation,
-                                   fmt.meta_dtype)  # fmt: skip
+    v_packed, v_meta = encode_rows(
+        fmt.value, value.reshape(-1, head_dim), rotation, fmt.meta_dtype
+    )
     meta = torch.stack(k_meta + v_meta, dim=1).to(fmt.meta_dtype)
 
     slots = slot_mapping.to(torch.int64)
@@ -350,8 +351,14 @@ def store_window(
         v_rows = torch.cat([v_window[b][:, written], value[b][:, direct]], dim=1)
         slots = torch.cat([old_slots.T, new_slots[:, None].expand(-1, old_slots.shape[0])])
         if slots.shape[0]:
-            store(fmt, k_rows.transpose(0, 1).float(), v_rows.transpose(0, 1).float(), cache,
-                  slots, rotation)  # fmt: skip
+            store(
+                fmt,
+                k_rows.transpose(0, 1).float(),
+                v_rows.transpose(0, 1).float(),
+                cache,
+                slots,
+                rotation,
+            )
         kept = stay | sink
         kept_slots = ring_slots(new_pos, size, sinks)[kept]
         k_window[b][:, kept_slots] = key[b][:, kept].to(k_window.dtype)
@@ -428,8 +435,11 @@ def uncenter_keys(
     compute = torch.float64 if k.dtype == torch.float64 else torch.float32
     batch, _, seq, _ = k.shape
     valid = torch.arange(seq, device=k.device)[None, :] < seq_lens.to(k.device)[:, None]
-    shift = torch.where(valid[:, None, :, None], key_center[:batch, :, None].to(compute),
-                        torch.zeros((), dtype=compute, device=k.device))  # fmt: skip
+    shift = torch.where(
+        valid[:, None, :, None],
+        key_center[:batch, :, None].to(compute),
+        torch.zeros((), dtype=compute, device=k.device),
+    )
     return (k.to(compute) + shift).to(k.dtype)
 
 
@@ -625,8 +635,9 @@ def decode(
     in the query's dtype.
     """
     # the ring's window slots hold the last W positions
-    max_seq_len = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
-                                    window_size(window))  # fmt: skip
+    max_seq_len = sequence_capacity(
+        block_table.shape[1], cache.k_codes.shape[2], window_size(window)
+    )
     stored = None if window is None else window._replace(key_center=None)
     k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, max_seq_len, dtype, stored)
     if q.dim() == 3:
@@ -693,8 +704,7 @@ def prefill(
     batch, num_q_heads, tokens, head_dim = q.shape
     num_kv_heads = key.shape[1]
     group = num_q_heads // num_kv_heads
-    capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2],
-                                 window_size(window))  # fmt: skip
+    capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2], window_size(window))
     seq = min(capacity, max_seq_len)
     k, v = dequantize(fmt, cache, block_table, seq_lens, rotation, capacity, dtype, window)
     # the chunk's own keys and values at its positions, as they are

@@ -33,8 +33,9 @@ def attention_lse(
         float32``, the natural log-sum-exp of each row's scaled scores.
     """
     if q.device.type == "cpu":
-        return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal,
-                                                                  scale=scale)  # fmt: skip
+        return _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, scale=scale
+        )
     choice = compat.fused_sdp_choice(q, k, v, is_causal, scale)
     if choice == SDPBackend.CUDNN_ATTENTION.value:
         out, lse = _aten._scaled_dot_product_cudnn_attention(

@@ -70,8 +70,9 @@ def num_splits_for(
     return choose_num_splits(batch, num_kv_heads, capacity, sm_count)
 
 
-def splits_in_one_wave(num_splits: int, programs_per_split: int, num_warps: int,
-                       max_registers: int, sm_count: int) -> int:  # fmt: skip
+def splits_in_one_wave(
+    num_splits: int, programs_per_split: int, num_warps: int, max_registers: int, sm_count: int
+) -> int:
     """The split count of a launch whose programs hold many registers: ``num_splits``, or the
     largest power of two below it whose grid is resident on the GPU at once (at least 1).
 

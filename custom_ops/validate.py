@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -181,8 +182,11 @@ def check_cache(op: str, fmt: KVFormat, cache: PagedKVCache, head_dim: int) -> N
         )
     num_pages, num_kv_heads, page_size = cache.k_codes.shape[:3]
     if num_kv_heads < 1 or page_size < 1:
-        _fail(op, f"k_codes must have at least one kv head and one slot per page, got shape "
-                  f"{_shape(cache.k_codes)}")  # fmt: skip
+        _fail(
+            op,
+            f"k_codes must have at least one kv head and one slot per page, got shape "
+            f"{_shape(cache.k_codes)}",
+        )
     expected = fmt.plane_shapes(num_pages, num_kv_heads, page_size, head_dim)
     for name, plane in zip(cache._fields, cache, strict=True):
         shape, dtype = expected[name]
@@ -299,12 +303,14 @@ def check_store_window(args: StoreWindowArgs) -> KVFormat:
     batch, num_kv_heads, n_new, head_dim = key.shape
     device = cache.k_codes.device
     check_same_device(op, device, key=key, value=args.value, start_pos=start_pos)
-    check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads, head_dim,
-                 device, args.sinks)  # fmt: skip
+    check_window(op, args, batch, num_kv_heads, head_dim, device)
     if args.k_window is not None and key.dtype != args.k_window.dtype:
         # the ring would hold a cast of the keys (bfloat16 keys near 1e5 are inf in float16)
-        _fail(op, f"key must have the rings' dtype {args.k_window.dtype} (the model's), got "
-                  f"{key.dtype}", TypeError)  # fmt: skip
+        _fail(
+            op,
+            f"key must have the rings' dtype {args.k_window.dtype} (the model's), got {key.dtype}",
+            TypeError,
+        )
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < batch:
         _fail(
             op,
@@ -334,27 +340,29 @@ def check_store_window(args: StoreWindowArgs) -> KVFormat:
 
 
 def check_window(
-    op: str,
-    k_window: torch.Tensor | None,
-    v_window: torch.Tensor | None,
-    window_pos: torch.Tensor | None,
-    batch: int,
-    num_kv_heads: int,
-    head_dim: int,
-    device: torch.device,
-    sinks: int,
+    op: str, args: NamedTuple, batch: int, num_kv_heads: int, head_dim: int, device: torch.device
 ) -> None:
-    """The recent-window rings ``k_window``, ``v_window`` ``[>= B, Hk, W + sinks, D]``
-    bf16/fp16 and their slots' positions ``window_pos [same B, Hk, W + sinks] int32``, all
-    contiguous; ``sinks >= 0``, and 0 without rings."""
+    """The recent-window rings of op arguments ``args`` (flat, as the schemas take them):
+    ``k_window``, ``v_window`` ``[>= B, Hk, W + sinks, D]`` bf16/fp16 and their slots'
+    positions ``window_pos [same B, Hk, W + sinks] int32``, all contiguous; ``sinks >= 0``, and
+    0 without rings. (Checked flat: a window bundle could not hold the inconsistent inputs that
+    must be refused.)"""
+    k_window, v_window, window_pos, sinks = (
+        args.k_window,
+        args.v_window,
+        args.window_pos,
+        args.sinks,
+    )
     if not (k_window is None) == (v_window is None) == (window_pos is None):
         _fail(op, "k_window, v_window and window_pos must be given together")
     if type(sinks) is not int or sinks < 0:
         _fail(op, f"sinks must be an integer >= 0, got {sinks!r}")
     if k_window is None:
         if sinks:
-            _fail(op, f"sinks={sinks} needs the rings (k_window, v_window, window_pos) that "
-                      "hold them")  # fmt: skip
+            _fail(
+                op,
+                f"sinks={sinks} needs the rings (k_window, v_window, window_pos) that hold them",
+            )
         return
     if k_window.dtype not in MODEL_DTYPES or v_window.dtype != k_window.dtype:
         _fail(
@@ -402,15 +410,21 @@ def check_key_center(
     if key_center is None:
         return
     if k_window is None:
-        _fail(op, "key_center needs the rings (k_window, v_window, window_pos): the centre is "
-                  "set from the keys a sequence holds before any is quantized")  # fmt: skip
+        _fail(
+            op,
+            "key_center needs the rings (k_window, v_window, window_pos): the centre is "
+            "set from the keys a sequence holds before any is quantized",
+        )
     if key_center.dtype != torch.float32:
         _fail(op, f"key_center must be float32, got {key_center.dtype}", TypeError)
     shape = (k_window.shape[0], k_window.shape[1], k_window.shape[3])
     if _shape(key_center) != shape or not key_center.is_contiguous():
         strides = "" if key_center.is_contiguous() else f" with strides {key_center.stride()}"
-        _fail(op, f"key_center must be a contiguous {list(shape)} (the rings' batch, kv-heads and "
-                  f"head dim), got {_shape(key_center)}{strides}")  # fmt: skip
+        _fail(
+            op,
+            f"key_center must be a contiguous {list(shape)} (the rings' batch, kv-heads and "
+            f"head dim), got {_shape(key_center)}{strides}",
+        )
     check_same_device(op, device, key_center=key_center)
 
 
@@ -427,10 +441,13 @@ def check_ring_positions(op: str, window_pos: torch.Tensor, sinks: int) -> None:
     bad = (held != -1) & ~((held >= 0) & in_place)
     if bad.any():
         b, h, s = (int(i) for i in bad.nonzero()[0])
-        _fail(op, f"window_pos[{b}, {h}, {s}] = {int(window_pos[b, h, s])} is not a position "
-                  f"that slot {s} of a ring of {window} window slots and sinks={sinks} holds "
-                  "(-1, a position p >= sinks with p % window == slot, or a sink slot's own "
-                  "p = slot - window)")  # fmt: skip
+        _fail(
+            op,
+            f"window_pos[{b}, {h}, {s}] = {int(window_pos[b, h, s])} is not a position "
+            f"that slot {s} of a ring of {window} window slots and sinks={sinks} holds "
+            "(-1, a position p >= sinks with p % window == slot, or a sink slot's own "
+            "p = slot - window)",
+        )
 
 
 def check_block_table(
@@ -439,16 +456,24 @@ def check_block_table(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int | None = None,
-    k_window: torch.Tensor | None = None,
-    window_pos: torch.Tensor | None = None,
-    sinks: int = 0,
+    rings: NamedTuple | None = None,
 ) -> None:
     """``block_table [B, P] int32`` and ``seq_lens [B] int32`` against the cache's pages.
 
-    With a recent window of ``W`` tokens a sequence holds ``P * page_size + W`` positions: only
-    those below its ring run (:func:`custom_ops.reference.ring_start`) live in pages (the
-    first ``sinks`` of them aside: their pages are read but never used).
+    With a recent window of ``W`` tokens (the op arguments ``rings``' ``k_window``, ``sinks``
+    and ``window_pos``, checked by :func:`check_window`) a sequence holds ``P * page_size + W``
+    positions: only those below its ring run (:func:`custom_ops.reference.ring_start`) live in
+    pages (the first ``sinks`` of them aside: their pages are read but never used).
     """
+    k_window, window_pos, sinks = (
+        (None, None, 0)
+        if rings is None
+        else (
+            rings.k_window,
+            rings.window_pos,
+            rings.sinks,
+        )
+    )
     window = formats.ring_window(k_window, sinks)
     if block_table.dtype != torch.int32:
         _fail(op, f"block_table must be int32, got {block_table.dtype}", TypeError)
@@ -493,9 +518,12 @@ def check_page_ids(
     bad = needed & ((block_table < 0) | (block_table >= num_pages))
     if bad.any():
         b, p = (int(i) for i in bad.nonzero()[0])
-        _fail(op, f"block_table[{b}, {p}] = {int(block_table[b, p])} is not a page id in [0, "
-                  f"{num_pages}), but sequence {b} keeps its positions below {what} = "
-                  f"{int(lengths[b])} in pages")  # fmt: skip
+        _fail(
+            op,
+            f"block_table[{b}, {p}] = {int(block_table[b, p])} is not a page id in [0, "
+            f"{num_pages}), but sequence {b} keeps its positions below {what} = "
+            f"{int(lengths[b])} in pages",
+        )
 
 
 def check_dequantize(args: DequantizeArgs) -> tuple[KVFormat, int]:
@@ -512,10 +540,8 @@ def check_dequantize(args: DequantizeArgs) -> tuple[KVFormat, int]:
     block_table = args.block_table
     batch = block_table.shape[0] if block_table.dim() == 2 else 0
     num_kv_heads = cache.k_codes.shape[1]
-    check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads, head_dim,
-                 device, args.sinks)  # fmt: skip
-    check_block_table(op, cache, block_table, args.seq_lens, args.max_seq_len, args.k_window,
-                      args.window_pos, args.sinks)  # fmt: skip
+    check_window(op, args, batch, num_kv_heads, head_dim, device)
+    check_block_table(op, cache, block_table, args.seq_lens, args.max_seq_len, args)
     check_key_center(op, args.key_center, args.k_window, device)
     if args.dtype not in OUTPUT_DTYPES:
         _fail(op, f"dtype must be one of {OUTPUT_DTYPES}, got {args.dtype}", TypeError)
@@ -537,9 +563,12 @@ def check_decode(args: DecodeArgs) -> KVFormat:
     fmt = check_format(op, args.fmt)
     q, mask = args.q, args.mask
     if q.dim() not in (3, 4) or (q.dim() == 4 and not 1 <= q.shape[2] <= MAX_QUERY_TOKENS):
-        _fail(op, f"q must be [B, Hq, D] (one query token per sequence) or [B, Hq, T, D] with "
-                  f"1 <= T <= {MAX_QUERY_TOKENS} (each sequence's last T tokens), got shape "
-                  f"{_shape(q)}")  # fmt: skip
+        _fail(
+            op,
+            f"q must be [B, Hq, D] (one query token per sequence) or [B, Hq, T, D] with "
+            f"1 <= T <= {MAX_QUERY_TOKENS} (each sequence's last T tokens), got shape "
+            f"{_shape(q)}",
+        )
     if q.dtype not in MODEL_DTYPES:
         _fail(op, f"q must be bfloat16 or float16, got {q.dtype}", TypeError)
     batch, num_q_heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
@@ -554,10 +583,8 @@ def check_decode(args: DecodeArgs) -> KVFormat:
         )
     check_same_device(op, device, q=q)
     check_rotation(op, args.rotation, head_dim, device)
-    check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads, head_dim,
-                 device, args.sinks)  # fmt: skip
-    check_block_table(op, cache, args.block_table, args.seq_lens, None, args.k_window,
-                      args.window_pos, args.sinks)  # fmt: skip
+    check_window(op, args, batch, num_kv_heads, head_dim, device)
+    check_block_table(op, cache, args.block_table, args.seq_lens, None, args)
     if args.block_table.shape[0] != batch:
         _fail(
             op, f"block_table has {args.block_table.shape[0]} rows for a batch of {batch} queries"
@@ -573,8 +600,9 @@ def check_decode(args: DecodeArgs) -> KVFormat:
         check_same_device(op, device, mask=mask)
         if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
             _fail(op, f"mask must be bool or floating point, got {mask.dtype}", TypeError)
-        tokens_ok = mask.dim() == 3 or (q.dim() == 4 and mask.dim() == 4
-                                         and mask.shape[2] == q.shape[2])  # fmt: skip
+        tokens_ok = mask.dim() == 3 or (
+            q.dim() == 4 and mask.dim() == 4 and mask.shape[2] == q.shape[2]
+        )
         heads_ok = mask.dim() >= 3 and mask.shape[1] in (1, num_q_heads)
         if not (tokens_ok and heads_ok) or mask.shape[0] not in (1, batch):
             per_token = f" or [{batch} or 1, {num_q_heads} or 1, {q.shape[2]}, M]"
@@ -605,23 +633,29 @@ def check_prefill(args: PrefillArgs) -> KVFormat:
         _fail(op, f"key must have q's dtype {q.dtype}, got {key.dtype}", TypeError)
     num_kv_heads = key.shape[1]
     if (key.shape[0], key.shape[2], key.shape[3]) != (batch, tokens, head_dim):
-        _fail(op, f"key must be [B, Hk, T, D] = [{batch}, Hk, {tokens}, {head_dim}] (q's batch, "
-                  f"tokens and head dim), got {_shape(key)}")  # fmt: skip
+        _fail(
+            op,
+            f"key must be [B, Hk, T, D] = [{batch}, Hk, {tokens}, {head_dim}] (q's batch, "
+            f"tokens and head dim), got {_shape(key)}",
+        )
     if num_q_heads % num_kv_heads:
-        _fail(op, f"q has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} "
-                  "kv-heads")  # fmt: skip
+        _fail(
+            op, f"q has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} kv-heads"
+        )
     if q.stride(-1) != 1 or key.stride(-1) != 1 or args.value.stride(-1) != 1:
         _fail(op, "q, key and value must be contiguous in the head dim (stride 1)")
     device = cache.k_codes.device
     check_same_device(op, device, q=q, key=key, value=args.value)
     check_rotation(op, args.rotation, head_dim, device)
-    check_window(op, args.k_window, args.v_window, args.window_pos, batch, num_kv_heads,
-                 head_dim, device, args.sinks)  # fmt: skip
+    check_window(op, args, batch, num_kv_heads, head_dim, device)
     if args.k_window is not None and args.k_window.dtype != q.dtype:
-        _fail(op, f"k_window and v_window must have q's dtype {q.dtype} (the model's), got "
-                  f"{args.k_window.dtype}", TypeError)  # fmt: skip
-    check_block_table(op, cache, args.block_table, args.seq_lens, None, args.k_window,
-                      args.window_pos, args.sinks)  # fmt: skip
+        _fail(
+            op,
+            f"k_window and v_window must have q's dtype {q.dtype} (the model's), got "
+            f"{args.k_window.dtype}",
+            TypeError,
+        )
+    check_block_table(op, cache, args.block_table, args.seq_lens, None, args)
     if args.block_table.shape[0] != batch:
         _fail(op, f"block_table has {args.block_table.shape[0]} rows for a batch of {batch}")
     check_key_center(op, args.key_center, args.k_window, device)
@@ -634,13 +668,23 @@ def check_prefill(args: PrefillArgs) -> KVFormat:
         check_same_device(op, device, mask=mask)
         if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
             _fail(op, f"mask must be bool or floating point, got {mask.dtype}", TypeError)
-        if (mask.dim() != 4 or mask.shape[0] not in (1, batch)
-                or mask.shape[1] not in (1, num_q_heads) or mask.shape[2] != tokens):  # fmt: skip
-            _fail(op, f"mask must be [B or 1, Hq or 1, T, M] = [{batch} or 1, {num_q_heads} or "
-                      f"1, {tokens}, M], got shape {_shape(mask)}")  # fmt: skip
+        if (
+            mask.dim() != 4
+            or mask.shape[0] not in (1, batch)
+            or mask.shape[1] not in (1, num_q_heads)
+            or mask.shape[2] != tokens
+        ):
+            _fail(
+                op,
+                f"mask must be [B or 1, Hq or 1, T, M] = [{batch} or 1, {num_q_heads} or "
+                f"1, {tokens}, M], got shape {_shape(mask)}",
+            )
     if batch and tokens and checks_values(args.seq_lens):
         shortest = int(args.seq_lens.min())
         if shortest < tokens:
-            _fail(op, f"seq_lens must be at least T = {tokens} (the chunk is each sequence's "
-                      f"last T positions, stored before), got a length of {shortest}")  # fmt: skip
+            _fail(
+                op,
+                f"seq_lens must be at least T = {tokens} (the chunk is each sequence's "
+                f"last T positions, stored before), got a length of {shortest}",
+            )
     return fmt

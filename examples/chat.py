@@ -54,19 +54,32 @@ def progress_line(label: str):
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--format", default="4bit_nc", choices=sorted(FORMATS),
-                        help="the KV cache's format")  # fmt: skip
-    parser.add_argument("--window", type=int, default=32,
-                        help="most recent tokens kept in bf16 (0: quantize every token; the "
-                        "library's default is 128, longer than this demo's answers)")  # fmt: skip
-    parser.add_argument("--sinks", type=int,
-                        help="first tokens kept in bf16 (attention sinks; default: the "
-                        "library's, 4 with a window, 0 without)")  # fmt: skip
+    parser.add_argument(
+        "--format", default="4bit_nc", choices=sorted(FORMATS), help="the KV cache's format"
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=32,
+        help="most recent tokens kept in bf16 (0: quantize every token; the "
+        "library's default is 128, longer than this demo's answers)",
+    )
+    parser.add_argument(
+        "--sinks",
+        type=int,
+        help="first tokens kept in bf16 (attention sinks; default: the "
+        "library's, 4 with a window, 0 without)",
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--ppl-tokens", type=int, default=256,
-                        help="tokens of the fixed text scored (0: no perplexity)")  # fmt: skip
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        choices=["cpu", "cuda"])  # fmt: skip
+    parser.add_argument(
+        "--ppl-tokens",
+        type=int,
+        default=256,
+        help="tokens of the fixed text scored (0: no perplexity)",
+    )
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
+    )
     parser.add_argument("--cache-dir", help="where the model file is kept (tq_compile.smollm2)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -90,8 +103,9 @@ def make_cache(kind: str, config, capacity: int, args):
 
     if kind == "bf16":
         return StaticCache(config, max_cache_len=capacity)
-    return TurboQuantCache(config, capacity, preset=args.format, window=args.window,
-                           sinks=args.sinks)  # fmt: skip
+    return TurboQuantCache(
+        config, capacity, preset=args.format, window=args.window, sinks=args.sinks
+    )
 
 
 def cache_bytes(cache) -> int:
@@ -108,17 +122,27 @@ def answer(model, tokenizer, ids, kind: str, args) -> dict:
     started = time.perf_counter()
     label = "warm-up (compiles the decode step on CUDA)" if args.device == "cuda" else "warm-up"
     print(f"    {label} ...", end="", flush=True)
-    model.generate(ids, past_key_values=warm, max_new_tokens=min(8, args.new_tokens),
-                   do_sample=False)  # fmt: skip
+    model.generate(
+        ids, past_key_values=warm, max_new_tokens=min(8, args.new_tokens), do_sample=False
+    )
     print(f" {time.perf_counter() - started:.1f} s")
     cache = make_cache(kind, model.config, capacity, args)
     timer = StepTimer(progress_line("generating"))
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=args.new_tokens,
-                         do_sample=False, logits_processor=[timer])  # fmt: skip
+    out = model.generate(
+        ids,
+        past_key_values=cache,
+        max_new_tokens=args.new_tokens,
+        do_sample=False,
+        logits_processor=[timer],
+    )
     print()
     tokens = out[0, ids.shape[1] :]
-    return dict(tokens=tokens, text=tokenizer.decode(tokens, skip_special_tokens=True),
-                tok_s=timer.tokens_per_second(batch=1), kv_bytes=cache_bytes(cache))  # fmt: skip
+    return dict(
+        tokens=tokens,
+        text=tokenizer.decode(tokens, skip_special_tokens=True),
+        tok_s=timer.tokens_per_second(batch=1),
+        kv_bytes=cache_bytes(cache),
+    )
 
 
 def main() -> None:
@@ -130,8 +154,9 @@ def main() -> None:
     model, tokenizer = load_smollm2(device=args.device, cache_dir=args.cache_dir)
     print(f"    loaded in {time.perf_counter() - started:.1f} s")
     messages = [{"role": "user", "content": args.prompt}]
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)  # fmt: skip
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     ids = encoded["input_ids"].to(args.device)
     quantized = f"TurboQuant {args.format}, window {args.window}, sinks {args.sinks}"
     results = {}
@@ -146,34 +171,45 @@ def main() -> None:
     length = min(len(bf16["tokens"]), len(tq["tokens"]))
     same = (bf16["tokens"][:length] == tq["tokens"][:length]).tolist()
     first_diff = same.index(False) if False in same else None
-    agree = "identical" if first_diff is None and len(bf16["tokens"]) == len(tq["tokens"]) else (
-        f"the first {first_diff if first_diff is not None else length} tokens agree")  # fmt: skip
+    agree = (
+        "identical"
+        if first_diff is None and len(bf16["tokens"]) == len(tq["tokens"])
+        else (f"the first {first_diff if first_diff is not None else length} tokens agree")
+    )
     print(f"answers: {agree} ({sum(same)}/{length} positions equal)")
     for kind, title in (("bf16", "bf16"), ("tq", args.format)):
         rate = results[kind]["tok_s"]
         shown = f"{rate:,.1f} tokens/s" if rate else "n/a (one token)"
         print(f"decode {title}: {shown}; KV cache {results[kind]['kv_bytes'] / 1e6:.2f} MB")
     if args.device == "cpu":
-        print("  (CPU: the TurboQuant ops run their pure-torch reference, which dequantizes the "
-              "whole cache every step: correct, not fast; GPU speed: README)")  # fmt: skip
+        print(
+            "  (CPU: the TurboQuant ops run their pure-torch reference, which dequantizes the "
+            "whole cache every step: correct, not fast; GPU speed: README)"
+        )
     ratio = tq["kv_bytes"] / bf16["kv_bytes"]
-    print(f"KV bytes: {ratio:.3f}x bf16's ({1 / ratio:.1f}x more tokens per byte at this length; "
-          f"the last {args.window} tokens and the first {args.sinks} of each sequence are in "
-          "bf16)")  # fmt: skip
+    print(
+        f"KV bytes: {ratio:.3f}x bf16's ({1 / ratio:.1f}x more tokens per byte at this length; "
+        f"the last {args.window} tokens and the first {args.sinks} of each sequence are in "
+        "bf16)"
+    )
 
     if args.ppl_tokens:
         text_ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"][0]
         text_ids = text_ids[: args.ppl_tokens].to(args.device)
-        print(f"\nperplexity on {text_ids.shape[0]} tokens of the Python reference's "
-              "'Execution model' chapter, one token at a time through each cache:")  # fmt: skip
+        print(
+            f"\nperplexity on {text_ids.shape[0]} tokens of the Python reference's "
+            "'Execution model' chapter, one token at a time through each cache:"
+        )
         runs = {}
         for kind, title in (("bf16", "bf16"), ("tq", args.format)):
             cache = make_cache(kind, model.config, text_ids.shape[0], args)
             runs[kind] = teacher_forced(model, cache, text_ids, progress_line(title))
             print(f"\r    {title}: perplexity {perplexity(runs[kind]):.3f}" + " " * 20)
         delta = perplexity(runs["tq"]) / perplexity(runs["bf16"]) - 1
-        print(f"    {args.format} vs bf16: {delta:+.2%} perplexity, top-1 agreement "
-              f"{agreement(runs['tq'], runs['bf16']):.1%}")  # fmt: skip
+        print(
+            f"    {args.format} vs bf16: {delta:+.2%} perplexity, top-1 agreement "
+            f"{agreement(runs['tq'], runs['bf16']):.1%}"
+        )
 
 
 if __name__ == "__main__":

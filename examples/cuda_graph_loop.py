@@ -35,10 +35,12 @@ from tq_compile import DecodeGraph, TurboQuantKVConfig, quantize_  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        choices=["cpu", "cuda"])  # fmt: skip
-    parser.add_argument("--preset", default="tiny", choices=sorted(transformer_configs),
-                        help="model size")  # fmt: skip
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
+    )
+    parser.add_argument(
+        "--preset", default="tiny", choices=sorted(transformer_configs), help="model size"
+    )
     parser.add_argument("--format", default="4bit_nc", choices=sorted(FORMATS))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -74,8 +76,10 @@ def main() -> None:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     generated = torch.cat(tokens, dim=1)
-    print(f"{args.steps} steps: {args.batch * args.steps / elapsed:,.0f} tokens/s; first "
-          f"sequence's tokens: {generated[0, :12].tolist()}")  # fmt: skip
+    print(
+        f"{args.steps} steps: {args.batch * args.steps / elapsed:,.0f} tokens/s; first "
+        f"sequence's tokens: {generated[0, :12].tolist()}"
+    )
 
 
 if __name__ == "__main__":

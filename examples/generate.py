@@ -76,12 +76,17 @@ def decode(model, step_fn, prompt, n, device, label, inputs=None):
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--device``, ``--preset`` (the model's size) and ``--format`` (the KV cache's), each
     refused by the parser unless it is one it knows (the speculative example shares them)."""
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        choices=["cpu", "cuda"])  # fmt: skip
-    parser.add_argument("--preset", choices=sorted(transformer_configs),
-                        help="model size (default: tiny on CPU, 1b-shape on CUDA)")  # fmt: skip
-    parser.add_argument("--format", default="4bit_nc", choices=sorted(FORMATS),
-                        help="the KV cache's format")  # fmt: skip
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(transformer_configs),
+        help="model size (default: tiny on CPU, 1b-shape on CUDA)",
+    )
+    parser.add_argument(
+        "--format", default="4bit_nc", choices=sorted(FORMATS), help="the KV cache's format"
+    )
 
 
 def main() -> None:
@@ -91,10 +96,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument(
-        "--window", type=int, default=16,
+        "--window",
+        type=int,
+        default=16,
         help="recent tokens kept in bf16 (the library's default is 128; this demo's sequences "
         "are only ~100 tokens, so 128 would leave nothing to quantize)",
-    )  # fmt: skip
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-compile", action="store_true", help="eager decode steps")
     args = parser.parse_args()
@@ -104,15 +111,19 @@ def main() -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.window < args.prompt_len + args.new_tokens:
-        parser.error(f"--window must be in [0, {args.prompt_len + args.new_tokens}) (prompt "
-                     f"+ new tokens; longer quantizes nothing), got {args.window}")  # fmt: skip
+        parser.error(
+            f"--window must be in [0, {args.prompt_len + args.new_tokens}) (prompt "
+            f"+ new tokens; longer quantizes nothing), got {args.window}"
+        )
     device = args.device
     preset = args.preset or ("1b-shape" if device == "cuda" else "tiny")
     cfg = ModelArgs.from_name(preset)
     max_seq = args.prompt_len + args.new_tokens + 1
-    print(f"{preset} model ({cfg.n_layer} layers, Hq={cfg.n_head}, Hk={cfg.n_local_heads}, "
-          f"D={cfg.head_dim}) on {device}; batch {args.batch}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens")  # fmt: skip
+    print(
+        f"{preset} model ({cfg.n_layer} layers, Hq={cfg.n_head}, Hk={cfg.n_local_heads}, "
+        f"D={cfg.head_dim}) on {device}; batch {args.batch}, prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens"
+    )
     with torch.device(device):
         model = init_weights(Transformer(cfg), args.seed).to(torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(args.seed)
@@ -147,15 +158,21 @@ def main() -> None:
     agreement = (predicted == reference).float().mean().item()
 
     if bf16_rate and tq_rate:
-        print(f"\ndecode tokens/s: bf16 {bf16_rate:,.0f}, {args.format} {tq_rate:,.0f} "
-              f"({tq_rate / bf16_rate:.2f}x)")  # fmt: skip
+        print(
+            f"\ndecode tokens/s: bf16 {bf16_rate:,.0f}, {args.format} {tq_rate:,.0f} "
+            f"({tq_rate / bf16_rate:.2f}x)"
+        )
         if device == "cpu":
-            print("  (CPU: the reference kernels and a tiny model; these rates vary with the "
-                  "machine's load and say nothing about GPU speed)")  # fmt: skip
+            print(
+                "  (CPU: the reference kernels and a tiny model; these rates vary with the "
+                "machine's load and say nothing about GPU speed)"
+            )
     sinks = model.layers[0].attention.kv_cache.sinks  # the quantized caches' (the last run's)
-    print(f"KV cache: {tq_bytes / 1e6:,.2f} MB vs bf16 {dense_bytes / 1e6:,.2f} MB "
-          f"({tq_bytes / dense_bytes:.3f}x; the last {args.window} tokens and the first "
-          f"{sinks} of each sequence in bf16)")  # fmt: skip
+    print(
+        f"KV cache: {tq_bytes / 1e6:,.2f} MB vs bf16 {dense_bytes / 1e6:,.2f} MB "
+        f"({tq_bytes / dense_bytes:.3f}x; the last {args.window} tokens and the first "
+        f"{sinks} of each sequence in bf16)"
+    )
     print(f"next-token agreement with the bf16 cache: {agreement:.1%}")
 
 

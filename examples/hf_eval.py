@@ -20,8 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["DecodeRun", "StepTimer", "agreement", "perplexity", "reference_text",
-           "teacher_forced"]  # fmt: skip
+__all__ = ["DecodeRun", "StepTimer", "agreement", "perplexity", "reference_text", "teacher_forced"]
 
 
 class DecodeRun(NamedTuple):
@@ -98,8 +97,10 @@ def teacher_forced(
         prompt_chunk: tokens per forward of the prompt (0: all of it in one).
     """
     if chunk < 1 or prompt < 0 or prompt_chunk < 0:
-        raise ValueError(f"chunk must be >= 1 and prompt, prompt_chunk >= 0, got {chunk!r}, "
-                         f"{prompt!r}, {prompt_chunk!r}")  # fmt: skip
+        raise ValueError(
+            f"chunk must be >= 1 and prompt, prompt_chunk >= 0, got {chunk!r}, "
+            f"{prompt!r}, {prompt_chunk!r}"
+        )
     texts = ids if ids.dim() == 2 else ids[None]
     steps = texts.shape[1] - 1
     if prompt > steps:

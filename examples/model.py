@@ -69,21 +69,40 @@ class ModelArgs:
 transformer_configs = {
     # CPU-sized, for tests: Hq=4, Hk=2, D=64.
     "tiny": dict(
-        block_size=256, vocab_size=256, n_layer=2, n_head=4, n_local_heads=2, dim=128,
-        head_dim=64, intermediate_size=256,
+        block_size=256,
+        vocab_size=256,
+        n_layer=2,
+        n_head=4,
+        n_local_heads=2,
+        dim=128,
+        head_dim=64,
+        intermediate_size=256,
     ),
     # Llama-3.2-1B's shape with D=128 (as Qwen3 has): 16 layers, Hq=32, Hk=8; q/o project
     # 2048 <-> 4096. ~1.1B parameters besides the 2 x 0.26B of embedding and output.
     "1b-shape": dict(
-        block_size=32768, vocab_size=128256, n_layer=16, n_head=32, n_local_heads=8, dim=2048,
-        head_dim=128, intermediate_size=8192, rope_base=500000.0,
+        block_size=32768,
+        vocab_size=128256,
+        n_layer=16,
+        n_head=32,
+        n_local_heads=8,
+        dim=2048,
+        head_dim=128,
+        intermediate_size=8192,
+        rope_base=500000.0,
     ),
     # Llama-3-8B: 32 layers, Hq=32, Hk=8, D=128.
     "8b-shape": dict(
-        block_size=32768, vocab_size=128256, n_layer=32, n_head=32, n_local_heads=8, dim=4096,
-        intermediate_size=14336, rope_base=500000.0,
+        block_size=32768,
+        vocab_size=128256,
+        n_layer=32,
+        n_head=32,
+        n_local_heads=8,
+        dim=4096,
+        intermediate_size=14336,
+        rope_base=500000.0,
     ),
-}  # fmt: skip
+}
 
 
 class KVCache(nn.Module):
@@ -205,9 +224,15 @@ class Attention(nn.Module):
         if self.gqa == "repeat_interleave":
             k = k.repeat_interleave(self.n_head // self.n_local_heads, dim=1)  # [B, Hq, S, D]
             v = v.repeat_interleave(self.n_head // self.n_local_heads, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
-                                           is_causal=mask is None,
-                                           enable_gqa=self.gqa == "enable_gqa")  # fmt: skip
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=0.0,
+            is_causal=mask is None,
+            enable_gqa=self.gqa == "enable_gqa",
+        )
 
         y = y.transpose(1, 2).contiguous().view(bsz, seqlen, q_size)
         return self.wo(y)

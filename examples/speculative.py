@@ -69,8 +69,11 @@ def early_exit_draft(model: Transformer, n_layer: int) -> Transformer:
     config = ModelArgs(**{**vars(model.config), "n_layer": n_layer})
     with torch.device("meta"):
         draft = Transformer(config)
-    for name, part in (("tok_embeddings", model.tok_embeddings), ("norm", model.norm),
-                       ("output", model.output)):  # fmt: skip
+    for name, part in (
+        ("tok_embeddings", model.tok_embeddings),
+        ("norm", model.norm),
+        ("output", model.output),
+    ):
         getattr(draft, name).load_state_dict(part.state_dict(), assign=True)
     for mine, theirs in zip(draft.layers, model.layers[:n_layer], strict=True):
         mine.load_state_dict(theirs.state_dict(), assign=True)
@@ -128,9 +131,19 @@ def plain_greedy(model, prompt: Tensor, n_new: int, step_fn, device: str) -> Res
 
 
 @torch.no_grad()
-def speculative_greedy(model, prompt: Tensor, n_new: int, k: int, verify_fn, device: str,
-                       draft=None, draft_step=None, replay: list[int] | None = None,
-                       accept: float = 1.0, seed: int = 0) -> Result:  # fmt: skip
+def speculative_greedy(
+    model,
+    prompt: Tensor,
+    n_new: int,
+    k: int,
+    verify_fn,
+    device: str,
+    draft=None,
+    draft_step=None,
+    replay: list[int] | None = None,
+    accept: float = 1.0,
+    seed: int = 0,
+) -> Result:
     """Greedy decoding of ``n_new`` tokens after ``prompt [1, P]``, ``k`` drafts per round from
     ``draft`` (a model with its own caches, stepped by ``draft_step``), from ``replay`` (the
     tokens to expect, each kept with probability ``accept``; the kept ones up to the first
@@ -161,8 +174,11 @@ def speculative_greedy(model, prompt: Tensor, n_new: int, k: int, verify_fn, dev
             drafts = torch.tensor([lookup_drafts(history, k)], device=device)
         else:
             if draft_len < pos:  # every draft was accepted: the last one is not in its cache
-                draft_step(draft, torch.tensor([[history[-2]]], device=device),
-                           torch.tensor([pos - 1], device=device))  # fmt: skip
+                draft_step(
+                    draft,
+                    torch.tensor([[history[-2]]], device=device),
+                    torch.tensor([pos - 1], device=device),
+                )
             proposed, current = [], token
             for i in range(k):
                 current, _ = draft_step(draft, current, torch.tensor([pos + i], device=device))
@@ -205,21 +221,28 @@ def main() -> None:
     add_model_arguments(parser)
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--draft", choices=("lookup", "early-exit", "replay"), default="lookup")
-    parser.add_argument("--accept", type=float, default=0.8,
-                        help="--draft replay: how often a draft is the target's")  # fmt: skip
+    parser.add_argument(
+        "--accept",
+        type=float,
+        default=0.8,
+        help="--draft replay: how often a draft is the target's",
+    )
     parser.add_argument("--drafts", type=int, default=4, help="k, draft tokens per round (<= 15)")
     parser.add_argument("--draft-layers", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=None,
-                        help="default: 48 on CPU, 200 on CUDA")  # fmt: skip
+    parser.add_argument(
+        "--new-tokens", type=int, default=None, help="default: 48 on CPU, 200 on CUDA"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-compile", action="store_true", help="eager steps")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
     if not 1 <= args.drafts <= 15:
-        parser.error(f"--drafts must be in [1, 15] (a verify step reads at most 16 tokens), "
-                     f"got {args.drafts}")  # fmt: skip
+        parser.error(
+            f"--drafts must be in [1, 15] (a verify step reads at most 16 tokens), "
+            f"got {args.drafts}"
+        )
     device = args.device
     n_new = args.new_tokens or (200 if device == "cuda" else 48)
     cfg = ModelArgs.from_name(args.preset or ("1b-shape" if device == "cuda" else "tiny"))
@@ -246,13 +269,17 @@ def main() -> None:
             m.setup_caches(1, max_seq)
             quantize_(m, config)
 
-    print(f"{cfg.n_layer}-layer model (Hq={cfg.n_head}, Hk={cfg.n_local_heads}, D="
-          f"{cfg.head_dim}) on {device}, {args.format} cache (window {args.window}); "
-          f"{n_new} tokens after a {args.prompt_len}-token prompt")  # fmt: skip
+    print(
+        f"{cfg.n_layer}-layer model (Hq={cfg.n_head}, Hk={cfg.n_local_heads}, D="
+        f"{cfg.head_dim}) on {device}, {args.format} cache (window {args.window}); "
+        f"{n_new} tokens after a {args.prompt_len}-token prompt"
+    )
     if max_seq <= args.window + default_sinks(args.window, None):
         # the ring and the sink slots hold every position: the pages are never read
-        print(f"  (window and sinks hold all {max_seq} positions, so no token is quantized: "
-              "--window 16 runs the compressed cache)")  # fmt: skip
+        print(
+            f"  (window and sinks hold all {max_seq} positions, so no token is quantized: "
+            "--window 16 runs the compressed cache)"
+        )
     step = compiled(decode_one_token)
     for label in ("warm-up", "plain"):  # the first run compiles and captures
         fresh_caches()
@@ -261,29 +288,49 @@ def main() -> None:
     for label in ("warm-up", "speculative"):
         fresh_caches()
         replay = plain.tokens if args.draft == "replay" else None
-        spec = speculative_greedy(model, prompt, n_new if label == "speculative" else 8,
-                                  args.drafts, verify_fn, device, draft, draft_step, replay,
-                                  args.accept, args.seed)  # fmt: skip
-    same = next((i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens, strict=True))
-                 if a != b), n_new)  # fmt: skip
+        spec = speculative_greedy(
+            model,
+            prompt,
+            n_new if label == "speculative" else 8,
+            args.drafts,
+            verify_fn,
+            device,
+            draft,
+            draft_step,
+            replay,
+            args.accept,
+            args.seed,
+        )
+    same = next(
+        (i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens, strict=True)) if a != b),
+        n_new,
+    )
     plain_rate = plain.timed_tokens / plain.seconds
     spec_rate = spec.timed_tokens / spec.seconds
     rounds = spec.proposed // args.drafts
-    print(f"drafts ({args.draft}, k={args.drafts}): {spec.accepted}/{spec.proposed} accepted "
-          f"({spec.accepted / spec.proposed:.1%}), {(spec.accepted + rounds) / rounds:.2f} "
-          "tokens per verify step")  # fmt: skip
-    print(f"tokens/s: plain {plain_rate:,.1f}, speculative {spec_rate:,.1f} "
-          f"({spec_rate / plain_rate:.2f}x)")  # fmt: skip
+    print(
+        f"drafts ({args.draft}, k={args.drafts}): {spec.accepted}/{spec.proposed} accepted "
+        f"({spec.accepted / spec.proposed:.1%}), {(spec.accepted + rounds) / rounds:.2f} "
+        "tokens per verify step"
+    )
+    print(
+        f"tokens/s: plain {plain_rate:,.1f}, speculative {spec_rate:,.1f} "
+        f"({spec_rate / plain_rate:.2f}x)"
+    )
     if replay is not None:  # the replay's tokens are the plain run's by construction
-        print(f"verify steps chose the replayed token at {spec.matched} of {spec.checked} "
-              "accepted positions (and their next tokens)")  # fmt: skip
+        print(
+            f"verify steps chose the replayed token at {spec.matched} of {spec.checked} "
+            "accepted positions (and their next tokens)"
+        )
         return
     print(f"output equal to plain greedy decoding: {same} of {n_new} tokens")
     if same < n_new:
         median = sorted(plain.margins)[len(plain.margins) // 2]
-        print(f"  at token {same} plain decoding's top two logits differ by "
-              f"{plain.margins[same]:.4f} (median over its tokens {median:.4f}): where they "
-              "nearly tie, another kernel path's rounding can pick the other")  # fmt: skip
+        print(
+            f"  at token {same} plain decoding's top two logits differ by "
+            f"{plain.margins[same]:.4f} (median over its tokens {median:.4f}): where they "
+            "nearly tie, another kernel path's rounding can pick the other"
+        )
 
 
 if __name__ == "__main__":

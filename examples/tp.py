@@ -286,8 +286,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--compile", action="store_true",
-                        help="compile the decode step (reduce-overhead on CUDA)")  # fmt: skip
+    parser.add_argument(
+        "--compile", action="store_true", help="compile the decode step (reduce-overhead on CUDA)"
+    )
     args = parser.parse_args()
     for name in ("batch", "prompt_len", "new_tokens"):
         if getattr(args, name) < 1:
@@ -296,9 +297,11 @@ def main() -> None:
         say = print if rank == 0 else (lambda *a, **k: None)
         preset = args.preset or ("1b-shape" if device.type == "cuda" else "tiny")
         cfg = ModelArgs.from_name(preset)
-        say(f"{preset} model (Hq={cfg.n_head}, Hk={cfg.n_local_heads}, D={cfg.head_dim}) on "
+        say(
+            f"{preset} model (Hq={cfg.n_head}, Hk={cfg.n_local_heads}, D={cfg.head_dim}) on "
             f"{world_size} {device.type} rank(s), sharded with {args.route}",
-            flush=True)  # fmt: skip
+            flush=True,
+        )
         with torch.device(device):
             model = init_weights(Transformer(cfg), seed=0).to(torch.bfloat16).eval()
         if args.route == "funcol":
@@ -312,9 +315,12 @@ def main() -> None:
         if args.cache != "bf16":
             quantize_(model, TurboQuantKVConfig(args.cache, window=args.window))
         per_rank = model.config
-        say(f"each rank: Hq={per_rank.n_head}, Hk={per_rank.n_local_heads}; {args.cache} cache "
+        say(
+            f"each rank: Hq={per_rank.n_head}, Hk={per_rank.n_local_heads}; {args.cache} cache "
             f"{kv_cache_nbytes(model) / 1e6:,.2f} MB per rank for B={args.batch} x {max_seq} "
-            "tokens", flush=True)  # fmt: skip
+            "tokens",
+            flush=True,
+        )
         step = decode_one_token
         if args.compile:
             mode = "reduce-overhead" if device.type == "cuda" else "default"
@@ -330,8 +336,10 @@ def main() -> None:
         tokens = generate(model, prompt.to(device), args.new_tokens, decode_fn=step)
         sync(device.type)
         elapsed = time.perf_counter() - start
-        say(f"{args.batch * args.new_tokens / elapsed:,.0f} tokens/s (prefill included); first "
-            f"sequence's new tokens: {tokens[0, args.prompt_len:].tolist()}")  # fmt: skip
+        say(
+            f"{args.batch * args.new_tokens / elapsed:,.0f} tokens/s (prefill included); first "
+            f"sequence's new tokens: {tokens[0, args.prompt_len :].tolist()}"
+        )
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ REQUIREMENTS=(
     "pytest>=8,<9.2"
     "pytest-xdist==3.8.0"
     "expecttest==0.3.0"
+    # the formatter and linter the tests hold the code to (tests/test_format.py)
+    "ruff==0.17.6"
     # the [hf] extra: tq_compile.hf, the real model, the main job
     "transformers==5.23.0"
     "gguf==0.19.0"

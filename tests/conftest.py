@@ -54,13 +54,22 @@ if _WORKERS > 1:
 # the real model, the example programs run as processes, tensor parallel's spawned ranks, and
 # the decode, store and range tests' largest parametrizations. CI runs every test.
 SLOW = {
-    "modules": ("test_smollm2.py", "test_tp.py", "test_chat.py", "test_readme.py",
-                "test_generate.py", "test_attention_error.py"),  # fmt: skip
-    "tests": ("test_decode_window_contribution_is_exact", "test_multi_token_decode",
-              "test_decode_reads_sinks_exactly",
-              "test_decode_of_centred_keys_is_attention_over_the_keys",
-              "test_every_magnitude_is_represented",
-              "test_append_launch_matches_reference"),  # fmt: skip
+    "modules": (
+        "test_smollm2.py",
+        "test_tp.py",
+        "test_chat.py",
+        "test_readme.py",
+        "test_generate.py",
+        "test_attention_error.py",
+    ),
+    "tests": (
+        "test_decode_window_contribution_is_exact",
+        "test_multi_token_decode",
+        "test_decode_reads_sinks_exactly",
+        "test_decode_of_centred_keys_is_attention_over_the_keys",
+        "test_every_magnitude_is_represented",
+        "test_append_launch_matches_reference",
+    ),
 }
 
 

@@ -159,18 +159,32 @@ def inductor_flat_kernels(modules) -> dict:
     ``{name: CachingAutotuner}``."""
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-    return {name: tuner for module in modules for name, tuner in vars(module).items()
-            if isinstance(tuner, CachingAutotuner) and "_flat_" in name}  # fmt: skip
+    return {
+        name: tuner
+        for module in modules
+        for name, tuner in vars(module).items()
+        if isinstance(tuner, CachingAutotuner) and "_flat_" in name
+    }
 
 
-def run_python(argv: list[str], timeout: int = 300, drop: tuple[str, ...] = (),
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+def run_python(
+    argv: list[str],
+    timeout: int = 300,
+    drop: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """Run ``python *argv`` in the repository with it on ``PYTHONPATH``, the environment
     variables ``drop`` unset and ``env`` set; its result, unchecked."""
     environment = {**{k: v for k, v in os.environ.items() if k not in drop}, **(env or {})}
     environment["PYTHONPATH"] = os.pathsep.join([str(ROOT), environment.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=environment, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_example(*argv: str, timeout: int = 300) -> str:

@@ -45,9 +45,17 @@ from tq_compile import TurboQuantKVCache
 
 HQ, HK, D, CONTEXT = 8, 2, 128, 256
 _BUILD_DIR = tempfile.TemporaryDirectory()  # the modules built, removed at exit
-_TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                  torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
-                  torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}  # fmt: skip
+_TRITON_DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.bool: "i1",
+    torch.float8_e4m3fn: "fp8e4nv",
+}
 
 
 class Step(torch.nn.Module):
@@ -87,8 +95,10 @@ def build(node, label: str) -> None:
     # the constexprs by repr, then the kernel, undecorated (inductor writes its decorators,
     # which hold the constexprs, above it); inductor embeds all of it in a string literal of
     # its generated code, which processes the escapes once
-    source = (f"import triton\nimport triton.language as tl\n\nCONSTANTS = {constants!r}\n\n"
-              f"@triton.jit\n{inductor_kernel_source(kernel.fn)}")  # fmt: skip
+    source = (
+        f"import triton\nimport triton.language as tl\n\nCONSTANTS = {constants!r}\n\n"
+        f"@triton.jit\n{inductor_kernel_source(kernel.fn)}"
+    )
     embedded = "'''" + source + "'''"
     path = Path(_BUILD_DIR.name) / f"{node.name}.py"
     path.write_text(eval(embedded))  # noqa: S307
@@ -112,13 +122,15 @@ def build(node, label: str) -> None:
     # rides in its keyword arguments), and the compile options inductor makes of it
     (config,) = kernel.configs
     config = config_from_dict(config_to_dict(config))
-    compile_meta = {"num_warps": config.num_warps, "num_stages": config.num_stages,
-                    "debug": False}  # fmt: skip
+    compile_meta = {"num_warps": config.num_warps, "num_stages": config.num_stages, "debug": False}
     cuda = SimpleNamespace(device_props=SimpleNamespace(type="cuda"))
     options = CachingAutotuner._create_compile_options(cuda, config, compile_meta)
     with offline_target():
-        compiled = triton.compile(ASTSource(built, signature, constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
+        compiled = triton.compile(
+            ASTSource(built, signature, constexprs),
+            target=GPUTarget("cuda", 90, 32),
+            options=options,
+        )
     cap = re.search(r"^\.maxnreg (\d+)", compiled.asm["ptx"], re.MULTILINE)
     print(f"{label} maxnreg: {cap and cap.group(1)}", flush=True)
 

@@ -50,8 +50,10 @@ _original_dot = interpreter.InterpreterBuilder.create_dot
 
 def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
-        a, b = (self.create_fp_ext(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
-                for x in (a, b))  # fmt: skip
+        a, b = (
+            self.create_fp_ext(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+            for x in (a, b)
+        )
     return _original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
 

@@ -48,41 +48,115 @@ def kernels(name: str) -> dict:
     inv = 1 / math.sqrt(d)
     jobs = {
         "store": lambda: compile_offline(
-            store.store_kernel, (1,), rows, rows, *rows.stride(), *rows.stride(),
-            plane_arguments(cache), lens, rot, 8, HEADS, PAGE, PAGES * PAGE, D=d, INV_SQRT_D=inv,
-            BLOCK_R=32, K=kp, V=vp, num_warps=4),
+            store.store_kernel,
+            (1,),
+            rows,
+            rows,
+            *rows.stride(),
+            *rows.stride(),
+            plane_arguments(cache),
+            lens,
+            rot,
+            8,
+            HEADS,
+            PAGE,
+            PAGES * PAGE,
+            D=d,
+            INV_SQRT_D=inv,
+            BLOCK_R=32,
+            K=kp,
+            V=vp,
+            num_warps=4,
+        ),
         # a cache's start: input_pos[:1].expand(B), int64; centring set inline (one token);
         # the launch shapes of appends and of prefill chunks; a padded head dim (its rotation
         # by products, one row per program in appends)
-        **{f"store_window D={dim} {start.dtype}{' centred' if center else ''} {launch}":
-           functools.partial(_store_window_job, fmt, dim, start, center, launch)
-           for dim, start, center, launch in (
-               (d, lens, False, store_window.PREFILL_LAUNCH),
-               (d, torch.zeros(1, dtype=torch.int64).expand(2), False, store_window.APPEND_LAUNCH),
-               (d, lens, True, store_window.APPEND_LAUNCH),
-               (96, lens, False, store_window.APPEND_LAUNCH))},
+        **{
+            _store_window_name(dim, start, center, launch): functools.partial(
+                _store_window_job, fmt, dim, start, center, launch
+            )
+            for dim, start, center, launch in (
+                (d, lens, False, store_window.PREFILL_LAUNCH),
+                (
+                    d,
+                    torch.zeros(1, dtype=torch.int64).expand(2),
+                    False,
+                    store_window.APPEND_LAUNCH,
+                ),
+                (d, lens, True, store_window.APPEND_LAUNCH),
+                (96, lens, False, store_window.APPEND_LAUNCH),
+            )
+        },
         "center_keys": lambda: compile_offline(
-            center.center_keys_kernel, (4,), new, *new.stride(), ring, ring_pos,
-            *ring.stride()[:3], centres, lens, lens.stride(0), HEADS, 1, WINDOW, D=d, D_PAD=d,
-            SINKS=SINKS, BLOCK=32, num_warps=4),
+            center.center_keys_kernel,
+            (4,),
+            new,
+            *new.stride(),
+            ring,
+            ring_pos,
+            *ring.stride()[:3],
+            centres,
+            lens,
+            lens.stride(0),
+            HEADS,
+            1,
+            WINDOW,
+            D=d,
+            D_PAD=d,
+            SINKS=SINKS,
+            BLOCK=32,
+            num_warps=4,
+        ),
         "dequant": lambda: compile_offline(
-            dequant.dequant_kernel, (4, 2), plane_arguments(cache), table_arguments(table), lens,
-            rot, dense, dense, ring_arguments(window), WINDOW, HEADS, PAGE, 4, 64,
-            HAS_WINDOW=True, D=d, D_PAD=d, INV_SQRT_D=inv, BLOCK_S=32, K=kp, V=vp, SINKS=SINKS,
-            num_warps=4),
-    }  # fmt: skip
+            dequant.dequant_kernel,
+            (4, 2),
+            plane_arguments(cache),
+            table_arguments(table),
+            lens,
+            rot,
+            dense,
+            dense,
+            ring_arguments(window),
+            WINDOW,
+            HEADS,
+            PAGE,
+            4,
+            64,
+            HAS_WINDOW=True,
+            D=d,
+            D_PAD=d,
+            INV_SQRT_D=inv,
+            BLOCK_S=32,
+            K=kp,
+            V=vp,
+            SINKS=SINKS,
+            num_warps=4,
+        ),
+    }
     q = torch.zeros(2, HEADS * GROUP, d, dtype=torch.bfloat16)
     long_table = torch.zeros(2, 64, dtype=torch.int32)
     for fast in (True, False):
         for label, block_table in (("short", table), ("long", long_table)):
             plan = decode.plan_for(fmt, q, cache, block_table, 2, None, window, fast)
-            q_code = torch.empty(2, HEADS * GROUP, max(1, plan.q_code_columns),
-                                 dtype=torch.float16)  # fmt: skip
+            q_code = torch.empty(
+                2, HEADS * GROUP, max(1, plan.q_code_columns), dtype=torch.float16
+            )
             part_out = torch.empty(2, HEADS * GROUP, plan.num_partials, d)
             part_lse = torch.empty(2, HEADS * GROUP, plan.num_partials)
             mask_args = (lens, 0, 0, 0, 0)
-            split_args = split_arguments(q, q_code, LOG2E, rot, cache, block_table, lens,
-                                         mask_args, window, part_out, part_lse)  # fmt: skip
+            split_args = split_arguments(
+                q,
+                q_code,
+                LOG2E,
+                rot,
+                cache,
+                block_table,
+                lens,
+                mask_args,
+                window,
+                part_out,
+                part_lse,
+            )
             launches = {
                 "split": (plan.split, split_args),
                 "merge": (plan.merge, (part_out, part_lse, rot, q, 2 * HEADS * GROUP)),
@@ -119,12 +193,19 @@ def prefill_kernels() -> dict:
     check, the chunk taken from SDPA or recomputed), rings with and without sinks and centred
     keys, inline PTX and not, uniform, rotated and fp8-key formats (about 12 s a compile: a
     few variants cover its branches)."""
-    variants = (("4bit_nc", WINDOW, SINKS, 1, 2, True), ("tqk5v3_nc", 0, 0, 0, 1, True),
-                ("k8v4", WINDOW, 0, 2, 2, False), ("tq3_nc", 0, 0, 0, 0, False))  # fmt: skip
-    return {f"{name} prefill (window {window}, sinks {sinks}, mask {mask_kind}, chunk mode "
-            f"{chunk_mode}, fast={fast})": functools.partial(
-                _prefill_job, get_format(name), window, sinks, mask_kind, chunk_mode, fast)
-            for name, window, sinks, mask_kind, chunk_mode, fast in variants}  # fmt: skip
+    variants = (
+        ("4bit_nc", WINDOW, SINKS, 1, 2, True),
+        ("tqk5v3_nc", 0, 0, 0, 1, True),
+        ("k8v4", WINDOW, 0, 2, 2, False),
+        ("tq3_nc", 0, 0, 0, 0, False),
+    )
+    return {
+        f"{name} prefill (window {window}, sinks {sinks}, mask {mask_kind}, chunk mode "
+        f"{chunk_mode}, fast={fast})": functools.partial(
+            _prefill_job, get_format(name), window, sinks, mask_kind, chunk_mode, fast
+        )
+        for name, window, sinks, mask_kind, chunk_mode, fast in variants
+    }
 
 
 def _prefill_job(fmt, window, sinks, mask_kind, chunk_mode, fast):
@@ -138,22 +219,63 @@ def _prefill_job(fmt, window, sinks, mask_kind, chunk_mode, fast):
     lens = torch.zeros(2, dtype=torch.int32)
     ring = torch.empty(2, HEADS, WINDOW + SINKS, d, dtype=torch.bfloat16)
     ring_pos = torch.empty(2, HEADS, WINDOW + SINKS, dtype=torch.int32)
-    rings = (ring_arguments(RecentWindow(ring, ring, ring_pos, SINKS)) if window + sinks
-             else (q, q, lens, 0, 0, 0))  # fmt: skip
+    rings = (
+        ring_arguments(RecentWindow(ring, ring, ring_pos, SINKS))
+        if window + sinks
+        else (q, q, lens, 0, 0, 0)
+    )
     mask = torch.empty(1, 1, tokens, 64, dtype=torch.bool if mask_kind == 1 else torch.bfloat16)
     mask_args = (mask, 0, 0, 64, 64) if mask_kind else (lens, 0, 0, 0, 0)
     config = prefill.PrefillConfig()
-    kwargs = prefill._launcher(part_params(fmt, "k", d, fast), part_params(fmt, "v", d, fast),
-                               GROUP, d, PAGE, sinks, window + sinks > 0, window > 0, mask_kind,
-                               chunk_mode == 1, chunk_mode, config).kwargs  # fmt: skip
+    kwargs = prefill._launcher(
+        part_params(fmt, "k", d, fast),
+        part_params(fmt, "v", d, fast),
+        GROUP,
+        d,
+        PAGE,
+        sinks,
+        window + sinks > 0,
+        window > 0,
+        mask_kind,
+        chunk_mode == 1,
+        chunk_mode,
+        config,
+    ).kwargs
     return compile_offline(
-        prefill.prefill_kernel, (2 * HEADS, 2), q, *q.stride()[:3], chunk, chunk,
-        *chunk.stride()[:3], *chunk.stride()[:3], q, *q.stride()[:3], lse, *lse.stride(),
-        plane_arguments(cache), table_arguments(torch.zeros(2, 4, dtype=torch.int32)), lens,
-        api.make_constants(fmt, d).rotation, rings, torch.empty(2, HEADS, d), mask_args,
-        torch.empty(2, 1, tokens, dtype=torch.int8), tokens, 0, HEADS, tokens, window, 4, 1000,
-        0.1, **kwargs,
-    )  # fmt: skip
+        prefill.prefill_kernel,
+        (2 * HEADS, 2),
+        q,
+        *q.stride()[:3],
+        chunk,
+        chunk,
+        *chunk.stride()[:3],
+        *chunk.stride()[:3],
+        q,
+        *q.stride()[:3],
+        lse,
+        *lse.stride(),
+        plane_arguments(cache),
+        table_arguments(torch.zeros(2, 4, dtype=torch.int32)),
+        lens,
+        api.make_constants(fmt, d).rotation,
+        rings,
+        torch.empty(2, HEADS, d),
+        mask_args,
+        torch.empty(2, 1, tokens, dtype=torch.int8),
+        tokens,
+        0,
+        HEADS,
+        tokens,
+        window,
+        4,
+        1000,
+        0.1,
+        **kwargs,
+    )
+
+
+def _store_window_name(dim, start, center, launch) -> str:
+    return f"store_window D={dim} {start.dtype}{' centred' if center else ''} {launch}"
 
 
 def _store_window_job(fmt, d, start, center, launch):
@@ -167,13 +289,38 @@ def _store_window_job(fmt, d, start, center, launch):
     new = torch.empty(2, HEADS, 1, d, dtype=torch.bfloat16)
     lens = torch.zeros(2, dtype=torch.int32)
     return compile_offline(
-        store_window.store_window_kernel, (1,), new, new, *new.stride(), *new.stride(),
-        ring_arguments(RecentWindow(ring, ring, ring_pos, SINKS)), plane_arguments(cache),
-        table_arguments(torch.zeros(2, 4, dtype=torch.int32)), start, start.stride(0), lens,
-        api.make_constants(fmt, d).rotation, torch.empty(2, HEADS, d), 4, HEADS, 1, 1, WINDOW,
-        PAGE, 4, D=d, D_PAD=d_pad, INV_SQRT_D=1 / math.sqrt(d), BLOCK_R=launch[0], K=kp, V=vp,
-        SINKS=SINKS, CENTER=center, CENTER_INLINE=center, num_warps=launch[1],
-    )  # fmt: skip
+        store_window.store_window_kernel,
+        (1,),
+        new,
+        new,
+        *new.stride(),
+        *new.stride(),
+        ring_arguments(RecentWindow(ring, ring, ring_pos, SINKS)),
+        plane_arguments(cache),
+        table_arguments(torch.zeros(2, 4, dtype=torch.int32)),
+        start,
+        start.stride(0),
+        lens,
+        api.make_constants(fmt, d).rotation,
+        torch.empty(2, HEADS, d),
+        4,
+        HEADS,
+        1,
+        1,
+        WINDOW,
+        PAGE,
+        4,
+        D=d,
+        D_PAD=d_pad,
+        INV_SQRT_D=1 / math.sqrt(d),
+        BLOCK_R=launch[0],
+        K=kp,
+        V=vp,
+        SINKS=SINKS,
+        CENTER=center,
+        CENTER_INLINE=center,
+        num_warps=launch[1],
+    )
 
 
 def _compile_job(launch, args):
@@ -214,17 +361,22 @@ def verify_kernels() -> dict:
 
     def job(query, paged, page, window, sinks, mask_kind=0, mask_args=no_mask):
         rings = RecentWindow(ring, ring, ring_pos, SINKS) if window + sinks else None
-        args = verify.verify_arguments(query, q_code, LOG2E, paged, table, lens, rings,
-                                       mask_args, part_out, part_lse)  # fmt: skip
-        kwargs = verify.verify_constexprs(fmt, 0, 1, tokens, page, window, sinks, mask_kind,
-                                          splits, splits, True)  # fmt: skip
+        args = verify.verify_arguments(
+            query, q_code, LOG2E, paged, table, lens, rings, mask_args, part_out, part_lse
+        )
+        kwargs = verify.verify_constexprs(
+            fmt, 0, 1, tokens, page, window, sinks, mask_kind, splits, splits, True
+        )
         return functools.partial(
             compile_offline, verify.verify_kernel, (splits, HEADS, 2), *args, **kwargs
         )
 
     jobs = {}
-    for mask_kind, mask in ((0, None), (1, torch.empty(2, rows, 64, dtype=torch.bool)),
-                            (2, torch.empty(1, 1, 64))):  # fmt: skip
+    for mask_kind, mask in (
+        (0, None),
+        (1, torch.empty(2, rows, 64, dtype=torch.bool)),
+        (2, torch.empty(1, 1, 64)),
+    ):
         mask_args = no_mask if mask is None else (mask, 0, 64, 0, 64)
         for window, sinks in ((0, 0), (WINDOW, SINKS)):
             jobs[f"verify (mask {mask_kind}, window {window}, sinks {sinks})"] = job(
@@ -241,10 +393,14 @@ def verify_kernels() -> dict:
 
 
 def main(names: list[str]) -> int:
-    results = [report(f"{name} {kernel}", compile_it)
-               for name in names for kernel, compile_it in kernels(name).items()]  # fmt: skip
-    results += [report(f"4bit_nc {label}", compile_it)
-                for label, compile_it in verify_kernels().items()]  # fmt: skip
+    results = [
+        report(f"{name} {kernel}", compile_it)
+        for name in names
+        for kernel, compile_it in kernels(name).items()
+    ]
+    results += [
+        report(f"4bit_nc {label}", compile_it) for label, compile_it in verify_kernels().items()
+    ]
     results += [report(label, compile_it) for label, compile_it in prefill_kernels().items()]
     return 0 if all(results) else 1
 

@@ -19,15 +19,30 @@ CAPACITY = PAGE_SIZE * PAGES_PER_SEQ + WINDOW
 # (T, start of each sequence): a prefill longer than the window, a skipped sequence (-1), short
 # chunks, single tokens, a chunk that crosses the window boundary of sequence 1, and one that
 # takes sequence 0 past its block table's 28 positions (into the ring).
-STEPS = [(11, (0, -1)), (3, (11, 0)), (1, (14, 3)), (6, (15, 4)), (1, (21, 10)), (2, (22, 11)),
-         (9, (24, 13))]  # fmt: skip
+STEPS = [
+    (11, (0, -1)),
+    (3, (11, 0)),
+    (1, (14, 3)),
+    (6, (15, 4)),
+    (1, (21, 10)),
+    (2, (22, 11)),
+    (9, (24, 13)),
+]
 
 # Writes that start below the length (speculative decoding, rollback, a new sequence): a rewrite
 # inside the ring (sequence 1 at 5 of 11), a rollback of 10 > W positions that crosses where the
 # ring run starts (sequence 0 from 14 to 4), a chunk longer than the window after a rollback
 # (its first tokens go straight to the pages), a restart at 0 and appends in between.
-REWRITE_STEPS = [(11, (0, 0)), (3, (11, 5)), (2, (4, 8)), (1, (6, 10)), (12, (3, 2)),
-                 (1, (0, 14)), (5, (1, -1)), (9, (6, 14))]  # fmt: skip
+REWRITE_STEPS = [
+    (11, (0, 0)),
+    (3, (11, 5)),
+    (2, (4, 8)),
+    (1, (6, 10)),
+    (12, (3, 2)),
+    (1, (0, 14)),
+    (5, (1, -1)),
+    (9, (6, 14)),
+]
 
 
 class Sequences:
@@ -35,8 +50,16 @@ class Sequences:
     slots and ``sinks``), with ``center`` their keys' centres (``key_center [B, Hk, D]``,
     stored centred), and every token appended so far (bf16 ``[B, Hk, S, D]``)."""
 
-    def __init__(self, fmt_name, gen, device="cpu", dtype=torch.bfloat16, window=WINDOW,
-                 sinks=0, center=False):  # fmt: skip
+    def __init__(
+        self,
+        fmt_name,
+        gen,
+        device="cpu",
+        dtype=torch.bfloat16,
+        window=WINDOW,
+        sinks=0,
+        center=False,
+    ):
         self.fmt = get_format(fmt_name)
         self.window, self.sinks = window, sinks
         self.capacity = PAGE_SIZE * PAGES_PER_SEQ + window
@@ -96,15 +119,29 @@ class Sequences:
             assert use_triton, "a launch shape is the Triton kernels'"
             with triton_kernels(d):
                 lens = triton_store_window.store_window(
-                    self.fmt, key.to(d), value.to(d), self.cache, self.recent, self.block_table,
-                    start_pos.to(d), self.consts.rotation, block_rows=launch[0],
+                    self.fmt,
+                    key.to(d),
+                    value.to(d),
+                    self.cache,
+                    self.recent,
+                    self.block_table,
+                    start_pos.to(d),
+                    self.consts.rotation,
+                    block_rows=launch[0],
                     num_warps=launch[1],
-                )  # fmt: skip
+                )
         else:
             with triton_kernels(d) if use_triton else torch.no_grad():
-                lens = api.store_window(self.fmt, self.cache, key.to(d), value.to(d), self.recent,
-                                        self.block_table, start_pos.to(d),
-                                        self.consts)  # fmt: skip
+                lens = api.store_window(
+                    self.fmt,
+                    self.cache,
+                    key.to(d),
+                    value.to(d),
+                    self.recent,
+                    self.block_table,
+                    start_pos.to(d),
+                    self.consts,
+                )
         # the op returns the written sequences' lengths, 0 for the skipped ones
         assert torch.equal(lens.cpu(), torch.where(start_pos >= 0, self.lens, 0)), lens
 
@@ -115,10 +152,18 @@ class Sequences:
         d = self.device
         lens = self.lens if lens is None else lens
         with triton_kernels(d):
-            return api.decode(self.fmt, q.to(d), self.cache, self.block_table, lens.to(d),
-                              self.consts, num_splits=num_splits,
-                              mask=None if mask is None else mask.to(d),
-                              window=self.recent, softcap=softcap).cpu()  # fmt: skip
+            return api.decode(
+                self.fmt,
+                q.to(d),
+                self.cache,
+                self.block_table,
+                lens.to(d),
+                self.consts,
+                num_splits=num_splits,
+                mask=None if mask is None else mask.to(d),
+                window=self.recent,
+                softcap=softcap,
+            ).cpu()
 
     @property
     def rings(self):

@@ -114,8 +114,11 @@ class TurboQuantKVCache(nn.Module):
         super().__init__()
         if dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"dtype must be the model's bfloat16 or float16, got {dtype}")
-        for arg, value in (("max_batch_size", max_batch_size), ("n_heads", n_heads),
-                           ("max_seq_length", max_seq_length)):  # fmt: skip
+        for arg, value in (
+            ("max_batch_size", max_batch_size),
+            ("n_heads", n_heads),
+            ("max_seq_length", max_seq_length),
+        ):
             check_count(arg, value, 1)
         self.options = options = CacheOptions.of(options, fields)
         page_size, seed, center_keys = options.page_size, options.seed, options.center_keys
@@ -129,32 +132,49 @@ class TurboQuantKVCache(nn.Module):
         pages_per_seq = max(1, -(-(max_seq_length - self.window) // page_size))
         self.pages_per_seq = pages_per_seq
         device = torch.get_default_device() if device is None else device  # honours `with device`
-        cache = self.kv_format.allocate(max_batch_size * pages_per_seq, n_heads, page_size,
-                                        head_dim, device)  # fmt: skip
+        cache = self.kv_format.allocate(
+            max_batch_size * pages_per_seq, n_heads, page_size, head_dim, device
+        )
         consts = api.make_constants(self.kv_format, head_dim, seed, device)
         table = torch.arange(max_batch_size * pages_per_seq, dtype=torch.int32, device=device)
         ring_shape = (max_batch_size, n_heads, self.window + self.sinks, head_dim)
-        rings = [(name, torch.zeros(ring_shape, dtype=dtype, device=device))
-                 for name in ("k_window", "v_window") if self.has_rings]  # fmt: skip
+        rings = [
+            (name, torch.zeros(ring_shape, dtype=dtype, device=device))
+            for name in ("k_window", "v_window")
+            if self.has_rings
+        ]
         if self.has_rings:  # no slot holds a position yet
-            rings.append(("window_pos", torch.full(ring_shape[:3], -1, dtype=torch.int32,
-                                                   device=device)))  # fmt: skip
+            rings.append(
+                ("window_pos", torch.full(ring_shape[:3], -1, dtype=torch.int32, device=device))
+            )
         self.center_keys = center_keys
         if center_keys:  # no centre yet: keys are stored as they are until one is set
-            centres = torch.zeros(max_batch_size, n_heads, head_dim, dtype=torch.float32,
-                                  device=device)  # fmt: skip
+            centres = torch.zeros(
+                max_batch_size, n_heads, head_dim, dtype=torch.float32, device=device
+            )
             rings.append(("key_center", centres))
-        for name, tensor in (*zip(cache._fields, cache, strict=True),
-                             ("block_table", table.reshape(max_batch_size, pages_per_seq)),
-                             *zip(consts._fields, consts, strict=True), *rings):  # fmt: skip
+        for name, tensor in (
+            *zip(cache._fields, cache, strict=True),
+            ("block_table", table.reshape(max_batch_size, pages_per_seq)),
+            *zip(consts._fields, consts, strict=True),
+            *rings,
+        ):
             self.register_buffer(name, tensor, persistent=False)
         self.num_kv_heads, self.head_dim = n_heads, head_dim
         self.num_splits = self._choose_splits()
         self._forget_eager()
         if warn_unquantized and self.quantizes_nothing:
-            warn_unquantized_cache("TurboQuantKVCache", "max_seq_length", max_seq_length,
-                                   options, max_batch_size, self.nbytes(), self.dense_nbytes(),
-                                   "dense cache", stacklevel=2)  # fmt: skip
+            warn_unquantized_cache(
+                "TurboQuantKVCache",
+                "max_seq_length",
+                max_seq_length,
+                options,
+                max_batch_size,
+                self.nbytes(),
+                self.dense_nbytes(),
+                "dense cache",
+                stacklevel=2,
+            )
 
     @property
     def quantizes_nothing(self) -> bool:
@@ -177,9 +197,14 @@ class TurboQuantKVCache(nn.Module):
     def _choose_splits(self) -> int:
         if self.options.num_splits is not None:
             return self.options.num_splits
-        return api.default_num_splits(self.max_batch_size, self.k_codes.shape[1],
-                                      self.pages_per_seq, self.page_size, self.window,
-                                      self.k_codes.device)  # fmt: skip
+        return api.default_num_splits(
+            self.max_batch_size,
+            self.k_codes.shape[1],
+            self.pages_per_seq,
+            self.page_size,
+            self.window,
+            self.k_codes.device,
+        )
 
     def _apply(self, fn, recurse=True):
         # what fn does to a tensor of the model's dtype: a conversion to the other model dtype
@@ -230,38 +255,57 @@ class TurboQuantKVCache(nn.Module):
             or input_pos.dim() != 1
             or (input_pos.dtype.is_floating_point or input_pos.dtype == torch.bool)
         ):
-            got = (f"{input_pos.dtype} of shape {tuple(input_pos.shape)}"
-                   if isinstance(input_pos, torch.Tensor) else repr(input_pos))  # fmt: skip
+            got = (
+                f"{input_pos.dtype} of shape {tuple(input_pos.shape)}"
+                if isinstance(input_pos, torch.Tensor)
+                else repr(input_pos)
+            )
             raise TypeError(f"{where}: input_pos must be a 1-D integer tensor [T], got {got}")
         heads, head_dim = self.num_kv_heads, self.head_dim
         if k_val.dim() != 4 or v_val.shape != k_val.shape:
-            raise ValueError(f"{where}: k_val and v_val must be [B, Hk, T, D] of one shape, got "
-                             f"{tuple(k_val.shape)} and {tuple(v_val.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{where}: k_val and v_val must be [B, Hk, T, D] of one shape, got "
+                f"{tuple(k_val.shape)} and {tuple(v_val.shape)}"
+            )
         batch, num_kv_heads, n_new, dim = k_val.shape
         if not 1 <= batch <= self.max_batch_size:
-            raise ValueError(f"{where}: batch {batch} (k_val.shape[0]) must be in [1, "
-                             f"{self.max_batch_size}] (the cache's max_batch_size)")  # fmt: skip
+            raise ValueError(
+                f"{where}: batch {batch} (k_val.shape[0]) must be in [1, "
+                f"{self.max_batch_size}] (the cache's max_batch_size)"
+            )
         if (num_kv_heads, dim) != (heads, head_dim):
-            raise ValueError(f"{where}: k_val has {num_kv_heads} kv-heads of dim {dim}; the "
-                             f"cache holds {heads} of dim {head_dim}")  # fmt: skip
+            raise ValueError(
+                f"{where}: k_val has {num_kv_heads} kv-heads of dim {dim}; the "
+                f"cache holds {heads} of dim {head_dim}"
+            )
         if n_new < 1 or input_pos.shape[0] != n_new:
-            raise ValueError(f"{where}: input_pos has {input_pos.shape[0]} positions for "
-                             f"{n_new} new tokens (k_val.shape[2]); expected T >= 1 of "
-                             "each")  # fmt: skip
+            raise ValueError(
+                f"{where}: input_pos has {input_pos.shape[0]} positions for "
+                f"{n_new} new tokens (k_val.shape[2]); expected T >= 1 of "
+                "each"
+            )
         if torch.compiler.is_compiling() or not validate.checks_values(input_pos):
             return  # traced: no values to read (the ops' own checks still run)
         low, high = int(input_pos.min()), int(input_pos.max())
         if low < 0 or high >= self.max_seq_length:
             bad = low if low < 0 else high
-            raise ValueError(f"{where}: input_pos holds position {bad}; expected positions in "
-                             f"[0, {self.max_seq_length}) (max_seq_length)")  # fmt: skip
-        if (self.has_rings or n_new > 1) and not torch.equal(input_pos - low, torch.arange(
-                n_new, device=input_pos.device, dtype=input_pos.dtype)):  # fmt: skip
-            why = (f"with a ring (window={self.window}, sinks={self.sinks})" if self.has_rings
-                   else "a prefill chunk (T > 1) is its sequence's last T positions, so")
-            raise ValueError(f"{where}: {why} new tokens take consecutive positions: input_pos "
-                             f"must be start .. start + T - 1, got "
-                             f"{input_pos.tolist()[:8]}")  # fmt: skip
+            raise ValueError(
+                f"{where}: input_pos holds position {bad}; expected positions in "
+                f"[0, {self.max_seq_length}) (max_seq_length)"
+            )
+        if (self.has_rings or n_new > 1) and not torch.equal(
+            input_pos - low, torch.arange(n_new, device=input_pos.device, dtype=input_pos.dtype)
+        ):
+            why = (
+                f"with a ring (window={self.window}, sinks={self.sinks})"
+                if self.has_rings
+                else "a prefill chunk (T > 1) is its sequence's last T positions, so"
+            )
+            raise ValueError(
+                f"{where}: {why} new tokens take consecutive positions: input_pos "
+                f"must be start .. start + T - 1, got "
+                f"{input_pos.tolist()[:8]}"
+            )
 
     def update(
         self, input_pos: torch.Tensor, k_val: torch.Tensor, v_val: torch.Tensor
@@ -300,8 +344,9 @@ class TurboQuantKVCache(nn.Module):
                 self._eager_operands[batch] = operands
                 # the module's own buffers: only replaced (_apply), never resized in place
                 # (fix_metadata passes over the window's sinks and a None centre)
-                validate.fix_metadata(*operands.planes, *(operands.window or ()), operands.table,
-                                      operands.rotation)  # fmt: skip
+                validate.fix_metadata(
+                    *operands.planes, *(operands.window or ()), operands.table, operands.rotation
+                )
         planes, window, table, rotation = operands
         name = self.kv_format.name
         # The codes are constants to autograd (the ops have no derivative); a chunk's views
@@ -314,9 +359,18 @@ class TurboQuantKVCache(nn.Module):
             # mutation analysis sees what it writes (see custom_ops.triton.traced), and the view
             # counts as read only.
             start = input_pos[:1].expand(batch)
-            seq_lens = ops.call(StoreWindowArgs(k_store, v_store, *planes, block_table=table,
-                                                start_pos=start, rotation=rotation, fmt=name,
-                                                **window_fields(window, StoreWindowArgs)))
+            seq_lens = ops.call(
+                StoreWindowArgs(
+                    k_store,
+                    v_store,
+                    *planes,
+                    block_table=table,
+                    start_pos=start,
+                    rotation=rotation,
+                    fmt=name,
+                    **window_fields(window, StoreWindowArgs),
+                )
+            )
         else:
             pos = input_pos.to(torch.int64)
             pages = table[:, pos // self.page_size]  # [B, T]
@@ -324,8 +378,9 @@ class TurboQuantKVCache(nn.Module):
             # [B, Hk, T, D] -> [B * T, Hk, D] rows in (sequence, token) order, like the slots
             keys = k_store.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
             values = v_store.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
-            ops.call(StoreArgs(keys, values, *planes, slots.reshape(-1).to(torch.int32),
-                               rotation, name))  # fmt: skip
+            ops.call(
+                StoreArgs(keys, values, *planes, slots.reshape(-1).to(torch.int32), rotation, name)
+            )
             seq_lens = (pos.max() + 1).expand(batch).to(torch.int32)
         if n_new > 1:
             # a prefill chunk (or a verify step): fresh views carrying its exact keys and values
@@ -350,23 +405,39 @@ class TurboQuantKVCache(nn.Module):
         window = None
         if self.has_rings:  # whole: the ops take rings of at least B sequences
             key_center = self.key_center if self.center_keys else None
-            window = RecentWindow(self.k_window, self.v_window, self.window_pos, self.sinks,
-                                  key_center)  # fmt: skip
+            window = RecentWindow(
+                self.k_window, self.v_window, self.window_pos, self.sinks, key_center
+            )
         planes = PagedKVCache(self.k_codes, self.v_codes, self.meta)
         return _Operands(planes, window, table, self.rotation)
 
-    def _views(self, operands: _Operands, seq_lens: torch.Tensor,
-               chunk_k: torch.Tensor | None = None, chunk_v: torch.Tensor | None = None):
+    def _views(
+        self,
+        operands: _Operands,
+        seq_lens: torch.Tensor,
+        chunk_k: torch.Tensor | None = None,
+        chunk_v: torch.Tensor | None = None,
+    ):
         """Key and value views of ``operands``' sequences, of lengths ``seq_lens [B] int32``,
         carrying the update's exact keys and values ``chunk_k``/``chunk_v [B, Hk, T, D]`` (or
         None)."""
         return tuple(
-            TurboQuantKVTensor.from_cache(side, self.kv_format.name, operands.planes,
-                                          operands.table, seq_lens, operands.rotation,
-                                          self.max_seq_length, self.num_splits, self.model_dtype,
-                                          operands.window, chunk_k, chunk_v)
+            TurboQuantKVTensor.from_cache(
+                side,
+                self.kv_format.name,
+                operands.planes,
+                operands.table,
+                seq_lens,
+                operands.rotation,
+                self.max_seq_length,
+                self.num_splits,
+                self.model_dtype,
+                operands.window,
+                chunk_k,
+                chunk_v,
+            )
             for side in ("key", "value")
-        )  # fmt: skip
+        )
 
     def nbytes(self) -> int:
         """Bytes the cache holds, every buffer counted: codes and meta of every page slot, the
@@ -382,10 +453,12 @@ class TurboQuantKVCache(nn.Module):
         return 2 * elements * self.model_dtype.itemsize
 
     def extra_repr(self) -> str:
-        return (f"preset={self.kv_format.name}, batch={self.max_batch_size}, "
-                f"max_seq_length={self.max_seq_length}, page_size={self.page_size}, "
-                f"window={self.window}, sinks={self.sinks}, center_keys={self.center_keys}, "
-                f"num_splits={self.num_splits}")  # fmt: skip
+        return (
+            f"preset={self.kv_format.name}, batch={self.max_batch_size}, "
+            f"max_seq_length={self.max_seq_length}, page_size={self.page_size}, "
+            f"window={self.window}, sinks={self.sinks}, center_keys={self.center_keys}, "
+            f"num_splits={self.num_splits}"
+        )
 
 
 def kv_cache_nbytes(model: nn.Module) -> int:
@@ -403,9 +476,17 @@ def kv_cache_nbytes(model: nn.Module) -> int:
     return total
 
 
-def warn_unquantized_cache(where: str, capacity_name: str, capacity: int, options: CacheOptions,
-                           sequences: int, held: int, dense: int, dense_name: str,
-                           stacklevel: int) -> None:  # fmt: skip
+def warn_unquantized_cache(
+    where: str,
+    capacity_name: str,
+    capacity: int,
+    options: CacheOptions,
+    sequences: int,
+    held: int,
+    dense: int,
+    dense_name: str,
+    stacklevel: int,
+) -> None:
     """Warn that a cache's window and sinks cover its capacity, so that it quantizes nothing
     (``UserWarning``; Python shows a message once per line that warns it).
 

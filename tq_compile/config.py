@@ -56,8 +56,15 @@ class TurboQuantKVConfig(AOBaseConfig):
     keep_first: int
     keep_last: int
 
-    def __init__(self, preset: str | None = None, *, keep_first: int = 0, keep_last: int = 0,
-                 options: CacheOptions | None = None, **fields) -> None:  # fmt: skip
+    def __init__(
+        self,
+        preset: str | None = None,
+        *,
+        keep_first: int = 0,
+        keep_last: int = 0,
+        options: CacheOptions | None = None,
+        **fields,
+    ) -> None:
         if preset is not None:
             fields["preset"] = preset
         self.options = CacheOptions.of(options, fields)
@@ -94,8 +101,15 @@ def _turboquant_kv_transform(module: nn.Module, config: TurboQuantKVConfig) -> n
             "filter_fn=tq_compile.is_kv_cache."
         )
     batch, num_kv_heads, max_seq_length, head_dim = module.k_cache.shape
-    return TurboQuantKVCache(batch, num_kv_heads, max_seq_length, head_dim, module.k_cache.dtype,
-                             options=config.options, device=module.k_cache.device)  # fmt: skip
+    return TurboQuantKVCache(
+        batch,
+        num_kv_heads,
+        max_seq_length,
+        head_dim,
+        module.k_cache.dtype,
+        options=config.options,
+        device=module.k_cache.device,
+    )
 
 
 def quantize_(
@@ -120,8 +134,9 @@ def quantize_(
     """
     selected = filter_fn or is_kv_cache
     matches = [fqn for fqn, module in model.named_modules() if selected(module, fqn)]
-    quantized = [fqn for fqn, module in model.named_modules()
-                 if isinstance(module, TurboQuantKVCache)]  # fmt: skip
+    quantized = [
+        fqn for fqn, module in model.named_modules() if isinstance(module, TurboQuantKVCache)
+    ]
     if quantized:  # dense caches left by keep_first / keep_last would get another format
         raise ValueError(
             f"TurboQuantKVConfig({config.preset!r}): the model's KV caches are TurboQuant caches "

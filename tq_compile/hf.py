@@ -71,8 +71,9 @@ ATTENTION = "turboquant"
 _SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
-def turboquant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                         softcap=None, **kwargs):  # fmt: skip
+def turboquant_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs
+):
     """transformers' attention function ``"turboquant"`` (an ``AttentionInterface`` entry).
 
     Over a :class:`TurboQuantCache`'s views it is what the ``"sdpa"`` implementation does over
@@ -106,14 +107,31 @@ def turboquant_attention(module, query, key, value, attention_mask, dropout=0.0,
                 f"and {type(module).__module__} has no eager_attention_forward"
             )
         mask = _additive_mask(attention_mask, query, key, is_causal)
-        return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling,
-                     softcap=softcap, **kwargs)  # fmt: skip
+        return eager(
+            module,
+            query,
+            key,
+            value,
+            mask,
+            dropout=dropout,
+            scaling=scaling,
+            softcap=softcap,
+            **kwargs,
+        )
     if dropout:
         raise ValueError(f"dropout must be 0 over a TurboQuantCache (inference), got {dropout}")
     # as the sdpa implementation decides: a mask left out means causal over a prompt
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
-    out = attention(query, key, value, attention_mask, is_causal, scaling, enable_gqa=True,
-                    softcap=softcap or 0.0)  # fmt: skip
+    out = attention(
+        query,
+        key,
+        value,
+        attention_mask,
+        is_causal,
+        scaling,
+        enable_gqa=True,
+        softcap=softcap or 0.0,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -150,8 +168,12 @@ class TurboQuantLayer(CacheLayerMixin):
     is_sliding = False
     cumulative_length: torch.Tensor
 
-    def __init__(self, max_cache_len: int, options: CacheOptions | None = None,
-                 max_batch_size: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        max_cache_len: int,
+        options: CacheOptions | None = None,
+        max_batch_size: int | None = None,
+    ):
         super().__init__()
         check_count("max_cache_len", max_cache_len, 1)
         if max_batch_size is not None:
@@ -171,8 +193,10 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def __repr__(self) -> str:
         options = self.options
-        return (f"TurboQuantLayer({options.preset}, window={options.window}, "
-                f"sinks={options.sink_count}, center_keys={options.center_keys})")  # fmt: skip
+        return (
+            f"TurboQuantLayer({options.preset}, window={options.window}, "
+            f"sinks={options.sink_count}, center_keys={options.center_keys})"
+        )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the cache for the batch, heads, head dim, dtype and device of the first
@@ -192,10 +216,16 @@ class TurboQuantLayer(CacheLayerMixin):
         self.k_head_dim = self.v_head_dim = head_dim
         # TurboQuantCache warned at construction if the ring covers the capacity (here the
         # first forward may be traced, where a warning would break the graph)
-        self.kv = TurboQuantKVCache(capacity, num_kv_heads, self.max_cache_len, head_dim,
-                                    key_states.dtype, options=self.options,
-                                    device=key_states.device,
-                                    warn_unquantized=False)  # fmt: skip
+        self.kv = TurboQuantKVCache(
+            capacity,
+            num_kv_heads,
+            self.max_cache_len,
+            head_dim,
+            key_states.dtype,
+            options=self.options,
+            device=key_states.device,
+            warn_unquantized=False,
+        )
         self.cumulative_length = self.cumulative_length.to(self.device)
         # as StaticLayer: static addresses keep compiled graphs and CUDA graphs valid across
         # the in-place writes (not allowed while tracing; prefill is not compiled)
@@ -364,10 +394,10 @@ class TurboQuantCache(Cache):
         check_count("max_cache_len", max_cache_len, 1)
         check_count("keep_first", keep_first, 0)
         check_count("keep_last", keep_last, 0)
-        if max_batch_size is not None and (type(max_batch_size) is not int
-                                           or max_batch_size < 1):  # fmt: skip
-            raise ValueError(f"max_batch_size must be None or an integer >= 1, "
-                             f"got {max_batch_size!r}")  # fmt: skip
+        if max_batch_size is not None and (type(max_batch_size) is not int or max_batch_size < 1):
+            raise ValueError(
+                f"max_batch_size must be None or an integer >= 1, got {max_batch_size!r}"
+            )
         text = config.get_text_config(decoder=True)
         if options.center_keys and getattr(text, "attn_logit_softcapping", None):
             raise ValueError(
@@ -389,8 +419,11 @@ class TurboQuantCache(Cache):
             config._attn_implementation = ATTENTION
             if text is not config:
                 text._attn_implementation = ATTENTION
-            _LOGGER.info("TurboQuantCache: the model's eager attention now runs as %r (the "
-                         "model's own eager attention over dense keys)", ATTENTION)  # fmt: skip
+            _LOGGER.info(
+                "TurboQuantCache: the model's eager attention now runs as %r (the "
+                "model's own eager attention over dense keys)",
+                ATTENTION,
+            )
         layer_types, _ = get_layer_types_and_kwargs(text)
         unserved = sorted(set(layer_types) - set(_SERVED_LAYER_TYPES))
         if unserved:
@@ -408,16 +441,26 @@ class TurboQuantCache(Cache):
             )
         self.options = options
         layers = [
-            DenseLayer(max_cache_len) if index in kept
+            DenseLayer(max_cache_len)
+            if index in kept
             else TurboQuantLayer(max_cache_len, options, max_batch_size)
             for index in range(count)
-        ]  # fmt: skip
+        ]
         super().__init__(layers=layers)
         if sum(options.ring_for(max_cache_len)) == max_cache_len:
             batch = max_batch_size or 1  # the first forward's batch: unknown yet
             held, dense = _planned_nbytes(config, self.layers, max_cache_len, batch)
-            warn_unquantized_cache("TurboQuantCache", "max_cache_len", max_cache_len, options,
-                                   batch, held, dense, "StaticCache", stacklevel=2)  # fmt: skip
+            warn_unquantized_cache(
+                "TurboQuantCache",
+                "max_cache_len",
+                max_cache_len,
+                options,
+                batch,
+                held,
+                dense,
+                "StaticCache",
+                stacklevel=2,
+            )
 
     @classmethod
     def for_generation(
@@ -469,9 +512,15 @@ class TurboQuantCache(Cache):
         returned = _generation_count(model, "num_return_sequences", num_return_sequences)
         expand = max(beams, returned)
         batch, prompt_length = input_ids.shape
-        return cls(config, prompt_length + max_new_tokens, max_batch_size=batch * expand,
-                   keep_first=keep_first, keep_last=keep_last, options=options,
-                   **fields)  # fmt: skip
+        return cls(
+            config,
+            prompt_length + max_new_tokens,
+            max_batch_size=batch * expand,
+            keep_first=keep_first,
+            keep_last=keep_last,
+            options=options,
+            **fields,
+        )
 
     def nbytes(self) -> int:
         """Bytes held by every layer (TurboQuant layers' buffers: pages, the window and sinks in
@@ -497,8 +546,9 @@ def _layer_nbytes(layer: CacheLayerMixin, dense: bool) -> int:
     return _tensor_bytes(layer.keys, layer.values, layer.cumulative_length)
 
 
-def _planned_nbytes(config: PreTrainedConfig, layers: list[CacheLayerMixin], max_cache_len: int,
-                    batch: int) -> tuple[int, int]:  # fmt: skip
+def _planned_nbytes(
+    config: PreTrainedConfig, layers: list[CacheLayerMixin], max_cache_len: int, batch: int
+) -> tuple[int, int]:
     """``(held, dense)``: bytes ``layers`` will hold for ``batch`` sequences of a bf16 / fp16
     model, and a ``StaticCache``'s, before the first forward allocates them. The kv-heads and
     head dims are the config's (per layer, as ``generate`` reads them); each TurboQuant layer's
@@ -515,9 +565,16 @@ def _planned_nbytes(config: PreTrainedConfig, layers: list[CacheLayerMixin], max
         if not isinstance(layer, TurboQuantLayer):
             held += static
             continue
-        kv = TurboQuantKVCache(batch, heads, max_cache_len, head_dim, torch.bfloat16,
-                               options=layer.options, device="meta",
-                               warn_unquantized=False)  # fmt: skip
+        kv = TurboQuantKVCache(
+            batch,
+            heads,
+            max_cache_len,
+            head_dim,
+            torch.bfloat16,
+            options=layer.options,
+            device="meta",
+            warn_unquantized=False,
+        )
         held += kv.nbytes() + length
     return held, dense
 
@@ -525,15 +582,25 @@ def _planned_nbytes(config: PreTrainedConfig, layers: list[CacheLayerMixin], max
 def _check_prompt(input_ids) -> None:
     """Raise unless ``input_ids`` is a ``[B, T]`` integer tensor with ``B, T >= 1``."""
     where = "TurboQuantCache.for_generation"
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or (
-            input_ids.dtype.is_complex or input_ids.dtype == torch.bool):  # fmt: skip
-        got = (f"a {input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor)
-               else type(input_ids).__name__)  # fmt: skip
-        raise TypeError(f"{where}: input_ids must be the [batch, prompt_length] integer tensor "
-                        f"given to generate (tokenizer(...)['input_ids']), got {got}")  # fmt: skip
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dtype.is_floating_point
+        or (input_ids.dtype.is_complex or input_ids.dtype == torch.bool)
+    ):
+        got = (
+            f"a {input_ids.dtype} tensor"
+            if isinstance(input_ids, torch.Tensor)
+            else type(input_ids).__name__
+        )
+        raise TypeError(
+            f"{where}: input_ids must be the [batch, prompt_length] integer tensor "
+            f"given to generate (tokenizer(...)['input_ids']), got {got}"
+        )
     if input_ids.dim() != 2 or min(input_ids.shape) < 1:
-        raise ValueError(f"{where}: input_ids must be [batch, prompt_length] with both >= 1, got "
-                         f"shape {tuple(input_ids.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{where}: input_ids must be [batch, prompt_length] with both >= 1, got "
+            f"shape {tuple(input_ids.shape)}"
+        )
 
 
 def _generation_count(model, name: str, value: int | None) -> int:

@@ -93,15 +93,50 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
     """
 
     tensor_data_names = ["k_codes", "v_codes", "meta", "block_table", "seq_lens", "rotation"]
-    tensor_attribute_names = ["fmt", "side", "max_seq_len", "group", "split_heads",
-                              "num_splits", "model_dtype", "truncated", "sinks"]  # fmt: skip
-    optional_tensor_data_names = ["k_window", "v_window", "window_pos", "key_center", "chunk_k",
-                                  "chunk_v"]  # fmt: skip
+    tensor_attribute_names = [
+        "fmt",
+        "side",
+        "max_seq_len",
+        "group",
+        "split_heads",
+        "num_splits",
+        "model_dtype",
+        "truncated",
+        "sinks",
+    ]
+    optional_tensor_data_names = [
+        "k_window",
+        "v_window",
+        "window_pos",
+        "key_center",
+        "chunk_k",
+        "chunk_v",
+    ]
 
-    def __new__(cls, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
-                max_seq_len, group, split_heads, num_splits, model_dtype, truncated, sinks,
-                k_window=None, v_window=None, window_pos=None, key_center=None, chunk_k=None,
-                chunk_v=None):  # fmt: skip
+    def __new__(
+        cls,
+        k_codes,
+        v_codes,
+        meta,
+        block_table,
+        seq_lens,
+        rotation,
+        fmt,
+        side,
+        max_seq_len,
+        group,
+        split_heads,
+        num_splits,
+        model_dtype,
+        truncated,
+        sinks,
+        k_window=None,
+        v_window=None,
+        window_pos=None,
+        key_center=None,
+        chunk_k=None,
+        chunk_v=None,
+    ):
         batch, num_kv_heads, head_dim = block_table.shape[0], k_codes.shape[1], rotation.shape[0]
         if split_heads:
             shape = (batch, num_kv_heads, group, max_seq_len, head_dim)
@@ -111,10 +146,30 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             cls, shape, dtype=model_dtype, device=k_codes.device, requires_grad=False
         )
 
-    def __init__(self, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt, side,
-                 max_seq_len, group, split_heads, num_splits, model_dtype, truncated, sinks,
-                 k_window=None, v_window=None, window_pos=None, key_center=None, chunk_k=None,
-                 chunk_v=None):  # fmt: skip
+    def __init__(
+        self,
+        k_codes,
+        v_codes,
+        meta,
+        block_table,
+        seq_lens,
+        rotation,
+        fmt,
+        side,
+        max_seq_len,
+        group,
+        split_heads,
+        num_splits,
+        model_dtype,
+        truncated,
+        sinks,
+        k_window=None,
+        v_window=None,
+        window_pos=None,
+        key_center=None,
+        chunk_k=None,
+        chunk_v=None,
+    ):
         super().__init__()
         if side not in _SIDES:
             raise ValueError(f"side must be one of {_SIDES}, got {side!r}")
@@ -165,9 +220,27 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
                 sequence's last ``T`` positions, as the model computed them, or None.
         """
         k_window, v_window, window_pos, sinks, key_center = window or _NO_WINDOW
-        return cls(*cache, block_table, seq_lens, rotation, fmt, side, max_seq_len, 1, False,
-                   num_splits, model_dtype, False, sinks, k_window, v_window, window_pos,
-                   key_center, chunk_k, chunk_v)  # fmt: skip
+        return cls(
+            *cache,
+            block_table,
+            seq_lens,
+            rotation,
+            fmt,
+            side,
+            max_seq_len,
+            1,
+            False,
+            num_splits,
+            model_dtype,
+            False,
+            sinks,
+            k_window,
+            v_window,
+            window_pos,
+            key_center,
+            chunk_k,
+            chunk_v,
+        )
 
     def _with(self, **changes) -> TurboQuantKVTensor:
         """The same cache with some non-tensor attributes changed (no data is copied)."""
@@ -175,8 +248,9 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         attrs = {name: getattr(self, name) for name in self.tensor_attribute_names}
         attrs.update(changes)
         optional = [getattr(self, name) for name in self.optional_tensor_data_names]
-        return TurboQuantKVTensor(*tensors, *(attrs[n] for n in self.tensor_attribute_names),
-                                  *optional)  # fmt: skip
+        return TurboQuantKVTensor(
+            *tensors, *(attrs[n] for n in self.tensor_attribute_names), *optional
+        )
 
     @property
     def planes(self) -> PagedKVCache:
@@ -188,8 +262,9 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         None; read off the flattened attributes, which is what compilation traces."""
         if self.k_window is None:
             return None
-        return RecentWindow(self.k_window, self.v_window, self.window_pos, self.sinks,
-                            self.key_center)  # fmt: skip
+        return RecentWindow(
+            self.k_window, self.v_window, self.window_pos, self.sinks, self.key_center
+        )
 
     def dequantize(self, dtype: torch.dtype | None = None, uncenter: bool = True) -> torch.Tensor:
         """Dense ``[B, H, S_max, D]`` (this view's logical shape) in ``dtype`` (default: the
@@ -202,11 +277,21 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             # (a value view's dequantize leaves the keys as stored: they are dropped)
             window = window._replace(key_center=None)
         if self.truncated:  # sequences may run past the prefix: dequantize all, keep the prefix
-            length = sequence_capacity(self.block_table.shape[1], self.k_codes.shape[2],
-                                       window_size(window))  # fmt: skip
-        k, v = ops.call(DequantizeArgs(*self.planes, self.block_table, self.seq_lens,
-                                       self.rotation, self.fmt, length, dtype or self.model_dtype,
-                                       **window_fields(window, DequantizeArgs)))  # fmt: skip
+            length = sequence_capacity(
+                self.block_table.shape[1], self.k_codes.shape[2], window_size(window)
+            )
+        k, v = ops.call(
+            DequantizeArgs(
+                *self.planes,
+                self.block_table,
+                self.seq_lens,
+                self.rotation,
+                self.fmt,
+                length,
+                dtype or self.model_dtype,
+                **window_fields(window, DequantizeArgs),
+            )
+        )
         dense = (k if self.side == "key" else v)[:, :, : self.max_seq_len]
         if self.split_heads:
             return dense[:, :, None].expand(self.shape)
@@ -222,8 +307,12 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
     def _stable_hash_for_caching(self) -> str:
         """Deterministic key for AOT autograd caching: the attributes and inner metadata."""
         names = self.tensor_data_names + self.optional_tensor_data_names
-        inner = [(name, tuple(t.shape), str(t.dtype), tuple(t.stride()), str(t.device))
-                 for name in names for t in [getattr(self, name)] if t is not None]  # fmt: skip
+        inner = [
+            (name, tuple(t.shape), str(t.dtype), tuple(t.stride()), str(t.device))
+            for name in names
+            for t in [getattr(self, name)]
+            if t is not None
+        ]
         attrs = [(name, str(getattr(self, name))) for name in self.tensor_attribute_names]
         payload = repr((type(self).__qualname__, tuple(self.shape), inner, attrs)).encode()
         return hashlib.blake2b(payload, digest_size=16).hexdigest()
@@ -337,8 +426,16 @@ def _reshape(func, types, args, kwargs):
 # dequantized cache until the 128-row launch is.
 MAX_FOLDED_ROWS = 64
 
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-              "enable_gqa")  # fmt: skip
+_SDPA_ARGS = (
+    "query",
+    "key",
+    "value",
+    "attn_mask",
+    "dropout_p",
+    "is_causal",
+    "scale",
+    "enable_gqa",
+)
 _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 
 
@@ -393,8 +490,9 @@ def _mask_4d(attn_mask: torch.Tensor) -> torch.Tensor:
     return attn_mask
 
 
-def _decode_folded(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float,
-                   softcap: float):  # fmt: skip
+def _decode_folded(
+    q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float, softcap: float
+):
     """Attention of queries ``[B, Hq, L, D]`` that all see the same cached positions (Hugging
     Face's ``pack_gqa`` layout ``[B, Hk, group, D]``) through ``tq.decode``: the L queries of
     head ``h`` become query heads ``h * L .. h * L + L - 1``, which read the same kv-head as
@@ -409,8 +507,9 @@ def _decode_folded(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: flo
     return out.reshape(batch, q_heads, q_len, head_dim)
 
 
-def _decode_tokens(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float,
-                   softcap: float):  # fmt: skip
+def _decode_tokens(
+    q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: float, softcap: float
+):
     """Attention of each sequence's last ``T`` tokens, queries ``[B, Hq, T, D]`` under a mask
     with a row per token (which alone decides what each token sees), through the multi-token
     ``tq.decode``. One decode token (T = 1, a mask or none) goes this way too: no view of q,
@@ -419,28 +518,60 @@ def _decode_tokens(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, scale: flo
     return _tq_decode(q, k, mask, scale, softcap)
 
 
-def _tq_decode(q: torch.Tensor, k: TurboQuantKVTensor, mask, scale: float,
-               softcap: float) -> torch.Tensor:  # fmt: skip
+def _tq_decode(
+    q: torch.Tensor, k: TurboQuantKVTensor, mask, scale: float, softcap: float
+) -> torch.Tensor:
     """``tq.decode`` of ``q`` (``[B, Hq, D]`` or ``[B, Hq, T, D]``) over the cache of view
     ``k`` under ``mask`` (the op's form, or None), scores capped by ``softcap``."""
-    return ops.call(DecodeArgs(q, *k.planes, k.block_table, k.seq_lens, k.rotation, k.fmt,
-                               k.num_splits, scale, mask,
-                               **window_fields(k.window, DecodeArgs),
-                               softcap=softcap))  # fmt: skip
+    return ops.call(
+        DecodeArgs(
+            q,
+            *k.planes,
+            k.block_table,
+            k.seq_lens,
+            k.rotation,
+            k.fmt,
+            k.num_splits,
+            scale,
+            mask,
+            **window_fields(k.window, DecodeArgs),
+            softcap=softcap,
+        )
+    )
 
 
-def _prefill(q: torch.Tensor, k: TurboQuantKVTensor, attn_mask, is_causal: bool, scale: float,
-             softcap: float):  # fmt: skip
+def _prefill(
+    q: torch.Tensor,
+    k: TurboQuantKVTensor,
+    attn_mask,
+    is_causal: bool,
+    scale: float,
+    softcap: float,
+):
     """``tq.prefill``: the chunk that made the view (queries ``q [B, Hq, T, D]``, its last
     ``T`` positions) over its exact keys and values and the compressed prefix before it."""
     mask = None
     if attn_mask is not None:  # [B or 1, Hq or 1, T or 1, M] -> a row per token
         mask = _mask_4d(attn_mask)
         mask = mask.expand(mask.shape[0], mask.shape[1], q.shape[2], mask.shape[3])
-    return ops.call(PrefillArgs(q, k.chunk_k, k.chunk_v, *k.planes, k.block_table, k.seq_lens,
-                                k.rotation, k.fmt, scale, is_causal, k.max_seq_len, mask,
-                                **window_fields(k.window, PrefillArgs),
-                                softcap=softcap))  # fmt: skip
+    return ops.call(
+        PrefillArgs(
+            q,
+            k.chunk_k,
+            k.chunk_v,
+            *k.planes,
+            k.block_table,
+            k.seq_lens,
+            k.rotation,
+            k.fmt,
+            scale,
+            is_causal,
+            k.max_seq_len,
+            mask,
+            **window_fields(k.window, PrefillArgs),
+            softcap=softcap,
+        )
+    )
 
 
 @implements_torch_function(F.scaled_dot_product_attention)
@@ -479,8 +610,16 @@ def attention(
             centred; and what SDPA over the views refuses.
     """
     with compat.DisableTorchFunctionSubclass():
-        bound = dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=0.0,
-                     is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+        bound = dict(
+            query=query,
+            key=key,
+            value=value,
+            attn_mask=attn_mask,
+            dropout_p=0.0,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
         return _attention(bound, softcap)
 
 
@@ -555,8 +694,9 @@ def _dense_attention(q, keys, values, mask, scale: float, enable_gqa: bool, soft
     (bool, or additive); with a ``softcap``, the same in float32 with the scores capped before
     the mask (SDPA has no cap), a row with no visible position giving zeros."""
     if not softcap:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                              enable_gqa=enable_gqa)  # fmt: skip
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+        )
     group = q.shape[1] // keys.shape[1]
     keys = keys.float().repeat_interleave(group, dim=1)
     values = values.float().repeat_interleave(group, dim=1)
@@ -582,10 +722,15 @@ def _to_copy(func, types, args, kwargs):
             f"TurboQuantKVTensor's dtype is the model's (bf16 or fp16), got "
             f"{to['dtype']}; call .dequantize(dtype) for a dense copy"
         )
-    tensors = [getattr(t, n).to(to["device"], non_blocking=to["non_blocking"])
-               for n in t.tensor_data_names]  # fmt: skip
-    attrs = [getattr(t, n) if n != "model_dtype" else to["dtype"]
-             for n in t.tensor_attribute_names]  # fmt: skip
-    optional = [r if r is None else r.to(to["device"], non_blocking=to["non_blocking"])
-                for r in (getattr(t, n) for n in t.optional_tensor_data_names)]  # fmt: skip
+    tensors = [
+        getattr(t, n).to(to["device"], non_blocking=to["non_blocking"])
+        for n in t.tensor_data_names
+    ]
+    attrs = [
+        getattr(t, n) if n != "model_dtype" else to["dtype"] for n in t.tensor_attribute_names
+    ]
+    optional = [
+        r if r is None else r.to(to["device"], non_blocking=to["non_blocking"])
+        for r in (getattr(t, n) for n in t.optional_tensor_data_names)
+    ]
     return TurboQuantKVTensor(*tensors, *attrs, *optional)

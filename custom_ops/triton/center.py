@@ -34,8 +34,19 @@ _BLOCK = 32
 
 
 @triton.jit
-def ring_sample_sum(k_window_ptr, pos_ptr, ring_base, stride_w_slot, rows, start, old, window,
-                    SINKS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
+def ring_sample_sum(
+    k_window_ptr,
+    pos_ptr,
+    ring_base,
+    stride_w_slot,
+    rows,
+    start,
+    old,
+    window,
+    SINKS: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
     """For sequence-heads ``rows [R]`` (bool) whose rings start at element ``ring_base [R]``
     (int64): the sum ``[R, D_PAD]`` float32 and the count ``[R]`` int32 of the keys that their
     ``window`` window slots hold of the centre's sample positions ``[SINKS, SINKS + window)``
@@ -46,16 +57,30 @@ def ring_sample_sum(k_window_ptr, pos_ptr, ring_base, stride_w_slot, rows, start
     for s in range(0, window):
         held = tl.load(pos_ptr + ring_base // D + s, mask=rows, other=-1)
         sample = (held >= SINKS) & (held < start) & (held < SINKS + window)
-        ring = tl.load(k_window_ptr + ring_base[:, None] + s * stride_w_slot + d,
-                       mask=sample[:, None] & (d < D), other=0.0)  # fmt: skip
+        ring = tl.load(
+            k_window_ptr + ring_base[:, None] + s * stride_w_slot + d,
+            mask=sample[:, None] & (d < D),
+            other=0.0,
+        )
         total += tl.where(sample[:, None], ring.to(tl.float32) + old, 0.0)
         count += sample.to(tl.int32)
     return total, count
 
 
 @triton.jit
-def recenter_ring(k_window_ptr, pos_ptr, ring_base, stride_w_slot, rows, start, old, new,
-                  num_slots, D: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
+def recenter_ring(
+    k_window_ptr,
+    pos_ptr,
+    ring_base,
+    stride_w_slot,
+    rows,
+    start,
+    old,
+    new,
+    num_slots,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
     """Re-centre the live slots (positions in ``[0, start)``) of the rings of ``num_slots``
     slots (window and sinks) of sequence-heads ``rows [R]``: stored key plus the old centre
     ``old [R, D_PAD]``, minus the new one ``new``, rounded to the ring's dtype."""
@@ -119,31 +144,60 @@ def center_keys_kernel(
             rows, starts, bases = one == 0, one + start, one.to(tl.int64) + ring_base
             samples = tl.maximum(window, 1)
             # the sample's positions still in the ring (below the start), un-centred
-            total, count = ring_sample_sum(k_window_ptr, pos_ptr, bases, stride_w_slot, rows,
-                                           starts, old, window, SINKS, D, D_PAD)  # fmt: skip
+            total, count = ring_sample_sum(
+                k_window_ptr,
+                pos_ptr,
+                bases,
+                stride_w_slot,
+                rows,
+                starts,
+                old,
+                window,
+                SINKS,
+                D,
+                D_PAD,
+            )
             # and the new tokens' (token t at position start + t)
             src = key_ptr + b64 * stride_kb + head64 * stride_kh
             lo = tl.maximum(SINKS - start, 0)
             hi = tl.minimum(num_new, SINKS + samples - start)
             for first in range(lo, hi, BLOCK):
                 token = (first + tl.arange(0, BLOCK))[:, None]
-                new = tl.load(src + token.to(tl.int64) * stride_kt + d * stride_kd,
-                              mask=(token < hi) & d_ok)  # fmt: skip
+                new = tl.load(
+                    src + token.to(tl.int64) * stride_kt + d * stride_kd, mask=(token < hi) & d_ok
+                )
                 total += tl.sum(tl.where(token < hi, new.to(tl.float32), 0.0), axis=0)[None, :]
                 count += tl.sum((token < hi).to(tl.int32))
             mean = total / tl.maximum(count, 1).to(tl.float32)[:, None]
             # re-centre every live slot, sinks included
-            recenter_ring(k_window_ptr, pos_ptr, bases, stride_w_slot, rows, starts, old, mean,
-                          window + SINKS, D, D_PAD)  # fmt: skip
+            recenter_ring(
+                k_window_ptr,
+                pos_ptr,
+                bases,
+                stride_w_slot,
+                rows,
+                starts,
+                old,
+                mean,
+                window + SINKS,
+                D,
+                D_PAD,
+            )
         tl.store(center_row, mean, mask=d_ok)
 
 
 @functools.lru_cache(maxsize=64)
 def _launcher(head_dim: int, sinks: int) -> Launcher:
-    return Launcher(center_keys_kernel, dict(
-        D=head_dim, D_PAD=triton.next_power_of_2(head_dim), SINKS=sinks, BLOCK=_BLOCK,
-        num_warps=4,
-    ))  # fmt: skip
+    return Launcher(
+        center_keys_kernel,
+        dict(
+            D=head_dim,
+            D_PAD=triton.next_power_of_2(head_dim),
+            SINKS=sinks,
+            BLOCK=_BLOCK,
+            num_warps=4,
+        ),
+    )
 
 
 # launchers of op calls by their arguments' metadata key
@@ -166,7 +220,17 @@ def center_keys(
         return
     launcher = _LAUNCHERS.get(launch_key, lambda: _launcher(head_dim, window.sinks))
     launcher(
-        (batch * num_kv_heads,), key, *key.stride(), window.k_window, window.window_pos,
-        *window.k_window.stride()[:3], window.key_center, start_pos, start_pos.stride(0),
-        num_kv_heads, n_new, window.size, key=launch_key,
-    )  # fmt: skip
+        (batch * num_kv_heads,),
+        key,
+        *key.stride(),
+        window.k_window,
+        window.window_pos,
+        *window.k_window.stride()[:3],
+        window.key_center,
+        start_pos,
+        start_pos.stride(0),
+        num_kv_heads,
+        n_new,
+        window.size,
+        key=launch_key,
+    )

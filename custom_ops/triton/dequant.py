@@ -151,20 +151,37 @@ def dequant_kernel(
     page_ptr = block_table_ptr + b * stride_bt_b + (pos // page_size) * stride_bt_p
     page = tl.load(page_ptr, mask=valid, other=0).to(tl.int64)
     k_row, v_row, m_row = row_pointers(planes, page, head, (pos % page_size).to(tl.int64))
-    _decode_side(k_row, m_row, valid, in_bounds, k_out_ptr + out_row, rot_ptr, K, D, INV_SQRT_D,
-                 BLOCK_S)  # fmt: skip
-    _decode_side(v_row, m_row, valid, in_bounds, v_out_ptr + out_row, rot_ptr, V, D, INV_SQRT_D,
-                 BLOCK_S)  # fmt: skip
+    _decode_side(
+        k_row, m_row, valid, in_bounds, k_out_ptr + out_row, rot_ptr, K, D, INV_SQRT_D, BLOCK_S
+    )
+    _decode_side(
+        v_row, m_row, valid, in_bounds, v_out_ptr + out_row, rot_ptr, V, D, INV_SQRT_D, BLOCK_S
+    )
 
 
 @functools.lru_cache(maxsize=256)
-def _launcher(key_params: CodecParams, value_params: CodecParams, head_dim: int, has_window: bool,
-              block_s: int, sinks: int) -> Launcher:  # fmt: skip
-    return Launcher(dequant_kernel, dict(
-        HAS_WINDOW=has_window, D=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        INV_SQRT_D=1.0 / math.sqrt(head_dim), BLOCK_S=block_s, K=key_params, V=value_params,
-        SINKS=sinks, num_warps=4,
-    ))  # fmt: skip
+def _launcher(
+    key_params: CodecParams,
+    value_params: CodecParams,
+    head_dim: int,
+    has_window: bool,
+    block_s: int,
+    sinks: int,
+) -> Launcher:
+    return Launcher(
+        dequant_kernel,
+        dict(
+            HAS_WINDOW=has_window,
+            D=head_dim,
+            D_PAD=triton.next_power_of_2(head_dim),
+            INV_SQRT_D=1.0 / math.sqrt(head_dim),
+            BLOCK_S=block_s,
+            K=key_params,
+            V=value_params,
+            SINKS=sinks,
+            num_warps=4,
+        ),
+    )
 
 
 def dequantize(
@@ -197,9 +214,25 @@ def dequantize(
         window_args = (ring_arguments(window), window.size)
     else:
         window_args = ((k_out, v_out, seq_lens, 0, 0, 0), 0)  # never read; no ring
-    launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, has_window, block_s,
-                         0 if window is None else window.sinks)  # fmt: skip
-    launcher(grid, plane_arguments(cache), table_arguments(block_table), seq_lens, rotation, k_out,
-             v_out, *window_args, num_kv_heads, page_size, block_table.shape[1],
-             max_seq_len)  # fmt: skip
+    launcher = _launcher(
+        *side_params(fmt, cache, head_dim),
+        head_dim,
+        has_window,
+        block_s,
+        0 if window is None else window.sinks,
+    )
+    launcher(
+        grid,
+        plane_arguments(cache),
+        table_arguments(block_table),
+        seq_lens,
+        rotation,
+        k_out,
+        v_out,
+        *window_args,
+        num_kv_heads,
+        page_size,
+        block_table.shape[1],
+        max_seq_len,
+    )
     return uncenter_keys(k_out, key_center, seq_lens).to(dtype), v_out

@@ -125,8 +125,13 @@ def encode_side(
         inv_pow2 = _reciprocal_or_zero(pow2)
         x = x * inv_pow2[:, None, None]
         norm = tl.sqrt_rn(_row_sum(x * x))  # of the scaled row: 0 for zero rows, else >= 1
-        inv = tl.where(norm > 0, tl.math.div_rn(tl.full([BLOCK_R], INV_SQRT_D, tl.float32),
-                                                tl.where(norm > 0, norm, 1.0)), 0.0)  # fmt: skip
+        inv = tl.where(
+            norm > 0,
+            tl.math.div_rn(
+                tl.full([BLOCK_R], INV_SQRT_D, tl.float32), tl.where(norm > 0, norm, 1.0)
+            ),
+            0.0,
+        )
         if P.LOG2_D > 0:
             # power-of-two D: x @ R = (x * s) @ H by the butterfly in registers; the tile is in
             # natural element order (C == C_PAD), and only R's first column s is read

@@ -101,8 +101,7 @@ class Launcher:
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
         stream = compat.current_raw_stream(device)  # what Triton's own launch reads
-        compat.launch_compiled(compiled, grid[0], grid_1, grid_2, stream, args,
-                               self._constexprs)  # fmt: skip
+        compat.launch_compiled(compiled, grid[0], grid_1, grid_2, stream, args, self._constexprs)
 
 
 @dataclass(frozen=True)

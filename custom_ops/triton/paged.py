@@ -44,8 +44,7 @@ def plane_arguments(cache: PagedKVCache) -> tuple:
     its last two dims swapped: read off ``v_codes``' strides, no view made per launch) and of
     the meta records."""
     v_page, v_head, v_byte, v_slot = cache.v_codes.stride()
-    return (*cache, *cache.k_codes.stride()[:3], v_page, v_head, v_slot,
-            *cache.meta.stride()[:3])  # fmt: skip
+    return (*cache, *cache.k_codes.stride()[:3], v_page, v_head, v_slot, *cache.meta.stride()[:3])
 
 
 def table_arguments(block_table: torch.Tensor) -> tuple:
@@ -80,8 +79,20 @@ def row_pointers(planes, page, head, slot):
     """``(k_row, v_row, m_row)``: byte 0 of the key-code row and of the value-code row (its
     bytes ``page_size`` apart) and the meta record of token-heads ``(page, head, slot)`` (int64
     tensors of one shape)."""
-    k_codes, v_codes, meta, kc_page, kc_head, kc_slot, vc_page, vc_head, vc_slot, m_page, m_head, \
-        m_slot = planes  # fmt: skip
+    (
+        k_codes,
+        v_codes,
+        meta,
+        kc_page,
+        kc_head,
+        kc_slot,
+        vc_page,
+        vc_head,
+        vc_slot,
+        m_page,
+        m_head,
+        m_slot,
+    ) = planes
     k_row = k_codes + page * kc_page + head * kc_head + slot * kc_slot
     v_row = v_codes + page * vc_page + head * vc_head + slot * vc_slot
     m_row = meta + page * m_page + head * m_head + slot * m_slot
@@ -125,6 +136,5 @@ def ring_slots(positions, window, SINKS: tl.constexpr):
     ``p % window``, a sink's (``p < SINKS``) ``window + p`` (the reference's copy:
     :func:`custom_ops.reference.ring_slots`)."""
     if SINKS > 0:
-        return tl.where(positions < SINKS, window + positions,
-                        positions % tl.maximum(window, 1))  # fmt: skip
+        return tl.where(positions < SINKS, window + positions, positions % tl.maximum(window, 1))
     return positions % window

@@ -110,9 +110,22 @@ def codec_params(fmt: KVFormat, side: str, head_dim: int, byte_stride: int) -> C
     rot_cols = chunk_pad if groups * chunk_pad <= 128 else max(1, 64 // groups)
     meta = first_meta_column(fmt, side)
     log2_d = head_dim.bit_length() - 1 if head_dim & (head_dim - 1) == 0 else 0
-    return CodecParams(int(codec.kind), codec.bits, codec.norm_correction, meta, planes[0].width,
-                       w1, off1, groups, chunk, chunk_pad, rot_cols, log2_d, byte_stride,
-                       codec_levels(codec, head_dim))  # fmt: skip
+    return CodecParams(
+        int(codec.kind),
+        codec.bits,
+        codec.norm_correction,
+        meta,
+        planes[0].width,
+        w1,
+        off1,
+        groups,
+        chunk,
+        chunk_pad,
+        rot_cols,
+        log2_d,
+        byte_stride,
+        codec_levels(codec, head_dim),
+    )
 
 
 @triton.jit
@@ -199,15 +212,23 @@ def _store_plane(
 
 
 @triton.jit
-def store_codes(codes, row_ptr, row_mask, P: tl.constexpr, ROWS: tl.constexpr,
-                COL0: tl.constexpr, CW: tl.constexpr):  # fmt: skip
+def store_codes(
+    codes,
+    row_ptr,
+    row_mask,
+    P: tl.constexpr,
+    ROWS: tl.constexpr,
+    COL0: tl.constexpr,
+    CW: tl.constexpr,
+):
     """Pack the tile slice ``codes [ROWS, G, CW] int32`` (columns ``COL0 + c``) into the planes
     of the rows starting at ``row_ptr`` (bytes ``P.BYTE_STRIDE`` apart) of the codec ``P``
     (:class:`CodecParams`)."""
     _store_plane(codes, row_ptr, row_mask, P.BYTE_STRIDE, P.W0, 0, 0, ROWS, P.G, P.C, COL0, CW)
     if P.W1 > 0:
-        _store_plane(codes, row_ptr, row_mask, P.BYTE_STRIDE, P.W1, P.W0, P.OFF1, ROWS, P.G, P.C,
-                     COL0, CW)  # fmt: skip
+        _store_plane(
+            codes, row_ptr, row_mask, P.BYTE_STRIDE, P.W1, P.W0, P.OFF1, ROWS, P.G, P.C, COL0, CW
+        )
 
 
 @triton.jit
@@ -240,6 +261,8 @@ def load_codes(row_ptr, row_mask, P: tl.constexpr, ROWS: tl.constexpr):
     into ``[ROWS, G, C_PAD] int32`` (0 where masked)."""
     codes = _load_plane(row_ptr, row_mask, P.BYTE_STRIDE, P.W0, 0, ROWS, P.G, P.C, P.C_PAD)
     if P.W1 > 0:
-        codes |= _load_plane(row_ptr, row_mask, P.BYTE_STRIDE, P.W1, P.OFF1, ROWS, P.G, P.C,
-                             P.C_PAD) << P.W0  # fmt: skip
+        codes |= (
+            _load_plane(row_ptr, row_mask, P.BYTE_STRIDE, P.W1, P.OFF1, ROWS, P.G, P.C, P.C_PAD)
+            << P.W0
+        )
     return codes

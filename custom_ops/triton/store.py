@@ -60,10 +60,32 @@ def store_kernel(
     head64 = head.to(tl.int64)
     k_row, v_row, m_row = row_pointers(planes, page, head64, pos)
     tok64 = tok.to(tl.int64)
-    encode_side(key_ptr, tok64 * stride_kn + head64 * stride_kh, stride_kd, ok, k_row, m_row,
-                rot_ptr, K, D, INV_SQRT_D, BLOCK_R)  # fmt: skip
-    encode_side(value_ptr, tok64 * stride_vn + head64 * stride_vh, stride_vd, ok, v_row, m_row,
-                rot_ptr, V, D, INV_SQRT_D, BLOCK_R)  # fmt: skip
+    encode_side(
+        key_ptr,
+        tok64 * stride_kn + head64 * stride_kh,
+        stride_kd,
+        ok,
+        k_row,
+        m_row,
+        rot_ptr,
+        K,
+        D,
+        INV_SQRT_D,
+        BLOCK_R,
+    )
+    encode_side(
+        value_ptr,
+        tok64 * stride_vn + head64 * stride_vh,
+        stride_vd,
+        ok,
+        v_row,
+        m_row,
+        rot_ptr,
+        V,
+        D,
+        INV_SQRT_D,
+        BLOCK_R,
+    )
 
 
 def side_params(
@@ -71,17 +93,32 @@ def side_params(
 ) -> tuple[CodecParams, CodecParams]:
     """The key and value :class:`~custom_ops.triton.planes.CodecParams` of ``fmt`` for rows of
     ``cache`` (value rows token-minor, bytes ``page_size`` apart)."""
-    return (codec_params(fmt, "k", head_dim, cache.k_codes.stride(3)),
-            codec_params(fmt, "v", head_dim, cache.value_rows.stride(3)))  # fmt: skip
+    return (
+        codec_params(fmt, "k", head_dim, cache.k_codes.stride(3)),
+        codec_params(fmt, "v", head_dim, cache.value_rows.stride(3)),
+    )
 
 
 @functools.lru_cache(maxsize=256)
-def _launcher(fmt: KVFormat, key_params: CodecParams, value_params: CodecParams, head_dim: int,
-              block_rows: int, num_warps: int) -> Launcher:  # fmt: skip
-    return Launcher(store_kernel, dict(
-        D=head_dim, INV_SQRT_D=1.0 / math.sqrt(head_dim), BLOCK_R=block_rows, K=key_params,
-        V=value_params, num_warps=num_warps,
-    ))  # fmt: skip
+def _launcher(
+    fmt: KVFormat,
+    key_params: CodecParams,
+    value_params: CodecParams,
+    head_dim: int,
+    block_rows: int,
+    num_warps: int,
+) -> Launcher:
+    return Launcher(
+        store_kernel,
+        dict(
+            D=head_dim,
+            INV_SQRT_D=1.0 / math.sqrt(head_dim),
+            BLOCK_R=block_rows,
+            K=key_params,
+            V=value_params,
+            num_warps=num_warps,
+        ),
+    )
 
 
 def store(
@@ -104,6 +141,18 @@ def store(
         return
     num_pages, _, page_size, _ = cache.k_codes.shape
     launcher = _launcher(fmt, *side_params(fmt, cache, head_dim), head_dim, block_rows, num_warps)
-    launcher((triton.cdiv(num_rows, block_rows),), key, value, *key.stride(), *value.stride(),
-             plane_arguments(cache), slot_mapping, rotation, num_rows, num_kv_heads, page_size,
-             num_pages * page_size, key=launch_key)  # fmt: skip
+    launcher(
+        (triton.cdiv(num_rows, block_rows),),
+        key,
+        value,
+        *key.stride(),
+        *value.stride(),
+        plane_arguments(cache),
+        slot_mapping,
+        rotation,
+        num_rows,
+        num_kv_heads,
+        page_size,
+        num_pages * page_size,
+        key=launch_key,
+    )

@@ -114,8 +114,11 @@ def store_window_kernel(
     # an int64 start narrowed: negative ones stay negative (-2**32 would become 0)
     start = tl.where(start >= 0, tl.minimum(start, 2**31 - 1), -1).to(tl.int32)
     live = in_range & (start >= 0)
-    tl.store(seq_lens_ptr + b, tl.where(live, start + num_new, 0),
-             mask=in_range & (chain == 0) & (head == 0))  # fmt: skip
+    tl.store(
+        seq_lens_ptr + b,
+        tl.where(live, start + num_new, 0),
+        mask=in_range & (chain == 0) & (head == 0),
+    )
     b64 = b.to(tl.int64)
     head64 = head.to(tl.int64)
     k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
@@ -157,9 +160,19 @@ def store_window_kernel(
         tl.store(center_rows, center, mask=restart[:, None] & (d < D))
         freeze = evict & (leaving == SINKS)
         if tl.max(freeze.to(tl.int32), axis=0) > 0:
-            total, count = ring_sample_sum(k_window_ptr, pos_ptr, ring_base, stride_w_slot,
-                                           freeze, start, center, window, SINKS, D,
-                                           D_PAD)  # fmt: skip
+            total, count = ring_sample_sum(
+                k_window_ptr,
+                pos_ptr,
+                ring_base,
+                stride_w_slot,
+                freeze,
+                start,
+                center,
+                window,
+                SINKS,
+                D,
+                D_PAD,
+            )
             mean = total / tl.maximum(count, 1).to(tl.float32)[:, None]
             tl.debug_barrier()
             recenter_ring(
@@ -183,10 +196,12 @@ def store_window_kernel(
     page = tl.load(page_ptr, mask=evict, other=0).to(tl.int64)
     slot = (tl.maximum(leaving, 0) % page_size).to(tl.int64)
     k_row, v_row, m_row = row_pointers(planes, page, head64, slot)
-    encode_side(k_window_ptr, ring_rows, 1, evict, k_row, m_row, rot_ptr, K, D, INV_SQRT_D,
-                BLOCK_R)  # fmt: skip
-    encode_side(v_window_ptr, ring_rows, 1, evict, v_row, m_row, rot_ptr, V, D, INV_SQRT_D,
-                BLOCK_R)  # fmt: skip
+    encode_side(
+        k_window_ptr, ring_rows, 1, evict, k_row, m_row, rot_ptr, K, D, INV_SQRT_D, BLOCK_R
+    )
+    encode_side(
+        v_window_ptr, ring_rows, 1, evict, v_row, m_row, rot_ptr, V, D, INV_SQRT_D, BLOCK_R
+    )
     # Every thread's reads of the old ring rows happen before any thread overwrites them.
     tl.debug_barrier()
 
@@ -205,33 +220,72 @@ def store_window_kernel(
         chain64 = chain.to(tl.int64)
         sink_rows = ring_base + (window + start + chain).to(tl.int64) * stride_w_slot
         sink_mask = to_sink[:, None] & (d < D)
-        k_sink = tl.load(key_ptr + (b64 * stride_kb + head64 * stride_kh + chain64 * stride_kt)
-                         [:, None] + d * stride_kd, mask=sink_mask)  # fmt: skip
-        v_sink = tl.load(value_ptr + (b64 * stride_vb + head64 * stride_vh + chain64 * stride_vt)
-                         [:, None] + d * stride_vd, mask=sink_mask)  # fmt: skip
+        k_sink = tl.load(
+            key_ptr
+            + (b64 * stride_kb + head64 * stride_kh + chain64 * stride_kt)[:, None]
+            + d * stride_kd,
+            mask=sink_mask,
+        )
+        v_sink = tl.load(
+            value_ptr
+            + (b64 * stride_vb + head64 * stride_vh + chain64 * stride_vt)[:, None]
+            + d * stride_vd,
+            mask=sink_mask,
+        )
         if CENTER:
             k_sink = k_sink.to(tl.float32) - center
-        tl.store(k_window_ptr + sink_rows[:, None] + d, k_sink.to(k_window_ptr.dtype.element_ty),
-                 mask=sink_mask)  # fmt: skip
-        tl.store(v_window_ptr + sink_rows[:, None] + d, v_sink.to(v_window_ptr.dtype.element_ty),
-                 mask=sink_mask)  # fmt: skip
+        tl.store(
+            k_window_ptr + sink_rows[:, None] + d,
+            k_sink.to(k_window_ptr.dtype.element_ty),
+            mask=sink_mask,
+        )
+        tl.store(
+            v_window_ptr + sink_rows[:, None] + d,
+            v_sink.to(v_window_ptr.dtype.element_ty),
+            mask=sink_mask,
+        )
         tl.store(pos_ptr + sink_rows // D, start + chain, mask=to_sink)
 
 
 @functools.lru_cache(maxsize=256)
-def _launcher(key_params: CodecParams, value_params: CodecParams, head_dim: int, block_rows: int,
-              num_warps: int, sinks: int, center: bool,
-              center_inline: bool) -> Launcher:  # fmt: skip
-    return Launcher(store_window_kernel, dict(
-        D=head_dim, D_PAD=triton.next_power_of_2(head_dim), INV_SQRT_D=1.0 / math.sqrt(head_dim),
-        BLOCK_R=block_rows, K=key_params, V=value_params, SINKS=sinks, CENTER=center,
-        CENTER_INLINE=center_inline, num_warps=num_warps,
-    ))  # fmt: skip
+def _launcher(
+    key_params: CodecParams,
+    value_params: CodecParams,
+    head_dim: int,
+    block_rows: int,
+    num_warps: int,
+    sinks: int,
+    center: bool,
+    center_inline: bool,
+) -> Launcher:
+    return Launcher(
+        store_window_kernel,
+        dict(
+            D=head_dim,
+            D_PAD=triton.next_power_of_2(head_dim),
+            INV_SQRT_D=1.0 / math.sqrt(head_dim),
+            BLOCK_R=block_rows,
+            K=key_params,
+            V=value_params,
+            SINKS=sinks,
+            CENTER=center,
+            CENTER_INLINE=center_inline,
+            num_warps=num_warps,
+        ),
+    )
 
 
-def _launch(fmt: KVFormat, cache: PagedKVCache, head_dim: int, num_rows: int,
-            block_rows: int | None, num_warps: int | None, sinks: int, center: bool,
-            center_inline: bool) -> tuple[Launcher, tuple[int]]:  # fmt: skip
+def _launch(
+    fmt: KVFormat,
+    cache: PagedKVCache,
+    head_dim: int,
+    num_rows: int,
+    block_rows: int | None,
+    num_warps: int | None,
+    sinks: int,
+    center: bool,
+    center_inline: bool,
+) -> tuple[Launcher, tuple[int]]:
     """The window store's launcher and grid for ``num_rows`` rows (``block_rows`` and
     ``num_warps`` None: :data:`APPEND_LAUNCH`'s, :data:`INTERPRETED_APPEND_LAUNCH`'s off a GPU,
     or :data:`PREFILL_LAUNCH`'s)."""
@@ -239,8 +293,15 @@ def _launch(fmt: KVFormat, cache: PagedKVCache, head_dim: int, num_rows: int,
     default_rows, default_warps = append if num_rows <= APPEND_MAX_ROWS else PREFILL_LAUNCH
     block_rows = block_rows or default_rows
     num_warps = num_warps or default_warps
-    launcher = _launcher(*side_params(fmt, cache, head_dim), head_dim, block_rows, num_warps,
-                         sinks, center, center_inline)  # fmt: skip
+    launcher = _launcher(
+        *side_params(fmt, cache, head_dim),
+        head_dim,
+        block_rows,
+        num_warps,
+        sinks,
+        center,
+        center_inline,
+    )
     return launcher, (triton.cdiv(num_rows, block_rows),)
 
 
@@ -299,21 +360,54 @@ def store_window(
         if key_center is not None:  # [B, Hk, T - W, D] centred, rounded as the ring rounds
             centred = key[:, :, : n_new - size].float() - key_center[:batch, :, None]
             direct_keys = centred.to(window.k_window.dtype)
-        store(fmt, rows_of(direct_keys), rows_of(value), cache,
-              slots.reshape(-1).to(torch.int32), rotation,
-              launch_key=None if key_center is not None else launch_key)  # fmt: skip
+        store(
+            fmt,
+            rows_of(direct_keys),
+            rows_of(value),
+            cache,
+            slots.reshape(-1).to(torch.int32),
+            rotation,
+            launch_key=None if key_center is not None else launch_key,
+        )
     num_chains = min(n_new, max(size, sinks))
     num_rows = batch * num_chains * num_kv_heads
     # the memo holds the default launch shape's launches only
     defaults = block_rows is None and num_warps is None
-    launcher, grid = _LAUNCHES.get(launch_key if defaults else None, lambda: _launch(
-        fmt, cache, head_dim, num_rows, block_rows, num_warps, sinks, key_center is not None,
-        center_inline))  # fmt: skip
+    launcher, grid = _LAUNCHES.get(
+        launch_key if defaults else None,
+        lambda: _launch(
+            fmt,
+            cache,
+            head_dim,
+            num_rows,
+            block_rows,
+            num_warps,
+            sinks,
+            key_center is not None,
+            center_inline,
+        ),
+    )
     launcher(
-        grid, key, value, *key.stride(), *value.stride(),
-        ring_arguments(window), plane_arguments(cache),
-        table_arguments(block_table), start_pos, start_pos.stride(0), seq_lens, rotation,
-        seq_lens if key_center is None else key_center, num_rows, num_kv_heads, n_new,
-        num_chains, size, page_size, block_table.shape[1], key=launch_key,
-    )  # fmt: skip
+        grid,
+        key,
+        value,
+        *key.stride(),
+        *value.stride(),
+        ring_arguments(window),
+        plane_arguments(cache),
+        table_arguments(block_table),
+        start_pos,
+        start_pos.stride(0),
+        seq_lens,
+        rotation,
+        seq_lens if key_center is None else key_center,
+        num_rows,
+        num_kv_heads,
+        n_new,
+        num_chains,
+        size,
+        page_size,
+        block_table.shape[1],
+        key=launch_key,
+    )
     return seq_lens

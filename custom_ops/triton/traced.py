@@ -156,10 +156,13 @@ def importable_repr(value: tuple) -> str:
     string literal, which would turn the escaped line breaks of an inline-PTX string into real
     ones)."""
     cls = type(value)
-    fields = "".join(f", {name}={_literal(item)}"
-                     for name, item in zip(cls._fields, value, strict=True))  # fmt: skip
-    return (f"__import__({__name__!r}, fromlist=['rebuilt'])."
-            f"rebuilt({cls.__module__!r}, {cls.__name__!r}{fields})")  # fmt: skip
+    fields = "".join(
+        f", {name}={_literal(item)}" for name, item in zip(cls._fields, value, strict=True)
+    )
+    return (
+        f"__import__({__name__!r}, fromlist=['rebuilt'])."
+        f"rebuilt({cls.__module__!r}, {cls.__name__!r}{fields})"
+    )
 
 
 def rebuilt(module: str, name: str, /, **fields) -> tuple:
@@ -187,9 +190,12 @@ def _literal(value) -> str:
 def _structure(args: tuple) -> tuple:
     """The tuple structure of ``args``: per argument, the structure of its items (a tuple),
     ``float`` (a Python float), ``int`` (a Python int) or None (any other single value)."""
-    return tuple(_structure(arg) if isinstance(arg, tuple) else
-                 next((t for t in (float, int) if isinstance(arg, t)), None)
-                 for arg in args)  # fmt: skip
+    return tuple(
+        _structure(arg)
+        if isinstance(arg, tuple)
+        else next((t for t in (float, int) if isinstance(arg, t)), None)
+        for arg in args
+    )
 
 
 def _flatten(args: tuple) -> list:
@@ -216,8 +222,9 @@ def _spread(names: list[str], structure: tuple) -> tuple[list[str], list[str]]:
             params.append(name)
             rebuilt.append(f"tl.cast({name}, tl.float32)")
         else:
-            inner_params, inner_rebuilt = _spread([f"{name}_{i}" for i in range(len(inner))],
-                                                  inner)  # fmt: skip
+            inner_params, inner_rebuilt = _spread(
+                [f"{name}_{i}" for i in range(len(inner))], inner
+            )
             params += inner_params
             rebuilt.append(f"({', '.join(inner_rebuilt)},)")
     return params, rebuilt
@@ -271,8 +278,9 @@ def launch_traced(kernel, kwargs: dict, grid: tuple[int, ...], args: tuple) -> N
     structure = _structure(args)
     entry, int_params = _flat_entry(kernel, structure)
     flat, ints = _flatten(args), [leaf is int for leaf in _flatten(structure)]
-    constexprs.update(zip(int_params, [v for v, i in zip(flat, ints, strict=True) if i],
-                          strict=True))  # fmt: skip
+    constexprs.update(
+        zip(int_params, [v for v, i in zip(flat, ints, strict=True) if i], strict=True)
+    )
     runtime = [v for v, is_int in zip(flat, ints, strict=True) if not is_int]
     torch.library.wrap_triton(_configured(entry, tuple(sorted(options.items()))))[grid](
         *runtime, **constexprs

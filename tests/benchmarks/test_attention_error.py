@@ -48,10 +48,25 @@ def test_runs_on_smollm2(tmp_path):
     out = tmp_path / "ae.json"
     env = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
     result = subprocess.run(
-        [sys.executable, "benchmarks/attention_error.py", "--formats", "int8", "4bit_nc",
-         "--records", "float32", "--tokens", "16", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "benchmarks/attention_error.py",
+            "--formats",
+            "int8",
+            "4bit_nc",
+            "--records",
+            "float32",
+            "--tokens",
+            "16",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {(r["format"], r["record"]): r for r in json.loads(out.read_text())["rows"]}
     assert sorted(rows) == [("4bit_nc", "bfloat16"), ("4bit_nc", "float32"), ("int8", "float32")]

@@ -26,9 +26,19 @@ def model() -> Transformer:
 
 
 def _args() -> Namespace:
-    return Namespace(modes=["eager"], batches=[1], contexts=[48], formats=["4bit_nc"], dense=[],
-                     steps=STEPS, kernels=0, splits=None, sinks=None, center=False,
-                     kv_budget_gb=1.0)  # fmt: skip
+    return Namespace(
+        modes=["eager"],
+        batches=[1],
+        contexts=[48],
+        formats=["4bit_nc"],
+        dense=[],
+        steps=STEPS,
+        kernels=0,
+        splits=None,
+        sinks=None,
+        center=False,
+        kv_budget_gb=1.0,
+    )
 
 
 def _cache_kinds(monkeypatch) -> list[str]:

@@ -23,9 +23,18 @@ from quality_design import Setting, format_of, quantized_attention  # noqa: E402
 BATCH, KV_HEADS, GROUP, HEAD_DIM, TOKENS, WINDOW = 1, 2, 3, 64, 40, 8
 
 
-@pytest.mark.parametrize("fmt_name, sinks, center", [
-    ("4bit_nc", 0, False), ("tq3_nc", 0, False), ("k2v2_nc", 0, False), ("4bit_nc", 4, False),
-    ("k2v2_nc", 4, False), ("tq2_nc", 4, True), ("tqk4v2_nc", 0, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "fmt_name, sinks, center",
+    [
+        ("4bit_nc", 0, False),
+        ("tq3_nc", 0, False),
+        ("k2v2_nc", 0, False),
+        ("4bit_nc", 4, False),
+        ("k2v2_nc", 4, False),
+        ("tq2_nc", 4, True),
+        ("tqk4v2_nc", 0, True),
+    ],
+)
 def test_parallel_attention_equals_decoding_through_the_cache(fmt_name, sinks, center):
     """Query t's output equals one-token decoding at position t (cache written up to t) to the
     rounding of the decode path's bf16 output (2^-9 relative: measured 2.1e-3; a window one
@@ -37,14 +46,23 @@ def test_parallel_attention_equals_decoding_through_the_cache(fmt_name, sinks, c
     k = torch.randn(shape, generator=gen).bfloat16()
     v = torch.randn(shape, generator=gen).bfloat16()
     q = torch.randn(BATCH, KV_HEADS * GROUP, TOKENS, HEAD_DIM, generator=gen).bfloat16()
-    cache = TurboQuantKVCache(BATCH, KV_HEADS, TOKENS, HEAD_DIM, preset=fmt_name, window=WINDOW,
-                              sinks=sinks, center_keys=center)  # fmt: skip
+    cache = TurboQuantKVCache(
+        BATCH,
+        KV_HEADS,
+        TOKENS,
+        HEAD_DIM,
+        preset=fmt_name,
+        window=WINDOW,
+        sinks=sinks,
+        center_keys=center,
+    )
     k = k + 2 * torch.randn(KV_HEADS, HEAD_DIM, generator=gen)[None, :, None].bfloat16()
     decoded = torch.full((BATCH, TOKENS, KV_HEADS * GROUP, HEAD_DIM), float("nan"))
     for t in range(TOKENS):
         keys, values = cache.update(torch.tensor([t]), k[:, :, t : t + 1], v[:, :, t : t + 1])
-        out = F.scaled_dot_product_attention(q[:, :, t : t + 1], keys[:, :, : t + 1],
-                                             values[:, :, : t + 1], enable_gqa=True)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            q[:, :, t : t + 1], keys[:, :, : t + 1], values[:, :, : t + 1], enable_gqa=True
+        )
         decoded[:, t] = out[:, :, 0].float()
     rotation = api.make_constants(fmt_name, HEAD_DIM).rotation
     setting = Setting(fmt_name, WINDOW, sinks, center)
@@ -84,10 +102,14 @@ def test_wide_lloyd_max_sides():
     assert isinstance(five, Codec) and five.bits == 5
     torch.testing.assert_close(
         quality_design.round_trip(quality_design.WideLloydMax(5), x, rotation, torch.bfloat16),
-        quality_design.round_trip(five, x, rotation, torch.bfloat16), rtol=1e-5, atol=1e-5,
-    )  # fmt: skip
-    errors = [rel_error(x, quality_design.round_trip(side, x, rotation, torch.bfloat16))
-              for side in (five, fmt.key)]  # fmt: skip
+        quality_design.round_trip(five, x, rotation, torch.bfloat16),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    errors = [
+        rel_error(x, quality_design.round_trip(side, x, rotation, torch.bfloat16))
+        for side in (five, fmt.key)
+    ]
     assert errors[1] < 0.6 * errors[0], errors
 
 
@@ -105,7 +127,7 @@ def test_exact_side_measures_the_other_alone():
     torch.testing.assert_close(
         quality_design.round_trip(fmt.key, x, rotation, torch.bfloat16),
         quality_design.round_trip(format_of("lm2+lm2").key, x, rotation, torch.bfloat16),
-    )  # fmt: skip
+    )
     shape = (BATCH, KV_HEADS, TOKENS, HEAD_DIM)
     k, v = (torch.randn(shape, generator=gen).bfloat16() for _ in range(2))
     q = torch.randn(BATCH, KV_HEADS * GROUP, TOKENS, HEAD_DIM, generator=gen).bfloat16()
@@ -116,6 +138,7 @@ def test_exact_side_measures_the_other_alone():
         return quantized_attention(setting, rotation)(None, q, k, v, None)[0].float()
 
     exact = attention(None)
-    both, keys_only, values_only = (rel_error(attention(n), exact)
-                                    for n in ("lm2+lm2", "lm2+bf16", "bf16+lm2"))  # fmt: skip
+    both, keys_only, values_only = (
+        rel_error(attention(n), exact) for n in ("lm2+lm2", "lm2+bf16", "bf16+lm2")
+    )
     assert 0 < keys_only < both and 0 < values_only < both, (keys_only, values_only, both)

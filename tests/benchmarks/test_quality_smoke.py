@@ -25,11 +25,34 @@ def test_quality_tiny_cpu_reports_bf16_and_4bit(tmp_path):
     )
     out = tmp_path / "quality.json"
     result = subprocess.run(
-        [sys.executable, "benchmarks/quality.py", "--tiny", "--device", "cpu",
-         "--formats", "4bit_nc", "--windows", "0", "8", "--eval-seqs", "2", "--eval-len", "24",
-         "--steps", "3", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "benchmarks/quality.py",
+            "--tiny",
+            "--device",
+            "cpu",
+            "--formats",
+            "4bit_nc",
+            "--windows",
+            "0",
+            "8",
+            "--eval-seqs",
+            "2",
+            "--eval-len",
+            "24",
+            "--steps",
+            "3",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     table = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.strip()}
     ppl = table["cache"].index("ppl")  # the header row names the columns

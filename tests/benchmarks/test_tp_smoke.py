@@ -22,10 +22,25 @@ def test_tp_benchmark_on_two_cpu_ranks(tmp_path):
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     out = tmp_path / "tp.json"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "benchmarks/tp.py", "--modes", "eager", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "benchmarks/tp.py",
+            "--modes",
+            "eager",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     payload = json.loads(out.read_text())
     cells = sorted((row["world_size"], row["cache"]) for row in payload["rows"])

@@ -32,8 +32,12 @@ def test_a_missing_interface_is_named_with_the_versions(monkeypatch):
 
 
 def _plain() -> bool:
-    return (compat.len_dispatch_stack() == 0 and compat.len_pre_dispatch_stack() == 0
-            and not compat.jit_tracing_state() and not compat.functorch_transforms_active())
+    return (
+        compat.len_dispatch_stack() == 0
+        and compat.len_pre_dispatch_stack() == 0
+        and not compat.jit_tracing_state()
+        and not compat.functorch_transforms_active()
+    )
 
 
 def test_the_eager_probes_see_modes_and_transforms():
@@ -55,10 +59,13 @@ def test_the_eager_probes_see_modes_and_transforms():
 
 def test_importing_custom_ops_loads_neither_dynamo_nor_inductor():
     """An eager user pays for neither: require() checks only what every process uses."""
-    code = ("import sys, custom_ops; print(sorted(m for m in sys.modules "
-            "if m.startswith(('torch._dynamo', 'torch._inductor'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT, check=True).stdout  # fmt: skip
+    code = (
+        "import sys, custom_ops; print(sorted(m for m in sys.modules "
+        "if m.startswith(('torch._dynamo', 'torch._inductor'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout
     assert out.strip().splitlines()[-1] == "[]"
 
 

@@ -59,8 +59,16 @@ def test_call_skips_the_dispatcher_only_when_eager(seeded):
     trip (no ``tq::decode`` in a profile) and gives the operator's result; a dispatch mode
     still sees the operator."""
     fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 64, 4, seeded)
-    args = DecodeArgs(q.cuda(), *(p.cuda() for p in cache), table.cuda(), lens.cuda(),
-                      consts.rotation.cuda(), fmt.name, 2, 0.125)  # fmt: skip
+    args = DecodeArgs(
+        q.cuda(),
+        *(p.cuda() for p in cache),
+        table.cuda(),
+        lens.cuda(),
+        consts.rotation.cuda(),
+        fmt.name,
+        2,
+        0.125,
+    )
     expected = torch.ops.tq.decode(*args)
     with profile(activities=[ProfilerActivity.CPU]) as direct_profile:
         direct = ops.call(args)
@@ -238,22 +246,27 @@ def test_empty_inputs_agree_on_every_path(kernel_device):
 
     def cases(device: str, num_kv_heads: int = 2) -> dict:
         cache = type(fmt.allocate(4, num_kv_heads, 16, head_dim))(
-            *(p.to(device) for p in fmt.allocate(4, num_kv_heads, 16, head_dim)))  # fmt: skip
+            *(p.to(device) for p in fmt.allocate(4, num_kv_heads, 16, head_dim))
+        )
         c = api.KVConstants(consts.rotation.to(device))
-        lens, table = torch.zeros(1, dtype=torch.int32, device=device), torch.zeros(
-            1, 2, dtype=torch.int32, device=device)  # fmt: skip
+        lens, table = (
+            torch.zeros(1, dtype=torch.int32, device=device),
+            torch.zeros(1, 2, dtype=torch.int32, device=device),
+        )
         no_batch, no_pages = (table[:0], lens[:0]), (table[:, :0], lens)
         return {
             "decode, no sequence": lambda: api.decode(fmt, q[:0].to(device), cache, *no_batch, c),
-            "dequantize, no sequence": lambda: api.dequantize(fmt, cache, *no_batch, c,
-                                                              max_seq_len=16),  # fmt: skip
-            "dequantize, no position": lambda: api.dequantize(fmt, cache, table, lens, c,
-                                                              max_seq_len=0),  # fmt: skip
+            "dequantize, no sequence": lambda: api.dequantize(
+                fmt, cache, *no_batch, c, max_seq_len=16
+            ),
+            "dequantize, no position": lambda: api.dequantize(
+                fmt, cache, table, lens, c, max_seq_len=0
+            ),
             "decode, no page": lambda: api.decode(fmt, q.to(device), cache, *no_pages, c),
-            "dequantize, no page": lambda: api.dequantize(fmt, cache, *no_pages, c,
-                                                          max_seq_len=0),  # fmt: skip
-            "decode, no kv head": lambda: api.decode(fmt, q[:, :0].to(device), cache, table,
-                                                     lens, c),  # fmt: skip
+            "dequantize, no page": lambda: api.dequantize(fmt, cache, *no_pages, c, max_seq_len=0),
+            "decode, no kv head": lambda: api.decode(
+                fmt, q[:, :0].to(device), cache, table, lens, c
+            ),
         }
 
     reference = cases("cpu")

@@ -79,19 +79,34 @@ def draw(gen: torch.Generator, small: bool) -> Config:
     pages_per_seq = _pick((2, 3) if small else (1, 2, 5, 12), gen)
     capacity = pages_per_seq * page_size + window
     # lengths at the edges: empty, one token, around a page and the window, full
-    edges = [0, 1, page_size - 1, page_size, page_size + 1, window, window + 1, capacity - 1,
-             capacity, int(torch.randint(capacity + 1, (1,), generator=gen))]  # fmt: skip
+    edges = [
+        0,
+        1,
+        page_size - 1,
+        page_size,
+        page_size + 1,
+        window,
+        window + 1,
+        capacity - 1,
+        capacity,
+        int(torch.randint(capacity + 1, (1,), generator=gen)),
+    ]
     edges = [n for n in edges if 0 <= n <= capacity]
     batch = _pick((1, 2) if small else (1, 2, 3), gen)
     lens = tuple(_pick(edges, gen) for _ in range(batch))
     return Config(
-        fmt=_pick(sorted(FORMATS), gen), head_dim=head_dim, page_size=page_size,
+        fmt=_pick(sorted(FORMATS), gen),
+        head_dim=head_dim,
+        page_size=page_size,
         num_kv_heads=_pick((1, 2) if small else (1, 2, 4), gen),
-        group=_pick((1, 4) if small else (1, 2, 4, 5, 8), gen), window=window,
-        pages_per_seq=pages_per_seq, lens=lens, mask=_pick(("none", "bool", "additive"), gen),
+        group=_pick((1, 4) if small else (1, 2, 4, 5, 8), gen),
+        window=window,
+        pages_per_seq=pages_per_seq,
+        lens=lens,
+        mask=_pick(("none", "bool", "additive"), gen),
         q_dtype=_pick((torch.float16, torch.bfloat16), gen),
         num_splits=_pick((1, 2, 4) if small else (1, 2, 8, 32), gen),
-    )  # fmt: skip
+    )
 
 
 class Case:
@@ -104,20 +119,26 @@ class Case:
         batch = len(cfg.lens)
         self.rotation = api.make_constants(self.fmt, cfg.head_dim, seed=7).rotation
         num_pages = batch * cfg.pages_per_seq + 1
-        cache = poisoned_cache(self.fmt, num_pages, cfg.num_kv_heads, cfg.page_size,
-                               cfg.head_dim, gen)  # fmt: skip
+        cache = poisoned_cache(
+            self.fmt, num_pages, cfg.num_kv_heads, cfg.page_size, cfg.head_dim, gen
+        )
         pages = torch.randperm(num_pages, generator=gen)[: batch * cfg.pages_per_seq]
         self.block_table = pages.to(torch.int32).reshape(batch, cfg.pages_per_seq)
         ring_shape = (batch, cfg.num_kv_heads, max(cfg.window, 1), cfg.head_dim)
-        rings = (torch.randn(ring_shape, generator=gen).to(torch.bfloat16),
-                 torch.randn(ring_shape, generator=gen).to(torch.bfloat16),
-                 torch.full(ring_shape[:3], -1, dtype=torch.int32))  # fmt: skip
+        rings = (
+            torch.randn(ring_shape, generator=gen).to(torch.bfloat16),
+            torch.randn(ring_shape, generator=gen).to(torch.bfloat16),
+            torch.full(ring_shape[:3], -1, dtype=torch.int32),
+        )
         self.initial_cache, self.initial_rings = cache, rings  # the poison, kept to compare
         self.caches = {"kernel": clone_cache(cache, device), "reference": clone_cache(cache)}
-        self.rings = {"kernel": tuple(r.clone().to(device) for r in rings),
-                      "reference": tuple(r.clone() for r in rings)}  # fmt: skip
-        self.keys = torch.zeros(batch, cfg.num_kv_heads, cfg.capacity, cfg.head_dim,
-                                dtype=torch.bfloat16)  # fmt: skip
+        self.rings = {
+            "kernel": tuple(r.clone().to(device) for r in rings),
+            "reference": tuple(r.clone() for r in rings),
+        }
+        self.keys = torch.zeros(
+            batch, cfg.num_kv_heads, cfg.capacity, cfg.head_dim, dtype=torch.bfloat16
+        )
         self.values = torch.zeros_like(self.keys)
         self._write(gen)
 
@@ -132,12 +153,12 @@ class Case:
         while written != list(cfg.lens):
             chunk = int(torch.randint(1, 2 * cfg.page_size + 3, (1,), generator=gen))
             n_new = min(chunk, max(n - w for n, w in zip(cfg.lens, written, strict=True)))
-            key, value = random_kv(batch * n_new, cfg.num_kv_heads, cfg.head_dim,
-                                   torch.bfloat16, gen)  # fmt: skip
+            key, value = random_kv(
+                batch * n_new, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, gen
+            )
             key = key.reshape(batch, n_new, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
             value = value.reshape(batch, n_new, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-            starts = [w if w + n_new <= n else -1
-                      for n, w in zip(cfg.lens, written, strict=True)]  # fmt: skip
+            starts = [w if w + n_new <= n else -1 for n, w in zip(cfg.lens, written, strict=True)]
             if all(s < 0 for s in starts):  # the remaining sequences need shorter chunks
                 continue
             for b, start in enumerate(starts):
@@ -154,9 +175,16 @@ class Case:
         rotation = self.rotation.to(device)
         with triton_kernels(device) if path == "kernel" else torch.no_grad():
             if self.cfg.window:
-                torch.ops.tq.store_window(key.to(device), value.to(device), *cache,
-                                          *self.rings[path], table, starts.to(device), rotation,
-                                          self.cfg.fmt)  # fmt: skip
+                torch.ops.tq.store_window(
+                    key.to(device),
+                    value.to(device),
+                    *cache,
+                    *self.rings[path],
+                    table,
+                    starts.to(device),
+                    rotation,
+                    self.cfg.fmt,
+                )
                 return
             # no window: slots of positions start .. start + T - 1 of the live sequences
             n_new, page = key.shape[2], self.cfg.page_size
@@ -165,9 +193,14 @@ class Case:
             slots = torch.where(starts[:, None] >= 0, slots + positions % page, -1)
             rows = key.transpose(1, 2).reshape(-1, *key.shape[1::2])
             value_rows = value.transpose(1, 2).reshape(-1, *value.shape[1::2])
-            torch.ops.tq.store(rows.to(device), value_rows.to(device), *cache,
-                               slots.reshape(-1).to(torch.int32).to(device), rotation,
-                               self.cfg.fmt)  # fmt: skip
+            torch.ops.tq.store(
+                rows.to(device),
+                value_rows.to(device),
+                *cache,
+                slots.reshape(-1).to(torch.int32).to(device),
+                rotation,
+                self.cfg.fmt,
+            )
 
     def unwritten_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(page_slots, ring_rows)``: bool ``[num_pages * page_size]`` over the pages' slots
@@ -187,9 +220,15 @@ class Case:
         """float64 ``(K, V) [B, Hk, capacity, D]`` of ``path``'s cache by the reference."""
         window = RecentWindow(*self.rings[path]) if self.cfg.window else None
         return reference.dequantize(
-            self.fmt, clone_cache(self.caches[path]), self.block_table, self.lens,
-            self.rotation, self.cfg.capacity, torch.float64, window_on(window, "cpu"),
-        )  # fmt: skip
+            self.fmt,
+            clone_cache(self.caches[path]),
+            self.block_table,
+            self.lens,
+            self.rotation,
+            self.cfg.capacity,
+            torch.float64,
+            window_on(window, "cpu"),
+        )
 
 
 def _seed() -> int:
@@ -201,8 +240,11 @@ def _mask(cfg: Config, num_q_heads: int, gen: torch.Generator) -> torch.Tensor |
     if cfg.mask == "none":
         return None
     batch = len(cfg.lens)
-    shape = (_pick((1, batch), gen), _pick((1, num_q_heads), gen),
-             int(torch.randint(1, cfg.capacity + 1, (1,), generator=gen)))  # fmt: skip
+    shape = (
+        _pick((1, batch), gen),
+        _pick((1, num_q_heads), gen),
+        int(torch.randint(1, cfg.capacity + 1, (1,), generator=gen)),
+    )
     if cfg.mask == "bool":
         return torch.rand(shape, generator=gen) > 0.3
     return torch.randn(shape, generator=gen) * 2
@@ -249,8 +291,10 @@ def _check(cfg: Config, gen: torch.Generator, device: str) -> None:
     written = torch.arange(cfg.capacity)[None, :] < case.lens[:, None]  # [B, capacity]
     written = written[:, None].expand(-1, cfg.num_kv_heads, -1)  # [B, Hk, capacity]
     meta_step = torch.finfo(case.fmt.meta_dtype).eps
-    for side, ref, kernel, original in (("keys", ref_k, kernel_k, case.keys),
-                                        ("values", ref_v, kernel_v, case.values)):  # fmt: skip
+    for side, ref, kernel, original in (
+        ("keys", ref_k, kernel_k, case.keys),
+        ("values", ref_v, kernel_v, case.values),
+    ):
         if not written.any():
             break
         ref, kernel, original = ref[written], kernel[written], original.double()[written]
@@ -271,14 +315,22 @@ def _check(cfg: Config, gen: torch.Generator, device: str) -> None:
     # Written slots: the same meta record up to one rounding step (a row error 5% above the
     # reference's is a low-bit format's noise; a scale 3% off is not), the same ring rows.
     kernel_meta, ref_meta = (by_slot(case.caches[path].meta) for path in ("kernel", "reference"))
-    torch.testing.assert_close(kernel_meta[~page_slots], ref_meta[~page_slots], rtol=meta_step,
-                               atol=0, msg=lambda m: f"written meta records: {m}")  # fmt: skip
+    torch.testing.assert_close(
+        kernel_meta[~page_slots],
+        ref_meta[~page_slots],
+        rtol=meta_step,
+        atol=0,
+        msg=lambda m: f"written meta records: {m}",
+    )
     for kernel_ring, ref_ring in zip(case.rings["kernel"], case.rings["reference"], strict=True):
         assert torch.equal(kernel_ring.cpu(), ref_ring), "ring rows"
     for path in ("kernel", "reference"):
-        for name, now, before in zip(("k_codes", "value codes", "meta"),
-                                     slot_rows(case.caches[path]),
-                                     slot_rows(case.initial_cache), strict=True):  # fmt: skip
+        for name, now, before in zip(
+            ("k_codes", "value codes", "meta"),
+            slot_rows(case.caches[path]),
+            slot_rows(case.initial_cache),
+            strict=True,
+        ):
             assert torch.equal(now[page_slots], before[page_slots]), f"{path}: unwritten {name}"
         for now, before in zip(case.rings[path], case.initial_rings, strict=True):
             unwritten = ring_rows[:, None, :].expand(now.shape[:3])
@@ -288,14 +340,23 @@ def _check(cfg: Config, gen: torch.Generator, device: str) -> None:
     table, lens = case.block_table.to(device), case.lens.to(device)
     rotation = case.rotation.to(device)
     with triton_kernels(device):
-        k_deq, v_deq = torch.ops.tq.dequantize(*case.caches["kernel"], table, lens, rotation,
-                                               cfg.fmt, cfg.capacity, torch.float32,
-                                               *rings)  # fmt: skip
+        k_deq, v_deq = torch.ops.tq.dequantize(
+            *case.caches["kernel"],
+            table,
+            lens,
+            rotation,
+            cfg.fmt,
+            cfg.capacity,
+            torch.float32,
+            *rings,
+        )
     unread = ~written[..., None]
-    torch.testing.assert_close(k_deq.cpu().double(), kernel_k.masked_fill(unread, 0),
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
-    torch.testing.assert_close(v_deq.cpu().double(), kernel_v.masked_fill(unread, 0),
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        k_deq.cpu().double(), kernel_k.masked_fill(unread, 0), rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        v_deq.cpu().double(), kernel_v.masked_fill(unread, 0), rtol=1e-5, atol=1e-5
+    )
 
     num_q_heads = cfg.num_kv_heads * cfg.group
     q = torch.randn(len(cfg.lens), num_q_heads, cfg.head_dim, generator=gen).to(cfg.q_dtype)
@@ -305,10 +366,18 @@ def _check(cfg: Config, gen: torch.Generator, device: str) -> None:
     expected = reference.attention(q, kernel_k, kernel_v, case.lens, scale, mask)
     budget = _decode_budget(q, kernel_k, kernel_v, expected, case.lens, scale, mask, cfg.q_dtype)
     with triton_kernels(device):
-        actual = torch.ops.tq.decode(q.to(device), *case.caches["kernel"], table, lens,
-                                     rotation, cfg.fmt, cfg.num_splits, scale,
-                                     None if mask is None else mask.to(device),
-                                     *rings).cpu()  # fmt: skip
+        actual = torch.ops.tq.decode(
+            q.to(device),
+            *case.caches["kernel"],
+            table,
+            lens,
+            rotation,
+            cfg.fmt,
+            cfg.num_splits,
+            scale,
+            None if mask is None else mask.to(device),
+            *rings,
+        ).cpu()
     assert not actual.isnan().any()
     seen = budget > 0  # queries with at least one visible key
     assert bool((actual[~seen] == 0).all()), "a query that sees nothing gets zeros"

@@ -32,8 +32,16 @@ def _store(fmt, key, value, device):
 def _oracle(fmt, cache, window, table, lens, q, consts):
     """float64 attention over what the cache holds (its dequantized K and V)."""
     cpu = PagedKVCache(*(p.cpu() for p in cache))
-    k, v = reference.dequantize(fmt, cpu, table.cpu(), lens, consts.rotation.cpu(), T,
-                                torch.float64, window_on(window, "cpu"))  # fmt: skip
+    k, v = reference.dequantize(
+        fmt,
+        cpu,
+        table.cpu(),
+        lens,
+        consts.rotation.cpu(),
+        T,
+        torch.float64,
+        window_on(window, "cpu"),
+    )
     return k, v, reference.attention(q.double(), k, v, lens, D**-0.5)
 
 
@@ -63,10 +71,19 @@ def test_every_magnitude_is_represented(fmt_name, impl, kernel_device, seeded):
             value = (base_v * (magnitude if side == "value" else 1.0)).to(torch.bfloat16)
             with impl_context(impl, device):
                 consts, cache, window, table = _store(fmt, key, value, device)
-                k_deq, v_deq = api.dequantize(fmt, cache, table, lens.to(device), consts, T,
-                                              torch.float32, window)  # fmt: skip
-                out = api.decode(fmt, q.to(device), cache, table, lens.to(device), consts,
-                                 num_splits=2, window=window).cpu()  # fmt: skip
+                k_deq, v_deq = api.dequantize(
+                    fmt, cache, table, lens.to(device), consts, T, torch.float32, window
+                )
+                out = api.decode(
+                    fmt,
+                    q.to(device),
+                    cache,
+                    table,
+                    lens.to(device),
+                    consts,
+                    num_splits=2,
+                    window=window,
+                ).cpu()
             stored = k_deq if side == "key" else v_deq
             errors[side, magnitude] = _row_errors(stored.cpu(), key if side == "key" else value)
             where = f"{fmt_name} {side}s x {magnitude:g}"
@@ -100,8 +117,9 @@ def test_norms_up_to_bf16_max(fmt_name, impl, kernel_device, seeded):
     lens = torch.tensor([T], dtype=torch.int32)
     with impl_context(impl, device):
         consts, cache, window, table = _store(fmt, key, value, device)
-        k_deq, _ = api.dequantize(fmt, cache, table, lens.to(device), consts, T, torch.float32,
-                                  window)  # fmt: skip
+        k_deq, _ = api.dequantize(
+            fmt, cache, table, lens.to(device), consts, T, torch.float32, window
+        )
     assert cache.meta.isfinite().all()
     error = _row_errors(k_deq.cpu()[:, :, : T - W], key[:, :, : T - W])
     assert error < 0.25, f"relative error {error:.3g} of rows with norms near bf16's maximum"

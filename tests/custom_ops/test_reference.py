@@ -133,8 +133,9 @@ def test_block_table_past_the_length_is_not_followed(window, seeded):
     if window:
         ring_k, ring_v = random_kv(2 * window, 2, 64, torch.bfloat16, seeded)
         as_ring = lambda x: x.reshape(2, window, 2, 64).transpose(1, 2).contiguous()  # noqa: E731
-        recent = RecentWindow(as_ring(ring_k), as_ring(ring_v),
-                              api.appended_window_positions(lens, 2, window))  # fmt: skip
+        recent = RecentWindow(
+            as_ring(ring_k), as_ring(ring_v), api.appended_window_positions(lens, 2, window)
+        )
     q = torch.randn(2, 8, 64, generator=seeded).to(torch.bfloat16)
     outputs = []
     for table in (clean, stale):

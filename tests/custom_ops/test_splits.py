@@ -29,5 +29,7 @@ def test_splits_in_one_wave(num_splits, programs_per_split, num_warps, max_regis
     """On 132 SMs (an H100): the largest power of two up to the cache's count whose grid is
     resident at once, registers allocated per warp in units of 256 from one of the SM's four
     sub-partitions of 16384."""
-    assert splits_in_one_wave(num_splits, programs_per_split, num_warps, max_registers,
-                              132) == expected  # fmt: skip
+    assert (
+        splits_in_one_wave(num_splits, programs_per_split, num_warps, max_registers, 132)
+        == expected
+    )

@@ -48,8 +48,9 @@ def test_remembered_launches_follow_device_and_alignment(seeded):
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape)
     shifted.copy_(q)
     assert shifted.data_ptr() % 16 != 0
-    torch.testing.assert_close(api.decode(fmt, shifted, *args, num_splits=2), aligned,
-                               rtol=0, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        api.decode(fmt, shifted, *args, num_splits=2), aligned, rtol=0, atol=0
+    )
 
 
 def test_launch_key_only_for_plain_cuda_tensors():

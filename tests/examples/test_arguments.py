@@ -25,7 +25,12 @@ if not torch.cuda.is_available():
 
 @pytest.mark.parametrize(("script", "args", "message"), CASES)
 def test_bad_arguments_stop_before_any_work(script, args, message):
-    result = subprocess.run([sys.executable, f"examples/{script}", *args], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, f"examples/{script}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr.strip().splitlines()[-1]

@@ -20,9 +20,20 @@ def test_chat_answers_with_both_caches():
     ratio, where the answers agree and both perplexities on the fixed text (16 tokens: with
     window 4 and 4 sinks, 8 of them are read back quantized)."""
     require_smollm2()
-    out = run_example("examples/chat.py", "--device", "cpu", "--prompt",
-                      "What is the capital of France?", "--new-tokens", "12", "--window", "4",
-                      "--ppl-tokens", "16", timeout=600)  # fmt: skip
+    out = run_example(
+        "examples/chat.py",
+        "--device",
+        "cpu",
+        "--prompt",
+        "What is the capital of France?",
+        "--new-tokens",
+        "12",
+        "--window",
+        "4",
+        "--ppl-tokens",
+        "16",
+        timeout=600,
+    )
     answers = re.findall(r"--- (.+) ---\n(.+)\n", out)
     assert [title for title, _ in answers] == [
         "bf16 StaticCache",
@@ -48,8 +59,13 @@ def test_bad_arguments_exit_with_a_message():
         ["--sinks", "-2"],
         ["--ppl-tokens", "1"],
     ):
-        result = subprocess.run([sys.executable, "examples/chat.py", *args], cwd=ROOT,
-                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "examples/chat.py", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 2, result.stderr[-2000:]
         messages.append(result.stderr.strip().splitlines()[-1])
     assert messages == [

@@ -19,8 +19,9 @@ def test_cuda_graph_loop_runs_on_cpu():
     steps = 4
     out = run_example("examples/cuda_graph_loop.py", "--device", "cpu", "--steps", str(steps))
     assert "tiny model, 4bit_nc cache, batch 4 on cpu: eager steps (no CUDA)" in out
-    done = re.search(r"(\d+) steps: ([\d,]+) tokens/s; first sequence's tokens: (\[[\d, ]*\])",
-                     out)  # fmt: skip
+    done = re.search(
+        r"(\d+) steps: ([\d,]+) tokens/s; first sequence's tokens: (\[[\d, ]*\])", out
+    )
     assert done, out
     assert int(done[1]) == steps
     assert float(done[2].replace(",", "")) > 0

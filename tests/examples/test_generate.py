@@ -49,9 +49,11 @@ def test_generate_runs_and_reports():
     args = [str(a) for item in sizes.items() for a in item]
     out = run_example("examples/generate.py", "--device", "cpu", *args)
     tiny = ModelArgs.from_name("tiny")
-    assert (f"tiny model ({tiny.n_layer} layers, Hq={tiny.n_head}, Hk={tiny.n_local_heads}, "
-            f"D={tiny.head_dim}) on cpu; batch {BATCH}, prompt {PROMPT_LEN}, "
-            f"{NEW_TOKENS} new tokens") in out  # fmt: skip
+    assert (
+        f"tiny model ({tiny.n_layer} layers, Hq={tiny.n_head}, Hk={tiny.n_local_heads}, "
+        f"D={tiny.head_dim}) on cpu; batch {BATCH}, prompt {PROMPT_LEN}, "
+        f"{NEW_TOKENS} new tokens"
+    ) in out
     rates = {}
     for label in ("bf16", "4bit_nc"):
         steps = re.findall(rf"{label} decode: (\d+)/{NEW_TOKENS} tokens", out)
@@ -69,8 +71,11 @@ def test_generate_runs_and_reports():
     low, high = (tq - 0.5) / (bf16 + 0.5), (tq + 0.5) / max(bf16 - 0.5, 0.5)
     assert low - 0.005 <= float(speed[3]) <= high + 0.005, (speed[0], low, high)
 
-    kv = re.search(r"KV cache: ([\d.]+) MB vs bf16 ([\d.]+) MB \(([\d.]+)x; the last (\d+) tokens "
-                   r"and the first (\d+)", out)  # fmt: skip
+    kv = re.search(
+        r"KV cache: ([\d.]+) MB vs bf16 ([\d.]+) MB \(([\d.]+)x; the last (\d+) tokens "
+        r"and the first (\d+)",
+        out,
+    )
     assert kv, out
     max_seq = PROMPT_LEN + NEW_TOKENS + 1
     ratio = _kv_ratio("4bit_nc", max_seq, tiny.head_dim, tiny.n_local_heads)
@@ -93,8 +98,13 @@ def test_bad_arguments_exit_with_a_message():
     script with argparse's status 2 and a message naming the argument."""
     messages = []
     for args in (["--batch", "0"], ["--new-tokens", "0"], ["--window", "200"]):
-        result = subprocess.run([sys.executable, "examples/generate.py", *args], cwd=ROOT,
-                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "examples/generate.py", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 2, result.stderr[-2000:]
         messages.append(result.stderr.strip().splitlines()[-1])
     assert messages == [
@@ -107,6 +117,17 @@ def test_bad_arguments_exit_with_a_message():
 
 def test_one_new_token_runs():
     """``--new-tokens 1`` finishes and says the single step is too few to time."""
-    out = run_example("examples/generate.py", "--device", "cpu", "--batch", "1", "--prompt-len",
-                      "8", "--new-tokens", "1", "--window", "4")  # fmt: skip
+    out = run_example(
+        "examples/generate.py",
+        "--device",
+        "cpu",
+        "--batch",
+        "1",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "1",
+        "--window",
+        "4",
+    )
     assert "too few steps to time" in out and "next-token agreement" in out

@@ -36,8 +36,16 @@ def test_quickstart_reports_every_format():
     """``examples/quickstart.py`` runs on the CPU and prints one table row per format: its
     bytes per token-head, the compression against bf16 (4 * D bytes) those imply, and K, V and
     q.k errors above zero and within the format's bound."""
-    out = run_example("examples/quickstart.py", "--tokens", "64", "--head-dim", "64", "--device",
-                      "cpu", timeout=120)  # fmt: skip
+    out = run_example(
+        "examples/quickstart.py",
+        "--tokens",
+        "64",
+        "--head-dim",
+        "64",
+        "--device",
+        "cpu",
+        timeout=120,
+    )
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
     assert "bf16 K+V: 256 bytes per token-head" in out
     for name, fmt in FORMATS.items():

@@ -38,8 +38,9 @@ def _setup(device, window, draft_layers=None):
     with torch.device(device):
         model = init_weights(Transformer(cfg), 0).to(torch.bfloat16).eval()
     draft = early_exit_draft(model, draft_layers) if draft_layers else None
-    motif = torch.randint(0, cfg.vocab_size, (PROMPT_LEN // 4,),
-                          generator=torch.Generator().manual_seed(1))  # fmt: skip
+    motif = torch.randint(
+        0, cfg.vocab_size, (PROMPT_LEN // 4,), generator=torch.Generator().manual_seed(1)
+    )
     prompt = motif.repeat(4)[None].to(device)
 
     def fresh_caches(max_seq):
@@ -51,8 +52,10 @@ def _setup(device, window, draft_layers=None):
 
 
 def _first_difference(plain, spec) -> int:
-    return next((i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens, strict=True))
-                 if a != b), len(plain.tokens))  # fmt: skip
+    return next(
+        (i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens, strict=True)) if a != b),
+        len(plain.tokens),
+    )
 
 
 @pytest.mark.parametrize("window, draft_layers", [(0, None), (16, None), (128, None), (16, 1)])
@@ -69,8 +72,7 @@ def test_speculative_equals_plain_greedy_cpu(window, draft_layers):
     fresh_caches(PROMPT_LEN + n_new + DRAFTS + 1)
     plain = plain_greedy(model, prompt, n_new, decode_one_token, "cpu")
     fresh_caches(PROMPT_LEN + n_new + DRAFTS + 1)
-    spec = speculative_greedy(model, prompt, n_new, DRAFTS, verify, "cpu", draft,
-                              decode_one_token)  # fmt: skip
+    spec = speculative_greedy(model, prompt, n_new, DRAFTS, verify, "cpu", draft, decode_one_token)
     first = _first_difference(plain, spec)
     assert first == n_new or plain.margins[first] <= NEAR_TIE, (first, plain.margins[first])
     assert spec.proposed >= n_new // (DRAFTS + 1)
@@ -97,8 +99,9 @@ def test_speculative_under_cuda_graphs():
         fresh_caches(PROMPT_LEN + n_new + DRAFTS + 1)
         plain = plain_greedy(model, prompt, n_new, step, "cuda")
         fresh_caches(PROMPT_LEN + n_new + DRAFTS + 1)
-        spec = speculative_greedy(model, prompt, n_new, DRAFTS, verify_fn, "cuda",
-                                  draft if use_draft else None, step)  # fmt: skip
+        spec = speculative_greedy(
+            model, prompt, n_new, DRAFTS, verify_fn, "cuda", draft if use_draft else None, step
+        )
         first = _first_difference(plain, spec)
         assert first == n_new or plain.margins[first] <= NEAR_TIE, (use_draft, first)
         results.append((first, spec.accepted, spec.proposed))
@@ -115,9 +118,22 @@ def test_example_runs_on_cpu(draft):
     CPU's matmuls round differently for one token and for a verify step's five on some
     machines); replayed drafts that agree with the target 90% of the time: most accepted, and
     the verify steps chose the replayed tokens (the plain run's) nearly everywhere."""
-    out = run_example("examples/speculative.py", "--device", "cpu", "--new-tokens", "24",
-                      "--prompt-len", "32", "--no-compile", "--window", "16", "--draft", draft,
-                      "--accept", "0.9")  # fmt: skip
+    out = run_example(
+        "examples/speculative.py",
+        "--device",
+        "cpu",
+        "--new-tokens",
+        "24",
+        "--prompt-len",
+        "32",
+        "--no-compile",
+        "--window",
+        "16",
+        "--draft",
+        draft,
+        "--accept",
+        "0.9",
+    )
     drafts = re.search(rf"drafts \({draft}, k=4\): (\d+)/(\d+) accepted \(([\d.]+)%\)", out)
     assert drafts and int(drafts[2]) > 0, out
     rates = re.search(r"tokens/s: plain ([\d,.]+), speculative ([\d,.]+) \(([\d.]+)x\)", out)

@@ -50,10 +50,15 @@ SPAWN_TIMEOUT_S = 900
 # (route, cache, torch.compile backend or None) that the ranks of each world size decode with.
 # Inductor once (its first compile costs ~20 s per process on CI's 2 cores), aot_eager elsewhere.
 VARIANTS = {
-    2: [("funcol", FORMAT, None), ("funcol", FORMAT, "inductor"), ("funcol", "bf16", None),
-        ("dtensor", FORMAT, None), ("dtensor", FORMAT, "aot_eager")],
+    2: [
+        ("funcol", FORMAT, None),
+        ("funcol", FORMAT, "inductor"),
+        ("funcol", "bf16", None),
+        ("dtensor", FORMAT, None),
+        ("dtensor", FORMAT, "aot_eager"),
+    ],
     4: [("funcol", FORMAT, None), ("funcol", FORMAT, "aot_eager")],
-}  # fmt: skip
+}
 # Largest relative logit error per step, ||tp - single|| / ||single||, against the unsharded
 # model with the same cache. Measured: 4bit_nc 3.3% (2 ranks), 2.9% (4 ranks); bf16 1.1%:
 # the all-reduce adds each rank's bf16 partial sums, which rounds differently, and a key that
@@ -137,8 +142,13 @@ def _cache_sizes(model: Transformer) -> list[tuple[int, int]]:
 def _joined(rank: int, world_size: int, port: int, device: str):
     """The ``world_size`` process group set up the way ``torchrun`` would, for a ``with`` block
     (:func:`examples.tp.process_group`: a failing rank exits instead of waiting for peers)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     return process_group(device)
 
 
@@ -151,8 +161,9 @@ def _free_port() -> int:
 def _spawn(fn, world_size: int, *args, timeout_s: float = SPAWN_TIMEOUT_S) -> None:
     """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes; re-raise
     the first failure; kill them past ``timeout_s``."""
-    context = mp.start_processes(fn, (world_size, _free_port(), *args), nprocs=world_size,
-                                 join=False, start_method="spawn")  # fmt: skip
+    context = mp.start_processes(
+        fn, (world_size, _free_port(), *args), nprocs=world_size, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=max(0.0, deadline - time.monotonic())):
@@ -228,9 +239,13 @@ def test_shard_config_needs_a_degree_dividing_the_kv_heads():
     share = shard_config(tiny, 2)
     assert (share.n_head, share.n_local_heads, share.intermediate_size) == (2, 1, 128)
     assert (share.dim, share.head_dim) == (tiny.dim, tiny.head_dim)
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "degree 4 does not divide the model's n_local_heads=2 kv-heads: each rank must "
-            "hold whole kv-heads; use a degree in [1, 2]")):  # fmt: skip
+            "hold whole kv-heads; use a degree in [1, 2]"
+        ),
+    ):
         shard_config(tiny, 4)
     with pytest.raises(ValueError, match="world_size must be an integer >= 1, got 0"):
         shard_config(tiny, 0)
@@ -252,10 +267,27 @@ def test_torchrun_cli_on_cpu():
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "examples/tp.py", "--device", "cpu", "--new-tokens", "4", "--batch", "2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=SPAWN_TIMEOUT_S,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "examples/tp.py",
+            "--device",
+            "cpu",
+            "--new-tokens",
+            "4",
+            "--batch",
+            "2",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SPAWN_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "tiny model (Hq=4, Hk=2, D=64) on 2 cpu rank(s), sharded with funcol" in out, out

@@ -189,8 +189,9 @@ def _model(
     model = model.to(device=device, dtype=dtype)
     factory = None
     if fmt is not None:
-        factory = functools.partial(TurboQuantKVCache, preset=fmt, window=window,
-                                    center_keys=center)  # fmt: skip
+        factory = functools.partial(
+            TurboQuantKVCache, preset=fmt, window=window, center_keys=center
+        )
     model.setup_caches(BATCH, max_seq, cache_factory=factory)
     return model
 
@@ -212,8 +213,12 @@ def test_single_forward_prefill_equals_the_bf16_cache(window):
     the logits are the bf16 cache's to bf16 rounding (closer than the bf16 model is to float32;
     measured 0.07% against 1.25%). Attending over the stored codes put them 2% (int8) to 22%
     (4bit_nc) away."""
-    prompt = torch.randint(0, ModelArgs.from_name("tiny").vocab_size, (BATCH, LONG_PROMPT),
-                           generator=torch.Generator().manual_seed(7))  # fmt: skip
+    prompt = torch.randint(
+        0,
+        ModelArgs.from_name("tiny").vocab_size,
+        (BATCH, LONG_PROMPT),
+        generator=torch.Generator().manual_seed(7),
+    )
     positions = torch.arange(LONG_PROMPT)
     dense = _model(None, max_seq=LONG_SEQ)(prompt, positions)
     exact = _model(None, max_seq=LONG_SEQ, dtype=torch.float32)(prompt, positions)
@@ -228,8 +233,12 @@ def test_compiled_chunked_prefill_matches_eager():
     """torch.compile(model, fullgraph=True) over a prompt in three chunks of 32 tokens: one
     graph for the three (positions are tensors) with one tq.prefill per layer (no break, no
     dequantize), the eager chunks' logits; later chunks read the compressed prefix."""
-    prompt = torch.randint(0, ModelArgs.from_name("tiny").vocab_size, (BATCH, 96),
-                           generator=torch.Generator().manual_seed(3))  # fmt: skip
+    prompt = torch.randint(
+        0,
+        ModelArgs.from_name("tiny").vocab_size,
+        (BATCH, 96),
+        generator=torch.Generator().manual_seed(3),
+    )
     eager, compiled = _model("4bit_nc", window=8), _model("4bit_nc", window=8)
     torch._dynamo.reset()
     graphs = []
@@ -238,8 +247,9 @@ def test_compiled_chunked_prefill_matches_eager():
         graphs.append(gm)
         return gm
 
-    step = torch.compile(compiled, backend=aot_autograd(fw_compiler=forward_compiler),
-                         fullgraph=True)  # fmt: skip
+    step = torch.compile(
+        compiled, backend=aot_autograd(fw_compiler=forward_compiler), fullgraph=True
+    )
     for start in (0, 32, 64):
         positions = torch.arange(start, start + 32)
         expected = eager(prompt[:, start : start + 32], positions)
@@ -248,7 +258,8 @@ def test_compiled_chunked_prefill_matches_eager():
     assert len(graphs) == 1
     assert _attention_ops(graphs[0]) == "\n".join(
         ["auto_functionalized_v2(tq.store_window.default)", "tq.prefill.default"] * 2
-        + ["dense sdpa / dequantize calls: 0"])  # fmt: skip
+        + ["dense sdpa / dequantize calls: 0"]
+    )
     torch._dynamo.reset()
 
 
@@ -273,8 +284,10 @@ def test_eager_decode_against_bf16_cache(fmt, window):
         agree.append((next_ref == next_tq).float().mean())
         tok = next_ref
     agreement = torch.stack(agree).mean().item()
-    print(f"{fmt} window {window}: max logits error {max(errors):.4f}, next-token agreement "
-          f"{agreement:.3f}")  # fmt: skip
+    print(
+        f"{fmt} window {window}: max logits error {max(errors):.4f}, next-token agreement "
+        f"{agreement:.3f}"
+    )
     assert max(errors) < LOGIT_ERROR[fmt]
     assert AGREEMENT_FLOOR[fmt] <= agreement <= 1, agreement
 
@@ -302,8 +315,9 @@ def test_compiled_decode_no_graph_break_no_recompile(device, center):
 
     # explain() runs the step (it writes a token): on a third model, so the two compared above
     # stay untouched
-    probe = _model("4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW,
-                   center=center)  # fmt: skip
+    probe = _model(
+        "4bit_nc", device=device, dtype=torch.float16, window=MODEL_WINDOW, center=center
+    )
     prefill(probe, prompt, positions)
     explained = torch._dynamo.explain(decode_one_token)(
         probe, tok_compiled, torch.tensor([PROMPT_LEN], device=device)
@@ -359,8 +373,9 @@ def test_compiled_step_copies_no_cache_buffer(device, center):
         assert "store_window" in code and "decode" in code
     else:
         assert "store_window_kernel" in code and "split_kernel" in code
-        left = sorted({line.strip()[:160] for line in code.splitlines()
-                       if "torch.ops.tq." in line})  # fmt: skip
+        left = sorted(
+            {line.strip()[:160] for line in code.splitlines() if "torch.ops.tq." in line}
+        )
         assert not left, "\n".join(left)
     # the launches: each module's `call` (kernel sources above it may name a `copy_mask`)
     calls = "\n".join(c[c.index("def call(") :] for c in codes if "def call(" in c)
@@ -462,8 +477,14 @@ def test_reduce_overhead_cuda_graphs_200_steps():
     from torch._inductor.cudagraph_trees import get_manager
 
     prompt_len, steps, tol = 16, 200, 2e-2
-    make = functools.partial(_model, "4bit_nc", device="cuda", max_seq=prompt_len + steps,
-                             dtype=torch.float16, window=MODEL_WINDOW)  # fmt: skip
+    make = functools.partial(
+        _model,
+        "4bit_nc",
+        device="cuda",
+        max_seq=prompt_len + steps,
+        dtype=torch.float16,
+        window=MODEL_WINDOW,
+    )
     eager, compiled = make(), make()
     prompt = _prompt(3, "cuda")[:, :prompt_len]
     tok, _ = prefill(eager, prompt, torch.arange(prompt_len, device="cuda"))
@@ -516,9 +537,15 @@ def test_a_ring_that_covers_the_capacity_is_sized_down_and_warns():
         cache = TurboQuantKVCache(1, 8, 64, 128)
     assert len(record) == 1 and record[0].filename == __file__
     message = str(record[0].message)
-    for part in ("max_seq_length=64", "window (128)", "sinks (4)", "no token is ever quantized",
-                 f"{cache.nbytes():,} bytes", f"{cache.dense_nbytes():,} of a bf16",
-                 "keep window + sinks below max_seq_length"):  # fmt: skip
+    for part in (
+        "max_seq_length=64",
+        "window (128)",
+        "sinks (4)",
+        "no token is ever quantized",
+        f"{cache.nbytes():,} bytes",
+        f"{cache.dense_nbytes():,} of a bf16",
+        "keep window + sinks below max_seq_length",
+    ):
         assert part in message, part
     assert (cache.window, cache.sinks, cache.k_window.shape[2]) == (64, 0, 64)
     with pytest.warns(UserWarning, match=r"sized to the capacity \(window 16, sinks 4\)"):
@@ -535,16 +562,28 @@ def test_a_ring_that_covers_the_capacity_is_sized_down_and_warns():
         TurboQuantKVCache(1, 8, 256, 128)  # positions 4 .. 127 reach the pages
 
 
-@pytest.mark.parametrize("options", [dict(window=0), dict(window=8, sinks=0), dict(window=8),
-                                     dict(window=8, center_keys=True), dict()])  # fmt: skip
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(window=0),
+        dict(window=8, sinks=0),
+        dict(window=8),
+        dict(window=8, center_keys=True),
+        dict(),
+    ],
+)
 def test_nbytes_counts_everything_the_cache_holds(options):
     """nbytes() is the bytes of every tensor the module holds (pages, rings, positions, centres,
     block table, rotation): no cache reports fewer bytes than it holds."""
     cache = TurboQuantKVCache(2, 2, 48, 64, **options)
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in vars(cache).values() if isinstance(t, torch.Tensor)}  # fmt: skip
-    storages.update((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                    for t in cache.buffers())  # fmt: skip
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in vars(cache).values()
+        if isinstance(t, torch.Tensor)
+    }
+    storages.update(
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in cache.buffers()
+    )
     assert cache.nbytes() == sum(storages.values())
 
 
@@ -593,9 +632,11 @@ float positions: TypeError: TurboQuantKVCache.update: input_pos must be a 1-D in
 positions and tokens disagree: ValueError: TurboQuantKVCache.update: input_pos has 2 positions for 1 new tokens (k_val.shape[2]); expected T >= 1 of each""",  # noqa: E501
                 )
             else:
-                gap = ("a gap in the positions: ValueError: TurboQuantKVCache.update: with a "
-                       "ring (window=8, sinks=4) new tokens take consecutive positions: "
-                       "input_pos must be start .. start + T - 1, got [20, 22]")  # fmt: skip
+                gap = (
+                    "a gap in the positions: ValueError: TurboQuantKVCache.update: with a "
+                    "ring (window=8, sinks=4) new tokens take consecutive positions: "
+                    "input_pos must be start .. start + T - 1, got [20, 22]"
+                )
                 self.assertEqual(messages[-1], gap)
 
     def test_construction_arguments(self):

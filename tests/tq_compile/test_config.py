@@ -52,8 +52,13 @@ def test_swaps_exactly_the_caches_with_same_capacity():
 def test_keep_first_and_last_in_full_precision():
     model = _model(layers=5)
     quantize_(model, TurboQuantKVConfig("3bit_nc", keep_first=2, keep_last=1))
-    assert _cache_types(model) == ["KVCache", "KVCache", "TurboQuantKVCache",
-                                   "TurboQuantKVCache", "KVCache"]  # fmt: skip
+    assert _cache_types(model) == [
+        "KVCache",
+        "KVCache",
+        "TurboQuantKVCache",
+        "TurboQuantKVCache",
+        "KVCache",
+    ]
 
 
 @torch.no_grad()
@@ -95,8 +100,9 @@ class TestQuantizeErrors(expecttest.TestCase):
             "a fractional keep_first": lambda: TurboQuantKVConfig(keep_first=1.5),
             "a seed as a string": lambda: TurboQuantKVConfig(seed="x"),
             "page_size 0": lambda: TurboQuantKVConfig(page_size=0),
-            "quantized twice": lambda: quantize_(quantize_(_model(2), TurboQuantKVConfig()),
-                                                 TurboQuantKVConfig("k8v4")),
+            "quantized twice": lambda: quantize_(
+                quantize_(_model(2), TurboQuantKVConfig()), TurboQuantKVConfig("k8v4")
+            ),
         }
         for case, fn in cases.items():
             with self.assertRaises((ValueError, TypeError)) as ctx:

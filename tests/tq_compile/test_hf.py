@@ -24,9 +24,17 @@ from tq_compile.kv_tensor import TurboQuantKVTensor  # noqa: E402
 from tq_compile.options import CacheOptions  # noqa: E402
 
 PROMPT, NEW, CAPACITY = 12, 32, 64
-_COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-               max_position_embeddings=256, attn_implementation="sdpa")  # fmt: skip
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=256,
+    attn_implementation="sdpa",
+)
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
@@ -36,10 +44,16 @@ ARCHS = {
     "llama_eager": ("LlamaConfig", "LlamaForCausalLM", {"attn_implementation": "eager"}),
     # eager only; scores scaled by 1 (not 1/8) and capped at 2, since Gemma 2's 50 would not
     # bind on a tiny random model; sliding layers of 24 tokens between full ones
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
-        "attn_implementation": "eager", "attn_logit_softcapping": 2.0, "sliding_window": 24,
-        "query_pre_attn_scalar": 1,
-    }),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "attn_implementation": "eager",
+            "attn_logit_softcapping": 2.0,
+            "sliding_window": 24,
+            "query_pre_attn_scalar": 1,
+        },
+    ),
 }
 EAGER_ARCHS = ("llama_eager", "gemma2")
 
@@ -82,8 +96,9 @@ def teacher_forced_logits(model, cache, ids, mask, tokens, step=None):
     positions = positions[:, -1:]
     for token in tokens.unbind(1):
         positions = positions + 1
-        out = step(token[:, None], attention_mask=full_mask, position_ids=positions,
-                   past_key_values=cache)  # fmt: skip
+        out = step(
+            token[:, None], attention_mask=full_mask, position_ids=positions, past_key_values=cache
+        )
         logits.append(out.logits[:, -1].float())
     return torch.stack(logits)
 
@@ -94,8 +109,13 @@ def rel_error(got, want) -> float:
 
 def static_run(model, config, ids, mask):
     """StaticCache greedy tokens ``[B, NEW]`` and their teacher-forced logits."""
-    out = model.generate(ids, attention_mask=mask, past_key_values=StaticCache(config, CAPACITY),
-                         max_new_tokens=NEW, do_sample=False)  # fmt: skip
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        past_key_values=StaticCache(config, CAPACITY),
+        max_new_tokens=NEW,
+        do_sample=False,
+    )
     tokens = out[:, PROMPT:]
     logits = teacher_forced_logits(model, StaticCache(config, CAPACITY), ids, mask, tokens[:, :-1])
     return tokens, logits
@@ -118,8 +138,9 @@ def test_int8_generation_matches_static_cache(arch):
     assert torch.equal(tq_logits.argmax(-1)[decided], static_logits.argmax(-1)[decided])
     # and generate() itself: the same tokens up to the first near-tie
     cache = TurboQuantCache(config, CAPACITY, preset="int8", window=0)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW,
-                         do_sample=False)  # fmt: skip
+    out = model.generate(
+        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, do_sample=False
+    )
     for row in range(ids.shape[0]):
         ties = (~decided[:, row]).nonzero()
         agree = NEW if ties.numel() == 0 else int(ties[0])
@@ -134,21 +155,29 @@ class _DequantizedLayer(TurboQuantLayer):
         return keys.dequantize(), values.dequantize()
 
 
-def _reference_cache(config, preset: str, window: int, sinks: int = 0,
-                     center: bool = False) -> TurboQuantCache:  # fmt: skip
+def _reference_cache(
+    config, preset: str, window: int, sinks: int = 0, center: bool = False
+) -> TurboQuantCache:
     options = CacheOptions(preset=preset, window=window, sinks=sinks, center_keys=center)
     cache = TurboQuantCache(config, CAPACITY, options=options)
     cache.layers = [_DequantizedLayer(CAPACITY, options) for _ in cache.layers]
     return cache
 
 
-@pytest.mark.parametrize(("preset", "window", "sinks", "center"), [
-    ("4bit_nc", 0, 0, False), ("4bit_nc", 8, 0, False), ("k8v4", 0, 0, False),
-    ("3bit_nc", 8, 0, False), ("3bit_nc", 8, 4, False), ("4bit_nc", 0, 4, False),
-    ("tq2_nc", 8, 4, True), ("tqk4v2_nc", 8, 0, True),
-])  # fmt: skip
-def test_quantized_logits_match_dense_attention_over_the_same_codes(preset, window, sinks,
-                                                                    center):  # fmt: skip
+@pytest.mark.parametrize(
+    ("preset", "window", "sinks", "center"),
+    [
+        ("4bit_nc", 0, 0, False),
+        ("4bit_nc", 8, 0, False),
+        ("k8v4", 0, 0, False),
+        ("3bit_nc", 8, 0, False),
+        ("3bit_nc", 8, 4, False),
+        ("4bit_nc", 0, 4, False),
+        ("tq2_nc", 8, 4, True),
+        ("tqk4v2_nc", 8, 0, True),
+    ],
+)
+def test_quantized_logits_match_dense_attention_over_the_same_codes(preset, window, sinks, center):
     """4-, 3- and 2-bit caches (with sinks and key centering too): logits equal (to bf16
     rounding) those of dense SDPA over the same cache dequantized (centred keys given their
     centres back), so the decode path adds no error of its own; and they differ from the
@@ -156,23 +185,26 @@ def test_quantized_logits_match_dense_attention_over_the_same_codes(preset, wind
     config, model = tiny_model("llama")
     ids, mask = prompt_batch(seed=1)
     tokens, static_logits = static_run(model, config, ids, mask)
-    cache = TurboQuantCache(config, CAPACITY, preset=preset, window=window, sinks=sinks,
-                            center_keys=center)  # fmt: skip
+    cache = TurboQuantCache(
+        config, CAPACITY, preset=preset, window=window, sinks=sinks, center_keys=center
+    )
     tq = teacher_forced_logits(model, cache, ids, mask, tokens[:, :-1])
     if center:
         assert bool((cache.layers[0].kv.key_center != 0).any()), "no centre was set"
-    reference = teacher_forced_logits(model, _reference_cache(config, preset, window, sinks,
-                                                              center), ids, mask,
-                                      tokens[:, :-1])  # fmt: skip
+    reference = teacher_forced_logits(
+        model, _reference_cache(config, preset, window, sinks, center), ids, mask, tokens[:, :-1]
+    )
     assert rel_error(tq, reference) < SAME_QUANTIZATION_BOUND
     assert rel_error(tq, static_logits) < 0.3  # 3-bit: 20%; zeros would be 100%
 
 
-@pytest.mark.parametrize(("preset", "window", "sinks"),
-                         [("4bit_nc", 0, 0), ("4bit_nc", 8, 4), ("tq4_nc", 8, 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("preset", "window", "sinks"), [("4bit_nc", 0, 0), ("4bit_nc", 8, 4), ("tq4_nc", 8, 0)]
+)
 @pytest.mark.parametrize("arch", EAGER_ARCHS)
-def test_eager_attention_logits_match_dense_attention_over_the_same_codes(arch, preset, window,
-                                                                          sinks):  # fmt: skip
+def test_eager_attention_logits_match_dense_attention_over_the_same_codes(
+    arch, preset, window, sinks
+):
     """Eager models through the "turboquant" attention function: logits equal those of the
     model's own eager attention over the same cache dequantized (Gemma 2: scores capped, sliding
     layers masked), so the kernels and the capped prefill add no error of their own; and the
@@ -183,8 +215,9 @@ def test_eager_attention_logits_match_dense_attention_over_the_same_codes(arch, 
     cache = TurboQuantCache(config, CAPACITY, preset=preset, window=window, sinks=sinks)
     assert model.config._attn_implementation == "turboquant"
     tq = teacher_forced_logits(model, cache, ids, mask, tokens[:, :-1])
-    reference = teacher_forced_logits(model, _reference_cache(config, preset, window, sinks), ids,
-                                      mask, tokens[:, :-1])  # fmt: skip
+    reference = teacher_forced_logits(
+        model, _reference_cache(config, preset, window, sinks), ids, mask, tokens[:, :-1]
+    )
     assert rel_error(tq, reference) < SAME_QUANTIZATION_BOUND
     assert rel_error(tq, static_logits) < 0.3
     if arch == "gemma2":
@@ -192,8 +225,9 @@ def test_eager_attention_logits_match_dense_attention_over_the_same_codes(arch, 
         uncapped.config.attn_logit_softcapping = None
         for layer in uncapped.model.layers:
             layer.self_attn.attn_logit_softcapping = None
-        off = teacher_forced_logits(uncapped, _reference_cache(config, preset, window, sinks),
-                                    ids, mask, tokens[:, :-1])  # fmt: skip
+        off = teacher_forced_logits(
+            uncapped, _reference_cache(config, preset, window, sinks), ids, mask, tokens[:, :-1]
+        )
         assert rel_error(off, reference) > 3 * SAME_QUANTIZATION_BOUND  # measured: 10%
 
 
@@ -214,13 +248,20 @@ def test_compiled_decode_fullgraph_no_recompile():
     config, model = tiny_model("llama")
     ids, mask = prompt_batch(seed=3, left_pad=0)
     tokens, _ = static_run(model, config, ids, mask)
-    eager = teacher_forced_logits(model, TurboQuantCache(config, CAPACITY, window=8), ids, mask,
-                                  tokens[:, :-1])  # fmt: skip
+    eager = teacher_forced_logits(
+        model, TurboQuantCache(config, CAPACITY, window=8), ids, mask, tokens[:, :-1]
+    )
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model.forward, backend=counter, fullgraph=True)
-    got = teacher_forced_logits(model, TurboQuantCache(config, CAPACITY, window=8), ids, mask,
-                                tokens[:, :-1], step=compiled)  # fmt: skip
+    got = teacher_forced_logits(
+        model,
+        TurboQuantCache(config, CAPACITY, window=8),
+        ids,
+        mask,
+        tokens[:, :-1],
+        step=compiled,
+    )
     assert counter.frame_count == 1
     assert rel_error(got, eager) < 0.01
 
@@ -240,12 +281,15 @@ def test_single_forward_prefill_equals_static_cache(window):
     config, model = tiny_model("llama")
     ids, mask = prompt_batch(seed=11, left_pad=7, length=PREFILL_LEN)
     plain = model(ids, past_key_values=StaticCache(config, PREFILL_CAPACITY)).logits
-    padded = model(ids, attention_mask=mask,
-                   past_key_values=StaticCache(config, PREFILL_CAPACITY)).logits  # fmt: skip
-    exact = copy.deepcopy(model).float()(ids, attention_mask=mask,
-                                         past_key_values=StaticCache(config, PREFILL_CAPACITY))
-    bound = 2 * max(rel_error(padded[0], exact.logits[0]),
-                    rel_error(padded[1, 7:], exact.logits[1, 7:]))  # fmt: skip
+    padded = model(
+        ids, attention_mask=mask, past_key_values=StaticCache(config, PREFILL_CAPACITY)
+    ).logits
+    exact = copy.deepcopy(model).float()(
+        ids, attention_mask=mask, past_key_values=StaticCache(config, PREFILL_CAPACITY)
+    )
+    bound = 2 * max(
+        rel_error(padded[0], exact.logits[0]), rel_error(padded[1, 7:], exact.logits[1, 7:])
+    )
     for preset in sorted(FORMATS):
         cache = TurboQuantCache(config, PREFILL_CAPACITY, preset=preset, window=window)
         assert torch.equal(model(ids, past_key_values=cache).logits, plain), preset
@@ -270,22 +314,37 @@ def test_chunked_prefill_reads_the_compressed_prefix():
 
     def chunked(cache, chunk=50, device="cpu"):
         with torch.device(device):
-            return torch.cat([model.to(device)(ids[:, s : s + chunk].to(device),
-                                               past_key_values=cache).logits.cpu()
-                              for s in range(0, PREFILL_LEN, chunk)], dim=1)  # fmt: skip
+            return torch.cat(
+                [
+                    model.to(device)(
+                        ids[:, s : s + chunk].to(device), past_key_values=cache
+                    ).logits.cpu()
+                    for s in range(0, PREFILL_LEN, chunk)
+                ],
+                dim=1,
+            )
 
     static = chunked(StaticCache(config, PREFILL_CAPACITY))
     whole = TurboQuantCache(config, PREFILL_CAPACITY, preset="3bit_nc", window=PREFILL_CAPACITY)
     assert rel_error(chunked(whole), static) < 0.01
-    assert rel_error(chunked(TurboQuantCache(config, PREFILL_CAPACITY, preset="int8", window=0)),
-                     static) < INT8_BOUND  # fmt: skip
+    assert (
+        rel_error(
+            chunked(TurboQuantCache(config, PREFILL_CAPACITY, preset="int8", window=0)), static
+        )
+        < INT8_BOUND
+    )
     reference = chunked(TurboQuantCache(config, PREFILL_CAPACITY, window=16))
     with triton_kernels(device):
         kernels = chunked(TurboQuantCache(config, PREFILL_CAPACITY, window=16), device=device)
     model.cpu()
     assert rel_error(kernels, reference) < SAME_QUANTIZATION_BOUND
-    out = model.generate(ids, past_key_values=TurboQuantCache(config, PREFILL_CAPACITY, window=16),
-                         max_new_tokens=3, do_sample=False, prefill_chunk_size=50)  # fmt: skip
+    out = model.generate(
+        ids,
+        past_key_values=TurboQuantCache(config, PREFILL_CAPACITY, window=16),
+        max_new_tokens=3,
+        do_sample=False,
+        prefill_chunk_size=50,
+    )
     assert out.shape == (2, PREFILL_LEN + 3)
     assert torch.equal(out[:, PREFILL_LEN], reference[:, -1].argmax(-1))
 
@@ -301,13 +360,19 @@ def test_triton_kernels_match_reference_path():
     cache = TurboQuantCache(config, CAPACITY, preset="4bit_nc", window=8)
     with triton_kernels(device):
         kernels = teacher_forced_logits(model, cache, ids, mask, tokens)
-    reference = teacher_forced_logits(model.cpu(), TurboQuantCache(config, CAPACITY, window=8),
-                                      ids.cpu(), mask.cpu(), tokens.cpu())  # fmt: skip
+    reference = teacher_forced_logits(
+        model.cpu(),
+        TurboQuantCache(config, CAPACITY, window=8),
+        ids.cpu(),
+        mask.cpu(),
+        tokens.cpu(),
+    )
     assert rel_error(kernels.cpu(), reference) < SAME_QUANTIZATION_BOUND
 
 
-@pytest.mark.parametrize("chunk, prompt, prompt_chunk", [(1, 0, 0), (5, 0, 0), (1, 10, 0),
-                                                        (3, 10, 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    "chunk, prompt, prompt_chunk", [(1, 0, 0), (5, 0, 0), (1, 10, 0), (3, 10, 4)]
+)
 def test_teacher_forced_chunks_equal_one_parallel_forward(chunk, prompt, prompt_chunk):
     """``examples.hf_eval.teacher_forced`` with ``chunk`` tokens per forward (5: the last chunk
     shorter), after a prompt of 10 tokens prefilled in one forward or in chunks of 4, gives each
@@ -324,15 +389,23 @@ def test_teacher_forced_chunks_equal_one_parallel_forward(chunk, prompt, prompt_
         logits = model(ids[None]).logits[0, :-1]
     nll = torch.logsumexp(logits, -1) - logits.gather(-1, ids[1:, None])[:, 0]
     seen = []
-    run = teacher_forced(model, StaticCache(config, CAPACITY), ids,
-                         lambda done, total: seen.append((done, total)), chunk=chunk,
-                         prompt=prompt, prompt_chunk=prompt_chunk)  # fmt: skip
+    run = teacher_forced(
+        model,
+        StaticCache(config, CAPACITY),
+        ids,
+        lambda done, total: seen.append((done, total)),
+        chunk=chunk,
+        prompt=prompt,
+        prompt_chunk=prompt_chunk,
+    )
     torch.testing.assert_close(run.nll, nll, rtol=0, atol=1e-4)
     assert torch.equal(run.argmax, logits.argmax(-1))
     assert seen[-1] == (22, 22)
     model = model.bfloat16()
-    one, chunked = (teacher_forced(model, TurboQuantCache(config, CAPACITY, window=0), ids,
-                                   chunk=c) for c in (1, max(chunk, 4)))  # fmt: skip
+    one, chunked = (
+        teacher_forced(model, TurboQuantCache(config, CAPACITY, window=0), ids, chunk=c)
+        for c in (1, max(chunk, 4))
+    )
     assert rel_error(chunked.nll, one.nll) < SAME_QUANTIZATION_BOUND
     with pytest.raises(ValueError, match="chunk must be >= 1 and prompt, prompt_chunk >= 0"):
         teacher_forced(model, StaticCache(config, CAPACITY), ids, chunk=0)
@@ -357,16 +430,23 @@ def test_views_reach_the_decode_op(heads, kv_heads, monkeypatch):
     calls, views = [], []
     for name in ("decode", "dequantize"):
         op = getattr(torch.ops.tq, name)
-        monkeypatch.setattr(torch.ops.tq, name, lambda *a, _op=op, _n=name, **k: (
-            calls.append(_n), _op(*a, **k))[1])  # fmt: skip
+        monkeypatch.setattr(
+            torch.ops.tq,
+            name,
+            lambda *a, _op=op, _n=name, **k: (calls.append(_n), _op(*a, **k))[1],
+        )
     update = TurboQuantLayer.update
-    monkeypatch.setattr(TurboQuantLayer, "update", lambda *a, **k: (
-        views.append(update(*a, **k)), views[-1])[1])  # fmt: skip
+    monkeypatch.setattr(
+        TurboQuantLayer, "update", lambda *a, **k: (views.append(update(*a, **k)), views[-1])[1]
+    )
     with torch.no_grad():
         logits = model(ids[:, :1], attention_mask=step_mask, past_key_values=cache).logits
     assert calls == ["decode"] * config.num_hidden_layers
-    assert all(isinstance(t, TurboQuantKVTensor) and t.shape == (2, kv_heads, CAPACITY, 64)
-               for pair in views for t in pair)  # fmt: skip
+    assert all(
+        isinstance(t, TurboQuantKVTensor) and t.shape == (2, kv_heads, CAPACITY, 64)
+        for pair in views
+        for t in pair
+    )
     assert rel_error(logits.float(), expected.float()) < SAME_QUANTIZATION_BOUND
 
 
@@ -433,10 +513,12 @@ def test_crop_with_a_window():
     ids, mask = prompt_batch(seed=6, left_pad=0)
     gen = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, config.vocab_size, (2, 5), generator=gen)
-    exact = teacher_forced_logits(model, StaticCache(config, max_cache_len=CAPACITY), ids, mask,
-                                  tokens[:, 4:5])[1]  # fmt: skip
-    quantized = teacher_forced_logits(model, TurboQuantCache(config, CAPACITY, window=0), ids,
-                                      mask, tokens[:, 4:5])[1]  # fmt: skip
+    exact = teacher_forced_logits(
+        model, StaticCache(config, max_cache_len=CAPACITY), ids, mask, tokens[:, 4:5]
+    )[1]
+    quantized = teacher_forced_logits(
+        model, TurboQuantCache(config, CAPACITY, window=0), ids, mask, tokens[:, 4:5]
+    )[1]
     cropped = TurboQuantCache(config, CAPACITY, window=8)
     assert cropped.is_croppable
     teacher_forced_logits(model, cropped, ids, mask, tokens[:, :4])
@@ -444,15 +526,19 @@ def test_crop_with_a_window():
     assert int(cropped.get_seq_length()) == PROMPT
     full_mask = torch.cat([mask, mask.new_ones(2, CAPACITY - PROMPT)], dim=1)
     with torch.no_grad():
-        out = model(tokens[:, 4:5], attention_mask=full_mask,
-                    position_ids=torch.full((2, 1), PROMPT), past_key_values=cropped)  # fmt: skip
+        out = model(
+            tokens[:, 4:5],
+            attention_mask=full_mask,
+            position_ids=torch.full((2, 1), PROMPT),
+            past_key_values=cropped,
+        )
     out = out.logits[:, -1].float()
     assert (out - exact).norm() <= (quantized - exact).norm() * 1.01
 
 
 def test_nbytes_and_kept_layers():
-    """keep_first / keep_last layers are dense (StaticLayers); nbytes counts both kinds after the first
-    forward; a 4bit_nc cache with window 0 takes its pages, rotation and block table."""
+    """keep_first / keep_last layers are dense (StaticLayers); nbytes counts both kinds after the
+    first forward; a 4bit_nc cache with window 0 takes its pages, rotation and block table."""
     config, model = tiny_model("llama")
     ids, _ = prompt_batch(left_pad=0)
     cache = TurboQuantCache(config, CAPACITY, keep_first=1)
@@ -498,9 +584,14 @@ def test_a_short_cache_warns_once_with_the_bytes_it_will_hold():
         model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
     ours = [w for w in record if "no token is ever quantized" in str(w.message)]
     assert len(ours) == 1 and ours[0].filename == __file__
-    for part in (f"max_cache_len={CAPACITY}", "window (128)", "sinks (4)", "For 2 sequence(s)",
-                 f"{cache.nbytes():,} bytes", f"{cache.dense_nbytes():,} of a bf16 / fp16 "
-                 "StaticCache"):  # fmt: skip
+    for part in (
+        f"max_cache_len={CAPACITY}",
+        "window (128)",
+        "sinks (4)",
+        "For 2 sequence(s)",
+        f"{cache.nbytes():,} bytes",
+        f"{cache.dense_nbytes():,} of a bf16 / fp16 StaticCache",
+    ):
         assert part in str(ours[0].message), part
     assert cache.nbytes() == held_storages(cache) > cache.dense_nbytes()
     with warnings.catch_warnings():
@@ -523,8 +614,12 @@ def test_for_generation_sizes_the_cache_for_the_request():
     assert (layer.max_cache_len, layer.max_batch_size) == (PROMPT + NEW, 2)
     assert (layer.options.preset, layer.options.window) == ("int8", 8)
     by_hand = TurboQuantCache(config, PROMPT + NEW, preset="int8", window=8)
-    out, want = (model.generate(ids, attention_mask=mask, past_key_values=c, max_new_tokens=NEW,
-                                do_sample=False) for c in (cache, by_hand))  # fmt: skip
+    out, want = (
+        model.generate(
+            ids, attention_mask=mask, past_key_values=c, max_new_tokens=NEW, do_sample=False
+        )
+        for c in (cache, by_hand)
+    )
     assert torch.equal(out, want)
     beams = TurboQuantCache.for_generation(model, ids, 4, num_beams=3, num_return_sequences=2)
     assert beams.layers[0].max_batch_size == 6
@@ -546,10 +641,17 @@ def test_kept_layers_with_a_smaller_batch_and_assisted_generation():
     # assisted generation takes one sequence; a repeated run gives prompt lookup matches
     repeated = torch.cat([ids[:1], ids[:1, -6:], ids[:1, -6:]], dim=1)
     kwargs = dict(max_new_tokens=12, do_sample=False)
-    plain = model.generate(repeated, past_key_values=TurboQuantCache(
-        config, CAPACITY, keep_first=1, window=16), **kwargs)  # fmt: skip
-    assisted = model.generate(repeated, past_key_values=TurboQuantCache(
-        config, CAPACITY, keep_first=1, window=16), prompt_lookup_num_tokens=3, **kwargs)  # fmt: skip
+    plain = model.generate(
+        repeated,
+        past_key_values=TurboQuantCache(config, CAPACITY, keep_first=1, window=16),
+        **kwargs,
+    )
+    assisted = model.generate(
+        repeated,
+        past_key_values=TurboQuantCache(config, CAPACITY, keep_first=1, window=16),
+        prompt_lookup_num_tokens=3,
+        **kwargs,
+    )
     assert torch.equal(assisted, plain)
 
 
@@ -566,17 +668,34 @@ def test_forward_with_grad_enabled_works():
     step_mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
     step_ids, step_positions = ids[:, -1:], positions[:, -1:] + 1
     for keep_first in (0, 1):  # a dense first layer too
-        trained, plain = (TurboQuantCache(config, CAPACITY, window=8, keep_first=keep_first)
-                          for _ in range(2))  # fmt: skip
-        got = [model(ids, attention_mask=mask, position_ids=positions,
-                     past_key_values=trained).logits]  # fmt: skip
-        got.append(model(step_ids, attention_mask=step_mask, position_ids=step_positions,
-                         past_key_values=trained).logits)  # fmt: skip
+        trained, plain = (
+            TurboQuantCache(config, CAPACITY, window=8, keep_first=keep_first) for _ in range(2)
+        )
+        got = [
+            model(ids, attention_mask=mask, position_ids=positions, past_key_values=trained).logits
+        ]
+        got.append(
+            model(
+                step_ids,
+                attention_mask=step_mask,
+                position_ids=step_positions,
+                past_key_values=trained,
+            ).logits
+        )
         with torch.no_grad():
-            want = [model(ids, attention_mask=mask, position_ids=positions,
-                          past_key_values=plain).logits]  # fmt: skip
-            want.append(model(step_ids, attention_mask=step_mask, position_ids=step_positions,
-                              past_key_values=plain).logits)  # fmt: skip
+            want = [
+                model(
+                    ids, attention_mask=mask, position_ids=positions, past_key_values=plain
+                ).logits
+            ]
+            want.append(
+                model(
+                    step_ids,
+                    attention_mask=step_mask,
+                    position_ids=step_positions,
+                    past_key_values=plain,
+                ).logits
+            )
         for g, w in zip(got, want, strict=True):
             assert g.requires_grad and rel_error(g.float(), w.float()) < 0.01
         model.zero_grad()
@@ -586,8 +705,9 @@ def test_forward_with_grad_enabled_works():
         lengths = [int(layer.get_seq_length()) for layer in trained.layers]
         assert lengths == [int(layer.get_seq_length()) for layer in plain.layers] == [13, 13]
         first, reference = trained.layers[keep_first].kv, plain.layers[keep_first].kv
-        assert all(torch.equal(a, b) for a, b in zip(first.buffers(), reference.buffers(),
-                                                     strict=True))  # fmt: skip
+        assert all(
+            torch.equal(a, b) for a, b in zip(first.buffers(), reference.buffers(), strict=True)
+        )
     model.zero_grad()
 
 

@@ -52,8 +52,9 @@ def test_hf_repeat_kv_and_enable_gqa_stay_lazy():
     assert isinstance(k_hf, TurboQuantKVTensor) and k_hf.shape == (B, HK * GROUP, S_MAX, D)
     a = F.scaled_dot_product_attention(q, k_hf, v_hf)
     b = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
-    c = F.scaled_dot_product_attention(q, keys.repeat_interleave(GROUP, 1),
-                                       values.repeat_interleave(GROUP, 1))  # fmt: skip
+    c = F.scaled_dot_product_attention(
+        q, keys.repeat_interleave(GROUP, 1), values.repeat_interleave(GROUP, 1)
+    )
     assert torch.equal(a, b) and torch.equal(a, c)
 
 
@@ -86,12 +87,15 @@ def test_bidirectional_prefix_mask_is_not_made_causal(tokens, impl, kernel_devic
     q = torch.randn(1, 4, tokens, 64, generator=gen).bfloat16()
     every = (torch.arange(64) < tokens).expand(tokens, 64)[None, None]  # [1, 1, T, S]
     with triton_kernels(device) if impl == "triton" else contextlib.nullcontext():
-        cache = TurboQuantKVCache(1, 2, 64, 64, torch.bfloat16, preset="int8", window=128,
-                                  device=device)  # fmt: skip
-        keys, values = cache.update(torch.arange(tokens, device=device), k.to(device),
-                                    v.to(device))  # fmt: skip
-        out = F.scaled_dot_product_attention(q.to(device), keys, values,
-                                             attn_mask=every.to(device), enable_gqa=True)
+        cache = TurboQuantKVCache(
+            1, 2, 64, 64, torch.bfloat16, preset="int8", window=128, device=device
+        )
+        keys, values = cache.update(
+            torch.arange(tokens, device=device), k.to(device), v.to(device)
+        )
+        out = F.scaled_dot_product_attention(
+            q.to(device), keys, values, attn_mask=every.to(device), enable_gqa=True
+        )
     # the window holds every token: exact up to bf16 rounding
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
     assert rel_error(out.cpu(), exact) < 4e-3
@@ -110,9 +114,11 @@ def test_pack_gqa_layout_under_a_per_head_mask(impl, kernel_device):
         per_head = per_head < 0.5
         per_head[..., 36] = True
         packed = F.scaled_dot_product_attention(
-            q.reshape(B, HK, GROUP, D).to(device), keys, values,
+            q.reshape(B, HK, GROUP, D).to(device),
+            keys,
+            values,
             attn_mask=per_head.reshape(B, HK, GROUP, S_MAX).to(device),
-        )  # fmt: skip
+        )
         expected = dense_attention(q, keys, values, attn_mask=per_head)
     assert rel_error(packed.reshape(B, HK * GROUP, 1, D).cpu(), expected) < 4e-3
 
@@ -127,12 +133,14 @@ def test_prefill_sdpa_with_causal_mask_and_is_causal():
     keys, values = cache.update(torch.arange(20), k, v)
     q = _query(length=20)
     mask = torch.ones(S_MAX, S_MAX, dtype=torch.bool).tril()[None, None, :20]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True,
-                                         scale=0.1)  # fmt: skip
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, enable_gqa=True, scale=0.1
+    )
     expected = dense_attention(q, keys, values, attn_mask=mask, scale=0.1)
     assert rel_error(out, expected) < 4e-3
-    out_causal = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True,
-                                                scale=0.1)  # fmt: skip
+    out_causal = F.scaled_dot_product_attention(
+        q, keys, values, is_causal=True, enable_gqa=True, scale=0.1
+    )
     assert rel_error(out_causal, expected) < 4e-3
 
 
@@ -191,13 +199,15 @@ def test_wide_pack_gqa_group_through_the_kernels(group, kernel_device):
     D]) through the Triton kernels (32 and 64 rows per kv-head, the widest folded) equals
     float64 attention over the dequantized cache."""
     with triton_kernels(kernel_device):
-        cache = TurboQuantKVCache(1, 1, S_MAX, D, preset="4bit_nc", window=WINDOW,
-                                  device=kernel_device)  # fmt: skip
+        cache = TurboQuantKVCache(
+            1, 1, S_MAX, D, preset="4bit_nc", window=WINDOW, device=kernel_device
+        )
         gen = torch.Generator().manual_seed(9)
         k = (torch.randn(1, 1, 37, D, generator=gen) * 2).bfloat16()
         v = torch.randn(1, 1, 37, D, generator=gen).bfloat16()
-        keys, values = cache.update(torch.arange(37, device=kernel_device), k.to(kernel_device),
-                                    v.to(kernel_device))  # fmt: skip
+        keys, values = cache.update(
+            torch.arange(37, device=kernel_device), k.to(kernel_device), v.to(kernel_device)
+        )
         q = torch.randn(1, 1, group, D, generator=gen).bfloat16()
         out = F.scaled_dot_product_attention(q.to(kernel_device), keys, values)
         expected = dense_attention(q, keys, values)
@@ -220,16 +230,22 @@ def test_prefix_slice_before_causal_prefill(window):
     assert isinstance(k_prompt, TurboQuantKVTensor) and k_prompt.shape == (B, HK, length, D)
     q = _query(length=length)
     out = F.scaled_dot_product_attention(q, k_prompt, v_prompt, is_causal=True, enable_gqa=True)
-    exact = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(GROUP, 1),
-                                           v.double().repeat_interleave(GROUP, 1), is_causal=True)
+    exact = F.scaled_dot_product_attention(
+        q.double(),
+        k.double().repeat_interleave(GROUP, 1),
+        v.double().repeat_interleave(GROUP, 1),
+        is_causal=True,
+    )
     assert rel_error(out, exact) < 4e-3  # one bf16 rounding of the output: 2^-9
     dense_k = keys.dequantize(torch.float64)[:, :, :length].repeat_interleave(GROUP, 1)
     dense_v = values.dequantize(torch.float64)[:, :, :length].repeat_interleave(GROUP, 1)
     short = 7  # one query over the first 7 positions only
-    out = F.scaled_dot_product_attention(q[:, :, -1:], keys[:, :, :short], values[:, :, :short],
-                                         enable_gqa=True)  # fmt: skip
-    expected = F.scaled_dot_product_attention(q[:, :, -1:].double(), dense_k[:, :, :short],
-                                              dense_v[:, :, :short])  # fmt: skip
+    out = F.scaled_dot_product_attention(
+        q[:, :, -1:], keys[:, :, :short], values[:, :, :short], enable_gqa=True
+    )
+    expected = F.scaled_dot_product_attention(
+        q[:, :, -1:].double(), dense_k[:, :, :short], dense_v[:, :, :short]
+    )
     assert rel_error(out, expected) < 4e-3
 
 
@@ -333,8 +349,9 @@ def test_softcapped_attention_matches_capped_dense_attention(fmt, window):
     keys, values = cache.update(torch.arange(20, 40), k, v)
     chunk = _query(length=20) * 4
     causal = torch.ones(20, S_MAX, dtype=torch.bool).tril(20)  # [T, S]: row t to 20 + t
-    out = attention(chunk, keys, values, attn_mask=causal[None, None], enable_gqa=True,
-                    softcap=softcap)  # fmt: skip
+    out = attention(
+        chunk, keys, values, attn_mask=causal[None, None], enable_gqa=True, softcap=softcap
+    )
     # float64 over the dequantized prefix and the chunk as it was given
     exact_k, exact_v = keys.dequantize(torch.float64), values.dequantize(torch.float64)
     exact_k[:, :, 20:40], exact_v[:, :, 20:40] = k.double(), v.double()
@@ -383,8 +400,9 @@ def test_attention_with_autograd_is_differentiable(fmt):
     mask = torch.ones(6, S_MAX, dtype=torch.bool).tril(37)[None, None]  # row t to 37 + t
     out = F.scaled_dot_product_attention(chunk, keys, values, attn_mask=mask, enable_gqa=True)
     with torch.no_grad():
-        plain = F.scaled_dot_product_attention(chunk, keys, values, attn_mask=mask,
-                                               enable_gqa=True)  # fmt: skip
+        plain = F.scaled_dot_product_attention(
+            chunk, keys, values, attn_mask=mask, enable_gqa=True
+        )
     assert rel_error(out, plain) < 4e-3
     out.float().sum().backward()
     assert k.grad is not None and v.grad is not None and bool(v.grad.any())

@@ -17,8 +17,9 @@ def test_keywords_and_options_make_the_same_cache():
     options = CacheOptions(preset="3bit_nc", window=16, sinks=2)
     whole = TurboQuantKVCache(1, 2, 64, 64, options=options)
     keywords = TurboQuantKVCache(1, 2, 64, 64, preset="3bit_nc", window=16, sinks=2)
-    replaced = TurboQuantKVCache(1, 2, 64, 64, options=dataclasses.replace(options, window=8),
-                                 window=16)  # fmt: skip
+    replaced = TurboQuantKVCache(
+        1, 2, 64, 64, options=dataclasses.replace(options, window=8), window=16
+    )
     assert whole.options is options
     assert keywords.options == options == replaced.options
     assert (whole.kv_format.name, whole.window, whole.sinks) == ("3bit_nc", 16, 2)
@@ -60,9 +61,15 @@ def test_the_config_passes_its_options_whole():
 
 def test_the_hf_cache_passes_its_options_whole():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=3, num_attention_heads=2,
-                                      num_key_value_heads=1, head_dim=32)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
     from tq_compile.hf import TurboQuantCache, TurboQuantLayer
 
     cache = TurboQuantCache(config, 32, preset="tq4_nc", window=8, keep_last=1)
@@ -71,14 +78,21 @@ def test_the_hf_cache_passes_its_options_whole():
     assert cache.options == CacheOptions(preset="tq4_nc", window=8)
 
 
-@pytest.mark.parametrize(("build", "message"), [
-    (lambda: TurboQuantKVCache(1, 2, 64, 64, fmt="4bit_nc"),
-     "unknown cache option(s) ['fmt'] (the format is `preset`)"),
-    (lambda: TurboQuantKVConfig(windw=16), "unknown cache option(s) ['windw']"),
-    (lambda: TurboQuantKVCache(1, 2, 64, 64, options={"window": 8}),
-     "options must be a CacheOptions, got dict"),
-    (lambda: CacheOptions(preset="5bit"), "unknown KV format '5bit'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: TurboQuantKVCache(1, 2, 64, 64, fmt="4bit_nc"),
+            "unknown cache option(s) ['fmt'] (the format is `preset`)",
+        ),
+        (lambda: TurboQuantKVConfig(windw=16), "unknown cache option(s) ['windw']"),
+        (
+            lambda: TurboQuantKVCache(1, 2, 64, 64, options={"window": 8}),
+            "options must be a CacheOptions, got dict",
+        ),
+        (lambda: CacheOptions(preset="5bit"), "unknown KV format '5bit'"),
+    ],
+)
 def test_bad_options_name_the_argument(build, message):
     with pytest.raises((TypeError, ValueError)) as error:
         build()

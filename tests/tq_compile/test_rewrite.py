@@ -23,8 +23,18 @@ from tq_compile import TurboQuantKVCache
 HK, GROUP, D, CAPACITY = 2, 4, 64, 256
 # (start, tokens): the repro above, appends, a rollback past the ring run of every window that
 # then crosses it again, a re-run position, a restart at 0
-WRITES = [(0, 200), (150, 10), (160, 1), (161, 1), (20, 4), (24, 1), (24, 1), (25, 3), (0, 5),
-          (5, 1)]  # fmt: skip
+WRITES = [
+    (0, 200),
+    (150, 10),
+    (160, 1),
+    (161, 1),
+    (20, 4),
+    (24, 1),
+    (24, 1),
+    (25, 3),
+    (0, 5),
+    (5, 1),
+]
 # and with key centering: a chunk that sets the centres after the restart, a rollback into the
 # sinks, one token at a time across sinks + window (the centres set again, the sinks and the
 # ring re-centred from the old centres)
@@ -38,35 +48,70 @@ def _quantized_once(keys, values, length, center=None):
     pages hold."""
     if center is None:
         once = TurboQuantKVCache(1, HK, CAPACITY, D, preset="4bit_nc", window=0, device="cpu")
-        k_view, v_view = once.update(torch.arange(length), keys[:, :, :length],
-                                     values[:, :, :length])  # fmt: skip
-        return (k_view.dequantize(torch.float64)[:, :, :length],
-                v_view.dequantize(torch.float64)[:, :, :length])  # fmt: skip
+        k_view, v_view = once.update(
+            torch.arange(length), keys[:, :, :length], values[:, :, :length]
+        )
+        return (
+            k_view.dequantize(torch.float64)[:, :, :length],
+            v_view.dequantize(torch.float64)[:, :, :length],
+        )
     fmt = get_format("4bit_nc")
     cache = fmt.allocate(1, HK, length, D)
     center = center.cpu().float()
     rows = (keys[0, :, :length].float().transpose(0, 1) - center).to(keys.dtype)  # [T, Hk, D]
     rotation = api.make_constants(fmt, D).rotation
-    reference.store(fmt, rows.float(), values[0, :, :length].transpose(0, 1).float(), cache,
-                    torch.arange(length, dtype=torch.int32), rotation)  # fmt: skip
-    k, v = reference.dequantize(fmt, cache, torch.zeros(1, 1, dtype=torch.int32),
-                                torch.tensor([length], dtype=torch.int32), rotation, length,
-                                torch.float64)  # fmt: skip
+    reference.store(
+        fmt,
+        rows.float(),
+        values[0, :, :length].transpose(0, 1).float(),
+        cache,
+        torch.arange(length, dtype=torch.int32),
+        rotation,
+    )
+    k, v = reference.dequantize(
+        fmt,
+        cache,
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.tensor([length], dtype=torch.int32),
+        rotation,
+        length,
+        torch.float64,
+    )
     return k + center[None, :, None].double(), v
 
 
-@pytest.mark.parametrize("window, sinks, center", [
-    (0, 0, False), (16, 0, False), (128, 0, False), (16, 4, False), (0, 4, False),
-    (16, 4, True), (128, 0, True), (0, 4, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "window, sinks, center",
+    [
+        (0, 0, False),
+        (16, 0, False),
+        (128, 0, False),
+        (16, 4, False),
+        (0, 4, False),
+        (16, 4, True),
+        (128, 0, True),
+        (0, 4, True),
+    ],
+)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_rewrites_equal_writing_the_final_tokens_once(window, sinks, center, impl,
-                                                      kernel_device, seeded):  # fmt: skip
+def test_rewrites_equal_writing_the_final_tokens_once(
+    window, sinks, center, impl, kernel_device, seeded
+):
     """(With sinks, the first positions are exact too, whatever was rewritten. With key
     centering the pages hold the final keys minus the centre the cache holds: it changes only
     while no page is live, so every live page was written with it.)"""
     device = impl_device(impl, kernel_device)
-    cache = TurboQuantKVCache(1, HK, CAPACITY, D, preset="4bit_nc", window=window, sinks=sinks,
-                              center_keys=center, device=device)  # fmt: skip
+    cache = TurboQuantKVCache(
+        1,
+        HK,
+        CAPACITY,
+        D,
+        preset="4bit_nc",
+        window=window,
+        sinks=sinks,
+        center_keys=center,
+        device=device,
+    )
     keys = torch.zeros(1, HK, CAPACITY, D, dtype=torch.bfloat16)
     values = torch.zeros_like(keys)
     ring_from = 0  # where the ring run starts: positions below it are quantized
@@ -84,8 +129,9 @@ def test_rewrites_equal_writing_the_final_tokens_once(window, sinks, center, imp
         ring_from = max(min(ring_from, start), length - window)
 
         exact_k, exact_v = keys[:, :, :length].double(), values[:, :, :length].double()
-        quant_k, quant_v = _quantized_once(keys, values, length,
-                                           cache.key_center[0] if center else None)  # fmt: skip
+        quant_k, quant_v = _quantized_once(
+            keys, values, length, cache.key_center[0] if center else None
+        )
         below = (torch.arange(length) < ring_from) & (torch.arange(length) >= sinks)
         below = below[None, None, :, None]
         held_k = exact_k
@@ -102,8 +148,9 @@ def test_rewrites_equal_writing_the_final_tokens_once(window, sinks, center, imp
             return reference.attention(q, k, v, lens, D**-0.5)
 
         with impl_context(impl, device):
-            out = F.scaled_dot_product_attention(q[:, :, None].to(device), k_view, v_view,
-                                                 enable_gqa=True)  # fmt: skip
+            out = F.scaled_dot_product_attention(
+                q[:, :, None].to(device), k_view, v_view, enable_gqa=True
+            )
         out = out[:, :, 0].cpu().double()
         exact = attend(exact_k, exact_v)
         where = f"after writing {n_new} at {start}"

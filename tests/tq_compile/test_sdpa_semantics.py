@@ -31,8 +31,9 @@ MASKS = ("none", "is_causal", "causal", "bidirectional", "random", "additive", "
 def _cache_views(fmt, window, sinks, prefix, tokens, gen, device):
     """A cache holding ``prefix`` random tokens and then a chunk of ``tokens`` written by one more
     update, whose key / value views are returned (the cache's last update made them)."""
-    cache = TurboQuantKVCache(B, HK, S_MAX, D, torch.bfloat16, preset=fmt, window=window,
-                              sinks=sinks, device=device)  # fmt: skip
+    cache = TurboQuantKVCache(
+        B, HK, S_MAX, D, torch.bfloat16, preset=fmt, window=window, sinks=sinks, device=device
+    )
     for start, length in ((0, prefix), (prefix, tokens)):
         if length == 0:
             continue
@@ -107,14 +108,20 @@ def test_sdpa_over_views_is_dense_sdpa(seed, kernel_device):
             if mask is not None and mask.shape[1] == HQ:
                 packed_mask = mask.reshape(B, HK, GROUP, S_MAX)
             out = F.scaled_dot_product_attention(
-                q.reshape(B, HK, GROUP, D).to(device), keys, values,
+                q.reshape(B, HK, GROUP, D).to(device),
+                keys,
+                values,
                 attn_mask=None if packed_mask is None else packed_mask.to(device),
-            ).reshape(B, HQ, 1, D)  # fmt: skip
+            ).reshape(B, HQ, 1, D)
         else:
             out = F.scaled_dot_product_attention(
-                q.to(device), keys, values, is_causal=is_causal, enable_gqa=True,
+                q.to(device),
+                keys,
+                values,
+                is_causal=is_causal,
+                enable_gqa=True,
                 attn_mask=None if mask is None else mask.to(device),
-            )  # fmt: skip
+            )
     # bf16 rounding of the inputs the routes see and of the output (2^-9 each; at most 3.1e-3
     # on the CPU, int8's codes of the chunk included; one key of 120 dropped moves the output
     # by 6e-3, a 2% scale error by 7e-3). On CUDA a chunk after a prefix takes the dense prefix

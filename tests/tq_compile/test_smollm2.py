@@ -44,14 +44,21 @@ def smollm2():
 
 def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
     messages = [{"role": "user", "content": prompt}]
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)  # fmt: skip
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     return encoded["input_ids"]
 
 
 def greedy(model, ids, cache, new_tokens=NEW):
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    out = model.generate(
+        ids,
+        past_key_values=cache,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     return out.sequences[0, ids.shape[1] :], torch.stack(out.logits)[:, 0].float()
 
 
@@ -59,9 +66,18 @@ def test_config_matches_the_model_file(smollm2):
     """smollm2_config() (what the GPU benchmarks build without the file) is the file's
     architecture."""
     model, _ = smollm2
-    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-              "tie_word_embeddings", "rope_parameters")  # fmt: skip
+    fields = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "rope_parameters",
+    )
     config = smollm2_config()
     assert {f: getattr(config, f) for f in fields} == {f: getattr(model.config, f) for f in fields}
 
@@ -82,9 +98,11 @@ def test_4bit_answer_follows_bf16(smollm2, prompt):
         step = int(differs[0])
         top2 = logits[step].topk(2).values
         margin = float(top2[0] - top2[1])
-        print(f"{prompt!r}: diverges at token {step} of {length}, where bf16's top two are "
-              f"{margin:.3f} apart: {tokenizer.decode(reference[: step + 1])!r} vs "
-              f"{tokenizer.decode(tokens[: step + 1])!r}")  # fmt: skip
+        print(
+            f"{prompt!r}: diverges at token {step} of {length}, where bf16's top two are "
+            f"{margin:.3f} apart: {tokenizer.decode(reference[: step + 1])!r} vs "
+            f"{tokenizer.decode(tokens[: step + 1])!r}"
+        )
         assert margin < NEAR_TIE
     else:
         assert len(tokens) == len(reference)
@@ -105,8 +123,9 @@ def test_triton_kernels_match_the_reference_path(smollm2):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ids = chat_ids(tokenizer, PROMPTS[0])
     capacity = ids.shape[1] + 4
-    reference, ref_logits = greedy(model, ids, TurboQuantCache(model.config, capacity, window=16),
-                                   new_tokens=4)  # fmt: skip
+    reference, ref_logits = greedy(
+        model, ids, TurboQuantCache(model.config, capacity, window=16), new_tokens=4
+    )
     model = model.to(device)
     with triton_kernels(device):
         cache = TurboQuantCache(model.config, capacity, window=16)
@@ -129,9 +148,20 @@ def test_quality_benchmark_averages_texts_through_chunks(smollm2, monkeypatch):
     import quality
 
     monkeypatch.setattr("tq_compile.smollm2.load_smollm2", lambda **_: smollm2)
-    args = argparse.Namespace(model="smollm2", device="cpu", dtype="bfloat16", eval_len=40,
-                              texts=2, chunk=8, formats=["4bit_nc"], windows=[8], sinks=[0],
-                              center=["off"], prompt=24, prompt_chunk=0)  # fmt: skip
+    args = argparse.Namespace(
+        model="smollm2",
+        device="cpu",
+        dtype="bfloat16",
+        eval_len=40,
+        texts=2,
+        chunk=8,
+        formats=["4bit_nc"],
+        windows=[8],
+        sinks=[0],
+        center=["off"],
+        prompt=24,
+        prompt_chunk=0,
+    )
     payload = quality.run_smollm2(args)
     assert (payload["chunk"], payload["dtype"], payload["eval_seqs"]) == (8, "bfloat16", 2)
     assert len(set(payload["texts"])) == 2

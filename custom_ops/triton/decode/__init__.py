@@ -73,10 +73,28 @@ def plan_for(
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
     ring_dtype = None if window is None else window.k_window.dtype
     sinks = 0 if window is None else window.sinks
-    return plan_decode(fmt, batch, num_q_heads * q_tokens, num_kv_heads, head_dim, page_size,
-                       block_table.shape[1], window_size(window), q.dtype, ring_dtype,
-                       mask_kind, num_splits, q.device, fast, split_config, merge_config,
-                       q_tokens, sinks, tracing(), softcap)  # fmt: skip
+    return plan_decode(
+        fmt,
+        batch,
+        num_q_heads * q_tokens,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        block_table.shape[1],
+        window_size(window),
+        q.dtype,
+        ring_dtype,
+        mask_kind,
+        num_splits,
+        q.device,
+        fast,
+        split_config,
+        merge_config,
+        q_tokens,
+        sinks,
+        tracing(),
+        softcap,
+    )
 
 
 # Plans of op calls by their arguments' metadata key (plan_decode's own cache is keyed by the
@@ -92,12 +110,15 @@ def _buffers(plan: DecodePlan, q: torch.Tensor):
     batch, num_q_heads, head_dim = q.shape
     q_code = unread(q)
     if plan.prep is not None:
-        q_code = torch.empty(batch, num_q_heads, plan.q_code_columns, dtype=torch.float16,
-                             device=q.device)  # fmt: skip
-    part_out = torch.empty(batch, num_q_heads, plan.num_partials, head_dim, dtype=torch.float32,
-                           device=q.device)  # fmt: skip
-    part_lse = torch.empty(batch, num_q_heads, plan.num_partials, dtype=torch.float32,
-                           device=q.device)  # fmt: skip
+        q_code = torch.empty(
+            batch, num_q_heads, plan.q_code_columns, dtype=torch.float16, device=q.device
+        )
+    part_out = torch.empty(
+        batch, num_q_heads, plan.num_partials, head_dim, dtype=torch.float32, device=q.device
+    )
+    part_lse = torch.empty(
+        batch, num_q_heads, plan.num_partials, dtype=torch.float32, device=q.device
+    )
     return q_code, part_out, part_lse
 
 
@@ -139,10 +160,22 @@ def decode(
     overridden = fast is not None or split_config is not None or merge_config is not None
     # a graph traced for inductor gets Triton kernels only (see plan_decode's ``traced``)
     key = None if overridden or launch_key is None else (launch_key, tracing())
-    plan = _PLANS.get(key, lambda: plan_for(
-        fmt, q, cache, block_table, num_splits, mask, window, fast, split_config, merge_config,
-        softcap,
-    ))  # fmt: skip
+    plan = _PLANS.get(
+        key,
+        lambda: plan_for(
+            fmt,
+            q,
+            cache,
+            block_table,
+            num_splits,
+            mask,
+            window,
+            fast,
+            split_config,
+            merge_config,
+            softcap,
+        ),
+    )
     mask_args = mask_arguments(mask, seq_lens)
     q_scale = scale * LOG2E
     rows = q.reshape(batch, -1, head_dim)  # [B, Hq * T, D]: a view, or a copy of a few rows
@@ -154,17 +187,53 @@ def decode(
     if plan.prep is not None:
         launch_prep(plan.prep, rows, rotation, q_code, q_scale, key)
     if plan.verify:
-        plan.split(*verify_arguments(rows, q_code, q_scale, cache, block_table, seq_lens, window,
-                                     mask_args, part_out, part_lse), key=key)  # fmt: skip
+        plan.split(
+            *verify_arguments(
+                rows,
+                q_code,
+                q_scale,
+                cache,
+                block_table,
+                seq_lens,
+                window,
+                mask_args,
+                part_out,
+                part_lse,
+            ),
+            key=key,
+        )
     else:
-        launch_split(plan.split, split_arguments(
-            rows, q_code, q_scale, rotation, cache, block_table, seq_lens, mask_args, window,
-            part_out, part_lse,
-        ), key)  # fmt: skip
+        launch_split(
+            plan.split,
+            split_arguments(
+                rows,
+                q_code,
+                q_scale,
+                rotation,
+                cache,
+                block_table,
+                seq_lens,
+                mask_args,
+                window,
+                part_out,
+                part_lse,
+            ),
+            key,
+        )
     if plan.ring is not None:  # (a ring plan only with a window)
         capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2], window.size)
-        launch_ring(plan.ring, rows, q_scale, window, seq_lens, capacity, mask_args, part_out,
-                    part_lse, key)  # fmt: skip
+        launch_ring(
+            plan.ring,
+            rows,
+            q_scale,
+            window,
+            seq_lens,
+            capacity,
+            mask_args,
+            part_out,
+            part_lse,
+            key,
+        )
     launch_merge(plan.merge, part_out, part_lse, rotation, out, key)
     return out.view(q.shape)
 
@@ -187,8 +256,9 @@ def compile_split_kernel(
     D]``) through ``compile_fn(kernel, grid, *args, **kwargs)``; ``benchmarks/sass_report.py``
     compiles it for sm_90 without a GPU (``split_config`` overrides the plan's launch, register
     cap included)."""
-    plan = plan_for(fmt, q, cache, block_table, num_splits, None, window, fast, split_config,
-                    softcap=softcap)  # fmt: skip
+    plan = plan_for(
+        fmt, q, cache, block_table, num_splits, None, window, fast, split_config, softcap=softcap
+    )
     if plan.verify:
         raise ValueError(
             "compile_split_kernel: this decode's plan takes the verify kernel, not the split "
@@ -197,6 +267,17 @@ def compile_split_kernel(
     mask_args = mask_arguments(None, seq_lens)
     rows = q.reshape(q.shape[0], -1, q.shape[-1])  # [B, Hq * T, D]
     q_code, part_out, part_lse = _buffers(plan, rows)
-    arguments = split_arguments(rows, q_code, LOG2E, rotation, cache, block_table, seq_lens,
-                                mask_args, window, part_out, part_lse)  # fmt: skip
+    arguments = split_arguments(
+        rows,
+        q_code,
+        LOG2E,
+        rotation,
+        cache,
+        block_table,
+        seq_lens,
+        mask_args,
+        window,
+        part_out,
+        part_lse,
+    )
     return compile_split(plan.split, arguments, compile_fn)

@@ -60,10 +60,17 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
     planes = codec.planes(head_dim)
     parts = parts_of(codec)
     chunk = head_dim // parts
-    return PartParams(int(codec.kind), codec.bits, first_meta_column(fmt, side),
-                      planes[1].offset if len(planes) > 1 else 0, parts, chunk,
-                      triton.next_power_of_2(chunk), decode_asm(codec, head_dim) if fast else "",
-                      codec_levels(codec, head_dim))  # fmt: skip
+    return PartParams(
+        int(codec.kind),
+        codec.bits,
+        first_meta_column(fmt, side),
+        planes[1].offset if len(planes) > 1 else 0,
+        parts,
+        chunk,
+        triton.next_power_of_2(chunk),
+        decode_asm(codec, head_dim) if fast else "",
+        codec_levels(codec, head_dim),
+    )
 
 
 @triton.jit
@@ -75,8 +82,14 @@ def _values(codes, P: tl.constexpr):
 
 
 @triton.jit
-def _sign_offsets(row_offsets, j, P: tl.constexpr, D: tl.constexpr, BYTE_STRIDE: tl.constexpr,
-                  TOKEN_RUN: tl.constexpr):  # fmt: skip
+def _sign_offsets(
+    row_offsets,
+    j,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BYTE_STRIDE: tl.constexpr,
+    TOKEN_RUN: tl.constexpr,
+):
     """Offsets of the 1-bit sign plane's byte ``j mod D/8`` of each row, the tile's shape."""
     D8: tl.constexpr = D // 8
     offsets = row_offsets + (P.OFF1 + j % D8) * BYTE_STRIDE
@@ -86,8 +99,16 @@ def _sign_offsets(row_offsets, j, P: tl.constexpr, D: tl.constexpr, BYTE_STRIDE:
 
 
 @triton.jit
-def _sign_tile(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.constexpr,
-               BYTE_STRIDE: tl.constexpr, TOKEN_RUN: tl.constexpr):  # fmt: skip
+def _sign_tile(
+    codes_ptr,
+    row_offsets,
+    j,
+    mask,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BYTE_STRIDE: tl.constexpr,
+    TOKEN_RUN: tl.constexpr,
+):
     """The 1-bit sign plane of 5-bit codes, re-read as a *sign tile* that matches the low
     plane's tile: its byte ``j`` is the sign plane's byte ``j mod D/8``, whose bit ``r`` is the
     sign of element ``j mod D/8 + r D/8``. Returns ``(signs, sign_shift)``, ``sign_shift = j //
@@ -97,8 +118,9 @@ def _sign_tile(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.constexpr
     ``signs`` comes shifted and the shift is 0."""
     ASM: tl.constexpr = P.ASM
     D8: tl.constexpr = D // 8
-    signs = tl.load(codes_ptr + _sign_offsets(row_offsets, j, P, D, BYTE_STRIDE, TOKEN_RUN),
-                    mask=mask, other=0)  # fmt: skip
+    signs = tl.load(
+        codes_ptr + _sign_offsets(row_offsets, j, P, D, BYTE_STRIDE, TOKEN_RUN), mask=mask, other=0
+    )
     sign_shift = tl.broadcast_to((j // D8).to(tl.uint8), signs.shape)
     if (ASM == "") | ((BYTE_STRIDE == 1) & (D8 % 4 != 0)):
         signs = (signs >> sign_shift).to(tl.uint8)
@@ -107,8 +129,16 @@ def _sign_tile(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.constexpr
 
 
 @triton.jit
-def _sign_halves(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.constexpr,
-                 BYTE_STRIDE: tl.constexpr, TOKEN_RUN: tl.constexpr):  # fmt: skip
+def _sign_halves(
+    codes_ptr,
+    row_offsets,
+    j,
+    mask,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BYTE_STRIDE: tl.constexpr,
+    TOKEN_RUN: tl.constexpr,
+):
     """The 1-bit sign plane of 3-bit codes as two tiles that match the 2-bit plane's tile
     (``j < D/4``): ``low``'s byte ``j`` is the sign plane's byte ``j`` for ``j < D/8`` (0
     elsewhere), ``high``'s byte ``j`` its byte ``j - D/8`` for ``j >= D/8`` (0 elsewhere).
@@ -164,13 +194,18 @@ def decode_tile(
     elif P.BITS == 5:
         # 4-bit plane byte j: element j's magnitude in the low nibble, element j + D/2's in the
         # high nibble; their signs are bits 0 and 4 of the sign tile (see _sign_tile)
-        signs, sign_shift = _sign_tile(codes_ptr, row_offsets, j, mask, P, D, BYTE_STRIDE,
-                                       TOKEN_RUN)  # fmt: skip
+        signs, sign_shift = _sign_tile(
+            codes_ptr, row_offsets, j, mask, P, D, BYTE_STRIDE, TOKEN_RUN
+        )
         if ASM != "":
             p0, p1 = tl.inline_asm_elementwise(
-                ASM, "=r,=r,=r,=r,r,r,r", [plane, signs, sign_shift], dtype=(tl.float16,) * 2,
-                is_pure=True, pack=4,
-            )  # fmt: skip
+                ASM,
+                "=r,=r,=r,=r,r,r,r",
+                [plane, signs, sign_shift],
+                dtype=(tl.float16,) * 2,
+                is_pure=True,
+                pack=4,
+            )
         else:
             p0 = _values((plane & 15) | ((signs & 1) << 4), P)
             p1 = _values((plane >> 4) | (signs & 16), P)

@@ -33,8 +33,9 @@ class MergeConfig(NamedTuple):
     num_warps: int
 
 
-def merge_config(num_rows: int, num_splits: int, d_pad: int, rotate_by_product: bool,
-                 sm_count: int | None) -> MergeConfig:  # fmt: skip
+def merge_config(
+    num_rows: int, num_splits: int, d_pad: int, rotate_by_product: bool, sm_count: int | None
+) -> MergeConfig:
     """As many rows per program as keep two programs per SM busy (up to 16, so a rotation is
     read once per 16 rows), and as many partials at a time as the rows' ``[block_m, chunk,
     d_pad]`` float32 tile holds at ``LANE_FLOATS`` per thread (``sm_count`` None: not a GPU, 16
@@ -57,20 +58,36 @@ def merge_config(num_rows: int, num_splits: int, d_pad: int, rotate_by_product: 
     # (256 partials of D = 128 at a time, one row, spilled 80 bytes at the 255-register cap;
     # 128 take 161 registers: offline SASS, docs/design/decode.md#lengths-and-integers-compiled-in)
     tile_floats = 32 * NUM_WARPS * LANE_FLOATS
-    return MergeConfig(block_m, min(num_splits, max(1, tile_floats // (block_m * d_pad))),
-                       NUM_WARPS)  # fmt: skip
+    return MergeConfig(
+        block_m, min(num_splits, max(1, tile_floats // (block_m * d_pad))), NUM_WARPS
+    )
 
 
 @triton.jit
-def _merge_store(out, j, rows, row_ok, window_rows, window_ok, window_w, inv_total, part_out_ptr,
-                 out_ptr, WINDOW_PARTS: tl.constexpr, D: tl.constexpr):  # fmt: skip
+def _merge_store(
+    out,
+    j,
+    rows,
+    row_ok,
+    window_rows,
+    window_ok,
+    window_w,
+    inv_total,
+    part_out_ptr,
+    out_ptr,
+    WINDOW_PARTS: tl.constexpr,
+    D: tl.constexpr,
+):
     """Columns ``j`` of the merged rows: ``(out + sum_w window_w * window_partial) / total``,
     stored in the output's dtype."""
     col_ok = row_ok & (j < D)[None, :]
     if WINDOW_PARTS > 0:
         jj = j[None, None, :]
-        window_out = tl.load(part_out_ptr + window_rows[:, :, None] * D + jj,
-                             mask=window_ok[:, :, None] & (jj < D), other=0.0)  # fmt: skip
+        window_out = tl.load(
+            part_out_ptr + window_rows[:, :, None] * D + jj,
+            mask=window_ok[:, :, None] & (jj < D),
+            other=0.0,
+        )
         out += tl.sum(window_out * window_w[:, :, None], axis=1)
     out_ptrs = out_ptr + rows[:, None] * D + j[None, :]
     tl.store(out_ptrs, (out * inv_total[:, None]).to(out_ptr.dtype.element_ty), mask=col_ok)
@@ -106,8 +123,11 @@ def merge_kernel(
         gdc_wait()  # for every partial
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows[:, None] < num_rows
-    split_lse = tl.load(part_lse_ptr + rows[:, None] * NUM_PARTIALS + tl.arange(0, NUM_SPLITS),
-                        mask=row_ok, other=float("-inf"))  # fmt: skip
+    split_lse = tl.load(
+        part_lse_ptr + rows[:, None] * NUM_PARTIALS + tl.arange(0, NUM_SPLITS),
+        mask=row_ok,
+        other=float("-inf"),
+    )
     m = tl.max(split_lse, axis=1)
     # [BLOCK_M, WINDOW_PARTS_PAD] partial rows and lse of the window
     window_part = tl.arange(0, WINDOW_PARTS_PAD)[None, :]
@@ -125,8 +145,11 @@ def merge_kernel(
         part_rows = rows[:, None] * NUM_PARTIALS + s0 + tl.arange(0, SPLIT_CHUNK)[None, :]
         lse = tl.load(part_lse_ptr + part_rows, mask=row_ok, other=float("-inf"))
         w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m[:, None]), 0.0)
-        parts = tl.load(part_out_ptr + part_rows[:, :, None] * D + d,
-                        mask=row_ok[:, :, None] & (d < D), other=0.0)  # fmt: skip
+        parts = tl.load(
+            part_out_ptr + part_rows[:, :, None] * D + d,
+            mask=row_ok[:, :, None] & (d < D),
+            other=0.0,
+        )
         acc += tl.sum(parts * w[:, :, None], axis=1)
     window_w = tl.where(window_lse > float("-inf"), tl.math.exp2(window_lse - m[:, None]), 0.0)
     total += tl.sum(window_w, axis=1)
@@ -137,8 +160,20 @@ def merge_kernel(
         j = tl.arange(0, D)
         signs = tl.load(rot_ptr + j * D) * INV_SQRT_D
         out = walsh_hadamard_rows(acc, D, LOG2_D) * signs[None, :]
-        _merge_store(out, j, rows, row_ok, window_rows, window_ok, window_w, inv_total,
-                     part_out_ptr, out_ptr, WINDOW_PARTS, D)  # fmt: skip
+        _merge_store(
+            out,
+            j,
+            rows,
+            row_ok,
+            window_rows,
+            window_ok,
+            window_w,
+            inv_total,
+            part_out_ptr,
+            out_ptr,
+            WINDOW_PARTS,
+            D,
+        )
     elif ROTATE_BACK:
         # padded head dims: x = y @ R.T / sqrt(D), 64 output columns at a time: rot_t[i, j] =
         # R[j, i]
@@ -146,18 +181,49 @@ def merge_kernel(
         i = tl.arange(0, D_PAD)[:, None]
         for j0 in tl.static_range(0, D_PAD, CHUNK):
             j = j0 + tl.arange(0, CHUNK)
-            rot_t = tl.load(rot_ptr + j[None, :] * D + i, mask=(i < D) & (j < D)[None, :],
-                            other=0.0)  # fmt: skip
+            rot_t = tl.load(
+                rot_ptr + j[None, :] * D + i, mask=(i < D) & (j < D)[None, :], other=0.0
+            )
             out = tl.dot(acc, rot_t, input_precision="ieee") * INV_SQRT_D
-            _merge_store(out, j, rows, row_ok, window_rows, window_ok, window_w, inv_total,
-                         part_out_ptr, out_ptr, WINDOW_PARTS, D)  # fmt: skip
+            _merge_store(
+                out,
+                j,
+                rows,
+                row_ok,
+                window_rows,
+                window_ok,
+                window_w,
+                inv_total,
+                part_out_ptr,
+                out_ptr,
+                WINDOW_PARTS,
+                D,
+            )
     else:
-        _merge_store(acc, tl.arange(0, D_PAD), rows, row_ok, window_rows, window_ok, window_w,
-                     inv_total, part_out_ptr, out_ptr, WINDOW_PARTS, D)  # fmt: skip
+        _merge_store(
+            acc,
+            tl.arange(0, D_PAD),
+            rows,
+            row_ok,
+            window_rows,
+            window_ok,
+            window_w,
+            inv_total,
+            part_out_ptr,
+            out_ptr,
+            WINDOW_PARTS,
+            D,
+        )
 
 
-def launch_merge(launch, part_out: torch.Tensor, part_lse: torch.Tensor, rotation: torch.Tensor,
-                 out: torch.Tensor, key: Hashable | None = None) -> None:  # fmt: skip
+def launch_merge(
+    launch,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    rotation: torch.Tensor,
+    out: torch.Tensor,
+    key: Hashable | None = None,
+) -> None:
     """Merge ``part_out [B, Hq, partials, D]`` / ``part_lse`` into ``out [B, Hq, D]``
     (``launch``: the plan's launch of this kernel; ``key``: the launcher's specialization
     key)."""

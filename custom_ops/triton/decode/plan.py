@@ -148,8 +148,9 @@ def _token_run(page_size: int, block_n: int) -> int:
     return min(page_size, block_n)
 
 
-def _query_mode(fmt: KVFormat, keys: PartParams, head_dim: int, capacity: int,
-                num_splits: int, g_pad: int) -> QueryMode:  # fmt: skip
+def _query_mode(
+    fmt: KVFormat, keys: PartParams, head_dim: int, capacity: int, num_splits: int, g_pad: int
+) -> QueryMode:
     """Rotating in the split kernel needs the Walsh-Hadamard structure of R (a power-of-two head
     dim) and parts of at least 16 elements; every split program rotates its rows, so a verify
     step's many rows are rotated once, by the preparation kernel."""
@@ -236,8 +237,9 @@ def plan_decode(
         num_warps = num_warps or rows_warps
         max_registers = max_registers or rows_registers
         if cuda and max_registers is not None:
-            num_splits = splits_in_one_wave(num_splits, batch * num_kv_heads, num_warps,
-                                            max_registers, sm_count)  # fmt: skip
+            num_splits = splits_in_one_wave(
+                num_splits, batch * num_kv_heads, num_warps, max_registers, sm_count
+            )
     short = capacity <= num_splits * TOKENS_PER_STEP
     subtiles = split_config.subtiles or (
         1 if many_rows else tuning.subtiles_short if short else tuning.subtiles_long
@@ -286,22 +288,60 @@ def plan_decode(
         # one warp at 255 registers: MANY_ROWS_LAUNCH[32], which the splits were counted for
         # above; after the query preparation, with programmatic dependent launch where the
         # split kernel would have it
-        split = KernelLaunch(split_grid, Launcher(verify.verify_kernel, verify.verify_constexprs(
-            fmt, keys.META, values.META, q_tokens, page_size, window, sinks, mask_kind,
-            num_splits, num_partials, pdl,
-        )))  # fmt: skip
+        split = KernelLaunch(
+            split_grid,
+            Launcher(
+                verify.verify_kernel,
+                verify.verify_constexprs(
+                    fmt,
+                    keys.META,
+                    values.META,
+                    q_tokens,
+                    page_size,
+                    window,
+                    sinks,
+                    mask_kind,
+                    num_splits,
+                    num_partials,
+                    pdl,
+                ),
+            ),
+        )
     else:
-        split = KernelLaunch(split_grid, Launcher(split_kernel, dict(
-            MASK=mask_kind, Q_TOKENS=q_tokens, PAGE_SIZE=page_size,
-            TOKEN_RUN=_token_run(page_size, block_n),
-            D=head_dim, D_PAD=d_pad, LOG2_D=d_pad.bit_length() - 1, GROUP=group,
-            G_PAD=g_pad, BLOCK_N=block_n, SUBTILES=subtiles,
-            NUM_SPLITS=num_splits, NUM_PARTIALS=num_partials, ONE_TILE=one_tile, K=keys, V=values,
-            QUERY=int(query), INV_SQRT_D=common["INV_SQRT_D"], RING=ring_in_split,
-            RING_BLOCK=RING_BLOCK,
-            RING_QK_F32=ring_in_split and (not fast or ring_dtype != q_dtype),
-            RING_F32=not fast, SINKS=sinks, SOFTCAP=softcap * LOG2E, PDL=pdl, **launch_options,
-        )))  # fmt: skip
+        split = KernelLaunch(
+            split_grid,
+            Launcher(
+                split_kernel,
+                dict(
+                    MASK=mask_kind,
+                    Q_TOKENS=q_tokens,
+                    PAGE_SIZE=page_size,
+                    TOKEN_RUN=_token_run(page_size, block_n),
+                    D=head_dim,
+                    D_PAD=d_pad,
+                    LOG2_D=d_pad.bit_length() - 1,
+                    GROUP=group,
+                    G_PAD=g_pad,
+                    BLOCK_N=block_n,
+                    SUBTILES=subtiles,
+                    NUM_SPLITS=num_splits,
+                    NUM_PARTIALS=num_partials,
+                    ONE_TILE=one_tile,
+                    K=keys,
+                    V=values,
+                    QUERY=int(query),
+                    INV_SQRT_D=common["INV_SQRT_D"],
+                    RING=ring_in_split,
+                    RING_BLOCK=RING_BLOCK,
+                    RING_QK_F32=ring_in_split and (not fast or ring_dtype != q_dtype),
+                    RING_F32=not fast,
+                    SINKS=sinks,
+                    SOFTCAP=softcap * LOG2E,
+                    PDL=pdl,
+                    **launch_options,
+                ),
+            ),
+        )
 
     num_rows = batch * num_q_heads
     prep_launch = None
@@ -310,28 +350,50 @@ def plan_decode(
         q_code_columns = keys.PARTS * keys.PC_PAD
         prep_launch = KernelLaunch(
             (triton.cdiv(num_rows, prep.BLOCK_Q), q_code_columns // prep.BLOCK_C),
-            Launcher(prep.prep_query_kernel, dict(
-                common, PARTS=keys.PARTS, PC=keys.PC, PC_PAD=keys.PC_PAD, BLOCK_Q=prep.BLOCK_Q,
-                BLOCK_C=prep.BLOCK_C,
-            )),
-        )  # fmt: skip
+            Launcher(
+                prep.prep_query_kernel,
+                dict(
+                    common,
+                    PARTS=keys.PARTS,
+                    PC=keys.PC,
+                    PC_PAD=keys.PC_PAD,
+                    BLOCK_Q=prep.BLOCK_Q,
+                    BLOCK_C=prep.BLOCK_C,
+                ),
+            ),
+        )
     later = {"launch_pdl": True} if pdl else {}  # kernels after the first one
     ring_launch = None
     if window_parts:
-        ring_launch = KernelLaunch((window_parts, num_kv_heads, batch), Launcher(
-            ring.ring_partials_kernel, dict(
-            MASK=mask_kind, Q_TOKENS=q_tokens, D=head_dim, D_PAD=d_pad, GROUP=group,
-            G_PAD=triton.next_power_of_2(group),
-            BLOCK_W=ring.BLOCK_W, SLOTS_PER_PART=slots_per_part,
-            SINK_BLOCK=ring.SINK_BLOCK, NUM_SPLITS=num_splits,
-            NUM_PARTIALS=num_partials, WINDOW_QK_F32=not fast or ring_dtype != q_dtype,
-            WINDOW_F32=not fast, SINKS=sinks, SOFTCAP=softcap * LOG2E, PDL=pdl,
-            num_warps=ring.NUM_WARPS, **later,
-        )))  # fmt: skip
+        ring_launch = KernelLaunch(
+            (window_parts, num_kv_heads, batch),
+            Launcher(
+                ring.ring_partials_kernel,
+                dict(
+                    MASK=mask_kind,
+                    Q_TOKENS=q_tokens,
+                    D=head_dim,
+                    D_PAD=d_pad,
+                    GROUP=group,
+                    G_PAD=triton.next_power_of_2(group),
+                    BLOCK_W=ring.BLOCK_W,
+                    SLOTS_PER_PART=slots_per_part,
+                    SINK_BLOCK=ring.SINK_BLOCK,
+                    NUM_SPLITS=num_splits,
+                    NUM_PARTIALS=num_partials,
+                    WINDOW_QK_F32=not fast or ring_dtype != q_dtype,
+                    WINDOW_F32=not fast,
+                    SINKS=sinks,
+                    SOFTCAP=softcap * LOG2E,
+                    PDL=pdl,
+                    num_warps=ring.NUM_WARPS,
+                    **later,
+                ),
+            ),
+        )
     if merge_config is None:
         rotate_by_product = fmt.value.rotated and head_dim != d_pad
-        merge_config = merge.merge_config(num_rows, num_splits, d_pad, rotate_by_product,
-                                          sm_count)  # fmt: skip
+        merge_config = merge.merge_config(num_rows, num_splits, d_pad, rotate_by_product, sm_count)
     elif num_splits % merge_config.split_chunk:
         # the merge reads whole chunks of partials: a chunk past the splits would read the
         # ring's partials or the next row's
@@ -339,14 +401,38 @@ def plan_decode(
             f"merge_config.split_chunk must divide the plan's split count {num_splits}, got "
             f"{merge_config.split_chunk}"
         )
-    merge_launch = KernelLaunch((triton.cdiv(num_rows, merge_config.block_m),), Launcher(
-        merge.merge_kernel, dict(
-        common, NUM_SPLITS=num_splits, WINDOW_PARTS=window_parts,
-        WINDOW_PARTS_PAD=triton.next_power_of_2(max(1, window_parts)),
-        SPLIT_CHUNK=merge_config.split_chunk, BLOCK_M=merge_config.block_m,
-        ROTATE_BACK=fmt.value.rotated, LOG2_D=d_pad.bit_length() - 1,
-        num_warps=merge_config.num_warps, **later,
-    )))  # fmt: skip
-    return DecodePlan(num_splits, num_partials, query, one_tile, use_verify, ring_in_split, keys,
-                      values, q_code_columns, pdl, prep_launch, split, ring_launch, merge_launch,
-                      merge_config)  # fmt: skip
+    merge_launch = KernelLaunch(
+        (triton.cdiv(num_rows, merge_config.block_m),),
+        Launcher(
+            merge.merge_kernel,
+            dict(
+                common,
+                NUM_SPLITS=num_splits,
+                WINDOW_PARTS=window_parts,
+                WINDOW_PARTS_PAD=triton.next_power_of_2(max(1, window_parts)),
+                SPLIT_CHUNK=merge_config.split_chunk,
+                BLOCK_M=merge_config.block_m,
+                ROTATE_BACK=fmt.value.rotated,
+                LOG2_D=d_pad.bit_length() - 1,
+                num_warps=merge_config.num_warps,
+                **later,
+            ),
+        ),
+    )
+    return DecodePlan(
+        num_splits,
+        num_partials,
+        query,
+        one_tile,
+        use_verify,
+        ring_in_split,
+        keys,
+        values,
+        q_code_columns,
+        pdl,
+        prep_launch,
+        split,
+        ring_launch,
+        merge_launch,
+        merge_config,
+    )

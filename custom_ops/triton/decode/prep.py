@@ -57,16 +57,23 @@ def prep_query_kernel(
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     elem = (c // PC_PAD) * PC + c % PC_PAD
     ok = (c % PC_PAD) < PC
-    rot = tl.load(rot_ptr + d[:, None] * D + elem[None, :], mask=(d[:, None] < D) & ok[None, :],
-                  other=0.0)  # fmt: skip
+    rot = tl.load(
+        rot_ptr + d[:, None] * D + elem[None, :], mask=(d[:, None] < D) & ok[None, :], other=0.0
+    )
     q_code = tl.dot(q, rot, input_precision="tf32") * INV_SQRT_D
     q_code = tl.where(ok[None, :], q_code * q_scale, 0.0)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * (PARTS * PC_PAD) + c[None, :]
     tl.store(out_ptrs, q_code.to(tl.float16), mask=row_ok[:, None])
 
 
-def launch_prep(launch, q: torch.Tensor, rotation: torch.Tensor, q_code: torch.Tensor,
-                q_scale: float, key: Hashable | None = None) -> None:  # fmt: skip
+def launch_prep(
+    launch,
+    q: torch.Tensor,
+    rotation: torch.Tensor,
+    q_code: torch.Tensor,
+    q_scale: float,
+    key: Hashable | None = None,
+) -> None:
     """Write ``q_code [B, Hq, PARTS * PC_PAD] fp16`` from ``q [B, Hq, D]`` (``launch``: the
     plan's :class:`~custom_ops.triton.launch.KernelLaunch` of this kernel; ``key``: the
     launcher's specialization key, see :class:`~custom_ops.triton.launch.Launcher`)."""

@@ -78,8 +78,10 @@ def _byte_tables(magnitudes: Sequence[float]) -> list[int]:
     words = []
     for byte_shift in (0, 8):
         column = [(bits >> byte_shift) & 0xFF for bits in _fp16_bits(magnitudes)]
-        words += [column[i] | column[i + 1] << 8 | column[i + 2] << 16 | column[i + 3] << 24
-                  for i in range(0, len(column), 4)]  # fmt: skip
+        words += [
+            column[i] | column[i + 1] << 8 | column[i + 2] << 16 | column[i + 3] << 24
+            for i in range(0, len(column), 4)
+        ]
     return words
 
 
@@ -131,11 +133,13 @@ def lut5_asm(levels: Sequence[float]) -> str:
     lines = [
         "{",
         ".reg .b32 tl0, tl1, tl2, tl3, th0, th1, th2, th3, m, a, b, k, x, y, t, sl, sh;",
-        *(f"mov.b32 {name}, {tables[i]:#010x};"
-          for i, name in enumerate(("tl0", "tl1", "tl2", "tl3", "th0", "th1", "th2", "th3"))),
+        *(
+            f"mov.b32 {name}, {tables[i]:#010x};"
+            for i, name in enumerate(("tl0", "tl1", "tl2", "tl3", "th0", "th1", "th2", "th3"))
+        ),
         "and.b32 m, $4, 0x77777777;",
         "shl.b32 t, $4, 4;",  # each byte's bit 3 (its low nibble's top bit) at bit 7
-    ]  # fmt: skip
+    ]
     # nibbles 0-3 of m: the low / high nibbles of bytes j, j+1 (then j+2, j+3); the mask's
     # selector takes bit 7 of t's byte (low nibble) and of $4's byte (high nibble) in that order
     for lo, hi, mask_selector in (("$0", "$2", 0xD9C8), ("$1", "$3", 0xFBEA)):
@@ -338,8 +342,9 @@ def words_asm(asm: str) -> str:
     32-bit register, which the kernel's operands take as they are."""
     if set(re.findall(r"\$\d+", asm)) != {"$0", "$1", "$2", "$3", "$4"}:
         raise ValueError("words_asm takes a 4-bit string with outputs $0..$3 and input $4")
-    body = re.sub(r"\$(\d)", lambda m: "$8" if m.group(1) == "4" else f"w{m.group(1)}",
-                  asm.strip())  # fmt: skip
+    body = re.sub(
+        r"\$(\d)", lambda m: "$8" if m.group(1) == "4" else f"w{m.group(1)}", asm.strip()
+    )
     return (
         "{\n.reg .b32 w0, w1, w2, w3;\n"
         + body

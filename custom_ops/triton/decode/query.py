@@ -21,8 +21,9 @@ __all__ = [
 
 
 @triton.jit
-def query_part(query, b, q_head, row_ok, q_scale, PART: tl.constexpr, PC: tl.constexpr,
-               PC_PAD: tl.constexpr):  # fmt: skip
+def query_part(
+    query, b, q_head, row_ok, q_scale, PART: tl.constexpr, PC: tl.constexpr, PC_PAD: tl.constexpr
+):
     """Part ``PART`` of the group's unrotated queries times ``q_scale``, transposed: ``[PC_PAD,
     G_PAD]`` fp16 (keys that are not rotated need no preparation launch)."""
     q_ptr, stride_qb, stride_qh = query
@@ -33,9 +34,19 @@ def query_part(query, b, q_head, row_ok, q_scale, PART: tl.constexpr, PC: tl.con
 
 
 @triton.jit
-def rotate_query(query, rot_ptr, b, q_head, row_ok, q_scale, D: tl.constexpr,
-                 LOG2_D: tl.constexpr, INV_SQRT_D: tl.constexpr, PARTS: tl.constexpr,
-                 PC: tl.constexpr):  # fmt: skip
+def rotate_query(
+    query,
+    rot_ptr,
+    b,
+    q_head,
+    row_ok,
+    q_scale,
+    D: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    PARTS: tl.constexpr,
+    PC: tl.constexpr,
+):
     """The group's queries rotated into the keys' code space, ``(q @ R / sqrt(D)) * q_scale``,
     as ``PARTS`` transposed parts ``[PC, G_PAD]`` fp16 (unused ones repeat part 0), computed
     in the split kernel instead of by the preparation kernel (short contexts, where that launch
@@ -73,8 +84,9 @@ def rotate_query(query, rot_ptr, b, q_head, row_ok, q_scale, D: tl.constexpr,
 
 
 @triton.jit
-def original_query(query, b, q_head, row_ok, D: tl.constexpr, D_PAD: tl.constexpr,
-                   F32: tl.constexpr):  # fmt: skip
+def original_query(
+    query, b, q_head, row_ok, D: tl.constexpr, D_PAD: tl.constexpr, F32: tl.constexpr
+):
     """The group's original (unrotated, unscaled) queries, transposed: ``[D_PAD, G_PAD]`` in the
     query's dtype (float32 with ``F32``), zero in padded rows and columns; the B operand of a
     ring's ``S^T = K @ Q^T``."""
@@ -88,8 +100,7 @@ def original_query(query, b, q_head, row_ok, D: tl.constexpr, D_PAD: tl.constexp
 
 
 @triton.jit
-def ring_query(query, b, q_head, row_ok, D: tl.constexpr, D_PAD: tl.constexpr,
-               F32: tl.constexpr):  # fmt: skip
+def ring_query(query, b, q_head, row_ok, D: tl.constexpr, D_PAD: tl.constexpr, F32: tl.constexpr):
     """:func:`original_query` as four quarters of the head dim, ``[D_PAD / 4, G_PAD]`` each:
     the split kernel reads ring keys a quarter at a time to keep their registers down."""
     q_t = original_query(query, b, q_head, row_ok, D, D_PAD, F32)

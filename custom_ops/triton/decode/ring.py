@@ -46,8 +46,9 @@ MAX_PARTS = 8
 SINK_BLOCK = 16
 
 
-def window_parts(window: int, sinks: int = 0, sequence_heads: int = 0,
-                 sm_count: int | None = None) -> tuple[int, int]:  # fmt: skip
+def window_parts(
+    window: int, sinks: int = 0, sequence_heads: int = 0, sm_count: int | None = None
+) -> tuple[int, int]:
     """``(parts, slots_per_part)`` of rings of ``window`` window slots and ``sinks`` sink slots:
     this kernel's programs per (sequence, kv-head), each over whole ``BLOCK_W`` tiles of the
     window's places, the last one also over the sinks; ``(0, 0)`` without a ring.
@@ -72,8 +73,11 @@ def _ring_keys(k_window_ptr, rows, in_tile, D: tl.constexpr, D_PAD: tl.constexpr
     """``k [N, D_PAD]``: the key rows at ring rows ``rows [N]`` (element offsets), zeros where
     not ``in_tile``."""
     d = tl.arange(0, D_PAD)
-    return tl.load(k_window_ptr + rows[:, None] + d[None, :],
-                   mask=in_tile[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    return tl.load(
+        k_window_ptr + rows[:, None] + d[None, :],
+        mask=in_tile[:, None] & (d < D)[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -81,21 +85,34 @@ def _ring_values(v_window_ptr, rows, in_tile, D: tl.constexpr, D_PAD: tl.constex
     """``v_t [D_PAD, N]``: the value rows at ring rows ``rows [N]``, transposed, zeros where
     not ``in_tile``."""
     d = tl.arange(0, D_PAD)
-    return tl.load(v_window_ptr + rows[None, :] + d[:, None],
-                   mask=in_tile[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+    return tl.load(
+        v_window_ptr + rows[None, :] + d[:, None],
+        mask=in_tile[None, :] & (d < D)[:, None],
+        other=0.0,
+    )
 
 
 @triton.jit
-def _probabilities(m_w, l_w, k, in_tile, positions, query, MASK: tl.constexpr,
-                   Q_TOKENS: tl.constexpr, SOFTCAP: tl.constexpr):  # fmt: skip
+def _probabilities(
+    m_w,
+    l_w,
+    k,
+    in_tile,
+    positions,
+    query,
+    MASK: tl.constexpr,
+    Q_TOKENS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     """The online softmax's step over a tile of ring places holding ``positions [N]`` with
     keys ``k`` (:func:`_ring_keys`): ``(m, l, alpha, p [N, G_PAD])``, the accumulators to be
     rescaled by ``alpha`` when the values are added (:func:`_add_values`). ``query = (q_orig,
     q_scale, masking, b, q_head, row_ok)``."""
     q_orig, q_scale, masking, b, q_head, row_ok = query
     scores = tl.dot(k.to(q_orig.dtype), q_orig)
-    scores = mask_scores(scores * q_scale, positions, masking, b, q_head, row_ok, MASK,
-                         Q_TOKENS, SOFTCAP)  # fmt: skip
+    scores = mask_scores(
+        scores * q_scale, positions, masking, b, q_head, row_ok, MASK, Q_TOKENS, SOFTCAP
+    )
     scores = tl.where(in_tile[:, None], scores, float("-inf"))
     m_w, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_w)
     p = tl.math.exp2(scores - m_sub[None, :])
@@ -111,16 +128,29 @@ def _add_values(acc_w, alpha, p, v_t, WINDOW_F32: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(m_w, l_w, acc_w, rows, in_tile, positions, query, ring_ptrs,
-                 MASK: tl.constexpr, Q_TOKENS: tl.constexpr, D: tl.constexpr,
-                 D_PAD: tl.constexpr, WINDOW_F32: tl.constexpr,
-                 SOFTCAP: tl.constexpr):  # fmt: skip
+def _attend_tile(
+    m_w,
+    l_w,
+    acc_w,
+    rows,
+    in_tile,
+    positions,
+    query,
+    ring_ptrs,
+    MASK: tl.constexpr,
+    Q_TOKENS: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    WINDOW_F32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     """``(m, l, O^T)`` after one tile of ring places: its keys, the softmax step, then its
     values, loaded after the scores (``ring_ptrs = (k_window_ptr, v_window_ptr)``)."""
     k_window_ptr, v_window_ptr = ring_ptrs
     k = _ring_keys(k_window_ptr, rows, in_tile, D, D_PAD)
-    m_w, l_w, alpha, p = _probabilities(m_w, l_w, k, in_tile, positions, query, MASK, Q_TOKENS,
-                                        SOFTCAP)  # fmt: skip
+    m_w, l_w, alpha, p = _probabilities(
+        m_w, l_w, k, in_tile, positions, query, MASK, Q_TOKENS, SOFTCAP
+    )
     v_t = _ring_values(v_window_ptr, rows, in_tile, D, D_PAD)
     return m_w, l_w, _add_values(acc_w, alpha, p, v_t, WINDOW_F32)
 
@@ -182,8 +212,9 @@ def ring_partials_kernel(
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_len)
     # the window's positions [first, len), position p at slot p mod W (a part past the
     # window's places, the sinks' own, reads no slot positions: first = len)
-    first = ring_start(pos_ptr + ring // D, seq_len,
-                       tl.where(part * SLOTS_PER_PART < window, window, 0))  # fmt: skip
+    first = ring_start(
+        pos_ptr + ring // D, seq_len, tl.where(part * SLOTS_PER_PART < window, window, 0)
+    )
     place_end = tl.minimum((part + 1) * SLOTS_PER_PART, seq_len - first)
     g = tl.arange(0, G_PAD)
     row_ok = g < GROUP
@@ -191,8 +222,9 @@ def ring_partials_kernel(
     q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
     masking = (mask_args, causal_ends(seq_len, q_head, Q_TOKENS, MASK))
     d = tl.arange(0, D_PAD)
-    q_orig = original_query((q_ptr, stride_qb, stride_qh), b, q_head, row_ok, D, D_PAD,
-                            WINDOW_QK_F32)  # fmt: skip
+    q_orig = original_query(
+        (q_ptr, stride_qb, stride_qh), b, q_head, row_ok, D, D_PAD, WINDOW_QK_F32
+    )
     m_w = tl.full([G_PAD], float("-inf"), tl.float32)
     l_w = tl.zeros([G_PAD], tl.float32)
     acc_w = tl.zeros([D_PAD, G_PAD], tl.float32)  # O^T
@@ -202,9 +234,22 @@ def ring_partials_kernel(
         r = r0 + tl.arange(0, BLOCK_W)  # places of the window's run
         positions = first + r
         rows = ring + ring_slots(positions, window, 0).to(tl.int64) * stride_w_slot
-        m_w, l_w, acc_w = _attend_tile(m_w, l_w, acc_w, rows, r < place_end, positions, query,
-                                       ring_ptrs, MASK, Q_TOKENS, D, D_PAD,
-                                       WINDOW_F32, SOFTCAP)  # fmt: skip
+        m_w, l_w, acc_w = _attend_tile(
+            m_w,
+            l_w,
+            acc_w,
+            rows,
+            r < place_end,
+            positions,
+            query,
+            ring_ptrs,
+            MASK,
+            Q_TOKENS,
+            D,
+            D_PAD,
+            WINDOW_F32,
+            SOFTCAP,
+        )
     if SINKS > 0:
         # The sinks [0, min(SINKS, len)) at slots W + p, read by the last part: one past the
         # window's places on short grids, the window's last on full ones (window_parts). The
@@ -213,9 +258,22 @@ def ring_partials_kernel(
         for s0 in range(0, num_sinks, SINK_BLOCK):
             positions = s0 + tl.arange(0, SINK_BLOCK)
             rows = ring + ring_slots(positions, window, SINKS).to(tl.int64) * stride_w_slot
-            m_w, l_w, acc_w = _attend_tile(m_w, l_w, acc_w, rows, positions < num_sinks,
-                                           positions, query, ring_ptrs, MASK, Q_TOKENS, D,
-                                           D_PAD, WINDOW_F32, SOFTCAP)  # fmt: skip
+            m_w, l_w, acc_w = _attend_tile(
+                m_w,
+                l_w,
+                acc_w,
+                rows,
+                positions < num_sinks,
+                positions,
+                query,
+                ring_ptrs,
+                MASK,
+                Q_TOKENS,
+                D,
+                D_PAD,
+                WINDOW_F32,
+                SOFTCAP,
+            )
     lse, inv_l = partial_normalizer(m_w, l_w)
     part_rows = q_rows * NUM_PARTIALS + NUM_SPLITS + part
     out_ptrs = part_out_ptr + part_rows[None, :] * D + d[:, None]
@@ -225,13 +283,34 @@ def ring_partials_kernel(
         gdc_wait()  # for the split kernel: the merge waits only for this one
 
 
-def launch_ring(launch, q: torch.Tensor, q_scale: float, window: RecentWindow,
-                seq_lens: torch.Tensor, capacity: int, mask_args: tuple, part_out: torch.Tensor,
-                part_lse: torch.Tensor, key: Hashable | None = None) -> None:  # fmt: skip
+def launch_ring(
+    launch,
+    q: torch.Tensor,
+    q_scale: float,
+    window: RecentWindow,
+    seq_lens: torch.Tensor,
+    capacity: int,
+    mask_args: tuple,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    key: Hashable | None = None,
+) -> None:
     """Write the ring's partials of ``q [B, Hq * T, D]`` (query rows) over ``window``'s rings
     into ``part_out``/``part_lse`` after the splits' (``launch``: the plan's launch of this
     kernel; ``capacity``: positions a sequence holds; ``mask_args``: ``(mask, stride_b,
     stride_h, stride_t, mask_len)``; ``key``: the launcher's specialization key)."""
-    launch(q, q.stride(0), q.stride(1), q_scale, ring_arguments(window), window.size, seq_lens,
-           capacity, mask_args, part_out, part_lse, window.k_window.shape[1],
-           key=key)  # fmt: skip
+    launch(
+        q,
+        q.stride(0),
+        q.stride(1),
+        q_scale,
+        ring_arguments(window),
+        window.size,
+        seq_lens,
+        capacity,
+        mask_args,
+        part_out,
+        part_lse,
+        window.k_window.shape[1],
+        key=key,
+    )

@@ -56,8 +56,17 @@ def softcap_scores(scores, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def mask_scores(scores, positions, masking, b, q_head, row_ok, MASK: tl.constexpr,
-                Q_TOKENS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):  # fmt: skip
+def mask_scores(
+    scores,
+    positions,
+    masking,
+    b,
+    q_head,
+    row_ok,
+    MASK: tl.constexpr,
+    Q_TOKENS: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
+):
     """Cap (:func:`softcap_scores`), then apply the attention mask at key ``positions [N]`` to
     ``scores [N, G_PAD]`` (log2 units) of the query rows ``q_head [G_PAD]`` (head ``q_head //
     Q_TOKENS``, token ``q_head % Q_TOKENS``): ``MASK`` 0 none, 1 boolean (False masks out), 2

@@ -83,12 +83,23 @@ UNIT_MIN = tl.constexpr(2.0**-10)
 
 
 @triton.jit
-def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, Q_TOKENS: tl.constexpr,
-                     PAGE_SIZE: tl.constexpr,
-                     TOKEN_RUN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SUBTILES: tl.constexpr, ONE_TILE: tl.constexpr,
-                     K: tl.constexpr, V: tl.constexpr, SINKS: tl.constexpr,
-                     SOFTCAP: tl.constexpr):  # fmt: skip
+def _compressed_pass(
+    inv_unit,
+    tiles,
+    MASK: tl.constexpr,
+    Q_TOKENS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    TOKEN_RUN: tl.constexpr,
+    D: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUBTILES: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     """The online softmax over the compressed tokens ``[start, end)`` of ``tiles``: ``(m, l,
     acc0..3, zero_acc, v_top)``, the value products accumulated in units of ``1 / inv_unit``
     and ``v_top`` the largest value scale seen.
@@ -97,8 +108,21 @@ def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, Q_TOKENS: tl.constexpr
     maximum: it moves (and the accumulators are rescaled) only when a tile's scores rise above
     it by more than ``RESCALE_SLACK``, so probabilities reach ``2**RESCALE_SLACK``; ``l`` and
     the accumulators are relative to it, which is all the partial needs."""
-    start, end, early_a, early_b, b, table, k_plane, meta_plane, v_plane, qs, masking, \
-        q_head, row_ok = tiles  # fmt: skip
+    (
+        start,
+        end,
+        early_a,
+        early_b,
+        b,
+        table,
+        k_plane,
+        meta_plane,
+        v_plane,
+        qs,
+        masking,
+        q_head,
+        row_ok,
+    ) = tiles
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     m_sub = tl.zeros([G_PAD], tl.float32)  # m_i, 0 where -inf: what exp2 subtracts
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -116,15 +140,49 @@ def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, Q_TOKENS: tl.constexpr
     for tile_start in range(start, end, SUBTILES * BLOCK_N):
         n_a = tile_start + tl.arange(0, BLOCK_N)
         scores_a, page_a, slot_a, m_row_a, valid_a = compressed_scores(
-            n_a, end, early_a, b, table, k_plane, meta_plane, qs, masking, q_head, row_ok,
-            MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE, SINKS, SOFTCAP,
-        )  # fmt: skip
+            n_a,
+            end,
+            early_a,
+            b,
+            table,
+            k_plane,
+            meta_plane,
+            qs,
+            masking,
+            q_head,
+            row_ok,
+            MASK,
+            Q_TOKENS,
+            PAGE_SIZE,
+            D,
+            K,
+            ONE_TILE,
+            SINKS,
+            SOFTCAP,
+        )
         tile_max = scores_a
         if SUBTILES == 2:
             scores_b, page_b, slot_b, m_row_b, valid_b = compressed_scores(
-                n_a + BLOCK_N, end, early_b, b, table, k_plane, meta_plane, qs, masking,
-                q_head, row_ok, MASK, Q_TOKENS, PAGE_SIZE, D, K, ONE_TILE, SINKS, SOFTCAP,
-            )  # fmt: skip
+                n_a + BLOCK_N,
+                end,
+                early_b,
+                b,
+                table,
+                k_plane,
+                meta_plane,
+                qs,
+                masking,
+                q_head,
+                row_ok,
+                MASK,
+                Q_TOKENS,
+                PAGE_SIZE,
+                D,
+                K,
+                ONE_TILE,
+                SINKS,
+                SOFTCAP,
+            )
             tile_max = tl.maximum(scores_a, scores_b)
         tile_max = tl.max(tile_max, axis=0)
         if needs_rescale(tile_max, m_i):
@@ -144,16 +202,44 @@ def _compressed_pass(inv_unit, tiles, MASK: tl.constexpr, Q_TOKENS: tl.constexpr
         v_mul_a = value_multipliers(m_row_a, valid_a, V)
         v_seen = tl.maximum(v_seen, v_mul_a)
         acc0, acc1, acc2, acc3, zero_acc = compressed_values(
-            p_a, v_mul_a * inv_unit, page_a, slot_a, m_row_a, valid_a, acc0, acc1, acc2, acc3,
-            zero_acc, v_plane, PAGE_SIZE, TOKEN_RUN, D, V,
-        )  # fmt: skip
+            p_a,
+            v_mul_a * inv_unit,
+            page_a,
+            slot_a,
+            m_row_a,
+            valid_a,
+            acc0,
+            acc1,
+            acc2,
+            acc3,
+            zero_acc,
+            v_plane,
+            PAGE_SIZE,
+            TOKEN_RUN,
+            D,
+            V,
+        )
         if SUBTILES == 2:
             v_mul_b = value_multipliers(m_row_b, valid_b, V)
             v_seen = tl.maximum(v_seen, v_mul_b)
             acc0, acc1, acc2, acc3, zero_acc = compressed_values(
-                p_b, v_mul_b * inv_unit, page_b, slot_b, m_row_b, valid_b, acc0, acc1, acc2,
-                acc3, zero_acc, v_plane, PAGE_SIZE, TOKEN_RUN, D, V,
-            )  # fmt: skip
+                p_b,
+                v_mul_b * inv_unit,
+                page_b,
+                slot_b,
+                m_row_b,
+                valid_b,
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                zero_acc,
+                v_plane,
+                PAGE_SIZE,
+                TOKEN_RUN,
+                D,
+                V,
+            )
     return m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, tl.max(v_seen, axis=0)
 
 
@@ -255,16 +341,16 @@ def split_kernel(
         q2 = q0
         q3 = q0
     elif QUERY == QUERY_ROTATED_HERE:
-        q0, q1, q2, q3 = rotate_query(query, rot_ptr, b, q_head, row_ok, q_scale, D, LOG2_D,
-                                      INV_SQRT_D, K.PARTS, K.PC)  # fmt: skip
+        q0, q1, q2, q3 = rotate_query(
+            query, rot_ptr, b, q_head, row_ok, q_scale, D, LOG2_D, INV_SQRT_D, K.PARTS, K.PC
+        )
     else:
         q_part = q_ptr + q_rows[:, None] * (K.PARTS * K.PC_PAD)
         q_part += tl.arange(0, K.PC_PAD)[None, :]
         if PDL:
             gdc_wait()  # for the preparation kernel's q_code
         q0 = tl.trans(tl.load(q_part, mask=row_ok[:, None], other=0.0))
-        q1 = tl.trans(tl.load(q_part + K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 1),
-                              other=0.0))  # fmt: skip
+        q1 = tl.trans(tl.load(q_part + K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 1), other=0.0))
         q2 = tl.trans(
             tl.load(q_part + 2 * K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 2), other=0.0)
         )
@@ -275,8 +361,21 @@ def split_kernel(
 
     k_plane, v_plane, meta_plane = head_planes(planes, head.to(tl.int64))
     masking = (mask_args, causal_ends(seq_len, q_head, Q_TOKENS, MASK))
-    tiles = (start, end, early_a, early_b, b, table, k_plane, meta_plane, v_plane, qs, masking,
-             q_head, row_ok)  # fmt: skip
+    tiles = (
+        start,
+        end,
+        early_a,
+        early_b,
+        b,
+        table,
+        k_plane,
+        meta_plane,
+        v_plane,
+        qs,
+        masking,
+        q_head,
+        row_ok,
+    )
     # The value products' fp16 operands are p * v_scale <= 2**RESCALE_SLACK * v_scale: where
     # the largest scale could overflow fp16 or sit where its rounding is coarse, the pass runs
     # again in units of it (operands <= 2**RESCALE_SLACK). Values of ordinary size take one
@@ -303,9 +402,22 @@ def split_kernel(
     if ((v_top > UNIT_MAX) | (v_top < UNIT_MIN)) & (v_top > 0):
         unit = v_top
         m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, v_top = _compressed_pass(
-            1.0 / unit, tiles, MASK, Q_TOKENS, PAGE_SIZE, TOKEN_RUN, D, G_PAD, BLOCK_N, SUBTILES,
-            ONE_TILE, K, V, SINKS, SOFTCAP,
-        )  # fmt: skip
+            1.0 / unit,
+            tiles,
+            MASK,
+            Q_TOKENS,
+            PAGE_SIZE,
+            TOKEN_RUN,
+            D,
+            G_PAD,
+            BLOCK_N,
+            SUBTILES,
+            ONE_TILE,
+            K,
+            V,
+            SINKS,
+            SOFTCAP,
+        )
     acc0 *= unit
     acc1 *= unit
     acc2 *= unit
@@ -319,24 +431,33 @@ def split_kernel(
         # tile's rows may wrap around the ring's end), then the sinks (slots W + p).
         rqs = ring_query(query, b, q_head, row_ok, D, D_PAD, RING_QK_F32)
         run_len = ring_run_length(compressed_len, seq_len, SINKS)
-        for r0 in tl.range((NUM_SPLITS - 1 - split) * RING_BLOCK, run_len,
-                           NUM_SPLITS * RING_BLOCK, num_stages=2):  # fmt: skip
+        for r0 in tl.range(
+            (NUM_SPLITS - 1 - split) * RING_BLOCK, run_len, NUM_SPLITS * RING_BLOCK, num_stages=2
+        ):
             run = r0 + tl.arange(0, RING_BLOCK)
             in_ring = run < run_len
             positions = ring_run_positions(run, compressed_len, seq_len, SINKS)
             rows = ring_slots(positions, window, SINKS) * stride_w_slot
             scores = ring_scores(k_window_ptr + ring + rows[:, None], in_ring, rqs, D) * q_scale
-            scores = mask_scores(scores, positions, masking, b, q_head, row_ok, MASK, Q_TOKENS,
-                                 SOFTCAP)  # fmt: skip
+            scores = mask_scores(
+                scores, positions, masking, b, q_head, row_ok, MASK, Q_TOKENS, SOFTCAP
+            )
             scores = tl.where(in_ring[:, None], scores, float("-inf"))
             m_i, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_i)
             p = tl.math.exp2(scores - m_sub[None, :])
             l_i = l_i * alpha + tl.sum(p, axis=0)
             zero_acc *= alpha
             acc0, acc1, acc2, acc3 = ring_values(
-                p, v_window_ptr + ring + rows[None, :], in_ring, acc0 * alpha[None, :],
-                acc1 * alpha[None, :], acc2 * alpha[None, :], acc3 * alpha[None, :], V, RING_F32,
-            )  # fmt: skip
+                p,
+                v_window_ptr + ring + rows[None, :],
+                in_ring,
+                acc0 * alpha[None, :],
+                acc1 * alpha[None, :],
+                acc2 * alpha[None, :],
+                acc3 * alpha[None, :],
+                V,
+                RING_F32,
+            )
 
     # This split's partial, normalized, in natural element order; lse in the log2 domain.
     lse, inv_l = partial_normalizer(m_i, l_i)
@@ -354,9 +475,19 @@ def split_kernel(
     tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
 
 
-def split_arguments(q, q_code, q_scale, rotation, cache: PagedKVCache, block_table, seq_lens,
-                    mask_args, window: RecentWindow | None, part_out,
-                    part_lse) -> tuple:  # fmt: skip
+def split_arguments(
+    q,
+    q_code,
+    q_scale,
+    rotation,
+    cache: PagedKVCache,
+    block_table,
+    seq_lens,
+    mask_args,
+    window: RecentWindow | None,
+    part_out,
+    part_lse,
+) -> tuple:
     """The split kernel's runtime arguments, in order (``mask_args``: ``(mask, stride_b,
     stride_h, stride_t, mask_len)``). ``window``: the recent window, or None (then
     placeholders, never read, and W = 0). The kernel reads the ring positions for where its
@@ -366,10 +497,23 @@ def split_arguments(q, q_code, q_scale, rotation, cache: PagedKVCache, block_tab
     else:
         rings, size = ring_arguments(window), window.size
     return (
-        q_code, q, q.stride(0), q.stride(1), q_scale, rotation, plane_arguments(cache),
-        table_arguments(block_table), seq_lens, mask_args, size, rings, part_out, part_lse,
-        cache.k_codes.shape[1], block_table.shape[1],
-    )  # fmt: skip
+        q_code,
+        q,
+        q.stride(0),
+        q.stride(1),
+        q_scale,
+        rotation,
+        plane_arguments(cache),
+        table_arguments(block_table),
+        seq_lens,
+        mask_args,
+        size,
+        rings,
+        part_out,
+        part_lse,
+        cache.k_codes.shape[1],
+        block_table.shape[1],
+    )
 
 
 def launch_split(launch, arguments: tuple, key: Hashable | None = None) -> None:

@@ -35,10 +35,25 @@ __all__ = [
 def head_planes(planes, head):
     """``(k_plane, v_plane, meta_plane)`` of kv-head ``head`` (int64) from the kernel argument
     ``planes`` (:mod:`custom_ops.triton.paged`)."""
-    k_codes, v_codes, meta, kc_page, kc_head, kc_slot, vc_page, vc_head, _, m_page, m_head, \
-        m_slot = planes  # fmt: skip
-    return ((k_codes, head * kc_head, kc_page, kc_slot), (v_codes, head * vc_head, vc_page),
-            (meta, head * m_head, m_page, m_slot))  # fmt: skip
+    (
+        k_codes,
+        v_codes,
+        meta,
+        kc_page,
+        kc_head,
+        kc_slot,
+        vc_page,
+        vc_head,
+        _,
+        m_page,
+        m_head,
+        m_slot,
+    ) = planes
+    return (
+        (k_codes, head * kc_head, kc_page, kc_slot),
+        (v_codes, head * vc_head, vc_page),
+        (meta, head * m_head, m_page, m_slot),
+    )
 
 
 @triton.jit
@@ -51,11 +66,27 @@ def table_entries(n, ok, b, table, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def compressed_scores(n, end, early, b, table, k_plane, meta_plane, qs, masking, q_head,
-                      row_ok, MASK: tl.constexpr, Q_TOKENS: tl.constexpr,
-                      PAGE_SIZE: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-                      ONE_TILE: tl.constexpr, SINKS: tl.constexpr,
-                      SOFTCAP: tl.constexpr = 0.0):  # fmt: skip
+def compressed_scores(
+    n,
+    end,
+    early,
+    b,
+    table,
+    k_plane,
+    meta_plane,
+    qs,
+    masking,
+    q_head,
+    row_ok,
+    MASK: tl.constexpr,
+    Q_TOKENS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    K: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
+):
     """Scores ``S^T = K @ Q^T`` of the compressed tokens at positions ``n [BLOCK_N]`` (``-inf``
     at and past ``end``, and below ``SINKS``: the sinks are read from the ring), capped by
     ``SOFTCAP`` and masked (:func:`custom_ops.triton.decode.softmax.mask_scores`): ``(scores
@@ -91,9 +122,15 @@ def compressed_scores(n, end, early, b, table, k_plane, meta_plane, qs, masking,
     slot = (n % PAGE_SIZE).to(tl.int64)
     k_byte = tl.arange(0, K.PC_PAD)[None, :]
     k0, k1, k2, k3 = decode_tile(
-        k_codes_ptr, (page * stride_kc_page + k_head + slot * stride_kc_slot)[:, None], k_byte,
-        k_byte < K.PC, K, D, 1, 1,
-    )  # fmt: skip
+        k_codes_ptr,
+        (page * stride_kc_page + k_head + slot * stride_kc_slot)[:, None],
+        k_byte,
+        k_byte < K.PC,
+        K,
+        D,
+        1,
+        1,
+    )
     scores = tl.dot(k0, q0)
     if K.PARTS > 1:
         scores = tl.dot(k1, q1, scores)
@@ -115,9 +152,24 @@ def value_multipliers(m_row, valid, V: tl.constexpr):
 
 
 @triton.jit
-def compressed_values(p, v_rel, page, slot, m_row, valid, acc0, acc1, acc2, acc3, zero_acc,
-                      v_plane, PAGE_SIZE: tl.constexpr, TOKEN_RUN: tl.constexpr,
-                      D: tl.constexpr, V: tl.constexpr):  # fmt: skip
+def compressed_values(
+    p,
+    v_rel,
+    page,
+    slot,
+    m_row,
+    valid,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    zero_acc,
+    v_plane,
+    PAGE_SIZE: tl.constexpr,
+    TOKEN_RUN: tl.constexpr,
+    D: tl.constexpr,
+    V: tl.constexpr,
+):
     """Add one tile's ``O^T += V^T @ (p * v_rel)^T`` per value part (``p [BLOCK_N, G_PAD]``;
     ``v_rel [BLOCK_N]`` the tokens' value multipliers relative to the accumulators' unit, which
     the split kernel keeps within ``[2**-10, 2**11]`` (``p <= 2**4``), so that the fp16 products
@@ -131,9 +183,16 @@ def compressed_values(p, v_rel, page, slot, m_row, valid, acc0, acc1, acc2, acc3
     v_codes_ptr, v_head, stride_vc_page = v_plane
     v_byte = tl.arange(0, V.PC_PAD)[:, None]
     v0, v1, v2, v3 = decode_tile(
-        v_codes_ptr, (page * stride_vc_page + v_head + slot)[None, :], v_byte, v_byte < V.PC, V,
-        D, PAGE_SIZE, TOKEN_RUN, FINITE=True,
-    )  # fmt: skip
+        v_codes_ptr,
+        (page * stride_vc_page + v_head + slot)[None, :],
+        v_byte,
+        v_byte < V.PC,
+        V,
+        D,
+        PAGE_SIZE,
+        TOKEN_RUN,
+        FINITE=True,
+    )
     if V.KIND == UNIFORM:
         v_zero = tl.load(m_row + V.META + 1, mask=valid, other=0.0).to(tl.float32)
         zero_acc += tl.sum(p * v_zero[:, None], axis=0)
@@ -209,8 +268,10 @@ def ring_values(p, v_rows, in_ring, acc0, acc1, acc2, acc3, V: tl.constexpr, F32
     if V.PARTS > 1:
         acc1 = ring_product(tl.load(v_rows + V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc1, F32)
     if V.PARTS > 2:
-        acc2 = ring_product(tl.load(v_rows + 2 * V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc2,
-                          F32)  # fmt: skip
-        acc3 = ring_product(tl.load(v_rows + 3 * V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc3,
-                          F32)  # fmt: skip
+        acc2 = ring_product(
+            tl.load(v_rows + 2 * V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc2, F32
+        )
+        acc3 = ring_product(
+            tl.load(v_rows + 3 * V_PC + j, mask=ok, other=0.0), p_hi, p_lo, acc3, F32
+        )
     return acc0, acc1, acc2, acc3

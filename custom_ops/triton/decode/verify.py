@@ -60,8 +60,16 @@ _D = gl.constexpr(128)
 _LOG2E = gl.constexpr(LOG2E)
 
 
-def serves(fmt: KVFormat, head_dim: int, page_size: int, rows: int, q_dtype: torch.dtype,
-           ring_dtype: torch.dtype | None, device: torch.device, fast: bool) -> bool:  # fmt: skip
+def serves(
+    fmt: KVFormat,
+    head_dim: int,
+    page_size: int,
+    rows: int,
+    q_dtype: torch.dtype,
+    ring_dtype: torch.dtype | None,
+    device: torch.device,
+    fast: bool,
+) -> bool:
     """Whether this kernel takes a decode's split work: ``rows`` query rows per kv-head (Hq / Hk
     times the query tokens), on a Hopper GPU with the inline-PTX path (``fast``); rings, if
     any, of the query's dtype, fp16 or bf16 (the tensor cores' operands)."""
@@ -83,25 +91,52 @@ def serves(fmt: KVFormat, head_dim: int, page_size: int, rows: int, q_dtype: tor
     )
 
 
-def verify_constexprs(fmt: KVFormat, key_meta: int, value_meta: int, q_tokens: int,
-                      page_size: int, window: int, sinks: int, mask_kind: int, num_splits: int,
-                      num_partials: int, pdl: bool) -> dict:  # fmt: skip
+def verify_constexprs(
+    fmt: KVFormat,
+    key_meta: int,
+    value_meta: int,
+    q_tokens: int,
+    page_size: int,
+    window: int,
+    sinks: int,
+    mask_kind: int,
+    num_splits: int,
+    num_partials: int,
+    pdl: bool,
+) -> dict:
     """The kernel's compile-time arguments and launch options for a plan (``pdl``: launched
     with programmatic dependent launch after the query preparation, which it waits for)."""
     head_dim = _D.value
     return dict(
         K_ASM=words_asm(decode_asm(fmt.key, head_dim)),
         V_ASM=words_asm(decode_asm(fmt.value, head_dim)),
-        K_META=key_meta, V_META=value_meta, Q_TOKENS=q_tokens, PAGE_SIZE=page_size,
-        WINDOW=window, SINKS=sinks, MASK=mask_kind, NUM_SPLITS=num_splits,
-        NUM_PARTIALS=num_partials, PDL=pdl, num_warps=1, launch_pdl=pdl,
-    )  # fmt: skip
+        K_META=key_meta,
+        V_META=value_meta,
+        Q_TOKENS=q_tokens,
+        PAGE_SIZE=page_size,
+        WINDOW=window,
+        SINKS=sinks,
+        MASK=mask_kind,
+        NUM_SPLITS=num_splits,
+        NUM_PARTIALS=num_partials,
+        PDL=pdl,
+        num_warps=1,
+        launch_pdl=pdl,
+    )
 
 
-def verify_arguments(rows: torch.Tensor, q_code: torch.Tensor, q_scale: float,
-                     cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     window: RecentWindow | None, mask_args: tuple, part_out: torch.Tensor,
-                     part_lse: torch.Tensor) -> tuple:  # fmt: skip
+def verify_arguments(
+    rows: torch.Tensor,
+    q_code: torch.Tensor,
+    q_scale: float,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: RecentWindow | None,
+    mask_args: tuple,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+) -> tuple:
     """The kernel's runtime arguments: the query rows ``rows [B, Hq * T, D]`` (the rings' dtype;
     read for the rings), their prepared form ``q_code [B, Hq * T, D] fp16`` and ``q_scale``
     (``scale * log2(e)``), the cache (contiguous planes), ``block_table [B, max_pages]``,
@@ -119,18 +154,36 @@ def verify_arguments(rows: torch.Tensor, q_code: torch.Tensor, q_scale: float,
         rings = (unread(rows), unread(rows), 0, 0, 0, unread(seq_lens), 0, 0)
     else:
         k_window, v_window, window_pos = window[:3]
-        rings = (k_window, v_window, *k_window.stride()[:3], window_pos,
-                 *window_pos.stride()[:2])  # fmt: skip
+        rings = (k_window, v_window, *k_window.stride()[:3], window_pos, *window_pos.stride()[:2])
         stride_b, stride_h, stride_d = rows.stride()
         if rows.data_ptr() % 16 or stride_b % 16 or stride_h % 16 or stride_d != 1:
             rows = rows.clone(memory_format=torch.contiguous_format)
     return (
-        q_code, rows, rows.stride(0), rows.stride(1), q_scale, k_codes, v_codes, meta,
-        k_codes.stride(0), k_codes.stride(1), v_codes.stride(0), v_codes.stride(1),
-        meta.stride(0), meta.stride(1), meta.stride(2), block_table, *block_table.stride(),
-        block_table.shape[1], seq_lens, *rings, *mask_args, part_out, part_lse,
+        q_code,
+        rows,
+        rows.stride(0),
+        rows.stride(1),
+        q_scale,
+        k_codes,
+        v_codes,
+        meta,
+        k_codes.stride(0),
+        k_codes.stride(1),
+        v_codes.stride(0),
+        v_codes.stride(1),
+        meta.stride(0),
+        meta.stride(1),
+        meta.stride(2),
+        block_table,
+        *block_table.stride(),
+        block_table.shape[1],
+        seq_lens,
+        *rings,
+        *mask_args,
+        part_out,
+        part_lse,
         k_codes.shape[1],
-    )  # fmt: skip
+    )
 
 
 @gluon.jit
@@ -138,8 +191,14 @@ def _grid_dependency(INSTRUCTION: gl.constexpr):
     """``griddepcontrol.<INSTRUCTION>`` (programmatic dependent launch; Triton's ``gdc_wait`` /
     ``gdc_launch_dependents``, which Gluon lacks): ``wait`` for the kernel before, or let the
     next one launch (``launch_dependents``)."""
-    gl.inline_asm_elementwise(f"griddepcontrol.{INSTRUCTION}; // dummy $0", "=r", [],
-                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+    gl.inline_asm_elementwise(
+        f"griddepcontrol.{INSTRUCTION}; // dummy $0",
+        "=r",
+        [],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @gluon.jit
@@ -179,8 +238,14 @@ def _value_operand(f0, f1, f2, f3, N: gl.constexpr, OP: gl.constexpr):
 def _words(word_tile, ASM: gl.constexpr):
     """Decode ``int32`` code words: 8 fp16 tensors of their shape (bytes 0..3's low nibbles,
     then their high nibbles)."""
-    return gl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [word_tile],
-                                     dtype=(gl.float16,) * 8, is_pure=True, pack=1)  # fmt: skip
+    return gl.inline_asm_elementwise(
+        ASM,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r",
+        [word_tile],
+        dtype=(gl.float16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
 
 
 @gluon.jit
@@ -220,7 +285,7 @@ def _issue_codes(k_raw, v_raw, tile, end, bt, head_planes, PAGE_SIZE: gl.constex
         v_raw,
         gl.max_contiguous(
             gl.multiple_of(v_at[None, :] + bytes_v[:, None] * PAGE_SIZE, [1, 8]), [1, 8]
-        ),  # fmt: skip
+        ),
     )
     async_copy.commit_group()
 
@@ -231,13 +296,28 @@ def _head_planes(planes, head):
     kc_page, vc_page, m_page, m_slot)``."""
     k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_head, m_page, m_head, m_slot = planes
     head_at = head.to(gl.int64)
-    return (k_codes + head_at * kc_head, v_codes + head_at * vc_head, meta + head_at * m_head,
-            kc_page, vc_page, m_page, m_slot)  # fmt: skip
+    return (
+        k_codes + head_at * kc_head,
+        v_codes + head_at * vc_head,
+        meta + head_at * m_head,
+        kc_page,
+        vc_page,
+        m_page,
+        m_slot,
+    )
 
 
 @gluon.jit
-def _tile_scalars(tile, end, bt, head_planes, K_META: gl.constexpr, V_META: gl.constexpr,
-                  PAGE_SIZE: gl.constexpr, SINKS: gl.constexpr):  # fmt: skip
+def _tile_scalars(
+    tile,
+    end,
+    bt,
+    head_planes,
+    K_META: gl.constexpr,
+    V_META: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    SINKS: gl.constexpr,
+):
     """A tile's key scales, value scales and value zeros (``[BLOCK_N]`` float32, a token a lane
     in ``_tile_token`` order): 0 past ``end`` and at the sinks' page slots, which are never
     read."""
@@ -254,8 +334,18 @@ def _tile_scalars(tile, end, bt, head_planes, K_META: gl.constexpr, V_META: gl.c
 
 
 @gluon.jit
-def _first_tile(k_raw, v_raw, start, end, bt, head_planes, K_META: gl.constexpr,
-                V_META: gl.constexpr, PAGE_SIZE: gl.constexpr, SINKS: gl.constexpr):  # fmt: skip
+def _first_tile(
+    k_raw,
+    v_raw,
+    start,
+    end,
+    bt,
+    head_planes,
+    K_META: gl.constexpr,
+    V_META: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    SINKS: gl.constexpr,
+):
     """Start a split pass: its first tile's codes on their way to buffer 0, and its scalars
     (:func:`_tile_scalars`)."""
     _issue_codes(k_raw.index(0), v_raw.index(0), start, end, bt, head_planes, PAGE_SIZE)
@@ -266,8 +356,9 @@ def _first_tile(k_raw, v_raw, start, end, bt, head_planes, K_META: gl.constexpr,
 def _ring_view(buffer, rows: gl.constexpr, dtype: gl.constexpr):
     """``[rows, D]`` of the rings' dtype (an A or B operand's rows) in the place of ``buffer``,
     a buffer of the split passes: the ring pass comes after them."""
-    RING_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
-                                                   rank=2)  # fmt: skip
+    RING_SMEM: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=16, rank=2
+    )
     return buffer._reinterpret(dtype, [rows, _D], RING_SMEM)
 
 
@@ -314,8 +405,9 @@ def _ring_start(pos_ptr, seq_len, WINDOW: gl.constexpr):
 
 
 @gluon.jit
-def _masked_scores(x, seen, positions, q_rows, b, masking, MASK: gl.constexpr,
-                   Q_TOKENS: gl.constexpr):  # fmt: skip
+def _masked_scores(
+    x, seen, positions, q_rows, b, masking, MASK: gl.constexpr, Q_TOKENS: gl.constexpr
+):
     """``x [32, N]`` (log2 units) at ``-inf`` outside ``seen [32, N]``, and the attention mask
     at key ``positions [N]`` of the query rows ``q_rows`` (``softmax.mask_scores``: boolean,
     False masks out; additive, natural-log units)."""
@@ -366,17 +458,39 @@ def _softmax_step(x, state):
 
 
 @gluon.jit
-def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_mul_s, v_mul_s,
-                v_zero_s, head_planes, bt, masking, scalars, K_ASM: gl.constexpr,
-                V_ASM: gl.constexpr, K_META: gl.constexpr, V_META: gl.constexpr,
-                Q_TOKENS: gl.constexpr, PAGE_SIZE: gl.constexpr, SINKS: gl.constexpr,
-                MASK: gl.constexpr):  # fmt: skip
+def _split_pass(
+    inv_unit,
+    start,
+    end,
+    seq_len,
+    b,
+    head,
+    q_smem,
+    k_raw,
+    v_raw,
+    k_mul_s,
+    v_mul_s,
+    v_zero_s,
+    head_planes,
+    bt,
+    masking,
+    scalars,
+    K_ASM: gl.constexpr,
+    V_ASM: gl.constexpr,
+    K_META: gl.constexpr,
+    V_META: gl.constexpr,
+    Q_TOKENS: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    SINKS: gl.constexpr,
+    MASK: gl.constexpr,
+):
     """The online softmax over the split's compressed tokens ``[start, end)``: ``(state,
     v_top)``, ``state = (m, l, zero_acc, acc_lo, acc_hi)`` (:func:`_softmax_step`) with the
     value products in units of ``1 / inv_unit``, ``v_top`` the largest value scale seen; the
     first tile's codes are on their way, ``scalars`` its scalars (:func:`_first_tile`)."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
-                                                  instr_shape=[16, 8])  # fmt: skip
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
+    )
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     # 32-bit code words as B operands of a k8 product: each register is a word whose 4 bytes
@@ -401,16 +515,18 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
     for tile in range(start, end, _BLOCK_N):
         nxt = tile + _BLOCK_N
         # the next tile's scalars, stored to shared memory next iteration
-        next_k_mul, next_v_mul, next_v_zero = _tile_scalars(nxt, end, bt, head_planes, K_META,
-                                                            V_META, PAGE_SIZE, SINKS)  # fmt: skip
+        next_k_mul, next_v_mul, next_v_zero = _tile_scalars(
+            nxt, end, bt, head_planes, K_META, V_META, PAGE_SIZE, SINKS
+        )
         v_top = gl.maximum(v_top, v_mul)
         k_mul_s.store(k_mul)
         v_mul_s.store(v_mul * inv_unit)
         v_zero_s.store(v_zero)
         async_copy.wait_group(0)
         gl.thread_barrier()  # this tile's codes and scalars are in shared memory
-        _issue_codes(k_raw.index(1 - buf), v_raw.index(1 - buf), nxt, end, bt, head_planes,
-                     PAGE_SIZE)  # fmt: skip
+        _issue_codes(
+            k_raw.index(1 - buf), v_raw.index(1 - buf), nxt, end, bt, head_planes, PAGE_SIZE
+        )
 
         # S = Q K^T [32 rows, 32 tokens]: key words [16, 32] (word w of row n: dims 4w..4w+3
         # and 64 + 4w.. of token _tile_token(n)), four k32 products over the query's blocks
@@ -424,12 +540,28 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
         x = s * k_mul_s.load(COL)[None, :] - state[0][:, None]
         positions = tile + t_c
         if MASK != 0:
-            x = _masked_scores(x, _seen(positions, end, row_end, SINKS), positions, q_rows, b,
-                               masking, MASK, Q_TOKENS)  # fmt: skip
+            x = _masked_scores(
+                x,
+                _seen(positions, end, row_end, SINKS),
+                positions,
+                q_rows,
+                b,
+                masking,
+                MASK,
+                Q_TOKENS,
+            )
         elif (tile < SINKS) | (tile + _BLOCK_N > end) | (tile + _BLOCK_N > seq_len - Q_TOKENS + 1):
             # only a split's last tile, the causal block's and the sinks' have masked positions
-            x = _masked_scores(x, _seen(positions, end, row_end, SINKS), positions, q_rows, b,
-                               masking, MASK, Q_TOKENS)  # fmt: skip
+            x = _masked_scores(
+                x,
+                _seen(positions, end, row_end, SINKS),
+                positions,
+                q_rows,
+                b,
+                masking,
+                MASK,
+                Q_TOKENS,
+            )
         p, state = _softmax_step(x, state)
         m_ref, l_i, zero_acc, acc_lo, acc_hi = state
         zero_acc += gl.sum(p * v_zero_s.load(COL)[None, :], axis=1)
@@ -452,8 +584,15 @@ def _split_pass(inv_unit, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_
 
 
 @gluon.jit
-def _ring_places(r0, run_len, seq_len, compressed_len, WINDOW: gl.constexpr, SINKS: gl.constexpr,
-                 LAYOUT: gl.constexpr):  # fmt: skip
+def _ring_places(
+    r0,
+    run_len,
+    seq_len,
+    compressed_len,
+    WINDOW: gl.constexpr,
+    SINKS: gl.constexpr,
+    LAYOUT: gl.constexpr,
+):
     """``(in_ring, positions, slots)`` of the ring run's places ``r0 .. r0 + RING_BLOCK - 1``:
     the window's positions from ``compressed_len`` (slot ``p % W``), then the sinks (slot
     ``W + p``)."""
@@ -463,15 +602,17 @@ def _ring_places(r0, run_len, seq_len, compressed_len, WINDOW: gl.constexpr, SIN
 
 
 @gluon.jit
-def _issue_ring(k_ring_s, v_ring_s, r0, ring_run, ring_planes, WINDOW: gl.constexpr,
-                SINKS: gl.constexpr):  # fmt: skip
+def _issue_ring(
+    k_ring_s, v_ring_s, r0, ring_run, ring_planes, WINDOW: gl.constexpr, SINKS: gl.constexpr
+):
     """Start copying the keys and values of ring places ``r0 ..`` to ``k_ring_s``, ``v_ring_s
     [RING_BLOCK, D]`` (one commit group; places past the run are zero-filled)."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])  # [places, dims]
     run_len, seq_len, compressed_len, ring = ring_run
     k_window, v_window, stride_w_slot = ring_planes
-    in_ring, _, slots = _ring_places(r0, run_len, seq_len, compressed_len, WINDOW, SINKS,
-                                     gl.SliceLayout(1, LOAD))  # fmt: skip
+    in_ring, _, slots = _ring_places(
+        r0, run_len, seq_len, compressed_len, WINDOW, SINKS, gl.SliceLayout(1, LOAD)
+    )
     dims = gl.arange(0, _D, layout=gl.SliceLayout(0, LOAD))
     rows = ring + slots[:, None] * stride_w_slot + dims[None, :]
     full = in_ring[:, None] & (dims >= 0)[None, :]
@@ -481,10 +622,26 @@ def _issue_ring(k_ring_s, v_ring_s, r0, ring_run, ring_planes, WINDOW: gl.conste
 
 
 @gluon.jit
-def _ring_pass(state, split, b, head, seq_len, compressed_len, q_smem, q_orig, q_scale, rings,
-               k_raw, v_raw, masking, WINDOW: gl.constexpr, SINKS: gl.constexpr,
-               MASK: gl.constexpr, Q_TOKENS: gl.constexpr,
-               NUM_SPLITS: gl.constexpr):  # fmt: skip
+def _ring_pass(
+    state,
+    split,
+    b,
+    head,
+    seq_len,
+    compressed_len,
+    q_smem,
+    q_orig,
+    q_scale,
+    rings,
+    k_raw,
+    v_raw,
+    masking,
+    WINDOW: gl.constexpr,
+    SINKS: gl.constexpr,
+    MASK: gl.constexpr,
+    Q_TOKENS: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+):
     """This split's share of the ring run (the window's positions from ``compressed_len``, then
     the sinks) into ``state``: its ``RING_BLOCK``-place tiles from the ``NUM_SPLITS - 1 -
     split``-th, every ``NUM_SPLITS``-th (the split kernel's ``RING`` share, which gives the
@@ -494,8 +651,9 @@ def _ring_pass(state, split, b, head, seq_len, compressed_len, q_smem, q_orig, q
     query and each tile's keys and values are copied where the split passes kept the prepared
     query and the codes (``q_smem``, ``k_raw``, ``v_raw``): the ring adds no shared memory,
     and nothing of it is live through the compressed tokens."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
-                                                  instr_shape=[16, 8])  # fmt: skip
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
+    )
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -526,11 +684,13 @@ def _ring_pass(state, split, b, head, seq_len, compressed_len, q_smem, q_orig, q
             q_op = q_ring.slice(half * HALF, HALF, dim=1).load(A_OP)
             k_op = k_ring_s.slice(half * HALF, HALF, dim=1).permute([1, 0]).load(B_OP)
             s = mma_v2(q_op, k_op, s)
-        in_ring, positions, _ = _ring_places(r0, run_len, seq_len, compressed_len, WINDOW,
-                                             SINKS, COL)  # fmt: skip
+        in_ring, positions, _ = _ring_places(
+            r0, run_len, seq_len, compressed_len, WINDOW, SINKS, COL
+        )
         seen = in_ring[None, :] & (positions[None, :] < row_end[:, None])
-        x = _masked_scores(s * q_scale - state[0][:, None], seen, positions, q_rows, b, masking,
-                           MASK, Q_TOKENS)  # fmt: skip
+        x = _masked_scores(
+            s * q_scale - state[0][:, None], seen, positions, q_rows, b, masking, MASK, Q_TOKENS
+        )
         p, state = _softmax_step(x, state)
         m_ref, l_i, zero_acc, acc_lo, acc_hi = state
         p_hi = p.to(dtype)
@@ -546,16 +706,56 @@ def _ring_pass(state, split, b, head, seq_len, compressed_len, q_smem, q_orig, q
 
 
 @gluon.jit
-def verify_kernel(q_code, q_ptr, stride_qb, stride_qh, q_scale, k_codes, v_codes, meta, kc_page,
-                  kc_head, vc_page, vc_head, m_page, m_head, m_slot, table, stride_bt_b,
-                  stride_bt_p, max_pages, seq_lens, k_window, v_window, stride_w_b, stride_w_h,
-                  stride_w_slot, pos_ptr, stride_pos_b, stride_pos_h, mask_ptr, stride_mask_b,
-                  stride_mask_h, stride_mask_t, mask_len, part_out, part_lse, num_kv_heads,
-                  K_ASM: gl.constexpr, V_ASM: gl.constexpr, K_META: gl.constexpr,
-                  V_META: gl.constexpr, Q_TOKENS: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                  WINDOW: gl.constexpr, SINKS: gl.constexpr, MASK: gl.constexpr,
-                  NUM_SPLITS: gl.constexpr, NUM_PARTIALS: gl.constexpr,
-                  PDL: gl.constexpr):  # fmt: skip
+def verify_kernel(
+    q_code,
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    q_scale,
+    k_codes,
+    v_codes,
+    meta,
+    kc_page,
+    kc_head,
+    vc_page,
+    vc_head,
+    m_page,
+    m_head,
+    m_slot,
+    table,
+    stride_bt_b,
+    stride_bt_p,
+    max_pages,
+    seq_lens,
+    k_window,
+    v_window,
+    stride_w_b,
+    stride_w_h,
+    stride_w_slot,
+    pos_ptr,
+    stride_pos_b,
+    stride_pos_h,
+    mask_ptr,
+    stride_mask_b,
+    stride_mask_h,
+    stride_mask_t,
+    mask_len,
+    part_out,
+    part_lse,
+    num_kv_heads,
+    K_ASM: gl.constexpr,
+    V_ASM: gl.constexpr,
+    K_META: gl.constexpr,
+    V_META: gl.constexpr,
+    Q_TOKENS: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    WINDOW: gl.constexpr,
+    SINKS: gl.constexpr,
+    MASK: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    NUM_PARTIALS: gl.constexpr,
+    PDL: gl.constexpr,
+):
     """One (split, kv-head, sequence): the partial ``[32 rows, D]`` and lse (log2) of the
     sequence's 32 query rows of this kv-head over the split's compressed tokens and its share
     of the rings (see the module docstring; arguments from :func:`verify_arguments`)."""
@@ -566,12 +766,12 @@ def verify_kernel(q_code, q_ptr, stride_qb, stride_qh, q_scale, k_codes, v_codes
         # the merge may launch now: it waits for this kernel before it reads the partials
         _grid_dependency("launch_dependents")
     HALF: gl.constexpr = _D // 2
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
-                                                  instr_shape=[16, 8])  # fmt: skip
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
+    )
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
     COL: gl.constexpr = gl.SliceLayout(0, MMA)
-    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16,
-                                                rank=2)  # fmt: skip
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     q_smem = gl.allocate_shared_memory(gl.float16, [4, _ROWS, 32], Q_SMEM)  # dim blocks
@@ -592,7 +792,7 @@ def verify_kernel(q_code, q_ptr, stride_qb, stride_qh, q_scale, k_codes, v_codes
     # may still be writing q_code: the codes do not depend on it)
     planes = _head_planes(
         (k_codes, v_codes, meta, kc_page, kc_head, vc_page, vc_head, m_page, m_head, m_slot), head
-    )  # fmt: skip
+    )
     bt = (table + b.to(gl.int64) * stride_bt_b, stride_bt_p)
     scalars = _first_tile(k_raw, v_raw, start, end, bt, planes, K_META, V_META, PAGE_SIZE, SINKS)
     q_row = (b * num_kv_heads + head) * _ROWS
@@ -602,27 +802,87 @@ def verify_kernel(q_code, q_ptr, stride_qb, stride_qh, q_scale, k_codes, v_codes
 
     masking = (mask_ptr, stride_mask_b, stride_mask_h, stride_mask_t, mask_len)
     state, v_top = _split_pass(
-        1.0, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_mul_s, v_mul_s, v_zero_s,
-        planes, bt, masking, scalars, K_ASM, V_ASM, K_META, V_META, Q_TOKENS, PAGE_SIZE, SINKS,
+        1.0,
+        start,
+        end,
+        seq_len,
+        b,
+        head,
+        q_smem,
+        k_raw,
+        v_raw,
+        k_mul_s,
+        v_mul_s,
+        v_zero_s,
+        planes,
+        bt,
+        masking,
+        scalars,
+        K_ASM,
+        V_ASM,
+        K_META,
+        V_META,
+        Q_TOKENS,
+        PAGE_SIZE,
+        SINKS,
         MASK,
-    )  # fmt: skip
+    )
     if ((v_top > UNIT_MAX) | (v_top < UNIT_MIN)) & (v_top > 0):
         # value scales whose products could overflow fp16 (or lose its precision): again in
         # units of the largest
-        scalars = _first_tile(k_raw, v_raw, start, end, bt, planes, K_META, V_META, PAGE_SIZE,
-                              SINKS)  # fmt: skip
+        scalars = _first_tile(
+            k_raw, v_raw, start, end, bt, planes, K_META, V_META, PAGE_SIZE, SINKS
+        )
         state, _ = _split_pass(
-            1.0 / v_top, start, end, seq_len, b, head, q_smem, k_raw, v_raw, k_mul_s, v_mul_s,
-            v_zero_s, planes, bt, masking, scalars, K_ASM, V_ASM, K_META, V_META, Q_TOKENS,
-            PAGE_SIZE, SINKS, MASK,
-        )  # fmt: skip
+            1.0 / v_top,
+            start,
+            end,
+            seq_len,
+            b,
+            head,
+            q_smem,
+            k_raw,
+            v_raw,
+            k_mul_s,
+            v_mul_s,
+            v_zero_s,
+            planes,
+            bt,
+            masking,
+            scalars,
+            K_ASM,
+            V_ASM,
+            K_META,
+            V_META,
+            Q_TOKENS,
+            PAGE_SIZE,
+            SINKS,
+            MASK,
+        )
         m_ref, l_i, zero_acc, acc_lo, acc_hi = state
         state = (m_ref, l_i, zero_acc, acc_lo * v_top, acc_hi * v_top)
     if WINDOW + SINKS > 0:
         rings = (k_window, v_window, stride_w_b, stride_w_h, stride_w_slot)
-        state = _ring_pass(state, split, b, head, seq_len, compressed_len, q_smem,
-                           (q_ptr, stride_qb, stride_qh), q_scale, rings, k_raw, v_raw, masking,
-                           WINDOW, SINKS, MASK, Q_TOKENS, NUM_SPLITS)  # fmt: skip
+        state = _ring_pass(
+            state,
+            split,
+            b,
+            head,
+            seq_len,
+            compressed_len,
+            q_smem,
+            (q_ptr, stride_qb, stride_qh),
+            q_scale,
+            rings,
+            k_raw,
+            v_raw,
+            masking,
+            WINDOW,
+            SINKS,
+            MASK,
+            Q_TOKENS,
+            NUM_SPLITS,
+        )
 
     m_ref, l_i, zero_acc, acc_lo, acc_hi = state
     has_keys = l_i > 0

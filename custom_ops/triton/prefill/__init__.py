@@ -90,17 +90,43 @@ def _token_run(page_size: int, block_n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _launcher(key_params: PartParams, value_params: PartParams, group: int, head_dim: int,
-              page_size: int, sinks: int, has_rings: bool, has_center: bool, mask_kind: int,
-              is_causal: bool, chunk_mode: int, config: PrefillConfig) -> Launcher:  # fmt: skip
-    return Launcher(prefill_kernel, dict(
-        GROUP=group, D=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        INV_SQRT_D=1.0 / math.sqrt(head_dim), PAGE_SIZE=page_size,
-        TOKEN_RUN=_token_run(page_size, config.block_n), K=key_params, V=value_params,
-        SINKS=sinks, HAS_RINGS=has_rings, HAS_CENTER=has_center, MASK=mask_kind,
-        IS_CAUSAL=is_causal, CHUNK_MODE=chunk_mode, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
-    ))  # fmt: skip
+def _launcher(
+    key_params: PartParams,
+    value_params: PartParams,
+    group: int,
+    head_dim: int,
+    page_size: int,
+    sinks: int,
+    has_rings: bool,
+    has_center: bool,
+    mask_kind: int,
+    is_causal: bool,
+    chunk_mode: int,
+    config: PrefillConfig,
+) -> Launcher:
+    return Launcher(
+        prefill_kernel,
+        dict(
+            GROUP=group,
+            D=head_dim,
+            D_PAD=triton.next_power_of_2(head_dim),
+            INV_SQRT_D=1.0 / math.sqrt(head_dim),
+            PAGE_SIZE=page_size,
+            TOKEN_RUN=_token_run(page_size, config.block_n),
+            K=key_params,
+            V=value_params,
+            SINKS=sinks,
+            HAS_RINGS=has_rings,
+            HAS_CENTER=has_center,
+            MASK=mask_kind,
+            IS_CAUSAL=is_causal,
+            CHUNK_MODE=chunk_mode,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        ),
+    )
 
 
 def prefill(
@@ -145,14 +171,22 @@ def prefill(
     # the fused kernel then checks that on the device, its programs returning at once, instead
     # of a host sync per layer, which lets the GPU idle while the host catches up at short
     # prompts (docs/prefill.md, time to first token).
-    dense = max_seq_len > tokens and not _FUSED.on and not (
-        q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    dense = (
+        max_seq_len > tokens
+        and not _FUSED.on
+        and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
     )
     mask_args = mask_arguments(mask, seq_lens)
     flags = None
     if mask is not None:
-        flags = causal_rows(mask_args, mask.shape[1], tokens, seq_lens, mask.dtype != torch.bool,
-                            check_prefix=dense and not is_causal)  # fmt: skip
+        flags = causal_rows(
+            mask_args,
+            mask.shape[1],
+            tokens,
+            seq_lens,
+            mask.dtype != torch.bool,
+            check_prefix=dense and not is_causal,
+        )
     capacity = block_table.shape[1] * cache.k_codes.shape[2] + window_size(window)
     key_center = None if window is None else window.key_center
     # what the dense prefix decides by starts for the host now; the chunk's attention runs
@@ -167,8 +201,9 @@ def prefill(
         if prefix_len is not None:
             # the keys as stored: the merge adds the centres' share to the scores
             stored = None if window is None else window._replace(key_center=None)
-            keys, values = dequantize(fmt, cache, block_table, prefix_lens, rotation, prefix_len,
-                                      q.dtype, stored)  # fmt: skip
+            keys, values = dequantize(
+                fmt, cache, block_table, prefix_lens, rotation, prefix_len, q.dtype, stored
+            )
             prefix_out, prefix_lse = attention_lse(q, keys, values, False, scale)
             merge_prefix(out, lse, prefix_out, prefix_lse, q, scale, key_center)
             return out
@@ -186,16 +221,48 @@ def prefill(
         rings = (q, q, seq_lens, 0, 0, 0)
     group = num_q_heads // num_kv_heads
     sides = (part_params(fmt, "k", head_dim, fast), part_params(fmt, "v", head_dim, fast))
-    launcher = _launcher(*sides, group, head_dim, cache.k_codes.shape[2],
-                         window.sinks if has_rings else 0, has_rings, key_center is not None,
-                         mask_kind, is_causal, chunk_mode, config)  # fmt: skip
+    launcher = _launcher(
+        *sides,
+        group,
+        head_dim,
+        cache.k_codes.shape[2],
+        window.sinks if has_rings else 0,
+        has_rings,
+        key_center is not None,
+        mask_kind,
+        is_causal,
+        chunk_mode,
+        config,
+    )
     grid = (batch * num_kv_heads, triton.cdiv(tokens * group, config.block_m))
-    launcher(grid, q, *q.stride()[:3], key, value, *key.stride()[:3], *value.stride()[:3], out,
-             *out.stride()[:3], lse, *lse.stride(), plane_arguments(cache),
-             table_arguments(block_table), seq_lens, rotation, rings,
-             seq_lens if key_center is None else key_center, mask_args, flags, *flag_strides,
-             num_kv_heads, tokens, window_size(window), block_table.shape[1], max_seq_len,
-             scale * LOG2E)  # fmt: skip
+    launcher(
+        grid,
+        q,
+        *q.stride()[:3],
+        key,
+        value,
+        *key.stride()[:3],
+        *value.stride()[:3],
+        out,
+        *out.stride()[:3],
+        lse,
+        *lse.stride(),
+        plane_arguments(cache),
+        table_arguments(block_table),
+        seq_lens,
+        rotation,
+        rings,
+        seq_lens if key_center is None else key_center,
+        mask_args,
+        flags,
+        *flag_strides,
+        num_kv_heads,
+        tokens,
+        window_size(window),
+        block_table.shape[1],
+        max_seq_len,
+        scale * LOG2E,
+    )
     return out
 
 

@@ -59,8 +59,12 @@ def causal_rows_kernel(
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < tokens
     start = tl.maximum(tl.load(seq_lens_ptr + b) - tokens, 0)
-    rows = (mask_ptr + b.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
-            + t.to(tl.int64) * stride_mt)  # fmt: skip
+    rows = (
+        mask_ptr
+        + b.to(tl.int64) * stride_mb
+        + head.to(tl.int64) * stride_mh
+        + t.to(tl.int64) * stride_mt
+    )
     causal = t_ok
     for j0 in range(0, tokens, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
@@ -93,9 +97,16 @@ def causal_rows_kernel(
 
 @functools.lru_cache(maxsize=16)
 def _launcher(is_float: bool, check_prefix: bool, block_t: int, block_j: int) -> Launcher:
-    return Launcher(causal_rows_kernel, dict(FLOAT=is_float, CHECK_PREFIX=check_prefix,
-                                             BLOCK_T=block_t, BLOCK_J=block_j,
-                                             num_warps=4))  # fmt: skip
+    return Launcher(
+        causal_rows_kernel,
+        dict(
+            FLOAT=is_float,
+            CHECK_PREFIX=check_prefix,
+            BLOCK_T=block_t,
+            BLOCK_J=block_j,
+            num_warps=4,
+        ),
+    )
 
 
 def causal_rows(

@@ -62,16 +62,22 @@ def merge_prefix_kernel(
     row_ok = t < tokens
     e = tl.arange(0, D_PAD)[None, :]
     ok = row_ok[:, None] & (e < D)
-    lse_c = tl.load(lse_ptr + b * stride_lb + head * stride_lh + t * stride_lt, mask=row_ok,
-                    other=0.0)  # fmt: skip
-    lse_p = tl.load(prefix_lse_ptr + b * stride_xb + head * stride_xh + t * stride_xt,
-                    mask=row_ok, other=0.0)  # fmt: skip
+    lse_c = tl.load(
+        lse_ptr + b * stride_lb + head * stride_lh + t * stride_lt, mask=row_ok, other=0.0
+    )
+    lse_p = tl.load(
+        prefix_lse_ptr + b * stride_xb + head * stride_xh + t * stride_xt, mask=row_ok, other=0.0
+    )
     if HAS_CENTER:
         group = num_q_heads // num_kv_heads
-        centre = tl.load(center_ptr + (b * num_kv_heads + head // group) * D + e, mask=e < D,
-                         other=0.0)  # fmt: skip
-        q = tl.load(q_ptr + b * stride_qb + head * stride_qh + t[:, None] * stride_qt + e,
-                    mask=ok, other=0.0)  # fmt: skip
+        centre = tl.load(
+            center_ptr + (b * num_kv_heads + head // group) * D + e, mask=e < D, other=0.0
+        )
+        q = tl.load(
+            q_ptr + b * stride_qb + head * stride_qh + t[:, None] * stride_qt + e,
+            mask=ok,
+            other=0.0,
+        )
         lse_p += tl.sum(q.to(tl.float32) * centre, axis=1) * scale
     top = tl.maximum(lse_c, lse_p)
     top = tl.where(top > float("-inf"), top, 0.0)  # a row that saw no key keeps zeros
@@ -81,17 +87,27 @@ def merge_prefix_kernel(
     total = tl.where(total > 0, total, 1.0)
     out_rows = out_ptr + b * stride_ob + head * stride_oh + t[:, None] * stride_ot + e
     o_c = tl.load(out_rows, mask=ok, other=0.0).to(tl.float32)
-    o_p = tl.load(prefix_ptr + b * stride_pb + head * stride_ph + t[:, None] * stride_pt + e,
-                  mask=ok, other=0.0).to(tl.float32)  # fmt: skip
+    o_p = tl.load(
+        prefix_ptr + b * stride_pb + head * stride_ph + t[:, None] * stride_pt + e,
+        mask=ok,
+        other=0.0,
+    ).to(tl.float32)
     merged = (o_c * (w_c / total)[:, None]) + (o_p * (w_p / total)[:, None])
     tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @functools.lru_cache(maxsize=16)
 def _launcher(head_dim: int, has_center: bool, block_t: int) -> Launcher:
-    return Launcher(merge_prefix_kernel, dict(D=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-                                              HAS_CENTER=has_center, BLOCK_T=block_t,
-                                              num_warps=4))  # fmt: skip
+    return Launcher(
+        merge_prefix_kernel,
+        dict(
+            D=head_dim,
+            D_PAD=triton.next_power_of_2(head_dim),
+            HAS_CENTER=has_center,
+            BLOCK_T=block_t,
+            num_warps=4,
+        ),
+    )
 
 
 def merge_prefix(
@@ -122,7 +138,20 @@ def merge_prefix(
     num_kv_heads = num_q_heads if key_center is None else key_center.shape[1]
     grid = (batch * num_q_heads, triton.cdiv(tokens, block_t))
     _launcher(head_dim, key_center is not None, block_t)(
-        grid, out, *out.stride()[:3], lse, *lse.stride(), prefix_out, *prefix_out.stride()[:3],
-        prefix_lse, *prefix_lse.stride(), q, *q.stride()[:3],
-        lse if key_center is None else key_center, num_q_heads, num_kv_heads, tokens, scale,
-    )  # fmt: skip
+        grid,
+        out,
+        *out.stride()[:3],
+        lse,
+        *lse.stride(),
+        prefix_out,
+        *prefix_out.stride()[:3],
+        prefix_lse,
+        *prefix_lse.stride(),
+        q,
+        *q.stride()[:3],
+        lse if key_center is None else key_center,
+        num_q_heads,
+        num_kv_heads,
+        tokens,
+        scale,
+    )

@@ -56,9 +56,18 @@ _WHOLE_D_PAD = tl.constexpr(128)
 
 
 @triton.jit
-def _part_basis(rot_ptr, part, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                INV_SQRT_D: tl.constexpr, ROW0: tl.constexpr = 0, ROWS: tl.constexpr = 0,
-                COL0: tl.constexpr = 0, COLS: tl.constexpr = 0):  # fmt: skip
+def _part_basis(
+    rot_ptr,
+    part,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    ROW0: tl.constexpr = 0,
+    ROWS: tl.constexpr = 0,
+    COL0: tl.constexpr = 0,
+    COLS: tl.constexpr = 0,
+):
     """``[ROWS, COLS] float32`` (default ``[D_PAD, PC_PAD]``) from row ``ROW0`` and column
     ``COL0`` of the part basis: column ``c`` is code-space element ``part * PC + c`` of the
     codec ``P`` written in the original space (a column of ``R / sqrt(D)`` for rotated codes,
@@ -87,54 +96,101 @@ def _quarters(x):
 
 
 @triton.jit
-def _code_query(q, rot_ptr, part, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                INV_SQRT_D: tl.constexpr):  # fmt: skip
+def _code_query(
+    q,
+    rot_ptr,
+    part,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+):
     """Query rows ``q [M, D_PAD] float32`` (already scaled to log2 units) in part ``part`` of the
     keys' code space, as the fp16 ``tl.dot`` operand ``[M, PC_PAD]``."""
     WHOLE: tl.constexpr = D_PAD <= _WHOLE_D_PAD
     if WHOLE:
-        coded = tl.dot(q, _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D),
-                       input_precision="ieee")  # fmt: skip
+        coded = tl.dot(
+            q, _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D), input_precision="ieee"
+        )
     else:  # a quarter of the original space at a time: [M, D_PAD / 4] x [D_PAD / 4, PC_PAD]
         Q: tl.constexpr = D_PAD // 4
         q0, q1, q2, q3 = _quarters(q)
-        coded = tl.dot(q0, _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, Q),
-                       input_precision="ieee")  # fmt: skip
-        coded = tl.dot(q1, _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, Q, Q), coded,
-                       input_precision="ieee")  # fmt: skip
-        coded = tl.dot(q2, _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 2 * Q, Q), coded,
-                       input_precision="ieee")  # fmt: skip
-        coded = tl.dot(q3, _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 3 * Q, Q), coded,
-                       input_precision="ieee")  # fmt: skip
+        coded = tl.dot(
+            q0, _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, Q), input_precision="ieee"
+        )
+        coded = tl.dot(
+            q1,
+            _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, Q, Q),
+            coded,
+            input_precision="ieee",
+        )
+        coded = tl.dot(
+            q2,
+            _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 2 * Q, Q),
+            coded,
+            input_precision="ieee",
+        )
+        coded = tl.dot(
+            q3,
+            _part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 3 * Q, Q),
+            coded,
+            input_precision="ieee",
+        )
     return coded.to(tl.float16)
 
 
 @triton.jit
-def _to_original(acc, part, rot_ptr, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                 INV_SQRT_D: tl.constexpr):  # fmt: skip
+def _to_original(
+    acc,
+    part,
+    rot_ptr,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+):
     """An accumulator part ``[M, PC_PAD]`` of the values' code space as ``[M, D_PAD]`` in the
     original space."""
     WHOLE: tl.constexpr = (D_PAD <= _WHOLE_D_PAD) | (P.PC_PAD <= 64)  # a block of <= 64 KB
     if WHOLE:
-        out = tl.dot(acc, tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D)),
-                     input_precision="ieee")  # fmt: skip
+        out = tl.dot(
+            acc,
+            tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D)),
+            input_precision="ieee",
+        )
     else:  # a quarter of the code space at a time: [M, PC_PAD / 4] x [PC_PAD / 4, D_PAD]
         C: tl.constexpr = P.PC_PAD // 4
         a0, a1, a2, a3 = _quarters(acc)
-        out = tl.dot(a0, tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, 0, 0,
-                                              C)), input_precision="ieee")  # fmt: skip
-        out = tl.dot(a1, tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, 0, C,
-                                              C)), out, input_precision="ieee")  # fmt: skip
-        out = tl.dot(a2, tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, 0,
-                                              2 * C, C)), out, input_precision="ieee")  # fmt: skip
-        out = tl.dot(a3, tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, 0,
-                                              3 * C, C)), out, input_precision="ieee")  # fmt: skip
+        out = tl.dot(
+            a0,
+            tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, 0, 0, C)),
+            input_precision="ieee",
+        )
+        out = tl.dot(
+            a1,
+            tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, 0, C, C)),
+            out,
+            input_precision="ieee",
+        )
+        out = tl.dot(
+            a2,
+            tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, 0, 2 * C, C)),
+            out,
+            input_precision="ieee",
+        )
+        out = tl.dot(
+            a3,
+            tl.trans(_part_basis(rot_ptr, part, P, D, D_PAD, INV_SQRT_D, 0, 0, 3 * C, C)),
+            out,
+            input_precision="ieee",
+        )
     return out
 
 
 @triton.jit
-def _bias(positions, t, heads, b, row_ok, limit, mask_args, MASK: tl.constexpr,
-          IS_CAUSAL: tl.constexpr):  # fmt: skip
+def _bias(
+    positions, t, heads, b, row_ok, limit, mask_args, MASK: tl.constexpr, IS_CAUSAL: tl.constexpr
+):
     """Additive bias ``[M, N]`` (log2 units: 0 visible, -inf hidden, or an additive mask) of
     key ``positions [N]`` for query rows of tokens ``t [M]`` and query heads ``heads [M]``:
     positions at or past ``limit`` are hidden, and so are those after the row's token in the
@@ -157,8 +213,9 @@ def _bias(positions, t, heads, b, row_ok, limit, mask_args, MASK: tl.constexpr,
 
 
 @triton.jit
-def _exact_tile(q, k_rows, v_rows, ok, bias, m_i, l_i, acc, qk_scale, D: tl.constexpr,
-                D_PAD: tl.constexpr):  # fmt: skip
+def _exact_tile(
+    q, k_rows, v_rows, ok, bias, m_i, l_i, acc, qk_scale, D: tl.constexpr, D_PAD: tl.constexpr
+):
     """One tile of keys and values in full precision (rows at ``k_rows``, ``v_rows [N]``
     pointers, read where ``ok``) into the softmax state ``(m_i, l_i, acc [M, D_PAD])``; ``q
     [M, D_PAD]`` in the keys' dtype, ``bias [M, N]`` (log2 units; it already hides what is
@@ -261,8 +318,9 @@ def prefill_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     q_centre = tl.zeros((BLOCK_M,), tl.float32)
     if HAS_CENTER:  # stored keys are k - centre: their scores get q . centre back
-        centre = tl.load(center_ptr + (b.to(tl.int64) * num_kv_heads + kv_head) * D + e,
-                         mask=e < D, other=0.0)  # fmt: skip
+        centre = tl.load(
+            center_ptr + (b.to(tl.int64) * num_kv_heads + kv_head) * D + e, mask=e < D, other=0.0
+        )
         q_centre = tl.sum(q.to(tl.float32) * centre, axis=1) * qk_scale
 
     # 1. The compressed prefix, in the values' code space (parts of PC_PAD elements).
@@ -271,8 +329,20 @@ def prefill_kernel(
     pages_end = prefix_end
     if HAS_RINGS:
         pages_end = tl.minimum(prefix_end, ring_start(pos_ptr + ring_rows // D, seq_len, window))
-    k_codes, v_codes, meta, kc_page, kc_head, kc_slot, vc_page, vc_head, _, m_page, m_head, \
-        m_slot = planes  # fmt: skip
+    (
+        k_codes,
+        v_codes,
+        meta,
+        kc_page,
+        kc_head,
+        kc_slot,
+        vc_page,
+        vc_head,
+        _,
+        m_page,
+        m_head,
+        m_slot,
+    ) = planes
     q_scaled = q.to(tl.float32) * qk_scale
     q0 = _code_query(q_scaled, rot_ptr, 0, K, D, D_PAD, INV_SQRT_D)
     q1 = q0
@@ -323,8 +393,9 @@ def prefill_kernel(
             v_zero = tl.load(m_row + V.META + 1, mask=valid, other=0.0).to(tl.float32)
             zero_acc = zero_acc * alpha + tl.sum(p * v_zero[None, :], axis=1)
         v_row = page * vc_page + kv_head * vc_head + slot
-        v0, v1, v2, v3 = decode_tile(v_codes, v_row[None, :], v_byte, v_byte < V.PC, V, D,
-                                     PAGE_SIZE, TOKEN_RUN, FINITE=True)  # fmt: skip
+        v0, v1, v2, v3 = decode_tile(
+            v_codes, v_row[None, :], v_byte, v_byte < V.PC, V, D, PAGE_SIZE, TOKEN_RUN, FINITE=True
+        )
         acc0 = acc0 * alpha[:, None] + tl.dot(pv, tl.trans(v0)) * unit
         if V.PARTS > 1:
             acc1 = acc1 * alpha[:, None] + tl.dot(pv, tl.trans(v1)) * unit
@@ -349,14 +420,26 @@ def prefill_kernel(
             bias = _bias(held, t, heads, b, row_ok, prefix_end, mask_args, MASK, IS_CAUSAL)
             bias = tl.where(ok[None, :], bias + q_centre[:, None], float("-inf"))
             slots = ring_rows + s.to(tl.int64) * stride_ws
-            m_i, l_i, acc = _exact_tile(q, window_ptr + slots, v_window_ptr + slots, ok, bias,
-                                        m_i, l_i, acc, qk_scale, D, D_PAD)  # fmt: skip
+            m_i, l_i, acc = _exact_tile(
+                q,
+                window_ptr + slots,
+                v_window_ptr + slots,
+                ok,
+                bias,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                D,
+                D_PAD,
+            )
 
     # 3. The chunk: SDPA's rows and their log-sum-exp, or its exact keys and values.
     if from_sdpa:
         out_rows = b.to(tl.int64) * stride_ob + heads * stride_oh + t.to(tl.int64) * stride_ot
-        chunk_out = tl.load(out_ptr + out_rows[:, None] + e, mask=row_ok[:, None] & (e < D),
-                            other=0.0).to(tl.float32)  # fmt: skip
+        chunk_out = tl.load(
+            out_ptr + out_rows[:, None] + e, mask=row_ok[:, None] & (e < D), other=0.0
+        ).to(tl.float32)
         lse_rows = b.to(tl.int64) * stride_lb + heads * stride_lh + t.to(tl.int64) * stride_lt
         chunk_lse = tl.load(lse_ptr + lse_rows, mask=row_ok, other=0.0) * _LOG2E
         m_new, m_sub, alpha = softmax_rescale(chunk_lse, m_i)
@@ -373,12 +456,25 @@ def prefill_kernel(
             bias = _bias(start + j, t, heads, b, row_ok, chunk_end, mask_args, MASK, IS_CAUSAL)
             bias = tl.where(ok[None, :], bias, float("-inf"))
             if tl.max(tl.max(bias, axis=1), axis=0) > float("-inf"):  # a tile nobody sees
-                m_i, l_i, acc = _exact_tile(q, chunk_keys + j.to(tl.int64) * stride_kt,
-                                            chunk_values + j.to(tl.int64) * stride_vt, ok, bias,
-                                            m_i, l_i, acc, qk_scale, D, D_PAD)  # fmt: skip
+                m_i, l_i, acc = _exact_tile(
+                    q,
+                    chunk_keys + j.to(tl.int64) * stride_kt,
+                    chunk_values + j.to(tl.int64) * stride_vt,
+                    ok,
+                    bias,
+                    m_i,
+                    l_i,
+                    acc,
+                    qk_scale,
+                    D,
+                    D_PAD,
+                )
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = tl.where(l_i[:, None] > 0, acc / safe_l[:, None], 0.0)
     out_rows = b.to(tl.int64) * stride_ob + heads * stride_oh + t.to(tl.int64) * stride_ot
-    tl.store(out_ptr + out_rows[:, None] + e, out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (e < D))  # fmt: skip
+    tl.store(
+        out_ptr + out_rows[:, None] + e,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (e < D),
+    )

@@ -84,14 +84,20 @@ def test_output_dtype(dtype, kernel_device, seeded):
 
 # (steps, window, sinks): appends and rewrites with the window; rewrites with sinks beside it,
 # more sinks than window slots, and sinks without a window
-_RINGS = [("appends", WINDOW, 0), ("rewrites", WINDOW, 0), ("rewrites", WINDOW, 3),
-          ("rewrites", 2, 5), ("rewrites", 0, 3)]  # fmt: skip
+_RINGS = [
+    ("appends", WINDOW, 0),
+    ("rewrites", WINDOW, 0),
+    ("rewrites", WINDOW, 3),
+    ("rewrites", 2, 5),
+    ("rewrites", 0, 3),
+]
 
 
 @pytest.mark.parametrize("steps, window, sinks", _RINGS)
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "tq4_nc", "k2v4_nc"])
-def test_dequantize_window_kernel_matches_reference(fmt_name, steps, window, sinks,
-                                                    kernel_device, seeded):  # fmt: skip
+def test_dequantize_window_kernel_matches_reference(
+    fmt_name, steps, window, sinks, kernel_device, seeded
+):
     """Dequantize with the window: compressed positions decoded, the ring run copied from the
     ring (the last W positions when appending; after rewrites, from where the rollbacks left
     it) and so are the sinks, zeros past each length; the kernel equals the reference."""
@@ -99,14 +105,29 @@ def test_dequantize_window_kernel_matches_reference(fmt_name, steps, window, sin
     for n_new, starts in STEPS if steps == "appends" else REWRITE_STEPS:
         seqs.append(n_new, starts, seeded, use_triton=False)
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
-    args = (seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(), seqs.lens, consts,
-            seqs.capacity, torch.float32, window_on(seqs.recent, "cpu"))  # fmt: skip
+    args = (
+        seqs.fmt,
+        clone_cache(seqs.cache),
+        seqs.block_table.cpu(),
+        seqs.lens,
+        consts,
+        seqs.capacity,
+        torch.float32,
+        window_on(seqs.recent, "cpu"),
+    )
     expected = api.dequantize(*args)
     d = kernel_device
     with triton_kernels(d):
-        actual = api.dequantize(seqs.fmt, seqs.cache, seqs.block_table, seqs.lens.to(d),
-                                seqs.consts, seqs.capacity, torch.float32,
-                                seqs.recent)  # fmt: skip
+        actual = api.dequantize(
+            seqs.fmt,
+            seqs.cache,
+            seqs.block_table,
+            seqs.lens.to(d),
+            seqs.consts,
+            seqs.capacity,
+            torch.float32,
+            seqs.recent,
+        )
     exact = seqs.exact(torch.arange(seqs.capacity))
     for e, a, tokens in zip(expected, actual, (seqs.keys, seqs.values), strict=True):
         torch.testing.assert_close(a.cpu(), e, rtol=1e-5, atol=1e-5)
@@ -125,11 +146,11 @@ def test_dequantize_window_kernel_matches_reference(fmt_name, steps, window, sin
 PAGED_KEY_ERROR = {"4bit_nc": 0.11, "tq2_nc": 0.40}
 
 
-@pytest.mark.parametrize("steps, window, sinks", [("appends", WINDOW, 0), ("rewrites", WINDOW, 3),
-                                                  ("rewrites", 0, 3)])  # fmt: skip
+@pytest.mark.parametrize(
+    "steps, window, sinks", [("appends", WINDOW, 0), ("rewrites", WINDOW, 3), ("rewrites", 0, 3)]
+)
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq2_nc"])
-def test_dequantize_gives_centred_keys_back(fmt_name, steps, window, sinks, kernel_device,
-                                            seeded):  # fmt: skip
+def test_dequantize_gives_centred_keys_back(fmt_name, steps, window, sinks, kernel_device, seeded):
     """Keys stored centred come back with their centres: the kernel equals the reference, every
     key is the stored (centred) one plus its sequence-head's centre, the exact positions (ring
     run and sinks) equal the written keys up to the ring's bf16 roundings of ``key - centre``,
@@ -139,16 +160,30 @@ def test_dequantize_gives_centred_keys_back(fmt_name, steps, window, sinks, kern
         seqs.append(n_new, starts, seeded, use_triton=False)
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
     center = seqs.key_center.cpu()
-    args = (seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(), seqs.lens, consts,
-            seqs.capacity, torch.float32)  # fmt: skip
+    args = (
+        seqs.fmt,
+        clone_cache(seqs.cache),
+        seqs.block_table.cpu(),
+        seqs.lens,
+        consts,
+        seqs.capacity,
+        torch.float32,
+    )
     window = window_on(seqs.recent, "cpu")
     stored_k, stored_v = api.dequantize(*args, window._replace(key_center=None))
     k, v = api.dequantize(*args, window)
     d = kernel_device
     with triton_kernels(d):
-        actual_k, actual_v = api.dequantize(seqs.fmt, seqs.cache, seqs.block_table,
-                                            seqs.lens.to(d), seqs.consts, seqs.capacity,
-                                            torch.float32, seqs.recent)  # fmt: skip
+        actual_k, actual_v = api.dequantize(
+            seqs.fmt,
+            seqs.cache,
+            seqs.block_table,
+            seqs.lens.to(d),
+            seqs.consts,
+            seqs.capacity,
+            torch.float32,
+            seqs.recent,
+        )
     torch.testing.assert_close(actual_k.cpu(), k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(actual_v.cpu(), v, rtol=1e-5, atol=1e-5)
     assert torch.equal(v, stored_v)
@@ -199,9 +234,18 @@ def test_opcheck_dequantize_with_rings(impl, center, kernel_device, seeded):
         lens = seqs.lens.to(device)
         torch.library.opcheck(
             torch.ops.tq.dequantize.default,
-            (*seqs.cache, seqs.block_table, lens, *seqs.consts, "4bit_nc", CAPACITY,
-             torch.bfloat16, *rings, *centring),
-        )  # fmt: skip
+            (
+                *seqs.cache,
+                seqs.block_table,
+                lens,
+                *seqs.consts,
+                "4bit_nc",
+                CAPACITY,
+                torch.bfloat16,
+                *rings,
+                *centring,
+            ),
+        )
 
 
 class TestDequantizeBadInput(expecttest.TestCase):
@@ -224,9 +268,16 @@ class TestDequantizeBadInput(expecttest.TestCase):
                 api.dequantize(fmt, cache, bt, lens, consts, max_len)
             messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
         with self.assertRaises(ValueError) as ctx:  # no rings to have set them
-            torch.ops.tq.dequantize(*cache, table, torch.tensor([9], dtype=torch.int32), *consts,
-                                    "k8v4", 12, torch.bfloat16,
-                                    key_center=torch.zeros(1, 2, 128))  # fmt: skip
+            torch.ops.tq.dequantize(
+                *cache,
+                table,
+                torch.tensor([9], dtype=torch.int32),
+                *consts,
+                "k8v4",
+                12,
+                torch.bfloat16,
+                key_center=torch.zeros(1, 2, 128),
+            )
         messages.append(f"key centres without rings: ValueError: {ctx.exception}")
         self.assertExpectedInline(
             "\n".join(messages),

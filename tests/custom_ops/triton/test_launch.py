@@ -24,10 +24,12 @@ def test_each_specialization_gets_its_own_kernel(fmt_name, seeded):
     slots = torch.randperm(40, generator=seeded)[:32].to(torch.int32)
     inputs = {
         "aligned": (key[:32], value[:32]),
-        "2 bytes off": (key.flatten()[1:].reshape(-1)[: 32 * 2 * 128].reshape(32, 2, 128),
-                        value.flatten()[1:][: 32 * 2 * 128].reshape(32, 2, 128)),
+        "2 bytes off": (
+            key.flatten()[1:].reshape(-1)[: 32 * 2 * 128].reshape(32, 2, 128),
+            value.flatten()[1:][: 32 * 2 * 128].reshape(32, 2, 128),
+        ),
         "fp16": (key[:32].half(), value[:32].half()),
-    }  # fmt: skip
+    }
     for label, (k, v) in inputs.items():
         expected = fmt.allocate(10, 2, 4, 128)
         reference.store(fmt, k, v, expected, slots, consts.rotation.cpu())

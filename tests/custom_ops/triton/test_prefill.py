@@ -44,8 +44,10 @@ class PrefixPath(NamedTuple):
     tolerance: float
 
 
-PREFIX_PATHS = {"dense": PrefixPath(contextlib.nullcontext, DENSE_TOLERANCE),
-                "fused": PrefixPath(triton_prefill.fused_prefix, TOLERANCE)}  # fmt: skip
+PREFIX_PATHS = {
+    "dense": PrefixPath(contextlib.nullcontext, DENSE_TOLERANCE),
+    "fused": PrefixPath(triton_prefill.fused_prefix, TOLERANCE),
+}
 
 
 @pytest.fixture(params=sorted(PREFIX_PATHS))
@@ -59,9 +61,24 @@ class Case:
     end: a rollback when smaller; a tuple gives each sequence its own), with the chunk's exact
     keys and values and its queries."""
 
-    def __init__(self, fmt_name, gen, *, head_dim=64, group=4, window=16, sinks=2, center=True,
-                 prefix=90, tokens=24, start=None, batch=2, num_kv_heads=2, page_size=16,
-                 dtype=torch.bfloat16):  # fmt: skip
+    def __init__(
+        self,
+        fmt_name,
+        gen,
+        *,
+        head_dim=64,
+        group=4,
+        window=16,
+        sinks=2,
+        center=True,
+        prefix=90,
+        tokens=24,
+        start=None,
+        batch=2,
+        num_kv_heads=2,
+        page_size=16,
+        dtype=torch.bfloat16,
+    ):
         self.fmt = get_format(fmt_name)
         self.consts = api.make_constants(self.fmt, head_dim, seed=7)
         start = prefix if start is None else start
@@ -75,10 +92,13 @@ class Case:
         if window + sinks:
             shape = (batch, num_kv_heads, window + sinks, head_dim)
             centres = torch.zeros(batch, num_kv_heads, head_dim) if center else None
-            self.recent = RecentWindow(torch.zeros(shape, dtype=dtype),
-                                       torch.zeros(shape, dtype=dtype),
-                                       torch.full(shape[:3], -1, dtype=torch.int32), sinks,
-                                       centres)  # fmt: skip
+            self.recent = RecentWindow(
+                torch.zeros(shape, dtype=dtype),
+                torch.zeros(shape, dtype=dtype),
+                torch.full(shape[:3], -1, dtype=torch.int32),
+                sinks,
+                centres,
+            )
         offset = 4 * torch.randn(num_kv_heads, 1, head_dim, generator=gen)  # a shared component
         lens = torch.zeros(batch, dtype=torch.int64)
 
@@ -86,20 +106,33 @@ class Case:
             if n == 0:
                 return None, None
             key, value = random_kv(batch * n, num_kv_heads, head_dim, dtype, gen)
-            key = (key.reshape(batch, n, num_kv_heads, head_dim).transpose(1, 2) + offset)
+            key = key.reshape(batch, n, num_kv_heads, head_dim).transpose(1, 2) + offset
             value = value.reshape(batch, n, num_kv_heads, head_dim).transpose(1, 2)
             key, value = key.to(dtype).contiguous(), value.contiguous()
             begins = torch.tensor(begins, dtype=torch.int64)
             if self.recent is not None:
-                api.store_window(self.fmt, self.cache, key, value, self.recent, self.block_table,
-                                 begins.to(torch.int32), self.consts)  # fmt: skip
+                api.store_window(
+                    self.fmt,
+                    self.cache,
+                    key,
+                    value,
+                    self.recent,
+                    self.block_table,
+                    begins.to(torch.int32),
+                    self.consts,
+                )
             else:
                 positions = begins[:, None] + torch.arange(n)  # [B, n]
                 pages = self.block_table.to(torch.int64).gather(1, positions // page_size)
                 slots = pages * page_size + positions % page_size
-                api.store(self.fmt, self.cache, key.transpose(1, 2).reshape(-1, num_kv_heads,
-                          head_dim), value.transpose(1, 2).reshape(-1, num_kv_heads, head_dim),
-                          slots.reshape(-1).to(torch.int32), self.consts)  # fmt: skip
+                api.store(
+                    self.fmt,
+                    self.cache,
+                    key.transpose(1, 2).reshape(-1, num_kv_heads, head_dim),
+                    value.transpose(1, 2).reshape(-1, num_kv_heads, head_dim),
+                    slots.reshape(-1).to(torch.int32),
+                    self.consts,
+                )
             lens.copy_(begins + n)
             return key, value
 
@@ -124,27 +157,47 @@ class Case:
         """``tq.prefill`` by the Triton kernels on ``device`` (CPU: the interpreter), the prefix
         read by ``path``, or with ``dtype`` the float64 oracle; returned on the CPU."""
         kwargs = dict(is_causal=False, mask=None, max_seq_len=None, softcap=0.0) | kwargs
-        args = (self.fmt, self.q, self.key, self.value, self.cache, self.block_table,
-                self.seq_lens, self.consts.rotation)  # fmt: skip
+        args = (
+            self.fmt,
+            self.q,
+            self.key,
+            self.value,
+            self.cache,
+            self.block_table,
+            self.seq_lens,
+            self.consts.rotation,
+        )
         if dtype is not None:
             capacity = self.block_table.shape[1] * self.cache.k_codes.shape[2] + 10**6
             max_seq_len = kwargs["max_seq_len"] or capacity
-            return reference.prefill(*args, self.q.shape[-1] ** -0.5, kwargs["is_causal"],
-                                     max_seq_len, dtype, kwargs["mask"], self.recent,
-                                     kwargs["softcap"])  # fmt: skip
+            return reference.prefill(
+                *args,
+                self.q.shape[-1] ** -0.5,
+                kwargs["is_causal"],
+                max_seq_len,
+                dtype,
+                kwargs["mask"],
+                self.recent,
+                kwargs["softcap"],
+            )
 
         def moved(t):
             return None if t is None else t.to(device)
 
         with triton_kernels(device), path.context():
-            out = api.prefill(self.fmt, *(moved(t) for t in args[1:4]),
-                              type(self.cache)(*(p.to(device) for p in self.cache)),
-                              moved(self.block_table), moved(self.seq_lens),
-                              api.KVConstants(self.consts.rotation.to(device)),
-                              is_causal=kwargs["is_causal"], mask=moved(kwargs["mask"]),
-                              max_seq_len=kwargs["max_seq_len"],
-                              window=window_on(self.recent, device),
-                              softcap=kwargs["softcap"])  # fmt: skip
+            out = api.prefill(
+                self.fmt,
+                *(moved(t) for t in args[1:4]),
+                type(self.cache)(*(p.to(device) for p in self.cache)),
+                moved(self.block_table),
+                moved(self.seq_lens),
+                api.KVConstants(self.consts.rotation.to(device)),
+                is_causal=kwargs["is_causal"],
+                mask=moved(kwargs["mask"]),
+                max_seq_len=kwargs["max_seq_len"],
+                window=window_on(self.recent, device),
+                softcap=kwargs["softcap"],
+            )
         return out.cpu()
 
     def check(self, device, path, **kwargs) -> float:
@@ -188,7 +241,8 @@ def _masks(case: Case) -> dict:
         "gpt-fast causal mask": dict(mask=causal),
         "additive causal mask": dict(mask=additive.to(case.q.dtype)),
         "additive causal mask of finfo.min": dict(
-            mask=torch.zeros(causal.shape, dtype=case.q.dtype).masked_fill(~causal, lowest)),
+            mask=torch.zeros(causal.shape, dtype=case.q.dtype).masked_fill(~causal, lowest)
+        ),
         "float32 additive mask with a bias": dict(mask=biased),
         "padding and a hole": dict(mask=padded),
         "mask per head": dict(mask=per_head),
@@ -232,10 +286,17 @@ def test_causal_rows(kernel_device, seeded):
     for name, m in zip(expected, masks, strict=True):
         args = (m.to(kernel_device), m.stride(0), m.stride(1), m.stride(2), m.shape[-1])
         with triton_kernels(kernel_device):
-            flags = causal_rows(args, 1, 20, case.seq_lens.to(kernel_device),
-                                m.dtype != torch.bool).cpu()  # fmt: skip
-            unchecked = causal_rows(args, 1, 20, case.seq_lens.to(kernel_device),
-                                    m.dtype != torch.bool, check_prefix=False).cpu()  # fmt: skip
+            flags = causal_rows(
+                args, 1, 20, case.seq_lens.to(kernel_device), m.dtype != torch.bool
+            ).cpu()
+            unchecked = causal_rows(
+                args,
+                1,
+                20,
+                case.seq_lens.to(kernel_device),
+                m.dtype != torch.bool,
+                check_prefix=False,
+            ).cpu()
         assert torch.equal(flags.float(), expected[name].float()), name
         assert torch.equal(unchecked, flags & 1), name  # no prefix is known to be shown
 
@@ -275,12 +336,19 @@ def test_first_chunk_is_sdpa(fmt_name, kernel_device, prefix_path, seeded):
     """A first chunk (no prefix) under a causal mask or is_causal is the dense kernel's causal
     attention over the chunk, bit for bit: the prefill kernel writes nothing."""
     case = Case(fmt_name, seeded, prefix=0, tokens=40)
-    dense = sdpa_lse.attention_lse(case.q.to(kernel_device), case.key.to(kernel_device),
-                                   case.value.to(kernel_device), True,
-                                   case.q.shape[-1] ** -0.5)[0].cpu()  # fmt: skip
-    for kwargs in (dict(is_causal=True), dict(mask=case.causal_mask()),
-                   dict(is_causal=True, max_seq_len=40),
-                   dict(mask=case.causal_mask(), max_seq_len=40)):  # fmt: skip
+    dense = sdpa_lse.attention_lse(
+        case.q.to(kernel_device),
+        case.key.to(kernel_device),
+        case.value.to(kernel_device),
+        True,
+        case.q.shape[-1] ** -0.5,
+    )[0].cpu()
+    for kwargs in (
+        dict(is_causal=True),
+        dict(mask=case.causal_mask()),
+        dict(is_causal=True, max_seq_len=40),
+        dict(mask=case.causal_mask(), max_seq_len=40),
+    ):
         assert torch.equal(case.run(kernel_device, path=prefix_path, **kwargs), dense)
     case.check(kernel_device, prefix_path, is_causal=True)
 
@@ -307,15 +375,24 @@ def test_dense_prefix_where_every_row_sees_it(kernel_device, seeded, monkeypatch
     their own lengths, a view cutting the chunk, inside ``fused_prefix``)."""
     calls = []
     dequantize = triton_prefill.dequantize
-    monkeypatch.setattr(triton_prefill, "dequantize",
-                        lambda *a: calls.append("dense") or dequantize(*a))  # fmt: skip
+    monkeypatch.setattr(
+        triton_prefill, "dequantize", lambda *a: calls.append("dense") or dequantize(*a)
+    )
     case = Case("4bit_nc", seeded, window=8, sinks=2)
     masks = _masks(case)
-    dense = ["no mask, not causal", "gpt-fast causal mask", "additive causal mask",
-             "additive causal mask of finfo.min"]  # fmt: skip
-    fused = ["is_causal over a prefix (top-left: the chunk mostly hidden)", "padding and a hole",
-             "float32 additive mask with a bias", "mask per head",
-             "view truncated inside the chunk"]  # fmt: skip
+    dense = [
+        "no mask, not causal",
+        "gpt-fast causal mask",
+        "additive causal mask",
+        "additive causal mask of finfo.min",
+    ]
+    fused = [
+        "is_causal over a prefix (top-left: the chunk mostly hidden)",
+        "padding and a hole",
+        "float32 additive mask with a bias",
+        "mask per head",
+        "view truncated inside the chunk",
+    ]
     for name in dense + fused:
         calls.clear()
         case.run(kernel_device, **masks[name])
@@ -328,8 +405,9 @@ def test_dense_prefix_where_every_row_sees_it(kernel_device, seeded, monkeypatch
     # a view no longer than the chunk (the trim before a first prefill) reads nothing to the
     # host: the fused kernel finds no prefix to read on the device
     facts = triton_prefill._prefix_facts
-    monkeypatch.setattr(triton_prefill, "_prefix_facts",
-                        lambda *a: calls.append("facts") or facts(*a))  # fmt: skip
+    monkeypatch.setattr(
+        triton_prefill, "_prefix_facts", lambda *a: calls.append("facts") or facts(*a)
+    )
     first = Case("4bit_nc", seeded, prefix=0, tokens=40)
     first.run(kernel_device, is_causal=True, max_seq_len=40)
     assert calls == []
@@ -353,13 +431,14 @@ def test_output_in_the_query_layout(kernel_device, prefix_path, seeded):
     "window, sinks, prefix, tokens, start",
     [(32, 0, 40, 8, None), (32, 4, 40, 8, None), (16, 2, 40, 6, 30), (0, 0, 70, 20, None)],
     ids=["ring run in the prefix", "and sinks", "rollback into the ring", "no ring"],
-)  # fmt: skip
+)
 def test_rings(window, sinks, prefix, tokens, start, kernel_device, prefix_path, seeded):
     """A chunk shorter than the window leaves prefix positions in the ring (read in full
     precision, sinks too); a chunk that rewrites from inside the ring leaves stale positions past
     the length there (never read); without rings the prefix is all pages."""
-    case = Case("3bit_nc", seeded, window=window, sinks=sinks, prefix=prefix, tokens=tokens,
-                start=start)  # fmt: skip
+    case = Case(
+        "3bit_nc", seeded, window=window, sinks=sinks, prefix=prefix, tokens=tokens, start=start
+    )
     case.check(kernel_device, prefix_path, mask=case.causal_mask())
     case.check(kernel_device, prefix_path, is_causal=True)
 
@@ -399,13 +478,26 @@ def test_opcheck_prefill(impl, kernel_device, seeded):
 
 def _opcheck_prefill(case: Case, q: torch.Tensor, impl: str, device: str) -> None:
     # the window's fields are the op's last arguments, in their order
-    args = (q, case.key, case.value, *case.cache, case.block_table, case.seq_lens,
-            case.consts.rotation, "4bit_nc", 0.125, False, 64, case.causal_mask(),
-            *case.recent)  # fmt: skip
+    args = (
+        q,
+        case.key,
+        case.value,
+        *case.cache,
+        case.block_table,
+        case.seq_lens,
+        case.consts.rotation,
+        "4bit_nc",
+        0.125,
+        False,
+        64,
+        case.causal_mask(),
+        *case.recent,
+    )
     with impl_context(impl, device):
-        torch.library.opcheck(torch.ops.tq.prefill.default,
-                              tuple(a.to(device) if isinstance(a, torch.Tensor) else a
-                                    for a in args))  # fmt: skip
+        torch.library.opcheck(
+            torch.ops.tq.prefill.default,
+            tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args),
+        )
 
 
 @pytest.mark.gpu
@@ -431,25 +523,47 @@ class TestPrefillBadInput(expecttest.TestCase):
             "float32 query": dict(q=case.q.float()),
             "key of another dtype": dict(key=case.key.half(), value=case.value.half()),
             "chunk length mismatch": dict(key=case.key[:, :, :5], value=case.value[:, :, :5]),
-            "no query token": dict(q=case.q[:, :, :0], key=case.key[:, :, :0],
-                                   value=case.value[:, :, :0]),
-            "rings of another dtype": dict(q=case.q.half(), key=case.key.half(),
-                                           value=case.value.half()),
+            "no query token": dict(
+                q=case.q[:, :, :0], key=case.key[:, :, :0], value=case.value[:, :, :0]
+            ),
+            "rings of another dtype": dict(
+                q=case.q.half(), key=case.key.half(), value=case.value.half()
+            ),
             "mask rows": dict(mask=mask[:, :, :2]),
             "mask of int": dict(mask=mask.to(torch.int32)),
             "length below the chunk": dict(seq_lens=torch.tensor([4], dtype=torch.int32)),
         }
         messages = []
         for name, override in cases.items():
-            args = dict(q=case.q, key=case.key, value=case.value, seq_lens=case.seq_lens,
-                        mask=None, is_causal=False) | override  # fmt: skip
+            args = (
+                dict(
+                    q=case.q,
+                    key=case.key,
+                    value=case.value,
+                    seq_lens=case.seq_lens,
+                    mask=None,
+                    is_causal=False,
+                )
+                | override
+            )
             with self.assertRaises((ValueError, TypeError)) as ctx:
-                api.prefill(case.fmt, args["q"], args["key"], args["value"], case.cache,
-                            case.block_table, args["seq_lens"], case.consts,
-                            is_causal=args["is_causal"], mask=args["mask"],
-                            window=case.recent)  # fmt: skip
+                api.prefill(
+                    case.fmt,
+                    args["q"],
+                    args["key"],
+                    args["value"],
+                    case.cache,
+                    case.block_table,
+                    args["seq_lens"],
+                    case.consts,
+                    is_causal=args["is_causal"],
+                    mask=args["mask"],
+                    window=case.recent,
+                )
             messages.append(f"{name}: {type(ctx.exception).__name__}: {ctx.exception}")
-        self.assertExpectedInline("\n".join(messages), """\
+        self.assertExpectedInline(
+            "\n".join(messages),
+            """\
 float32 query: TypeError: tq.prefill: q must be bfloat16 or float16, got torch.float32
 key of another dtype: TypeError: tq.prefill: key must have q's dtype torch.bfloat16, got torch.float16
 chunk length mismatch: ValueError: tq.prefill: key must be [B, Hk, T, D] = [1, Hk, 6, 64] (q's batch, tokens and head dim), got (1, 2, 5, 64)
@@ -457,7 +571,8 @@ no query token: ValueError: tq.prefill: q must hold at least one query token (T 
 rings of another dtype: TypeError: tq.prefill: k_window and v_window must have q's dtype torch.float16 (the model's), got torch.bfloat16
 mask rows: ValueError: tq.prefill: mask must be [B or 1, Hq or 1, T, M] = [1 or 1, 8 or 1, 6, M], got shape (1, 1, 2, 34)
 mask of int: TypeError: tq.prefill: mask must be bool or floating point, got torch.int32
-length below the chunk: ValueError: tq.prefill: seq_lens must be at least T = 6 (the chunk is each sequence's last T positions, stored before), got a length of 4""")  # noqa: E501
+length below the chunk: ValueError: tq.prefill: seq_lens must be at least T = 6 (the chunk is each sequence's last T positions, stored before), got a length of 4""",  # noqa: E501
+        )
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -469,10 +584,21 @@ def test_fast_and_portable_paths_agree(seeded):
         case = Case(fmt_name, seeded, head_dim=128, prefix=200, tokens=70)
         mask = case.causal_mask()
         expected = case.run("cuda", torch.float64, mask=mask)
-        args = (case.fmt, case.q.cuda(), case.key.cuda(), case.value.cuda(),
-                type(case.cache)(*(p.cuda() for p in case.cache)), case.block_table.cuda(),
-                case.seq_lens.cuda(), case.consts.rotation.cuda(), case.q.shape[-1] ** -0.5,
-                False, 10**6, mask.cuda(), window_on(case.recent, "cuda"))  # fmt: skip
+        args = (
+            case.fmt,
+            case.q.cuda(),
+            case.key.cuda(),
+            case.value.cuda(),
+            type(case.cache)(*(p.cuda() for p in case.cache)),
+            case.block_table.cuda(),
+            case.seq_lens.cuda(),
+            case.consts.rotation.cuda(),
+            case.q.shape[-1] ** -0.5,
+            False,
+            10**6,
+            mask.cuda(),
+            window_on(case.recent, "cuda"),
+        )
         for fast in (True, False):
             with triton_prefill.fused_prefix():
                 actual = triton_prefill.prefill(*args, fast=fast).cpu()

@@ -77,8 +77,14 @@ def test_nan_in_nan_out(fmt_name, impl, kernel_device, seeded):
     lens = torch.tensor([12], dtype=torch.int32, device=device)
     q = torch.randn(1, 6, 64, generator=seeded).to(torch.bfloat16).to(device)  # group 2
     with impl_context(impl, device):
-        api.store(fmt, cache, key.to(device), value.to(device),
-                  torch.arange(12, dtype=torch.int32, device=device), consts)  # fmt: skip
+        api.store(
+            fmt,
+            cache,
+            key.to(device),
+            value.to(device),
+            torch.arange(12, dtype=torch.int32, device=device),
+            consts,
+        )
         out = api.decode(fmt, q, cache, table, lens, consts, num_splits=2).cpu()
         k_deq, v_deq = api.dequantize(fmt, cache, table, lens, consts, 12, torch.float32)
     assert out[0, :4].isnan().all(), "kv-heads 0 and 1: NaN"
@@ -207,8 +213,14 @@ kv-heads mismatch: ValueError: tq.store: key has 1 kv-heads but the cache has 2"
         messages = []
         for case, v_codes in cases.items():
             with self.assertRaises(ValueError) as ctx:
-                api.store(fmt, cache._replace(v_codes=v_codes), key, value, slots,
-                          api.make_constants(fmt, 128))  # fmt: skip
+                api.store(
+                    fmt,
+                    cache._replace(v_codes=v_codes),
+                    key,
+                    value,
+                    slots,
+                    api.make_constants(fmt, 128),
+                )
             messages.append(f"{case}: {ctx.exception}")
         self.assertExpectedInline(
             "\n".join(messages),

@@ -105,8 +105,9 @@ def test_sinks_stay_exact_and_out_of_the_pages(fmt_name, window, sinks, kernel_d
     p`` hold the first ``min(len, sinks)`` tokens bit for bit with their positions, and no
     position below ``sinks`` ever reaches a page (its slots keep their poison)."""
     expected = Sequences(fmt_name, torch.Generator().manual_seed(7), window=window, sinks=sinks)
-    actual = Sequences(fmt_name, torch.Generator().manual_seed(7), kernel_device, window=window,
-                       sinks=sinks)  # fmt: skip
+    actual = Sequences(
+        fmt_name, torch.Generator().manual_seed(7), kernel_device, window=window, sinks=sinks
+    )
     poison = torch.cat(slot_rows(expected.cache), dim=1)
     sink_slots = torch.cat([expected.slots_of(b, torch.arange(sinks)) for b in range(BATCH)])
     for n_new, starts in REWRITE_STEPS:
@@ -136,8 +137,9 @@ def _assert_same_window_state(expected, actual):
     ring keys bit for bit (centred: to one bf16 step), ring values and slot positions bit for
     bit."""
     if expected.key_center is not None:
-        torch.testing.assert_close(actual.key_center.cpu(), expected.key_center, rtol=1e-6,
-                                   atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(
+            actual.key_center.cpu(), expected.key_center, rtol=1e-6, atol=1e-6
+        )
     assert_same_cache(expected.fmt, expected.cache, actual.cache)
     if expected.key_center is None:
         assert torch.equal(actual.k_window.cpu(), expected.k_window)
@@ -150,8 +152,9 @@ def _assert_same_window_state(expected, actual):
 # One token at a time (a decode loop: the window store sets the centres itself): a prefill of
 # 5, appends to 16 (the centres set on the way), sequence 0 rolled back to position 2 (below the
 # sinks of the tests: its centre is set again) and appended to again, sequence 1 skipped.
-TOKEN_STEPS = ([(5, (0, 0))] + [(1, (p, p)) for p in range(5, 16)]
-               + [(1, (p, -1)) for p in range(2, 14)])  # fmt: skip
+TOKEN_STEPS = (
+    [(5, (0, 0))] + [(1, (p, p)) for p in range(5, 16)] + [(1, (p, -1)) for p in range(2, 14)]
+)
 _CENTRED_STEPS = {"rewrites": REWRITE_STEPS, "appends": STEPS, "tokens": TOKEN_STEPS}
 
 
@@ -165,19 +168,35 @@ def test_append_launch_matches_reference(fmt_name, center, kernel_device, seeded
     centres."""
     sinks = 3 if center else 0
     expected = Sequences(fmt_name, torch.Generator().manual_seed(7), sinks=sinks, center=center)
-    actual = Sequences(fmt_name, torch.Generator().manual_seed(7), kernel_device, sinks=sinks,
-                       center=center)  # fmt: skip
+    actual = Sequences(
+        fmt_name, torch.Generator().manual_seed(7), kernel_device, sinks=sinks, center=center
+    )
     for n_new, starts in REWRITE_STEPS + _CENTRED_STEPS["tokens"]:
         expected.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=False)
-        actual.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=True,
-                      launch=triton_store_window.APPEND_LAUNCH)  # fmt: skip
+        actual.append(
+            n_new,
+            starts,
+            torch.Generator().manual_seed(n_new),
+            use_triton=True,
+            launch=triton_store_window.APPEND_LAUNCH,
+        )
         _assert_same_window_state(expected, actual)
 
 
-@pytest.mark.parametrize("window, sinks, steps", [
-    (WINDOW, 3, "rewrites"), (WINDOW, 3, "appends"), (WINDOW, 3, "tokens"),
-    (WINDOW, 0, "appends"), (WINDOW, 0, "tokens"), (2, 5, "rewrites"), (2, 5, "tokens"),
-    (0, 3, "rewrites"), (0, 3, "tokens")])  # fmt: skip
+@pytest.mark.parametrize(
+    "window, sinks, steps",
+    [
+        (WINDOW, 3, "rewrites"),
+        (WINDOW, 3, "appends"),
+        (WINDOW, 3, "tokens"),
+        (WINDOW, 0, "appends"),
+        (WINDOW, 0, "tokens"),
+        (2, 5, "rewrites"),
+        (2, 5, "tokens"),
+        (0, 3, "rewrites"),
+        (0, 3, "tokens"),
+    ],
+)
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq3_nc", "k8v4"])
 def test_centred_store_matches_reference(fmt_name, window, sinks, steps, kernel_device, seeded):
     """With key centering, after every step of appends, rewrites (a restart at 0 included) and
@@ -185,10 +204,17 @@ def test_centred_store_matches_reference(fmt_name, window, sinks, steps, kernel_
     below the sinks), the kernels' centres, cache and rings equal the reference's: centres to
     float32 rounding, codes up to a tie, ring keys to one bf16 step, ring values and positions
     bit for bit."""
-    expected = Sequences(fmt_name, torch.Generator().manual_seed(7), window=window, sinks=sinks,
-                         center=True)  # fmt: skip
-    actual = Sequences(fmt_name, torch.Generator().manual_seed(7), kernel_device, window=window,
-                       sinks=sinks, center=True)  # fmt: skip
+    expected = Sequences(
+        fmt_name, torch.Generator().manual_seed(7), window=window, sinks=sinks, center=True
+    )
+    actual = Sequences(
+        fmt_name,
+        torch.Generator().manual_seed(7),
+        kernel_device,
+        window=window,
+        sinks=sinks,
+        center=True,
+    )
     for n_new, starts in _CENTRED_STEPS[steps]:
         expected.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=False)
         actual.append(n_new, starts, torch.Generator().manual_seed(n_new), use_triton=True)
@@ -221,17 +247,25 @@ def test_centre_is_the_mean_of_the_first_window(use_triton, kernel_device, seede
             torch.testing.assert_close(ring, centred, rtol=2**-8, atol=1e-6)
     assert bool((center != 0).all()), "both sequences passed sinks + W: centred"
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
-    k, _ = reference.dequantize(seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(),
-                                seqs.lens, *consts, seqs.capacity, torch.float32,
-                                window_on(seqs.recent, "cpu"))  # fmt: skip
+    k, _ = reference.dequantize(
+        seqs.fmt,
+        clone_cache(seqs.cache),
+        seqs.block_table.cpu(),
+        seqs.lens,
+        *consts,
+        seqs.capacity,
+        torch.float32,
+        window_on(seqs.recent, "cpu"),
+    )
     exact = seqs.exact(torch.arange(seqs.capacity))[:, None, :, None]
     ring_error = torch.where(exact, k - seqs.keys.float(), 0).abs()
     assert float(ring_error.max()) <= 2**-7 * float(seqs.keys.float().abs().max())
     paged = ~exact & (torch.arange(seqs.capacity) < seqs.lens[:, None])[:, None, :, None]
     assert rel_error(k[paged.expand_as(k)], seqs.keys.float()[paged.expand_as(k)]) < 0.15
     seqs.append(2, (0, -1), seeded, use_triton=use_triton)  # sequence 0 restarts
-    assert bool((seqs.key_center.cpu()[0] == 0).all()) and torch.equal(seqs.key_center.cpu()[1],
-                                                                       center[1])  # fmt: skip
+    assert bool((seqs.key_center.cpu()[0] == 0).all()) and torch.equal(
+        seqs.key_center.cpu()[1], center[1]
+    )
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
@@ -269,9 +303,18 @@ def test_opcheck_store_window(impl, center, kernel_device, seeded):
     with impl_context(impl, device):
         torch.library.opcheck(
             torch.ops.tq.store_window.default,
-            (key, value, *seqs.cache, *rings, seqs.block_table, start, *seqs.consts, "4bit_nc",
-             *centring),
-        )  # fmt: skip
+            (
+                key,
+                value,
+                *seqs.cache,
+                *rings,
+                seqs.block_table,
+                start,
+                *seqs.consts,
+                "4bit_nc",
+                *centring,
+            ),
+        )
 
 
 class TestStoreWindowBadInput(expecttest.TestCase):
@@ -287,10 +330,27 @@ class TestStoreWindowBadInput(expecttest.TestCase):
 
         center = torch.zeros(BATCH, NUM_KV_HEADS, HEAD_DIM)
 
-        def call(key=key, value=key, rings=rings, table=seqs.block_table, start=start, sinks=0,
-                 center=None):  # fmt: skip
-            torch.ops.tq.store_window(key, value, *seqs.cache, *rings, table, start,
-                                      *seqs.consts, "4bit_nc", sinks, center)  # fmt: skip
+        def call(
+            key=key,
+            value=key,
+            rings=rings,
+            table=seqs.block_table,
+            start=start,
+            sinks=0,
+            center=None,
+        ):
+            torch.ops.tq.store_window(
+                key,
+                value,
+                *seqs.cache,
+                *rings,
+                table,
+                start,
+                *seqs.consts,
+                "4bit_nc",
+                sinks,
+                center,
+            )
 
         cases = {
             "float32 tokens": dict(key=key.float(), value=key.float()),
@@ -373,10 +433,15 @@ def test_start_read_from_a_model_input_pos(n_new, kernel_device, seeded):
     results = {}
     for label, (start, lengths) in starts.items():
         cache = fmt.allocate(BATCH * 4, NUM_KV_HEADS, 4, HEAD_DIM, kernel_device)
-        rings = [torch.zeros(BATCH, NUM_KV_HEADS, 4, HEAD_DIM, dtype=torch.bfloat16,
-                             device=kernel_device) for _ in range(2)]  # fmt: skip
-        rings.append(torch.full((BATCH, NUM_KV_HEADS, 4), -1, dtype=torch.int32,
-                                device=kernel_device))  # fmt: skip
+        rings = [
+            torch.zeros(
+                BATCH, NUM_KV_HEADS, 4, HEAD_DIM, dtype=torch.bfloat16, device=kernel_device
+            )
+            for _ in range(2)
+        ]
+        rings.append(
+            torch.full((BATCH, NUM_KV_HEADS, 4), -1, dtype=torch.int32, device=kernel_device)
+        )
         for first, n in ((0, 4), (4, 3)):  # positions 0..6 first: position 7 onwards evicts
             with triton_kernels(kernel_device):
                 api.store_window(
@@ -425,13 +490,22 @@ def test_short_sequence_table_may_end_in_padding(kernel_device, seeded):
     results = []
     for block_table in (padded, full):
         cache = fmt.allocate(8, 2, page, 64, kernel_device)
-        rings = [torch.zeros(2, 2, window, 64, dtype=torch.bfloat16, device=kernel_device)
-                 for _ in range(2)]  # fmt: skip
+        rings = [
+            torch.zeros(2, 2, window, 64, dtype=torch.bfloat16, device=kernel_device)
+            for _ in range(2)
+        ]
         rings.append(torch.full((2, 2, window), -1, dtype=torch.int32, device=kernel_device))
         with triton_kernels(kernel_device):
-            api.store_window(fmt, cache, key, value, RecentWindow(*rings),
-                             block_table.to(kernel_device), starts,
-                             api.KVConstants(rotation))  # fmt: skip
+            api.store_window(
+                fmt,
+                cache,
+                key,
+                value,
+                RecentWindow(*rings),
+                block_table.to(kernel_device),
+                starts,
+                api.KVConstants(rotation),
+            )
         results.append([p.cpu() for p in (*cache, *rings)])
     for with_padding, without in zip(*results, strict=True):
         assert torch.equal(with_padding, without)

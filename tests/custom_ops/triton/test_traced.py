@@ -30,8 +30,11 @@ def test_namedtuple_constexprs_print_as_themselves():
     """Inductor writes constexprs into its generated module by repr: the codec parameters'
     repr evaluates, with no name of ours in scope, to an equal tuple of the same class."""
     fmt = get_format("tq3_nc")
-    params = [*side_params(fmt, fmt.allocate(1, 1, 16, 128), 128),
-              part_params(fmt, "k", 128, True), part_params(fmt, "v", 128, False)]  # fmt: skip
+    params = [
+        *side_params(fmt, fmt.allocate(1, 1, 16, 128), 128),
+        part_params(fmt, "k", 128, True),
+        part_params(fmt, "v", 128, False),
+    ]
     for value in params:
         rebuilt = eval(repr(value), {})  # noqa: S307
         assert type(rebuilt) is type(value) and rebuilt == value
@@ -112,8 +115,11 @@ def test_inductor_builds_every_traced_kernel():
     assert caps["k8v4:16:1:4 split_kernel"] == "192", caps
     assert {cap for name, cap in caps.items() if "split_kernel" not in name} == {"None"}, caps
     if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
-        written = {line.split(" writes: ")[0].split()[1].split("_flat_")[0]: line.split(": ")[1]
-                   for line in lines if " writes: " in line}  # fmt: skip
+        written = {
+            line.split(" writes: ")[0].split()[1].split("_flat_")[0]: line.split(": ")[1]
+            for line in lines
+            if " writes: " in line
+        }
         assert written == {
             "store_kernel": "planes_0 planes_1 planes_2",
             "store_window_kernel": "rings_0 rings_1 rings_2 planes_0 planes_1 planes_2 "
@@ -167,27 +173,39 @@ def test_inductor_compiles_the_long_split_under_its_register_cap():
     fmt, heads, head_dim, seq, window = get_format("4bit_nc"), 2, 128, 2048, 128
     consts = api.make_constants(fmt, head_dim, device="cuda")
     cache = fmt.allocate(seq // 16, heads, 16, head_dim, "cuda")
-    key, value = (torch.randn(seq, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-                  for _ in "kv")  # fmt: skip
+    key, value = (
+        torch.randn(seq, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv"
+    )
     api.store(fmt, cache, key, value, torch.arange(seq, device="cuda", dtype=torch.int32), consts)
     table = torch.arange(seq // 16, device="cuda", dtype=torch.int32)[None]
     lens = torch.tensor([seq - 5], device="cuda", dtype=torch.int32)
-    rings = [torch.randn(1, heads, window, head_dim, device="cuda", dtype=torch.bfloat16)
-             for _ in "kv"]  # fmt: skip
+    rings = [
+        torch.randn(1, heads, window, head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv"
+    ]
     positions = api.appended_window_positions(lens, heads, window, 0)
     q = torch.randn(1, 4 * heads, head_dim, device="cuda", dtype=torch.bfloat16)
 
     def attend(q):  # 4 splits of 512 tokens: 16 tiles each
-        return api.decode(fmt, q, cache, table, lens, consts, num_splits=4,
-                          window=RecentWindow(*rings, positions))  # fmt: skip
+        return api.decode(
+            fmt,
+            q,
+            cache,
+            table,
+            lens,
+            consts,
+            num_splits=4,
+            window=RecentWindow(*rings, positions),
+        )
 
     torch._dynamo.reset()
     with fresh_cache():  # empties PyCodeCache.modules on entry and on exit: read inside
         out = torch.compile(attend, fullgraph=True)(q)
-        registers = [launcher.n_regs
-                     for name, tuner in inductor_flat_kernels(PyCodeCache.modules).items()
-                     if name.startswith("split_kernel")
-                     for launcher in tuner.launchers]  # fmt: skip
+        registers = [
+            launcher.n_regs
+            for name, tuner in inductor_flat_kernels(PyCodeCache.modules).items()
+            if name.startswith("split_kernel")
+            for launcher in tuner.launchers
+        ]
     torch._dynamo.reset()
     assert registers and all(0 < n <= 128 for n in registers), registers
     torch.testing.assert_close(out, attend(q), atol=0, rtol=0)
@@ -208,8 +226,18 @@ def test_traced_launch_has_no_programmatic_dependent_launch():
             return lambda *args, **kwargs: calls.append((self.kernel, grid, args, kwargs))
 
     fmt = get_format("4bit_nc")
-    launcher_kwargs = dict(D=128, D_PAD=128, INV_SQRT_D=0.088, BLOCK_R=16, K=fmt, V=fmt, PDL=True,
-                           num_warps=2, maxnreg=128, launch_pdl=True)  # fmt: skip
+    launcher_kwargs = dict(
+        D=128,
+        D_PAD=128,
+        INV_SQRT_D=0.088,
+        BLOCK_R=16,
+        K=fmt,
+        V=fmt,
+        PDL=True,
+        num_warps=2,
+        maxnreg=128,
+        launch_pdl=True,
+    )
     with mock.patch.object(torch.library, "wrap_triton", Recorded):
         traced.launch_traced(_kernel_with_pdl, launcher_kwargs, (3,), ((torch.empty(1), 5), 1.5))
     ((tuned, grid, args, kwargs),) = calls
@@ -222,9 +250,17 @@ def test_traced_launch_has_no_programmatic_dependent_launch():
 
 
 @triton.jit
-def _kernel_with_pdl(pair, scale, D: tl.constexpr, D_PAD: tl.constexpr, INV_SQRT_D: tl.constexpr,
-                     BLOCK_R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     PDL: tl.constexpr):  # fmt: skip
+def _kernel_with_pdl(
+    pair,
+    scale,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pass
 
 
@@ -275,7 +311,6 @@ def test_inductor_launches_user_kernels_statically_unless_told_not_to(preset, fi
     others = ["custom_ops", "torch._inductor.config"]
     others.remove(first)
     env = {} if preset is None else {traced.STATIC_LAUNCH_ENV: preset}
-    result = run_python(["-c", probe, first, *others], env=env,
-                        drop=(traced.STATIC_LAUNCH_ENV,))  # fmt: skip
+    result = run_python(["-c", probe, first, *others], env=env, drop=(traced.STATIC_LAUNCH_ENV,))
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split("\n")[-2] == expected

@@ -41,8 +41,19 @@ from custom_ops.triton.decode.softmax import LOG2E
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
 
 
-def _kernel_decode(fmt, q, cache, block_table, seq_lens, consts, device, num_splits=2,
-                   scale=None, mask=None, softcap=0.0):  # fmt: skip
+def _kernel_decode(
+    fmt,
+    q,
+    cache,
+    block_table,
+    seq_lens,
+    consts,
+    device,
+    num_splits=2,
+    scale=None,
+    mask=None,
+    softcap=0.0,
+):
     """``api.decode`` by the Triton kernels on ``device`` (inputs moved there), on the CPU."""
     dev = api.KVConstants(*(c.to(device) for c in consts))
     with triton_kernels(device):
@@ -78,12 +89,20 @@ def test_kernel_matches_float64_attention(fmt_name, group, kernel_device, seeded
 
 @pytest.mark.parametrize(
     "fmt_name, tokens, value_scale, head_dim",
-    [("4bit_nc", 1, 1.0, 64), ("4bit_nc", 3, 1.0, 64), ("k8v4", 1, 1.0, 64),
-     ("k8v4", 3, 1.0, 64), ("tq4_nc", 1, 1.0, 64), ("tq4_nc", 1, 2.0**10, 64),
-     ("4bit_nc", 8, 1.0, 128), ("4bit_nc", 8, 2.0**13, 128)],
-)  # fmt: skip
-def test_scores_rising_along_the_sequence(fmt_name, tokens, value_scale, head_dim, kernel_device,
-                                          seeded):  # fmt: skip
+    [
+        ("4bit_nc", 1, 1.0, 64),
+        ("4bit_nc", 3, 1.0, 64),
+        ("k8v4", 1, 1.0, 64),
+        ("k8v4", 3, 1.0, 64),
+        ("tq4_nc", 1, 1.0, 64),
+        ("tq4_nc", 1, 2.0**10, 64),
+        ("4bit_nc", 8, 1.0, 128),
+        ("4bit_nc", 8, 2.0**13, 128),
+    ],
+)
+def test_scores_rising_along_the_sequence(
+    fmt_name, tokens, value_scale, head_dim, kernel_device, seeded
+):
     """One split streams ten 32-token tiles whose scores rise and fall along the sequence: some
     tiles raise a query row's maximum by less than the split kernel's rescale slack (then its
     probabilities exceed 1, up to 2**3.5, against the maximum it keeps), some by more (the
@@ -108,18 +127,35 @@ def test_scores_rising_along_the_sequence(fmt_name, tokens, value_scale, head_di
     key = key + (offsets[:n_tokens] / (2 * head_dim**-0.5 * LOG2E))[:, None, None] * u
     num_pages = triton.cdiv(n_tokens, page_size)
     cache = fmt.allocate(num_pages, num_kv_heads, page_size, head_dim)
-    reference.store(fmt, key.to(torch.bfloat16), value.to(torch.bfloat16), cache,
-                    torch.arange(n_tokens, dtype=torch.int32), *consts)  # fmt: skip
+    reference.store(
+        fmt,
+        key.to(torch.bfloat16),
+        value.to(torch.bfloat16),
+        cache,
+        torch.arange(n_tokens, dtype=torch.int32),
+        *consts,
+    )
     table = torch.arange(num_pages, dtype=torch.int32)[None]
     lens = torch.tensor([n_tokens], dtype=torch.int32)
     noise = torch.randn(1, num_kv_heads * group, tokens, head_dim, generator=seeded)
     sign = 1 - 2 * (torch.arange(num_kv_heads * group) % 2)  # +u, -u, ... per query head
     q = (2 * sign[None, :, None, None] * u + 0.1 * noise).to(torch.float16)
-    expected = torch.stack([
-        reference.decode(fmt, q[:, :, t], cache, table, lens - (tokens - 1 - t), *consts,
-                         head_dim**-0.5, torch.float64)
-        for t in range(tokens)
-    ], 2)  # fmt: skip
+    expected = torch.stack(
+        [
+            reference.decode(
+                fmt,
+                q[:, :, t],
+                cache,
+                table,
+                lens - (tokens - 1 - t),
+                *consts,
+                head_dim**-0.5,
+                torch.float64,
+            )
+            for t in range(tokens)
+        ],
+        2,
+    )
     actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device, num_splits=1)
     assert rel_error(actual, expected) < 1e-3
 
@@ -217,8 +253,9 @@ def test_strided_query(impl, kernel_device, seeded):
             actual = torch.ops.tq.decode(view.to(device), *args, "4bit_nc", 2, 0.125)
             assert actual.is_contiguous(), name
             assert torch.equal(actual, expected), name
-            torch.library.opcheck(torch.ops.tq.decode.default,
-                                  (view.to(device), *args, "4bit_nc", 2, 0.125))  # fmt: skip
+            torch.library.opcheck(
+                torch.ops.tq.decode.default, (view.to(device), *args, "4bit_nc", 2, 0.125)
+            )
 
 
 class TestDecodeBadInput(expecttest.TestCase):
@@ -239,9 +276,18 @@ class TestDecodeBadInput(expecttest.TestCase):
         for case, override in cases.items():
             args = dict(q=q, num_splits=2, sinks=0, softcap=0.0) | override
             with self.assertRaises((ValueError, TypeError)) as ctx:  # (a window has rings: the op)
-                torch.ops.tq.decode(args["q"], *cache, table, lens, *consts, fmt.name,
-                                    args["num_splits"], 0.125, sinks=args["sinks"],
-                                    softcap=args["softcap"])  # fmt: skip
+                torch.ops.tq.decode(
+                    args["q"],
+                    *cache,
+                    table,
+                    lens,
+                    *consts,
+                    fmt.name,
+                    args["num_splits"],
+                    0.125,
+                    sinks=args["sinks"],
+                    softcap=args["softcap"],
+                )
             messages.append(f"{case}: {type(ctx.exception).__name__}: {ctx.exception}")
         self.assertExpectedInline(
             "\n".join(messages),
@@ -262,8 +308,18 @@ def test_fast_and_portable_paths_agree(seeded):
     """On the GPU, the inline-PTX decoding of the codes (5, 4, 3, 2 bits, int8) equals the
     plain-Triton decoding; sign planes also at D = 80, whose key signs are shifted in Triton,
     and D = 64."""
-    formats = ["4bit_nc", "tq4_nc", "tq3_nc", "tq2_nc", "tqk5v3_nc", "k8v4", "3bit_nc", "k2v2_nc",
-               "k2v4_nc", "int8"]  # fmt: skip
+    formats = [
+        "4bit_nc",
+        "tq4_nc",
+        "tq3_nc",
+        "tq2_nc",
+        "tqk5v3_nc",
+        "k8v4",
+        "3bit_nc",
+        "k2v2_nc",
+        "k2v4_nc",
+        "int8",
+    ]
     cases = [(name, 128) for name in formats] + [
         (name, head_dim) for name in ("tqk5v3_nc", "tq3_nc") for head_dim in (64, 80)
     ]
@@ -290,9 +346,13 @@ def test_warp_counts(fmt_name, seeded):
     merges = {"one warp": MergeConfig(1, 32, 1), "four warps, chunks of 8": MergeConfig(1, 8, 4)}
     for merge_label, merge_config in merges.items():
         for num_warps in (1, 2):
-            actual = triton_decode.decode(*args, num_splits=32, scale=128**-0.5,
-                                          split_config=SplitConfig(num_warps=num_warps),
-                                          merge_config=merge_config)  # fmt: skip
+            actual = triton_decode.decode(
+                *args,
+                num_splits=32,
+                scale=128**-0.5,
+                split_config=SplitConfig(num_warps=num_warps),
+                merge_config=merge_config,
+            )
             error = rel_error(actual.cpu(), expected)
             assert error < 1e-3, f"{num_warps} split warps, merge of {merge_label}: {error}"
 
@@ -310,8 +370,9 @@ def test_kernel_mask(fmt_name, kind, kernel_device, seeded):
     else:
         mask = torch.randn(3, 1, 12, generator=seeded) * 2
     expected = reference.decode(fmt, q, cache, table, lens, *consts, 0.125, torch.float64, mask)
-    actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device, num_splits=4,
-                            scale=0.125, mask=mask)  # fmt: skip
+    actual = _kernel_decode(
+        fmt, q, cache, table, lens, consts, kernel_device, num_splits=4, scale=0.125, mask=mask
+    )
     assert not actual.isnan().any()
     if kind == "bool":
         assert bool((actual[0, 1] == 0).all())
@@ -328,12 +389,24 @@ def test_kernel_softcap(fmt_name, mask_kind, kernel_device, seeded):
     q = q * 8
     mask = None if mask_kind == "none" else torch.randn(3, 1, 12, generator=seeded) * 2
     softcap = 5.0
-    expected = reference.decode(fmt, q, cache, table, lens, *consts, 0.125, torch.float64, mask,
-                                softcap=softcap)  # fmt: skip
+    expected = reference.decode(
+        fmt, q, cache, table, lens, *consts, 0.125, torch.float64, mask, softcap=softcap
+    )
     uncapped = reference.decode(fmt, q, cache, table, lens, *consts, 0.125, torch.float64, mask)
     assert rel_error(uncapped, expected) > 0.1
-    actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device, num_splits=4,
-                            scale=0.125, mask=mask, softcap=softcap)  # fmt: skip
+    actual = _kernel_decode(
+        fmt,
+        q,
+        cache,
+        table,
+        lens,
+        consts,
+        kernel_device,
+        num_splits=4,
+        scale=0.125,
+        mask=mask,
+        softcap=softcap,
+    )
     assert rel_error(actual, expected) < 1e-3
 
 
@@ -356,8 +429,9 @@ def _expected_kv(seqs, dtype=torch.float64):
     exact bf16 tokens in it and in its sinks."""
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
     cache = clone_cache(seqs.cache)
-    k, v = reference.dequantize(seqs.fmt, cache, seqs.block_table.cpu(), seqs.lens, *consts,
-                                seqs.capacity, dtype)  # fmt: skip
+    k, v = reference.dequantize(
+        seqs.fmt, cache, seqs.block_table.cpu(), seqs.lens, *consts, seqs.capacity, dtype
+    )
     exact = seqs.exact(torch.arange(seqs.capacity))[:, None, :, None]
     k = torch.where(exact, seqs.keys.to(dtype), k)
     return k, torch.where(exact, seqs.values.to(dtype), v)
@@ -365,18 +439,22 @@ def _expected_kv(seqs, dtype=torch.float64):
 
 def _expected_attention(seqs, q, dtype=torch.float64, mask=None, softcap=0.0):
     """float64 attention of ``q [B, Hq, D]`` over :func:`_expected_kv`."""
-    return reference.attention(q, *_expected_kv(seqs, dtype), seqs.lens, HEAD_DIM**-0.5, mask,
-                               softcap)  # fmt: skip
+    return reference.attention(
+        q, *_expected_kv(seqs, dtype), seqs.lens, HEAD_DIM**-0.5, mask, softcap
+    )
 
 
 def _expected_verify(q, k, v, lens):
     """float64 attention of a verify step's ``q [B, Hq, T, D]`` over ``k``, ``v``: token ``t``
     sees the positions below ``lens - T + t + 1``."""
     tokens = q.shape[2]
-    return torch.stack([
-        reference.attention(q[:, :, t], k, v, lens - (tokens - 1 - t), HEAD_DIM**-0.5)
-        for t in range(tokens)
-    ], dim=2)  # fmt: skip
+    return torch.stack(
+        [
+            reference.attention(q[:, :, t], k, v, lens - (tokens - 1 - t), HEAD_DIM**-0.5)
+            for t in range(tokens)
+        ],
+        dim=2,
+    )
 
 
 @pytest.mark.parametrize("steps", ["appends", "rewrites"])
@@ -455,8 +533,10 @@ def test_sinks_in_a_ring_part_of_their_own_or_the_last(sinks, kernel_device, see
     consts = api.make_constants(fmt, HEAD_DIM, seed=3, device=device)
     for batch, own_part in ((1, CUDA), (full_batch, False)):
         num_pages = batch * pages_per_seq
-        key, value = (torch.randn(num_pages * page, NUM_KV_HEADS, HEAD_DIM, generator=seeded)
-                      for _ in range(2))  # fmt: skip
+        key, value = (
+            torch.randn(num_pages * page, NUM_KV_HEADS, HEAD_DIM, generator=seeded)
+            for _ in range(2)
+        )
         table = torch.randperm(num_pages, generator=seeded).to(torch.int32).reshape(batch, -1)
         lens = torch.randint(3, capacity + 1, (batch,), generator=seeded, dtype=torch.int32)
         lens[:2] = torch.tensor([capacity, 3])[:batch]
@@ -467,30 +547,51 @@ def test_sinks_in_a_ring_part_of_their_own_or_the_last(sinks, kernel_device, see
         with triton_kernels(device):
             cache = fmt.allocate(num_pages, NUM_KV_HEADS, page, HEAD_DIM, device)
             slots = torch.arange(num_pages * page, dtype=torch.int32, device=device)
-            api.store(fmt, cache, key.bfloat16().to(device), value.bfloat16().to(device), slots,
-                      consts)  # fmt: skip
-        k, v = reference.dequantize(fmt, clone_cache(cache), table, lens,
-                                    *(c.cpu() for c in consts), capacity, torch.float64,
-                                    window_on(recent, "cpu"))  # fmt: skip
+            api.store(
+                fmt, cache, key.bfloat16().to(device), value.bfloat16().to(device), slots, consts
+            )
+        k, v = reference.dequantize(
+            fmt,
+            clone_cache(cache),
+            table,
+            lens,
+            *(c.cpu() for c in consts),
+            capacity,
+            torch.float64,
+            window_on(recent, "cpu"),
+        )
         with triton_kernels(device):
             for q in (
                 torch.randn(batch, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half(),
                 torch.randn(batch, NUM_KV_HEADS * 4, 3, HEAD_DIM, generator=seeded).half(),
             ):
-                plan = triton_decode.plan_for(fmt, q.to(device), cache, table.to(device), 4, None,
-                                              recent)  # fmt: skip
+                plan = triton_decode.plan_for(
+                    fmt, q.to(device), cache, table.to(device), 4, None, recent
+                )
                 assert plan.ring.grid[0] == 2 + own_part, (batch, plan.ring.grid)
-                actual = api.decode(fmt, q.to(device), cache, table.to(device), lens.to(device),
-                                    consts, num_splits=4, window=recent)  # fmt: skip
-                expected = (reference.attention(q, k, v, lens, HEAD_DIM**-0.5) if q.dim() == 3
-                            else _expected_verify(q, k, v, lens))  # fmt: skip
+                actual = api.decode(
+                    fmt,
+                    q.to(device),
+                    cache,
+                    table.to(device),
+                    lens.to(device),
+                    consts,
+                    num_splits=4,
+                    window=recent,
+                )
+                expected = (
+                    reference.attention(q, k, v, lens, HEAD_DIM**-0.5)
+                    if q.dim() == 3
+                    else _expected_verify(q, k, v, lens)
+                )
                 assert rel_error(actual.cpu(), expected) < 1e-3, (batch, q.dim())
 
 
 @pytest.mark.parametrize("window, sinks", [(WINDOW, 3), (0, 3)])
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq2_nc", "tqk4v2_nc", "k8v4"])
-def test_decode_of_centred_keys_is_attention_over_the_keys(fmt_name, window, sinks,
-                                                          kernel_device, seeded):  # fmt: skip
+def test_decode_of_centred_keys_is_attention_over_the_keys(
+    fmt_name, window, sinks, kernel_device, seeded
+):
     """With keys stored centred decode reads them as they are, and that is attention over the
     written keys where the cache holds them exactly (ring run and sinks) and the pages with
     their centres back (``tq.dequantize`` with ``key_center``) elsewhere (float64; 8e-3: the
@@ -502,9 +603,16 @@ def test_decode_of_centred_keys_is_attention_over_the_keys(fmt_name, window, sin
     consts = api.KVConstants(*(c.cpu() for c in seqs.consts))
     for n_new, starts in REWRITE_STEPS:
         seqs.append(n_new, starts, seeded, use_triton=False)
-        k, v = reference.dequantize(seqs.fmt, clone_cache(seqs.cache), seqs.block_table.cpu(),
-                                    seqs.lens, *consts, seqs.capacity, torch.float64,
-                                    window_on(seqs.recent, "cpu"))  # fmt: skip
+        k, v = reference.dequantize(
+            seqs.fmt,
+            clone_cache(seqs.cache),
+            seqs.block_table.cpu(),
+            seqs.lens,
+            *consts,
+            seqs.capacity,
+            torch.float64,
+            window_on(seqs.recent, "cpu"),
+        )
         exact = seqs.exact(torch.arange(seqs.capacity))[:, None, :, None]
         k = torch.where(exact, seqs.keys.double(), k)
         q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half()
@@ -527,8 +635,9 @@ def test_decode_window_only_is_exact(kernel_device, seeded):
     seqs.k_window[:, :, 6:] = float("nan")  # unwritten slots: never read
     seqs.v_window[:, :, 6:] = float("nan")
     q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).to(torch.bfloat16)
-    expected = reference.attention(q, seqs.keys.double(), seqs.values.double(), seqs.lens,
-                                   HEAD_DIM**-0.5)  # fmt: skip
+    expected = reference.attention(
+        q, seqs.keys.double(), seqs.values.double(), seqs.lens, HEAD_DIM**-0.5
+    )
     actual = seqs.decode(q, num_splits=2)
     torch.testing.assert_close(actual.double(), expected, rtol=1e-2, atol=4e-3)
 
@@ -585,9 +694,20 @@ def test_opcheck_decode_with_rings(impl, sinks, kernel_device, seeded):
         lens = seqs.lens.to(device)
         torch.library.opcheck(
             torch.ops.tq.decode.default,
-            (q.to(device), *seqs.cache, seqs.block_table, lens, *seqs.consts, "4bit_nc", 2,
-             0.125, None, *seqs.rings, sinks),
-        )  # fmt: skip
+            (
+                q.to(device),
+                *seqs.cache,
+                seqs.block_table,
+                lens,
+                *seqs.consts,
+                "4bit_nc",
+                2,
+                0.125,
+                None,
+                *seqs.rings,
+                sinks,
+            ),
+        )
 
 
 def _multi_token_case(seqs, tokens, group, gen, mask_kind):
@@ -630,8 +750,9 @@ def test_multi_token_decode(fmt_name, tokens, group, mask_kind, kernel_device, s
         for t in range(tokens):
             visible = lens - (tokens - 1 - t) if mask is None else lens
             token_mask = mask if mask is None or mask.dim() == 3 else mask[:, :, t]
-            expected.append(reference.attention(q[:, :, t], k, v, visible, HEAD_DIM**-0.5,
-                                                token_mask))  # fmt: skip
+            expected.append(
+                reference.attention(q[:, :, t], k, v, visible, HEAD_DIM**-0.5, token_mask)
+            )
             one_token.append(seqs.decode(q[:, :, t], 2, token_mask, lens=visible))
         expected, one_token = torch.stack(expected, 2), torch.stack(one_token, 2)
         actual = seqs.decode(q, num_splits=2, mask=mask)

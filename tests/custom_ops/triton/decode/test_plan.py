@@ -23,8 +23,10 @@ def test_query_rotated_in_split_or_prepared(fmt_name, kernel_device, seeded):
     the preparation kernel with a block table of more capacity per split."""
     fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
     long_table = longer_table(table)
-    modes = [triton_decode.plan_for(fmt, q.to(kernel_device), cache, t, 2).query
-             for t in (table, long_table)]  # fmt: skip
+    modes = [
+        triton_decode.plan_for(fmt, q.to(kernel_device), cache, t, 2).query
+        for t in (table, long_table)
+    ]
     assert modes == [QueryMode.ROTATED_HERE, QueryMode.PREPARED]
 
 
@@ -34,8 +36,10 @@ def test_one_tile_splits(fmt_name, kernel_device, seeded):
     before they know the length); 80 more columns give longer splits."""
     fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
     stale, long_stale = stale_tables(table, lens)
-    one_tile = [triton_decode.plan_for(fmt, q.to(kernel_device), cache, t, 2).one_tile
-                for t in (stale, long_stale)]  # fmt: skip
+    one_tile = [
+        triton_decode.plan_for(fmt, q.to(kernel_device), cache, t, 2).one_tile
+        for t in (stale, long_stale)
+    ]
     assert one_tile == [True, False]
 
 
@@ -51,8 +55,9 @@ def test_split_warps_and_merge_configs(fmt_name, seeded):
     # B = 3 sequences x Hk = 2 kv-heads x splits: two programs per SM, then one more
     plans = [triton_decode.plan_for(*args[:4], n) for n in (sm_count // 3, sm_count // 3 + 1)]
     assert [plan.split.kwargs["num_warps"] for plan in plans] == [2, 1]
-    one_row = [triton_decode.plan_for(fmt, q[:1].cuda(), *args[2:4], n).merge_config
-               for n in (32, 64)]  # fmt: skip
+    one_row = [
+        triton_decode.plan_for(fmt, q[:1].cuda(), *args[2:4], n).merge_config for n in (32, 64)
+    ]
     assert one_row == [MergeConfig(1, 32, 1), MergeConfig(1, 64, 4)]
 
 
@@ -70,9 +75,18 @@ def test_verify_step_warps_and_register_caps(tokens, kernel_device, seeded):
         launch = plan.split.kwargs
         assert plan.one_tile == (usual_cap is None)
         assert (launch["num_warps"], launch.get("maxnreg"), launch["SUBTILES"]) == (
-            warps, cap or usual_cap, 1)  # fmt: skip
-    overridden = triton_decode.plan_for(fmt, q, cache, longer_table(table), 2, split_config=(
-        triton_decode.SplitConfig(num_warps=4, max_registers=96))).split.kwargs  # fmt: skip
+            warps,
+            cap or usual_cap,
+            1,
+        )
+    overridden = triton_decode.plan_for(
+        fmt,
+        q,
+        cache,
+        longer_table(table),
+        2,
+        split_config=(triton_decode.SplitConfig(num_warps=4, max_registers=96)),
+    ).split.kwargs
     assert (overridden["num_warps"], overridden["maxnreg"]) == (4, 96)
 
 
@@ -101,12 +115,14 @@ def test_verify_step_takes_one_wave_of_splits(tokens, seeded):
     assert plan.merge.kwargs["NUM_SPLITS"] == plan.num_partials == plan.num_splits
     one_tile_each = fitting * TOKENS_PER_STEP
     assert one_tile_each < pages * page_size, (fitting, sm_count)
-    lens = torch.tensor([pages * page_size, one_tile_each + 37, one_tile_each // 2],
-                        dtype=torch.int32)  # fmt: skip
+    lens = torch.tensor(
+        [pages * page_size, one_tile_each + 37, one_tile_each // 2], dtype=torch.int32
+    )
     expected = reference.decode(fmt, q, cache, table, lens, *consts, 64**-0.5, torch.float64)
     gpu_consts = api.KVConstants(*(c.cuda() for c in consts))
-    actual = api.decode(fmt, q.cuda(), gpu_cache, table.cuda(), lens.cuda(), gpu_consts,
-                        num_splits=requested)  # fmt: skip
+    actual = api.decode(
+        fmt, q.cuda(), gpu_cache, table.cuda(), lens.cuda(), gpu_consts, num_splits=requested
+    )
     assert rel_error(actual.cpu(), expected) < 1e-3
 
 
@@ -115,8 +131,9 @@ def test_merge_chunk_must_divide_the_split_count(kernel_device, seeded):
     (it would read the ring's partials or the next row's) is refused by the plan."""
     fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 64, 4, seeded)
     with pytest.raises(ValueError) as error:
-        triton_decode.plan_for(fmt, q.to(kernel_device), cache, table, 2,
-                               merge_config=MergeConfig(1, 4, 1))  # fmt: skip
+        triton_decode.plan_for(
+            fmt, q.to(kernel_device), cache, table, 2, merge_config=MergeConfig(1, 4, 1)
+        )
     assert str(error.value) == (
         "merge_config.split_chunk must divide the plan's split count 2, got 4"
     )

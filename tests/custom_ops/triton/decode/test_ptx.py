@@ -102,9 +102,8 @@ def _codes3(plane_word: int, low_word: int, high_word: int, quarter: int) -> lis
     halves' bytes ``low | high >> 1``."""
     return [
         ((b >> (2 * quarter)) & 3) | ((((lo | hi >> 1) >> (2 * quarter)) & 1) << 2)
-        for b, lo, hi in zip(_bytes(plane_word), _bytes(low_word), _bytes(high_word),
-                             strict=True)
-    ]  # fmt: skip
+        for b, lo, hi in zip(_bytes(plane_word), _bytes(low_word), _bytes(high_word), strict=True)
+    ]
 
 
 def _sign_cases(gen):

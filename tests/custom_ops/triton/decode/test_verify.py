@@ -25,9 +25,24 @@ LENS = (13, 300, 1000)  # one tile, a split's worth, several splits; pages partl
 
 def _plan(fmt_name="4bit_nc", tokens=TOKENS, group=GROUP, head_dim=HEAD_DIM, **kwargs):
     fmt = get_format(fmt_name)
-    return plan_decode(fmt, 2, NUM_KV_HEADS * group * tokens, NUM_KV_HEADS, head_dim, PAGE_SIZE,
-                       64, 0, torch.float16, None, 0, 8, torch.device("cuda"), True,
-                       q_tokens=tokens, **kwargs)  # fmt: skip
+    return plan_decode(
+        fmt,
+        2,
+        NUM_KV_HEADS * group * tokens,
+        NUM_KV_HEADS,
+        head_dim,
+        PAGE_SIZE,
+        64,
+        0,
+        torch.float16,
+        None,
+        0,
+        8,
+        torch.device("cuda"),
+        True,
+        q_tokens=tokens,
+        **kwargs,
+    )
 
 
 def test_plan_takes_the_verify_kernel_for_32_rows_of_4bit_nc():
@@ -44,18 +59,55 @@ def test_plan_takes_the_verify_kernel_for_32_rows_of_4bit_nc():
     assert not _plan(split_config=SplitConfig(block_n=32)).verify
     assert not _plan(traced=True).verify
     fmt = get_format("4bit_nc")
-    ringed = plan_decode(fmt, 2, 64, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, 64, 16, torch.bfloat16,
-                         torch.bfloat16, 1, 8, torch.device("cuda"), True, q_tokens=TOKENS,
-                         sinks=4)  # fmt: skip
+    ringed = plan_decode(
+        fmt,
+        2,
+        64,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        PAGE_SIZE,
+        64,
+        16,
+        torch.bfloat16,
+        torch.bfloat16,
+        1,
+        8,
+        torch.device("cuda"),
+        True,
+        q_tokens=TOKENS,
+        sinks=4,
+    )
     assert ringed.verify and ringed.ring_in_split and ringed.ring is None
-    fp32_rings = plan_decode(fmt, 2, 64, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, 64, 16,
-                             torch.float16, torch.float32, 0, 8, torch.device("cuda"), True,
-                             q_tokens=TOKENS)  # fmt: skip
+    fp32_rings = plan_decode(
+        fmt,
+        2,
+        64,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        PAGE_SIZE,
+        64,
+        16,
+        torch.float16,
+        torch.float32,
+        0,
+        8,
+        torch.device("cuda"),
+        True,
+        q_tokens=TOKENS,
+    )
     assert not fp32_rings.verify
 
 
-def _case(window, sinks, mask_kind, gen, dtype=torch.float16, page_size=PAGE_SIZE,
-          tokens=TOKENS, group=GROUP):  # fmt: skip
+def _case(
+    window,
+    sinks,
+    mask_kind,
+    gen,
+    dtype=torch.float16,
+    page_size=PAGE_SIZE,
+    tokens=TOKENS,
+    group=GROUP,
+):
     """Three sequences (``LENS``) in a poisoned cache of ``page_size``-token pages, shuffled,
     with table entries past each length that point nowhere; rings holding each sequence's first
     ``sinks`` positions (slot ``window + p``) and its last ``window`` after them (slot ``p %
@@ -109,23 +161,36 @@ def _on_cuda(case):
     def move(x):
         return None if x is None else x.cuda()
 
-    return (fmt, api.KVConstants(*map(move, consts)), type(cache)(*map(move, cache)), move(table),
-            move(lens), move(q), move(mask), window_on(recent, "cuda"))  # fmt: skip
+    return (
+        fmt,
+        api.KVConstants(*map(move, consts)),
+        type(cache)(*map(move, cache)),
+        move(table),
+        move(lens),
+        move(q),
+        move(mask),
+        window_on(recent, "cuda"),
+    )
 
 
 @pytest.mark.parametrize(
     "window, sinks, mask_kind, dtype, num_splits, page_size, transposed, tokens, group",
-    [(w, s, m, torch.float16, None, 16, False, TOKENS, GROUP)
-     for w, s in [(0, 0), (16, 0), (128, 4), (16, 20)] for m in (None, "bool", "additive")]
-    + [(128, 4, "bool", torch.bfloat16, None, 16, False, TOKENS, GROUP),
-       (128, 4, None, torch.float16, 2, 16, False, TOKENS, GROUP),
-       (16, 4, "bool", torch.float16, None, 32, True, TOKENS, GROUP),
-       (16, 4, "bool", torch.float16, None, 16, False, 4, 8),
-       (0, 0, None, torch.float16, None, 16, False, 1, 32)],
-)  # fmt: skip
-def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype, num_splits,
-                                                 page_size, transposed, tokens, group,
-                                                 seeded):  # fmt: skip
+    [
+        (w, s, m, torch.float16, None, 16, False, TOKENS, GROUP)
+        for w, s in [(0, 0), (16, 0), (128, 4), (16, 20)]
+        for m in (None, "bool", "additive")
+    ]
+    + [
+        (128, 4, "bool", torch.bfloat16, None, 16, False, TOKENS, GROUP),
+        (128, 4, None, torch.float16, 2, 16, False, TOKENS, GROUP),
+        (16, 4, "bool", torch.float16, None, 32, True, TOKENS, GROUP),
+        (16, 4, "bool", torch.float16, None, 16, False, 4, 8),
+        (0, 0, None, torch.float16, None, 16, False, 1, 32),
+    ],
+)
+def test_verify_kernel_matches_float64_attention(
+    window, sinks, mask_kind, dtype, num_splits, page_size, transposed, tokens, group, seeded
+):
     """A verify step of 8 tokens at GQA 4 (token t sees the positions below len - 7 + t, and
     the mask), or any 32 query rows per kv-head (4 tokens at GQA 8, one at GQA 32), through the
     verify kernel equals float64 attention over the dequantized pages and
@@ -139,8 +204,9 @@ def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype
     )
     if transposed:  # the same entries, column-major
         table = table.t().contiguous().t()
-    expected = reference.decode(fmt, q, cache, table, lens, consts.rotation, HEAD_DIM**-0.5,
-                                torch.float64, mask, recent)  # fmt: skip
+    expected = reference.decode(
+        fmt, q, cache, table, lens, consts.rotation, HEAD_DIM**-0.5, torch.float64, mask, recent
+    )
     _, consts_cuda, cache_cuda, table_cuda, lens_cuda, q_cuda, mask_cuda, recent_cuda = _on_cuda(
         (fmt, consts, cache, table, lens, q, mask, recent)
     )
@@ -161,9 +227,18 @@ def test_verify_kernel_matches_float64_attention(window, sinks, mask_kind, dtype
         )
         assert plan.verify == (name == "verify")
         outputs[name] = triton_decode.decode(
-            fmt, q_cuda, cache_cuda, table_cuda, lens_cuda, consts_cuda.rotation, num_splits,
-            HEAD_DIM**-0.5, mask_cuda, recent_cuda, split_config=split_config,
-        ).cpu()  # fmt: skip
+            fmt,
+            q_cuda,
+            cache_cuda,
+            table_cuda,
+            lens_cuda,
+            consts_cuda.rotation,
+            num_splits,
+            HEAD_DIM**-0.5,
+            mask_cuda,
+            recent_cuda,
+            split_config=split_config,
+        ).cpu()
     actual = outputs["verify"]
     assert actual.shape == q.shape and actual.isfinite().all()
     bound = 5e-3 if dtype == torch.bfloat16 else 1e-3
@@ -179,15 +254,33 @@ def test_op_calls_launch_the_compiled_verify_kernel(seeded):
     fmt, consts_cuda, cache_cuda, table_cuda, lens_cuda, q_cuda, mask_cuda, recent_cuda = _on_cuda(
         _case(128, 4, "bool", seeded)
     )
-    plan = triton_decode.plan_for(fmt, q_cuda, cache_cuda, table_cuda, 8, mask_cuda,
-                                  recent_cuda)  # fmt: skip
+    plan = triton_decode.plan_for(fmt, q_cuda, cache_cuda, table_cuda, 8, mask_cuda, recent_cuda)
     assert plan.verify
-    plain = triton_decode.decode(fmt, q_cuda, cache_cuda, table_cuda, lens_cuda,
-                                 consts_cuda.rotation, 8, HEAD_DIM**-0.5, mask_cuda,
-                                 recent_cuda)  # fmt: skip
+    plain = triton_decode.decode(
+        fmt,
+        q_cuda,
+        cache_cuda,
+        table_cuda,
+        lens_cuda,
+        consts_cuda.rotation,
+        8,
+        HEAD_DIM**-0.5,
+        mask_cuda,
+        recent_cuda,
+    )
     for _ in range(3):
-        out = api.decode(fmt, q_cuda, cache_cuda, table_cuda, lens_cuda, consts_cuda, 8,
-                         HEAD_DIM**-0.5, mask_cuda, recent_cuda)  # fmt: skip
+        out = api.decode(
+            fmt,
+            q_cuda,
+            cache_cuda,
+            table_cuda,
+            lens_cuda,
+            consts_cuda,
+            8,
+            HEAD_DIM**-0.5,
+            mask_cuda,
+            recent_cuda,
+        )
         assert torch.equal(out, plain)
 
 
@@ -199,16 +292,25 @@ def test_padded_query_rows_with_a_ring(seeded):
     fmt, consts_cuda, cache_cuda, table_cuda, lens_cuda, q_cuda, mask_cuda, recent_cuda = _on_cuda(
         _case(128, 4, "bool", seeded)
     )
-    padded = torch.full((*q_cuda.shape[:-1], HEAD_DIM + 8), float("nan"), dtype=q_cuda.dtype,
-                        device="cuda")  # fmt: skip
+    padded = torch.full(
+        (*q_cuda.shape[:-1], HEAD_DIM + 8), float("nan"), dtype=q_cuda.dtype, device="cuda"
+    )
     padded[..., :HEAD_DIM] = q_cuda
     q_view = padded[..., :HEAD_DIM]
-    plan = triton_decode.plan_for(fmt, q_view, cache_cuda, table_cuda, 8, mask_cuda,
-                                  recent_cuda)  # fmt: skip
+    plan = triton_decode.plan_for(fmt, q_view, cache_cuda, table_cuda, 8, mask_cuda, recent_cuda)
     assert plan.verify
     out = {}
     for name, query in (("contiguous", q_cuda), ("padded", q_view)):
-        out[name] = triton_decode.decode(fmt, query, cache_cuda, table_cuda, lens_cuda,
-                                         consts_cuda.rotation, 8, HEAD_DIM**-0.5, mask_cuda,
-                                         recent_cuda)  # fmt: skip
+        out[name] = triton_decode.decode(
+            fmt,
+            query,
+            cache_cuda,
+            table_cuda,
+            lens_cuda,
+            consts_cuda.rotation,
+            8,
+            HEAD_DIM**-0.5,
+            mask_cuda,
+            recent_cuda,
+        )
     assert torch.equal(out["padded"], out["contiguous"])
