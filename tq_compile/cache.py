@@ -382,9 +382,10 @@ class TurboQuantKVCache(nn.Module):
                 StoreArgs(keys, values, *planes, slots.reshape(-1).to(torch.int32), rotation, name)
             )
             seq_lens = (pos.max() + 1).expand(batch).to(torch.int32)
-        if n_new > 1:
+        if n_new > 1 or (torch.is_grad_enabled() and (k_val.requires_grad or v_val.requires_grad)):
             # a prefill chunk (or a verify step): fresh views carrying its exact keys and values
-            # (tq.prefill reads them), held only as long as the caller holds the views
+            # (tq.prefill reads them), held only as long as the caller holds the views; with
+            # autograd, a decode token's too (attention's gradient reaches it through them)
             return self._views(operands, seq_lens, k_val, v_val)
         if not eager or type(seq_lens) is not torch.Tensor:
             return self._views(operands, seq_lens)  # traced: fresh views of the mutated buffers

@@ -318,7 +318,8 @@ class TurboQuantLayer(CacheLayerMixin):
 def _attention_implementation(config: PreTrainedConfig) -> str | None:
     """The attention implementation ``config`` selects (``"sdpa"``, ``"eager"``, ...).
     transformers keeps it in the private ``_attn_implementation`` (no public accessor in 5.x):
-    the one place this module reads it."""
+    the one place this module reads it (``TurboQuantCache`` sets the decoder's to
+    :data:`ATTENTION` through the same attribute)."""
     text = config.get_text_config(decoder=True)
     return getattr(text, "_attn_implementation", None) or getattr(
         config, "_attn_implementation", None
@@ -415,10 +416,9 @@ class TurboQuantCache(Cache):
                     f"{attention_implementation!r}: load it with attn_implementation='sdpa' (or "
                     f"call model.set_attn_implementation('sdpa'))"
                 )
-            # the model reads its config's implementation at each forward
-            config._attn_implementation = ATTENTION
-            if text is not config:
-                text._attn_implementation = ATTENTION
+            # the decoder reads its config's implementation at each forward; only its own: a
+            # composite model's other towers (vision, audio) keep theirs
+            text._attn_implementation = ATTENTION
             _LOGGER.info(
                 "TurboQuantCache: the model's eager attention now runs as %r (the "
                 "model's own eager attention over dense keys)",

@@ -632,10 +632,14 @@ def _attention(a: dict, softcap: float) -> torch.Tensor:
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(head_dim)
     shared_row = attn_mask is None or _mask_4d(attn_mask).shape[2] == 1
     # the chunk that made the view, as its queries: attention over its exact keys and values
-    chunk = k.chunk_k is not None and k.chunk_k.shape[2] == q.shape[2]
+    carried = k.chunk_k is not None  # the update's tokens as given (a chunk, or with autograd)
+    chunk = carried and k.chunk_k.shape[2] == q.shape[2]
+    # the update's tokens are the queries' own: the chunk, or one decode token that HF's
+    # pack_gqa layout shows as a head group's rows under one mask row
+    own = chunk or (carried and k.chunk_k.shape[2] == 1 and shared_row)
     # a forward with autograd on: the ops have no derivative, dense attention has one
     differentiable = torch.is_grad_enabled() and (
-        q.requires_grad or (chunk and (k.chunk_k.requires_grad or v.chunk_v.requires_grad))
+        q.requires_grad or (own and (k.chunk_k.requires_grad or v.chunk_v.requires_grad))
     )
     if not a["is_causal"] and not k.truncated and not differentiable:
         # one token per sequence as it is; a few tokens with a mask row each (the mask alone
@@ -652,13 +656,13 @@ def _attention(a: dict, softcap: float) -> torch.Tensor:
         return _prefill(q, k, attn_mask, a["is_causal"], scale, softcap)
     # Dense attention over the dequantized cache, with every position past a sequence's length
     # masked out: a view without its chunk (kept from an earlier update), or autograd (the
-    # chunk's positions then hold its keys and values as the model computed them, as tq.prefill
-    # reads them: the gradient reaches them and the query, the cached tokens are constants).
-    # Keys as stored where softmax alone follows: it ignores the centre that all of a query's
-    # scores share.
-    keys = k.dequantize(q.dtype, uncenter=bool(softcap) or chunk)
+    # update's positions then hold its keys and values as the model computed them, as tq.prefill
+    # reads them: the gradient reaches them and the query, the cached tokens are constants, as
+    # a StaticCache's earlier tokens are to a step that did not compute them). Keys as stored
+    # where softmax alone follows: it ignores the centre that all of a query's scores share.
+    keys = k.dequantize(q.dtype, uncenter=bool(softcap) or own)
     values = v.dequantize(q.dtype)
-    if chunk:
+    if own:
         keys, values = _with_chunk(keys, k, k.chunk_k), _with_chunk(values, v, v.chunk_v)
     seq = k.shape[2]
     visible = torch.arange(seq, device=q.device)[None, :] < k.seq_lens[:, None]
@@ -706,7 +710,8 @@ def _dense_attention(q, keys, values, mask, scale: float, enable_gqa: bool, soft
     else:
         scores = scores + mask
     no_key = (scores == float("-inf")).all(dim=-1, keepdim=True)
-    probs = torch.softmax(scores, dim=-1).masked_fill(no_key, 0.0)
+    # such a row's softmax would be NaN, and so its gradient through the mask: zeros instead
+    probs = torch.softmax(scores.masked_fill(no_key, 0.0), dim=-1).masked_fill(no_key, 0.0)
     return (probs @ values).to(q.dtype)
 
 

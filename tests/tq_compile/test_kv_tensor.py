@@ -406,3 +406,20 @@ def test_attention_with_autograd_is_differentiable(fmt):
     assert rel_error(out, plain) < 4e-3
     out.float().sum().backward()
     assert k.grad is not None and v.grad is not None and bool(v.grad.any())
+    # a decode token carries its keys and values too: StaticCache's index_copy_ passes the
+    # gradient to them, and so do the views (dense float64 autograd over the same positions)
+    token_k = (torch.randn(B, HK, 1, D, generator=gen) * 2).to(torch.bfloat16).requires_grad_()
+    token_v = torch.randn(B, HK, 1, D, generator=gen).to(torch.bfloat16).requires_grad_()
+    keys, values = cache.update(torch.arange(43, 44), token_k, token_v)
+    q = _query()
+    F.scaled_dot_product_attention(q, keys, values, enable_gqa=True).float().sum().backward()
+    exact_k, exact_v = keys.dequantize(torch.float64), values.dequantize(torch.float64)
+    k64 = token_k.detach().double().requires_grad_()
+    v64 = token_v.detach().double().requires_grad_()
+    exact_k = torch.cat([exact_k[:, :, :43], k64, exact_k[:, :, 44:]], dim=2)
+    exact_v = torch.cat([exact_v[:, :, :43], v64, exact_v[:, :, 44:]], dim=2)
+    visible = (torch.arange(S_MAX) < 44)[None, None, None, :]
+    F.scaled_dot_product_attention(
+        q.double(), exact_k, exact_v, attn_mask=visible, enable_gqa=True
+    ).sum().backward()
+    assert rel_error(token_k.grad, k64.grad) < 2e-2 and rel_error(token_v.grad, v64.grad) < 2e-2

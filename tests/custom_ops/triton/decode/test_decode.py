@@ -379,15 +379,24 @@ def test_kernel_mask(fmt_name, kind, kernel_device, seeded):
     assert rel_error(actual, expected) < 1e-3
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "additive"])
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "3bit_nc", "tq4_nc", "int8"])
-def test_kernel_softcap(fmt_name, mask_kind, kernel_device, seeded):
-    """Scores capped at ``softcap * tanh(s / softcap)`` before the mask (Gemma 2): the kernel
-    equals float64 attention with the same cap within 1e-3, where the cap changes the answer by
-    far more (queries scaled so that scores reach several times the cap)."""
+def test_kernel_softcap(fmt_name, mask_kind, tokens, kernel_device, seeded):
+    """Scores capped at ``softcap * tanh(s / softcap)`` before the mask (Gemma 2), one query
+    token or a verify step's three (each with its mask row): the kernel equals float64 attention
+    with the same cap within 1e-3, where the cap changes the answer by far more (queries scaled
+    so that scores reach several times the cap)."""
     fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
+    if tokens > 1:
+        q = torch.randn(*q.shape[:2], tokens, q.shape[-1], generator=seeded).to(q.dtype)
     q = q * 8
-    mask = None if mask_kind == "none" else torch.randn(3, 1, 12, generator=seeded) * 2
+    rows = (3, 1, tokens, 12) if tokens > 1 else (3, 1, 12)
+    mask = {
+        "none": None,
+        "bool": torch.rand(*rows, generator=seeded) > 0.3,
+        "additive": torch.randn(*rows, generator=seeded) * 2,
+    }[mask_kind]
     softcap = 5.0
     expected = reference.decode(
         fmt, q, cache, table, lens, *consts, 0.125, torch.float64, mask, softcap=softcap
