@@ -24,39 +24,24 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from custom_ops import FORMATS  # noqa: E402
-from examples.hf_eval import (  # noqa: E402
-    StepTimer,
-    agreement,
-    perplexity,
-    reference_text,
-    teacher_forced,
+from examples.arguments import (  # noqa: E402
+    add_device_argument,
+    add_format_argument,
+    check_arguments,
+    resolve_device,
 )
-from tq_compile.options import default_sinks  # noqa: E402
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
 
-def progress_line(label: str):
-    """A ``progress(done, total=None)`` that rewrites one terminal line."""
-
-    def report(done: int, total: int | None = None) -> None:
-        if done % 8 == 0 or done == total:
-            of = f"/{total}" if total else " tokens"
-            print(f"\r    {label}: {done}{of}", end="", flush=True)
-
-    return report
-
-
-def parse_args() -> argparse.Namespace:
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the checked arguments (torch is not imported: a bad one fails at once)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument(
-        "--format", default="4bit_nc", choices=sorted(FORMATS), help="the KV cache's format"
-    )
+    add_format_argument(parser)
     parser.add_argument(
         "--window",
         type=int,
@@ -77,23 +62,42 @@ def parse_args() -> argparse.Namespace:
         default=256,
         help="tokens of the fixed text scored (0: no perplexity)",
     )
-    parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
-    )
+    add_device_argument(parser)
     parser.add_argument("--cache-dir", help="where the model file is kept (tq_compile.smollm2)")
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
-    if args.new_tokens < 1:
-        parser.error(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    args = parser.parse_args(argv)
+    check_arguments(parser, args, "new_tokens")
     if args.window < 0:
         parser.error(f"--window must be >= 0, got {args.window}")
     if args.sinks is not None and args.sinks < 0:
         parser.error(f"--sinks must be >= 0, got {args.sinks}")
-    args.sinks = default_sinks(args.window, args.sinks)
     if args.ppl_tokens != 0 and args.ppl_tokens < 2:
         parser.error(f"--ppl-tokens must be 0 (skip) or >= 2, got {args.ppl_tokens}")
-    return args
+    return parser, args
+
+
+if __name__ == "__main__":
+    PARSER, ARGS = parse_args()  # before the imports below, which take seconds
+
+
+from examples.hf_eval import (  # noqa: E402
+    StepTimer,
+    agreement,
+    perplexity,
+    reference_text,
+    teacher_forced,
+)
+from tq_compile.options import default_sinks  # noqa: E402
+
+
+def progress_line(label: str):
+    """A ``progress(done, total=None)`` that rewrites one terminal line."""
+
+    def report(done: int, total: int | None = None) -> None:
+        if done % 8 == 0 or done == total:
+            of = f"/{total}" if total else " tokens"
+            print(f"\r    {label}: {done}{of}", end="", flush=True)
+
+    return report
 
 
 def make_cache(kind: str, config, capacity: int, args):
@@ -145,8 +149,9 @@ def answer(model, tokenizer, ids, kind: str, args) -> dict:
     )
 
 
-def main() -> None:
-    args = parse_args()
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    resolve_device(parser, args)
+    args.sinks = default_sinks(args.window, args.sinks)
     from tq_compile.smollm2 import load_smollm2
 
     print(f"[1/3] loading SmolLM2-135M-Instruct on {args.device} ...", flush=True)
@@ -213,4 +218,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(PARSER, ARGS)

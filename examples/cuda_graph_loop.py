@@ -18,40 +18,49 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from custom_ops import FORMATS  # noqa: E402
+from examples.arguments import (  # noqa: E402
+    add_device_argument,
+    add_format_argument,
+    check_arguments,
+    model_sizes,
+    resolve_device,
+)
+
+
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the checked arguments (torch is not imported: a bad one fails at once)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
+    parser.add_argument("--preset", default="tiny", choices=model_sizes(), help="model size")
+    add_format_argument(parser)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=64)
+    args = parser.parse_args(argv)
+    check_arguments(parser, args, "batch", "prompt_len", "steps")
+    return parser, args
+
+
+if __name__ == "__main__":
+    PARSER, ARGS = parse_args()  # before the imports below, which take seconds
+
+import torch  # noqa: E402
+
 from examples.model import (  # noqa: E402
     ModelArgs,
     Transformer,
     decode_one_token,
     init_weights,
     prefill,
-    transformer_configs,
 )
 from tq_compile import DecodeGraph, TurboQuantKVConfig, quantize_  # noqa: E402
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
-    )
-    parser.add_argument(
-        "--preset", default="tiny", choices=sorted(transformer_configs), help="model size"
-    )
-    parser.add_argument("--format", default="4bit_nc", choices=sorted(FORMATS))
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=64)
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
-    for name in ("batch", "prompt_len", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    device = args.device
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    device = resolve_device(parser, args)
     cfg = ModelArgs.from_name(args.preset)
     with torch.device(device):
         model = init_weights(Transformer(cfg), seed=0).to(torch.bfloat16).eval()
@@ -83,4 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(PARSER, ARGS)

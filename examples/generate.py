@@ -24,17 +24,49 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from custom_ops import FORMATS  # noqa: E402
+from examples.arguments import add_model_arguments, check_arguments, resolve_device  # noqa: E402
+
+
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the checked arguments (torch is not imported: a bad one fails at once)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=16,
+        help="recent tokens kept in bf16 (the library's default is 128; this demo's sequences "
+        "are only ~100 tokens, so 128 would leave nothing to quantize)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-compile", action="store_true", help="eager decode steps")
+    args = parser.parse_args(argv)
+    check_arguments(parser, args, "batch", "prompt_len", "new_tokens")
+    if not 0 <= args.window < args.prompt_len + args.new_tokens:
+        parser.error(
+            f"--window must be in [0, {args.prompt_len + args.new_tokens}) (prompt "
+            f"+ new tokens; longer quantizes nothing), got {args.window}"
+        )
+    return parser, args
+
+
+if __name__ == "__main__":
+    PARSER, ARGS = parse_args()  # before the imports below, which take seconds
+
+import torch  # noqa: E402
+
 from examples.model import (  # noqa: E402
     ModelArgs,
     Transformer,
     decode_one_token,
     init_weights,
     prefill,
-    transformer_configs,
 )
 from tq_compile import TurboQuantKVConfig, kv_cache_nbytes, quantize_  # noqa: E402
 
@@ -73,49 +105,8 @@ def decode(model, step_fn, prompt, n, device, label, inputs=None):
     return torch.cat(fed, dim=1), torch.cat(predicted, dim=1), rate
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--device``, ``--preset`` (the model's size) and ``--format`` (the KV cache's), each
-    refused by the parser unless it is one it knows (the speculative example shares them)."""
-    parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
-    )
-    parser.add_argument(
-        "--preset",
-        choices=sorted(transformer_configs),
-        help="model size (default: tiny on CPU, 1b-shape on CUDA)",
-    )
-    parser.add_argument(
-        "--format", default="4bit_nc", choices=sorted(FORMATS), help="the KV cache's format"
-    )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_arguments(parser)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument(
-        "--window",
-        type=int,
-        default=16,
-        help="recent tokens kept in bf16 (the library's default is 128; this demo's sequences "
-        "are only ~100 tokens, so 128 would leave nothing to quantize)",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-compile", action="store_true", help="eager decode steps")
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
-    for name in ("batch", "prompt_len", "new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 0 <= args.window < args.prompt_len + args.new_tokens:
-        parser.error(
-            f"--window must be in [0, {args.prompt_len + args.new_tokens}) (prompt "
-            f"+ new tokens; longer quantizes nothing), got {args.window}"
-        )
-    device = args.device
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    device = resolve_device(parser, args)
     preset = args.preset or ("1b-shape" if device == "cuda" else "tiny")
     cfg = ModelArgs.from_name(preset)
     max_seq = args.prompt_len + args.new_tokens + 1
@@ -177,4 +168,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(PARSER, ARGS)

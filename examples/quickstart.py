@@ -23,11 +23,39 @@ kernels. Usage::
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples.arguments import (  # noqa: E402
+    add_device_argument,
+    check_arguments,
+    head_dims,
+    resolve_device,
+)
 
-from custom_ops import FORMATS, SUPPORTED_HEAD_DIMS, api, get_format
+
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the checked arguments (torch is not imported: a bad one fails at once)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head-dim", type=int, default=128, choices=head_dims())
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per kv-head")
+    add_device_argument(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and rotation")
+    args = parser.parse_args(argv)
+    check_arguments(parser, args, "tokens")
+    return parser, args
+
+
+if __name__ == "__main__":
+    PARSER, ARGS = parse_args()  # before the imports below, which take seconds
+
+import torch  # noqa: E402
+
+from custom_ops import FORMATS, api, get_format  # noqa: E402
 
 NUM_KV_HEADS = 4
 PAGE_SIZE = 16
@@ -91,20 +119,8 @@ def format_row(cells: tuple[str, ...], widths: list[int]) -> str:
     return "  ".join([cells[0].ljust(widths[0]), *rest])
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--head-dim", type=int, default=128, choices=SUPPORTED_HEAD_DIMS)
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per kv-head")
-    parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the data and rotation")
-    args = parser.parse_args(argv)
-    if args.tokens < 1:
-        parser.error("--tokens must be at least 1")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a CUDA build of torch and a GPU")
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    device = torch.device(resolve_device(parser, args))
 
     head_dim = args.head_dim
     gen = torch.Generator().manual_seed(args.seed)
@@ -154,4 +170,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(PARSER, ARGS)

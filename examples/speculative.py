@@ -41,11 +41,52 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch import Tensor
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.generate import add_model_arguments, sync  # noqa: E402
+from examples.arguments import add_model_arguments, check_arguments, resolve_device  # noqa: E402
+
+
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the checked arguments (torch is not imported: a bad one fails at once;
+    ``--draft-layers`` against the model's depth is checked once the model is known)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser)
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--draft", choices=("lookup", "early-exit", "replay"), default="lookup")
+    parser.add_argument(
+        "--accept",
+        type=float,
+        default=0.8,
+        help="--draft replay: how often a draft is the target's",
+    )
+    parser.add_argument("--drafts", type=int, default=4, help="k, draft tokens per round (<= 15)")
+    parser.add_argument("--draft-layers", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument(
+        "--new-tokens", type=int, default=None, help="default: 48 on CPU, 200 on CUDA"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-compile", action="store_true", help="eager steps")
+    args = parser.parse_args(argv)
+    check_arguments(parser, args, "prompt_len", "new_tokens", "draft_layers")
+    if not 1 <= args.drafts <= 15:
+        parser.error(
+            f"--drafts must be in [1, 15] (a verify step reads at most 16 tokens), "
+            f"got {args.drafts}"
+        )
+    if not 0 <= args.accept <= 1:
+        parser.error(f"--accept must be in [0, 1], got {args.accept}")
+    return parser, args
+
+
+if __name__ == "__main__":
+    PARSER, ARGS = parse_args()  # before the imports below, which take seconds
+
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from examples.generate import sync  # noqa: E402
 from examples.model import (  # noqa: E402
     ModelArgs,
     Transformer,
@@ -216,38 +257,10 @@ def speculative_greedy(
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_arguments(parser)
-    parser.add_argument("--window", type=int, default=128)
-    parser.add_argument("--draft", choices=("lookup", "early-exit", "replay"), default="lookup")
-    parser.add_argument(
-        "--accept",
-        type=float,
-        default=0.8,
-        help="--draft replay: how often a draft is the target's",
-    )
-    parser.add_argument("--drafts", type=int, default=4, help="k, draft tokens per round (<= 15)")
-    parser.add_argument("--draft-layers", type=int, default=1)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument(
-        "--new-tokens", type=int, default=None, help="default: 48 on CPU, 200 on CUDA"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-compile", action="store_true", help="eager steps")
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
-    if not 1 <= args.drafts <= 15:
-        parser.error(
-            f"--drafts must be in [1, 15] (a verify step reads at most 16 tokens), "
-            f"got {args.drafts}"
-        )
-    device = args.device
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    device = resolve_device(parser, args)
     n_new = args.new_tokens or (200 if device == "cuda" else 48)
     cfg = ModelArgs.from_name(args.preset or ("1b-shape" if device == "cuda" else "tiny"))
-    if not 0 <= args.accept <= 1:
-        parser.error(f"--accept must be in [0, 1], got {args.accept}")
     if not 1 <= args.draft_layers < cfg.n_layer:
         parser.error(f"--draft-layers must be in [1, {cfg.n_layer})")
     max_seq = args.prompt_len + n_new + args.drafts + 1
@@ -334,4 +347,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(PARSER, ARGS)

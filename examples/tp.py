@@ -44,12 +44,56 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import Tensor, nn
-from torch.distributed import _functional_collectives as funcol
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples.arguments import (  # noqa: E402
+    add_device_argument,
+    check_arguments,
+    format_names,
+    model_sizes,
+    resolve_device,
+)
+
+ROUTES = ("funcol", "dtensor")
+
+
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the checked arguments (torch is not imported: a bad one fails at once)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
+    parser.add_argument(
+        "--preset",
+        choices=model_sizes(),
+        help="model size (default: tiny on CPU, 1b-shape on CUDA)",
+    )
+    parser.add_argument(
+        "--cache",
+        default="4bit_nc",
+        choices=("bf16", *format_names()),
+        help="bf16 or a TurboQuant format",
+    )
+    parser.add_argument("--window", type=int, default=16, help="TurboQuant recent window")
+    parser.add_argument("--route", default="funcol", choices=ROUTES)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--compile", action="store_true", help="compile the decode step (reduce-overhead on CUDA)"
+    )
+    args = parser.parse_args(argv)
+    check_arguments(parser, args, "batch", "prompt_len", "new_tokens")
+    return parser, args
+
+
+if __name__ == "__main__":
+    PARSER, ARGS = parse_args()  # before the imports below, which take seconds
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.distributed import _functional_collectives as funcol  # noqa: E402
+
 from examples.generate import sync  # noqa: E402
 from examples.model import (  # noqa: E402
     ModelArgs,
@@ -69,7 +113,6 @@ __all__ = [
     "parallelize_dtensor",
 ]
 
-ROUTES = ("funcol", "dtensor")
 # DTensor plans for one TransformerBlock: the five linears gpt-fast shards.
 COLWISE = ("attention.wqkv", "feed_forward.w1", "feed_forward.w3")
 ROWWISE = ("attention.wo", "feed_forward.w2")
@@ -276,23 +319,8 @@ def parallelize_dtensor(model: Transformer, mesh) -> Transformer:
     return model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--preset", help="model preset (default: tiny on CPU, 1b-shape on CUDA)")
-    parser.add_argument("--cache", default="4bit_nc", help="bf16 or a TurboQuant format")
-    parser.add_argument("--window", type=int, default=16, help="TurboQuant recent window")
-    parser.add_argument("--route", default="funcol", choices=ROUTES)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument(
-        "--compile", action="store_true", help="compile the decode step (reduce-overhead on CUDA)"
-    )
-    args = parser.parse_args()
-    for name in ("batch", "prompt_len", "new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    resolve_device(parser, args)
     with process_group(args.device) as (rank, world_size, device):
         say = print if rank == 0 else (lambda *a, **k: None)
         preset = args.preset or ("1b-shape" if device.type == "cuda" else "tiny")
@@ -343,4 +371,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(PARSER, ARGS)

@@ -112,6 +112,8 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         "chunk_k",
         "chunk_v",
     ]
+    # the constructor's arguments, in order
+    _FLAT_NAMES = (*tensor_data_names, *tensor_attribute_names, *optional_tensor_data_names)
 
     def __new__(
         cls,
@@ -146,43 +148,16 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             cls, shape, dtype=model_dtype, device=k_codes.device, requires_grad=False
         )
 
-    def __init__(
-        self,
-        k_codes,
-        v_codes,
-        meta,
-        block_table,
-        seq_lens,
-        rotation,
-        fmt,
-        side,
-        max_seq_len,
-        group,
-        split_heads,
-        num_splits,
-        model_dtype,
-        truncated,
-        sinks,
-        k_window=None,
-        v_window=None,
-        window_pos=None,
-        key_center=None,
-        chunk_k=None,
-        chunk_v=None,
-    ):
+    def __init__(self, *args, **kwargs):
+        # the arguments of __new__, in its order (the flattened form), the trailing optional
+        # tensors positionally or by keyword
         super().__init__()
-        if side not in _SIDES:
-            raise ValueError(f"side must be one of {_SIDES}, got {side!r}")
-        self.k_codes, self.v_codes, self.meta = k_codes, v_codes, meta
-        self.block_table, self.seq_lens = block_table, seq_lens
-        self.rotation = rotation
-        self.fmt, self.side, self.max_seq_len = fmt, side, max_seq_len
-        self.group, self.split_heads = group, split_heads
-        self.num_splits, self.model_dtype = num_splits, model_dtype
-        self.truncated, self.sinks = truncated, sinks
-        self.k_window, self.v_window, self.window_pos = k_window, v_window, window_pos
-        self.key_center = key_center
-        self.chunk_k, self.chunk_v = chunk_k, chunk_v
+        for name, value in zip(self._FLAT_NAMES, args, strict=False):
+            setattr(self, name, value)
+        for name in self._FLAT_NAMES[len(args) :]:
+            setattr(self, name, kwargs.get(name))
+        if self.side not in _SIDES:
+            raise ValueError(f"side must be one of {_SIDES}, got {self.side!r}")
 
     # ---- construction helpers -------------------------------------------------------------
 
