@@ -43,6 +43,7 @@ __all__ = [
     "ring_start",
     "ring_slots",
     "overlay_window",
+    "overlay_chunk",
     "gather_rows",
     "dequantize",
     "softcap_scores",
@@ -652,6 +653,25 @@ def decode(
     return torch.stack(outputs, dim=2).to(q.dtype)
 
 
+def overlay_chunk(
+    dense: torch.Tensor, chunk: torch.Tensor, seq_lens: torch.Tensor
+) -> torch.Tensor:
+    """``dense [B, H, S, D]`` with each sequence's last ``T`` positions below its length
+    (``seq_lens [B]``) holding ``chunk [B, Hk, T, D]`` (its heads repeated to ``H``) as given, in
+    ``dense``'s dtype: a chunk just stored, read exactly instead of through its codes.
+    Differentiable in ``chunk``."""
+    batch, heads, seq, head_dim = dense.shape
+    tokens = chunk.shape[2]
+    chunk = chunk.to(dense.dtype)
+    if chunk.shape[1] != heads:
+        chunk = chunk.repeat_interleave(heads // chunk.shape[1], dim=1)
+    starts = seq_lens.to(device=dense.device, dtype=torch.int64)[:, None] - tokens
+    offset = torch.arange(seq, device=dense.device)[None, :] - starts  # [B, S]: chunk index
+    in_chunk = ((offset >= 0) & (offset < tokens))[:, None, :, None]
+    index = offset.clamp(0, tokens - 1)[:, None, :, None].expand(batch, heads, seq, head_dim)
+    return torch.where(in_chunk, chunk.gather(2, index), dense)
+
+
 def prefill(
     fmt: KVFormat,
     q: torch.Tensor,
@@ -710,11 +730,8 @@ def prefill(
     # the chunk's own keys and values at its positions, as they are
     positions = torch.arange(capacity, device=q.device)
     lens = seq_lens.to(device=q.device, dtype=torch.int64)
-    offset = positions[None, :] - (lens - tokens)[:, None]  # [B, S] index into the chunk
-    in_chunk = ((offset >= 0) & (offset < tokens))[:, None, :, None]
-    index = offset.clamp(0, tokens - 1)[:, None, :, None].expand(-1, num_kv_heads, -1, head_dim)
-    k = torch.where(in_chunk, key.to(dtype).gather(2, index), k)[:, :, :seq]
-    v = torch.where(in_chunk, value.to(dtype).gather(2, index), v)[:, :, :seq]
+    k = overlay_chunk(k, key, lens)[:, :, :seq]
+    v = overlay_chunk(v, value, lens)[:, :, :seq]
     k = k.repeat_interleave(group, dim=1)  # [B, Hq, S, D]
     v = v.repeat_interleave(group, dim=1)
     present = (positions[None, :seq] < lens[:, None])[:, None, None, :]  # [B, 1, 1, S]

@@ -44,7 +44,7 @@ from torchao.utils import TorchAOBaseTensor
 
 from custom_ops import compat, ops
 from custom_ops.formats import PagedKVCache, RecentWindow, sequence_capacity, window_size
-from custom_ops.reference import softcap_scores
+from custom_ops.reference import overlay_chunk, softcap_scores
 from custom_ops.schema import DecodeArgs, DequantizeArgs, PrefillArgs, window_fields
 from custom_ops.validate import MAX_QUERY_TOKENS
 
@@ -638,7 +638,8 @@ def _attention(a: dict, softcap: float) -> torch.Tensor:
     keys = k.dequantize(q.dtype, uncenter=bool(softcap) or own)
     values = v.dequantize(q.dtype)
     if own:
-        keys, values = _with_chunk(keys, k, k.chunk_k), _with_chunk(values, v, v.chunk_v)
+        keys = overlay_chunk(keys, k.chunk_k, k.seq_lens)
+        values = overlay_chunk(values, v.chunk_v, v.seq_lens)
     seq = k.shape[2]
     visible = torch.arange(seq, device=q.device)[None, :] < k.seq_lens[:, None]
     visible = visible[:, None, None, :]  # [B, 1, 1, S]
@@ -652,20 +653,6 @@ def _attention(a: dict, softcap: float) -> torch.Tensor:
     else:
         mask = torch.where(visible, _mask_4d(attn_mask).to(q.dtype), float("-inf"))
     return _dense_attention(q, keys, values, mask, scale, a["enable_gqa"], softcap)
-
-
-def _with_chunk(dense: torch.Tensor, view: TurboQuantKVTensor, chunk: torch.Tensor):
-    """``dense [B, H, S, D]`` (``view.dequantize()``) with the chunk's positions, each
-    sequence's last ``T`` below its length, holding ``chunk [B, Hk, T, D]`` as the model computed
-    it (differentiable in ``chunk``)."""
-    batch, heads, seq, head_dim = dense.shape
-    tokens = chunk.shape[2]
-    chunk = chunk.to(dense.dtype).repeat_interleave(heads // chunk.shape[1], dim=1)
-    starts = view.seq_lens.to(torch.int64)[:, None] - tokens
-    offset = torch.arange(seq, device=dense.device)[None, :] - starts  # [B, S]: chunk index
-    in_chunk = ((offset >= 0) & (offset < tokens))[:, None, :, None]
-    index = offset.clamp(0, tokens - 1)[:, None, :, None].expand(batch, heads, seq, head_dim)
-    return torch.where(in_chunk, chunk.gather(2, index), dense)
 
 
 def _dense_attention(q, keys, values, mask, scale: float, enable_gqa: bool, softcap: float):
