@@ -180,7 +180,7 @@ class TurboQuantKVCache(nn.Module):
     def quantizes_nothing(self) -> bool:
         """Whether the window and sinks cover ``max_seq_length``: every token stays in the
         ring, in the model's dtype."""
-        return self.window + self.sinks == self.max_seq_length
+        return self.options.quantizes_nothing(self.max_seq_length)
 
     @property
     def has_rings(self) -> bool:

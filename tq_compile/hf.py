@@ -447,7 +447,7 @@ class TurboQuantCache(Cache):
             for index in range(count)
         ]
         super().__init__(layers=layers)
-        if sum(options.ring_for(max_cache_len)) == max_cache_len:
+        if options.quantizes_nothing(max_cache_len):
             batch = max_batch_size or 1  # the first forward's batch: unknown yet
             held, dense = _planned_nbytes(config, self.layers, max_cache_len, batch)
             warn_unquantized_cache(

@@ -122,6 +122,11 @@ class CacheOptions:
         window = min(self.window, capacity)
         return window, min(self.sink_count, capacity - window)
 
+    def quantizes_nothing(self, capacity: int) -> bool:
+        """Whether a cache of ``capacity`` tokens per sequence keeps every token in its ring
+        (:meth:`ring_for` covers the capacity): none is ever quantized."""
+        return sum(self.ring_for(capacity)) == capacity
+
     @classmethod
     def of(cls, options: CacheOptions | None, fields: dict) -> CacheOptions:
         """``options`` (default ``CacheOptions()``) with the keyword ``fields`` a constructor

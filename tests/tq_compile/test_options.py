@@ -44,6 +44,10 @@ def test_ring_for_sizes_the_ring_to_the_capacity():
     assert CacheOptions().ring_for(64) == (64, 0)
     assert CacheOptions(window=0, sinks=8).ring_for(4) == (0, 4)
     assert CacheOptions(window=0).ring_for(4) == (0, 0)
+    assert CacheOptions().quantizes_nothing(64) and CacheOptions().quantizes_nothing(132)
+    assert not CacheOptions().quantizes_nothing(133) and not CacheOptions(
+        window=0
+    ).quantizes_nothing(4)
 
 
 def test_the_config_passes_its_options_whole():
