@@ -23,7 +23,9 @@ sequence whose KV cache fits ``--kv-budget-gb`` at that batch.
 
 ``--kernels N`` adds, per cell, the GPU time per step of every kernel over ``N`` profiled steps
 (``torch.profiler``; kernels replayed from a CUDA graph included), the largest first: where the
-step's time goes.
+step's time goes; and the table's ``attn_kernels``: kernels per layer per step of the cache's
+attention work, the ``tq`` ops' Triton kernels (append, query preparation, split, ring, merge)
+for a TurboQuant cache, SDPA's for bf16 (whose cache write inductor fuses into the RoPE kernel).
 
 ``--host`` adds the host-overhead table: CPU microseconds per eager call of one layer's cache
 write and attention (dense ``KVCache.update`` and SDPA; ``TurboQuantKVCache.update``, SDPA
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import statistics
 import sys
@@ -173,6 +176,44 @@ def kernel_times(model: Transformer, step, batch: int, position: int, steps: int
     return sorted(rows, key=lambda r: -r["us"])
 
 
+@functools.cache
+def _tq_kernel_names() -> frozenset[str]:
+    """The names of the Triton kernels the ``tq`` ops launch (every ``*_kernel`` jit function
+    of :mod:`custom_ops.triton`; a traced launch's flat entry is named after its kernel)."""
+    import pkgutil
+
+    import triton
+
+    import custom_ops.triton as package
+
+    names = set()
+    for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        for value in vars(importlib.import_module(module.name)).values():
+            # (KernelInterface: a jit function, or its interpreted form under TRITON_INTERPRET)
+            if isinstance(value, triton.runtime.KernelInterface):
+                name = getattr(value, "__name__", "")
+                if name.endswith("_kernel"):
+                    names.add(name)
+    return frozenset(names)
+
+
+# dense SDPA's kernels (cuDNN's attention and its split reduction, flash, memory-efficient)
+SDPA_KERNEL_MARKS = ("sdpa", "cudnn", "flash", "fmha", "attention")
+
+
+def attention_kernels(kernels: list[dict], cache: str, n_layer: int) -> float:
+    """Kernels per layer per step of a cell's attention work (:func:`kernel_times`' rows): the
+    ``tq`` ops' kernels for a TurboQuant cache, dense SDPA's for a dense one."""
+
+    def counted(name: str) -> bool:
+        if cache in DENSE:  # (inductor's own kernels, triton_*, may be named after SDPA)
+            marked = any(mark in name.lower() for mark in SDPA_KERNEL_MARKS)
+            return marked and not name.startswith("triton_")
+        return name.split("_flat_")[0] in _tq_kernel_names()
+
+    return sum(r["launches"] for r in kernels if counted(r["kernel"])) / n_layer
+
+
 def set_caches(
     model: Transformer,
     cache: str,
@@ -248,6 +289,9 @@ def _time_cell(model: Transformer, args, mode: str, batch: int, context: int, ca
             result["kernels"] = kernel_times(
                 model, step, batch, filled + args.steps + 3, args.kernels
             )
+            result["attn_kernels"] = attention_kernels(
+                result["kernels"], cache, model.config.n_layer
+            )
         result["kv_gb"] = kv_cache_nbytes(model) / 1e9
     except torch.cuda.OutOfMemoryError:
         result = dict(ms=None, kv_gb=_cache_bytes(model.config, cache, batch, context) / 1e9)
@@ -297,6 +341,9 @@ def _time_interleaved(
                 first = filled + args.steps + 3
                 results[cache]["kernels"] = kernel_times(
                     model, decode_one_token, batch, first, args.kernels
+                )
+                results[cache]["attn_kernels"] = attention_kernels(
+                    results[cache]["kernels"], cache, model.config.n_layer
                 )
     except torch.cuda.OutOfMemoryError:
         results = None
@@ -354,10 +401,13 @@ def _row_text(row: dict) -> str:
 def _printable(row: dict) -> dict:
     """``row`` with its timings as text (``oom`` where the cache did not fit)."""
     text = {"ms": "{:.2f}", "tok_s": "{:.0f}", "speedup": "{:.2f}x"}
-    return {
+    printable = {
         k: (("oom" if v is None else fmt.format(v)) if (fmt := text.get(k)) else v)
         for k, v in row.items()
     }
+    attn = row.get("attn_kernels")  # profiled cells only (--kernels)
+    printable["attn_kernels"] = "-" if attn is None else f"{attn:.1f}"
+    return printable
 
 
 def host_cpu_us(call, n: int = 200) -> float:
@@ -645,6 +695,7 @@ def main() -> None:
                 speedup="",
                 kv_gb=".2f",
                 max_context="d",
+                attn_kernels="",
             ),
         )
     path = write_json(args.out, payload)

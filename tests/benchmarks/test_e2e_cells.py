@@ -81,3 +81,28 @@ def test_eager_cells_one_by_one_when_holding_every_cache_runs_out(model, monkeyp
     assert fills == ["KVCache", "TurboQuantKVCache", "KVCache", "TurboQuantKVCache"], fills
     assert kinds == ["KVCache"] * 6 + ["TurboQuantKVCache"] * 6, kinds
     assert all(row["ms"] is not None and math.isfinite(row["ms"]) for row in rows), rows
+
+
+def test_attention_kernels_count_the_caches_work_per_layer():
+    """``attn_kernels``: the tq ops' kernels (a traced launch's flat entry under its kernel's
+    name) per layer and step for a TurboQuant cache; SDPA's own kernels for bf16, not
+    inductor's kernels named after it nor the model's GEMMs."""
+    layers = 16
+    tq_rows = [
+        dict(kernel="store_window_kernel_flat_0123abcd", launches=16.0),
+        dict(kernel="split_kernel", launches=16.0),
+        dict(kernel="merge_kernel", launches=16.0),
+        dict(kernel="nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT", launches=32.0),
+        dict(kernel="triton_poi_fused__to_copy_add_decode_index_mul", launches=16.0),
+    ]
+    assert e2e.attention_kernels(tq_rows, "4bit_nc", layers) == 3.0
+    dense_rows = [
+        dict(kernel="cudnn_generated_fort_native_sdpa_sm80_flash_fprop", launches=16.0),
+        dict(kernel="void cudnn::fusion::lean_reduction_kernel<false>", launches=16.0),
+        dict(
+            kernel="triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy", launches=16.0
+        ),
+        dict(kernel="split_kernel", launches=16.0),
+    ]
+    assert e2e.attention_kernels(dense_rows, "bf16", layers) == 2.0
+    assert {"split_kernel", "merge_kernel", "store_window_kernel"} <= e2e._tq_kernel_names()
