@@ -26,12 +26,14 @@ from custom_ops.formats import (
 )
 from custom_ops.schema import (
     DecodeArgs,
+    DecodeStepArgs,
     DequantizeArgs,
     PrefillArgs,
     StoreArgs,
     StoreWindowArgs,
     window_fields,
 )
+from custom_ops.triton.decode.plan import step_supported
 
 __all__ = [
     "KVConstants",
@@ -40,6 +42,8 @@ __all__ = [
     "store_window",
     "dequantize",
     "decode",
+    "decode_step",
+    "step_supported",
     "prefill",
     "default_num_splits",
     "appended_window_positions",
@@ -164,6 +168,60 @@ def default_num_splits(
     return splits.num_splits_for(batch, num_kv_heads, capacity, device)
 
 
+def _cache_splits(q, cache: PagedKVCache, block_table, window: RecentWindow | None) -> int:
+    """:func:`default_num_splits` of a decode of ``q`` over ``cache``."""
+    return default_num_splits(
+        q.shape[0],
+        cache.k_codes.shape[1],
+        block_table.shape[1],
+        cache.k_codes.shape[2],
+        window_size(window),
+        q.device,
+    )
+
+
+def decode_step(
+    fmt: str | KVFormat,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    window: RecentWindow,
+    block_table: torch.Tensor,
+    start_pos: torch.Tensor,
+    constants: KVConstants,
+    counts: torch.Tensor,
+    num_splits: int | None = None,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step with its own token: ``q [B, Hq, D]`` attends the cache as it was (the
+    positions below ``start_pos``) and the step's ``key``/``value [B, Hk, 1, D]`` exactly, then
+    the token is appended to the cache and ``window``; ``(out [B, Hq, D], new lengths [B]
+    int32)``. ``counts``: ``[>= B * Hk] int32`` zeros, the append's arrival counts (left zero).
+    Defaults as :func:`decode`'s."""
+    if num_splits is None:
+        num_splits = _cache_splits(q, cache, block_table, window)
+    args = DecodeStepArgs(
+        q,
+        key,
+        value,
+        *cache,
+        block_table,
+        start_pos,
+        constants.rotation,
+        counts,
+        get_format(fmt).name,
+        num_splits,
+        q.shape[-1] ** -0.5 if scale is None else scale,
+        **window_fields(window, DecodeStepArgs),
+        mask=mask,
+        softcap=softcap,
+    )
+    return ops.call(args)
+
+
 def decode(
     fmt: str | KVFormat,
     q: torch.Tensor,
@@ -185,14 +243,7 @@ def decode(
     2's attention logit softcapping).
     """
     if num_splits is None:
-        num_splits = default_num_splits(
-            q.shape[0],
-            cache.k_codes.shape[1],
-            block_table.shape[1],
-            cache.k_codes.shape[2],
-            window_size(window),
-            q.device,
-        )
+        num_splits = _cache_splits(q, cache, block_table, window)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     args = DecodeArgs(

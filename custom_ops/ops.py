@@ -68,6 +68,19 @@ stay opaque calls.
   visible key gets zeros). With the rings, each sequence-head's ring run and sinks are read
   from them in full precision. ``softcap > 0`` caps each score ``s`` at ``softcap * tanh(s /
   softcap)`` before the mask.
+* ``tq.decode_step(q, key, value, k_codes, v_codes, meta, block_table, start_pos, rotation,
+  counts, fmt, num_splits, scale, k_window, v_window, window_pos, sinks=0, mask=None,
+  softcap=0.0) -> (out, new_lens)``: a one-token decode step and its append in one op. ``q [B,
+  Hq, D]`` attends each sequence's cache as it is (the positions below ``start_pos[b]``: pages,
+  ring run and sinks, as ``tq.decode`` reads them) and the step's own ``key``/``value [B, Hk,
+  1, D]`` (contiguous head dim) at ``start_pos[b]``, exactly, as a one-token ``tq.prefill``
+  chunk attends itself; then the token is appended as ``tq.store_window`` appends it (the
+  token leaving the ring is quantized after the step attended it in full precision). Needs a
+  recent window (``W > 0``) and values in the original space; ``counts [>= B * Hk] int32``,
+  zero before and after, is the CUDA kernels' count of finished programs per sequence-head
+  (the last one appends). Returns the output (q's shape and dtype) and the new lengths ``[B]
+  int32`` (``start_pos + 1``; 0 and zeros for a skipped sequence). On CUDA two launches, the
+  split kernel and the merge (:mod:`custom_ops.triton.decode`).
 * ``tq.prefill(q, key, value, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt,
   scale, is_causal, max_seq_len, mask=None, k_window=None, v_window=None, window_pos=None,
   sinks=0, key_center=None, softcap=0.0) -> out``: attention of a chunk of ``T`` tokens just
@@ -103,6 +116,7 @@ from custom_ops import compat, reference, sdpa_lse, validate
 from custom_ops.formats import PagedKVCache
 from custom_ops.schema import (
     DecodeArgs,
+    DecodeStepArgs,
     DequantizeArgs,
     PrefillArgs,
     StoreArgs,
@@ -117,6 +131,7 @@ from custom_ops.triton import store as triton_store
 from custom_ops.triton import store_window as triton_store_window
 from custom_ops.triton import traced
 from custom_ops.triton.decode import decode as triton_decode
+from custom_ops.triton.decode import decode_step as triton_decode_step
 
 __all__ = ["triton_on_cpu", "inductor_launches", "call", "is_eager"]
 
@@ -319,6 +334,30 @@ def _decode(a: DecodeArgs, key: validate.LaunchKey | None) -> torch.Tensor:
     )
 
 
+def _decode_step(
+    a: DecodeStepArgs, key: validate.LaunchKey | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kv_format = validate.checked(validate.check_decode_step, a, key)
+    common = (kv_format, a.q, a.key, a.value, _cache(a), a.block_table, a.start_pos, a.rotation)
+    if _use_triton(a.q.device):
+        return triton_decode_step(
+            *common,
+            a.num_splits,
+            a.scale,
+            a.counts,
+            window_of(a),
+            a.mask,
+            a.softcap,
+            launch_key=key,
+        )
+    return reference.decode_step(*common, a.scale, window_of(a), torch.float32, a.mask, a.softcap)
+
+
+def _decode_step_fake(a: DecodeStepArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    validate.check_decode_step(a)
+    return a.q.new_empty(a.q.shape), a.q.new_empty(a.q.shape[0], dtype=torch.int32)
+
+
 def _decode_fake(a: DecodeArgs) -> torch.Tensor:
     validate.check_decode(a)
     return a.q.new_empty(a.q.shape)  # contiguous, as both implementations return
@@ -392,5 +431,14 @@ _define(
 )
 _define("dequantize", DequantizeArgs, _dequantize, _dequantize_fake, returns="(Tensor, Tensor)")
 _define("decode", DecodeArgs, _decode, _decode_fake, returns="Tensor", traceable=True)
+_define(
+    "decode_step",
+    DecodeStepArgs,
+    _decode_step,
+    _decode_step_fake,
+    mutates=("k_codes", "v_codes", "meta", "k_window", "v_window", "window_pos", "counts"),
+    returns="(Tensor, Tensor)",
+    traceable=True,
+)
 _define("prefill", PrefillArgs, _prefill, _prefill_fake, returns="Tensor")
 traced.static_launch_by_default()

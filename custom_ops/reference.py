@@ -759,6 +759,55 @@ def prefill(
     return torch.cat(outputs, dim=2).to(q.dtype)
 
 
+def decode_step(
+    fmt: KVFormat,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    start_pos: torch.Tensor,
+    rotation: torch.Tensor,
+    scale: float,
+    window: RecentWindow,
+    dtype: torch.dtype = torch.float32,
+    mask: torch.Tensor | None = None,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step with its own token: ``q [B, Hq, D]`` attends each sequence's cache as it
+    is, the positions below ``start_pos[b]`` (compressed pages, ring run and sinks), and the
+    step's ``key``/``value [B, Hk, 1, D]`` at ``start_pos[b]``, exactly: :func:`prefill` of a
+    one-token chunk over the cache before the token is stored. Then the token is appended
+    (:func:`store_window`). A skipped sequence (``start_pos < 0``) attends nothing (zeros) and
+    keeps its cache. ``mask``: ``[B or 1, Hq or 1, M]`` over positions, as ``tq.decode``'s.
+
+    Returns:
+        ``(out, new_lens)``: ``[B, Hq, D]`` in q's dtype and the new lengths ``[B] int32``.
+    """
+    live = start_pos >= 0
+    lens = torch.where(live, start_pos + 1, 1).to(torch.int32)  # skipped rows: zeroed below
+    capacity = sequence_capacity(block_table.shape[1], cache.k_codes.shape[2], window.size)
+    out = prefill(
+        fmt,
+        q[:, :, None],
+        key,
+        value,
+        cache,
+        block_table,
+        lens,
+        rotation,
+        scale,
+        False,
+        capacity,
+        dtype,
+        None if mask is None else mask[:, :, None],
+        window,
+        softcap,
+    )[:, :, 0]
+    out = torch.where(live[:, None, None], out, 0).to(q.dtype)
+    return out, store_window(fmt, key, value, cache, window, block_table, start_pos, rotation)
+
+
 def chunk_is_everything(
     seq_lens: torch.Tensor,
     tokens: int,

@@ -25,6 +25,7 @@ __all__ = [
     "StoreWindowArgs",
     "DequantizeArgs",
     "DecodeArgs",
+    "DecodeStepArgs",
     "PrefillArgs",
     "op_schema",
     "window_fields",
@@ -101,6 +102,31 @@ class DecodeArgs(NamedTuple):
     v_window: Tensor | None = None
     window_pos: Tensor | None = None
     sinks: int = 0
+    softcap: float = 0.0
+
+
+class DecodeStepArgs(NamedTuple):
+    """``tq.decode_step``: one new token per sequence attends its cache as it was and itself
+    exactly, then is appended to the cache and its recent window."""
+
+    q: Tensor
+    key: Tensor
+    value: Tensor
+    k_codes: Tensor
+    v_codes: Tensor
+    meta: Tensor
+    block_table: Tensor
+    start_pos: Tensor
+    rotation: Tensor
+    counts: Tensor
+    fmt: str
+    num_splits: int
+    scale: float
+    k_window: Tensor
+    v_window: Tensor
+    window_pos: Tensor
+    sinks: int = 0
+    mask: Tensor | None = None
     softcap: float = 0.0
 
 

@@ -21,11 +21,13 @@ from custom_ops import compat, formats, reference, splits
 from custom_ops.formats import KVFormat, PagedKVCache, get_format
 from custom_ops.schema import (
     DecodeArgs,
+    DecodeStepArgs,
     DequantizeArgs,
     PrefillArgs,
     StoreArgs,
     StoreWindowArgs,
 )
+from custom_ops.triton.decode.plan import step_supported
 from custom_ops.triton.launch import KeyedMemo
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -293,9 +295,9 @@ def check_store(args: StoreArgs) -> KVFormat:
     return fmt
 
 
-def check_store_window(args: StoreWindowArgs) -> KVFormat:
-    """Checks of ``tq.store_window``; returns the format."""
-    op = "store_window"
+def check_store_window(args: StoreWindowArgs, op: str = "store_window") -> KVFormat:
+    """Checks of ``tq.store_window`` (``op``: the operator named in errors); returns the
+    format."""
     fmt = check_format(op, args.fmt)
     cache = PagedKVCache(args.k_codes, args.v_codes, args.meta)
     key, block_table, start_pos = args.key, args.block_table, args.start_pos
@@ -557,9 +559,8 @@ def check_scores(op: str, scale, softcap) -> None:
         _fail(op, f"softcap must be 0 (no cap) or a positive finite float, got {softcap}")
 
 
-def check_decode(args: DecodeArgs) -> KVFormat:
-    """Checks of ``tq.decode``; returns the format."""
-    op = "decode"
+def check_decode(args: DecodeArgs, op: str = "decode") -> KVFormat:
+    """Checks of ``tq.decode`` (``op``: the operator named in errors); returns the format."""
     fmt = check_format(op, args.fmt)
     q, mask = args.q, args.mask
     if q.dim() not in (3, 4) or (q.dim() == 4 and not 1 <= q.shape[2] <= MAX_QUERY_TOKENS):
@@ -612,6 +613,90 @@ def check_decode(args: DecodeArgs) -> KVFormat:
                 f"{num_q_heads} or 1, M]{per_token if q.dim() == 4 else ''}, got shape "
                 f"{_shape(mask)}",
             )
+    return fmt
+
+
+def check_decode_step(args: DecodeStepArgs) -> KVFormat:
+    """Checks of ``tq.decode_step``; returns the format. Its query as ``tq.decode``'s (one token
+    per sequence), its tokens, positions and rings as ``tq.store_window``'s (one token, whose
+    checks also cover the pages the step reads: those below its start), then what the fused
+    step needs: the arrival counts, a contiguous head dim and a format and window it
+    serves."""
+    op = "decode_step"
+    q, key, value, counts = args.q, args.key, args.value, args.counts
+    if q.dim() != 3:
+        _fail(op, f"q must be [B, Hq, D] (one query token per sequence), got shape {_shape(q)}")
+    if key.dim() != 4 or key.shape[2] != 1:
+        _fail(op, f"key must be [B, Hk, 1, D] (the step's token), got shape {_shape(key)}")
+    fmt = check_store_window(
+        StoreWindowArgs(
+            key,
+            value,
+            args.k_codes,
+            args.v_codes,
+            args.meta,
+            args.k_window,
+            args.v_window,
+            args.window_pos,
+            args.block_table,
+            args.start_pos,
+            args.rotation,
+            args.fmt,
+            args.sinks,
+        ),
+        op,
+    )
+    batch, num_kv_heads = key.shape[:2]
+    # (the lengths the decode's checks take: zeros, its pages checked above up to the start)
+    lengths = q.new_zeros(q.shape[0], dtype=torch.int32)
+    check_decode(
+        DecodeArgs(
+            q,
+            args.k_codes,
+            args.v_codes,
+            args.meta,
+            args.block_table[: q.shape[0]],
+            lengths,
+            args.rotation,
+            args.fmt,
+            args.num_splits,
+            args.scale,
+            args.mask,
+            args.k_window,
+            args.v_window,
+            args.window_pos,
+            args.sinks,
+            args.softcap,
+        ),
+        op,
+    )
+    if q.shape[0] != batch:
+        _fail(op, f"q has {q.shape[0]} sequences but key has {batch}")
+    window = formats.ring_window(args.k_window, args.sinks)
+    if not step_supported(fmt, window, 1):
+        _fail(
+            op,
+            f"a fused decode step needs a recent window (window {window}) and values in the "
+            f"original space ({fmt.name}'s are rotated: {fmt.value.rotated}); use "
+            "tq.store_window and tq.decode",
+        )
+    for name, t in (("key", key), ("value", value)):
+        if t.stride(-1) != 1:
+            _fail(op, f"{name} must have a contiguous head dim (stride 1), got {t.stride()}")
+    if counts.dtype != torch.int32 or counts.dim() != 1 or not counts.is_contiguous():
+        _fail(
+            op,
+            f"counts must be a contiguous int32 vector, got {counts.dtype} {_shape(counts)}",
+            TypeError if counts.dtype != torch.int32 else ValueError,
+        )
+    if counts.numel() < batch * num_kv_heads:
+        _fail(
+            op,
+            f"counts must hold B * Hk = {batch * num_kv_heads} entries, got {counts.numel()}",
+        )
+    check_same_device(op, args.k_codes.device, counts=counts)
+    if checks_values(counts) and counts[: batch * num_kv_heads].any():
+        _fail(op, "counts must be zero (the fused step leaves them zero)")
     return fmt
 
 

@@ -33,6 +33,10 @@ from custom_ops.triton.store import side_params, store
 
 __all__ = [
     "store_window_kernel",
+    "append_rows",
+    "token_arguments",
+    "EVICT",
+    "FILL",
     "store_window",
     "APPEND_LAUNCH",
     "INTERPRETED_APPEND_LAUNCH",
@@ -48,6 +52,9 @@ __all__ = [
 # another in Python: there appends keep 16 rows on 4 warps (one row per program made the store
 # tests 5x slower); the bytes written do not depend on the shape (test_store_window.py checks
 # APPEND_LAUNCH against the reference on the CPU too).
+# append_rows' phases: the leaving token into its page, then the new tokens into the ring
+EVICT = tl.constexpr(1)
+FILL = tl.constexpr(2)
 APPEND_LAUNCH = (1, 1)
 INTERPRETED_APPEND_LAUNCH = (16, 4)
 PREFILL_LAUNCH = (32, 4)
@@ -56,16 +63,7 @@ APPEND_MAX_ROWS = 4096
 
 @triton.jit
 def store_window_kernel(
-    key_ptr,
-    value_ptr,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vt,
-    stride_vd,
+    tokens,
     rings,
     planes,
     table,
@@ -91,9 +89,73 @@ def store_window_kernel(
     CENTER: tl.constexpr,
     CENTER_INLINE: tl.constexpr,
 ):
-    """Row ``(b, chain, head)``: ring slot ``(start + chain) % W`` of sequence ``b`` (chains
-    below ``W``). Its old token is quantized into its page if still part of the sequence (its
-    position, from ``window_pos``, below ``start``); then the last new token of the chain
+    """``BLOCK_R`` rows of :func:`append_rows` per program (``tokens``: the new keys and
+    values and their strides, :func:`token_arguments`)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    append_rows(
+        rows,
+        rows < num_rows,
+        tokens,
+        rings,
+        planes,
+        table,
+        start_pos_ptr,
+        stride_start,
+        seq_lens_ptr,
+        rot_ptr,
+        center_ptr,
+        num_kv_heads,
+        num_new,
+        num_chains,
+        window,
+        page_size,
+        max_pages,
+        D,
+        D_PAD,
+        INV_SQRT_D,
+        BLOCK_R,
+        K,
+        V,
+        SINKS,
+        CENTER,
+        CENTER_INLINE,
+    )
+
+
+@triton.jit
+def append_rows(
+    rows,
+    in_range,
+    tokens,
+    rings,
+    planes,
+    table,
+    start_pos_ptr,
+    stride_start,
+    seq_lens_ptr,
+    rot_ptr,
+    center_ptr,
+    num_kv_heads,
+    num_new,
+    num_chains,
+    window,
+    page_size,
+    max_pages,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    SINKS: tl.constexpr,
+    CENTER: tl.constexpr,
+    CENTER_INLINE: tl.constexpr,
+    PHASES: tl.constexpr = 3,  # EVICT | FILL
+):
+    """Row ``(b, chain, head)`` (``rows [BLOCK_R]``, those ``in_range``): ring slot ``(start +
+    chain) % W`` of sequence ``b`` (chains below ``W``). Its old token is quantized into its
+    page if still part of the sequence (its position, from ``window_pos``, below ``start``);
+    then the last new token of the chain
     ``chain, chain + W, ...`` takes the slot, unless its position is a sink's. New token
     ``chain`` at a sink's position (below ``SINKS``) takes that sink's slot ``W + start +
     chain``. Each row owns its slots and position entries, so no row reads what another
@@ -104,9 +166,25 @@ def store_window_kernel(
     token, a window): this kernel sets the centres itself, saving the centring launch of
     every decode step: a row whose leaving token is position ``SINKS`` (the first to reach a
     page) sets its centre from the window slots and re-centres the ring before quantizing it;
-    a row at position 0 resets its centre."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_range = rows < num_rows
+    a row at position 0 resets its centre.
+
+    ``PHASES``: ``EVICT`` quantizes the leaving token into its page (reading the ring row and
+    its position), ``FILL`` writes the new tokens into the ring and the sinks, their positions
+    and the length; both, one after the other, by default. The decode step with its own token
+    (:mod:`custom_ops.triton.decode.split`, one row per program) evicts at its start, where no
+    split reads that page slot, and fills once every split has read the ring."""
+    (
+        key_ptr,
+        value_ptr,
+        stride_kb,
+        stride_kh,
+        stride_kt,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vt,
+        stride_vd,
+    ) = tokens
     head = rows % num_kv_heads
     chain = (rows // num_kv_heads) % num_chains
     b = rows // (num_kv_heads * num_chains)
@@ -114,11 +192,12 @@ def store_window_kernel(
     # an int64 start narrowed: negative ones stay negative (-2**32 would become 0)
     start = tl.where(start >= 0, tl.minimum(start, 2**31 - 1), -1).to(tl.int32)
     live = in_range & (start >= 0)
-    tl.store(
-        seq_lens_ptr + b,
-        tl.where(live, start + num_new, 0),
-        mask=in_range & (chain == 0) & (head == 0),
-    )
+    if PHASES != EVICT:
+        tl.store(
+            seq_lens_ptr + b,
+            tl.where(live, start + num_new, 0),
+            mask=in_range & (chain == 0) & (head == 0),
+        )
     b64 = b.to(tl.int64)
     head64 = head.to(tl.int64)
     k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
@@ -147,104 +226,106 @@ def store_window_kernel(
     to_ring = live & in_ring & (start + newest >= SINKS)
     copy_mask = to_ring[:, None] & (d < D)
 
-    # 1. quantize the token leaving the ring into its page slot: a rolled-back position (at or
-    # past start) or an empty slot (-1) leaves nothing
-    leaving = tl.load(pos_ptr + pos_rows, mask=to_ring, other=-1)
-    page_index = tl.maximum(leaving, 0) // page_size
-    evict = to_ring & (leaving >= 0) & (leaving < start) & (page_index < max_pages)
-    if CENTER_INLINE:
-        # (custom_ops.reference.center_keys for one new token: its centre is set when position
-        # SINKS leaves, from the window slots, which then hold [SINKS, SINKS + W))
-        restart = live & (start == 0)
-        center = tl.where(restart[:, None], 0.0, center)
-        tl.store(center_rows, center, mask=restart[:, None] & (d < D))
-        freeze = evict & (leaving == SINKS)
-        if tl.max(freeze.to(tl.int32), axis=0) > 0:
-            total, count = ring_sample_sum(
-                k_window_ptr,
-                pos_ptr,
-                ring_base,
-                stride_w_slot,
-                freeze,
-                start,
-                center,
-                window,
-                SINKS,
-                D,
-                D_PAD,
-            )
-            mean = total / tl.maximum(count, 1).to(tl.float32)[:, None]
-            tl.debug_barrier()
-            recenter_ring(
-                k_window_ptr,
-                pos_ptr,
-                ring_base,
-                stride_w_slot,
-                freeze,
-                start,
-                center,
-                mean,
-                window + SINKS,
-                D,
-                D_PAD,
-            )  # every live slot, sinks included
-            center = tl.where(freeze[:, None], mean, center)
-            tl.store(center_rows, center, mask=freeze[:, None] & (d < D))
-            # the re-centred rows are written before the leaving token's is read
-            tl.debug_barrier()
-    page_ptr = block_table_ptr + b64 * stride_bt_b + page_index * stride_bt_p
-    page = tl.load(page_ptr, mask=evict, other=0).to(tl.int64)
-    slot = (tl.maximum(leaving, 0) % page_size).to(tl.int64)
-    k_row, v_row, m_row = row_pointers(planes, page, head64, slot)
-    encode_side(
-        k_window_ptr, ring_rows, 1, evict, k_row, m_row, rot_ptr, K, D, INV_SQRT_D, BLOCK_R
-    )
-    encode_side(
-        v_window_ptr, ring_rows, 1, evict, v_row, m_row, rot_ptr, V, D, INV_SQRT_D, BLOCK_R
-    )
-    # Every thread's reads of the old ring rows happen before any thread overwrites them.
-    tl.debug_barrier()
-
-    # 2. the new token loaded above takes the slot
-    if CENTER:
-        k_new = k_new.to(tl.float32) - center
-    w_dst = ring_rows[:, None] + d
-    tl.store(k_window_ptr + w_dst, k_new.to(k_window_ptr.dtype.element_ty), mask=copy_mask)
-    tl.store(v_window_ptr + w_dst, v_new.to(v_window_ptr.dtype.element_ty), mask=copy_mask)
-    tl.store(pos_ptr + pos_rows, start + newest, mask=to_ring)
-
-    if SINKS > 0:
-        # 3. new token `chain` at a sink's position takes the sink's slot (no other row reads
-        # or writes it)
-        to_sink = live & (start + chain < SINKS)
-        chain64 = chain.to(tl.int64)
-        sink_rows = ring_base + (window + start + chain).to(tl.int64) * stride_w_slot
-        sink_mask = to_sink[:, None] & (d < D)
-        k_sink = tl.load(
-            key_ptr
-            + (b64 * stride_kb + head64 * stride_kh + chain64 * stride_kt)[:, None]
-            + d * stride_kd,
-            mask=sink_mask,
+    if PHASES != FILL:
+        # 1. quantize the token leaving the ring into its page slot: a rolled-back position (at or
+        # past start) or an empty slot (-1) leaves nothing
+        leaving = tl.load(pos_ptr + pos_rows, mask=to_ring, other=-1)
+        page_index = tl.maximum(leaving, 0) // page_size
+        evict = to_ring & (leaving >= 0) & (leaving < start) & (page_index < max_pages)
+        if CENTER_INLINE:
+            # (custom_ops.reference.center_keys for one new token: its centre is set when position
+            # SINKS leaves, from the window slots, which then hold [SINKS, SINKS + W))
+            restart = live & (start == 0)
+            center = tl.where(restart[:, None], 0.0, center)
+            tl.store(center_rows, center, mask=restart[:, None] & (d < D))
+            freeze = evict & (leaving == SINKS)
+            if tl.max(freeze.to(tl.int32), axis=0) > 0:
+                total, count = ring_sample_sum(
+                    k_window_ptr,
+                    pos_ptr,
+                    ring_base,
+                    stride_w_slot,
+                    freeze,
+                    start,
+                    center,
+                    window,
+                    SINKS,
+                    D,
+                    D_PAD,
+                )
+                mean = total / tl.maximum(count, 1).to(tl.float32)[:, None]
+                tl.debug_barrier()
+                recenter_ring(
+                    k_window_ptr,
+                    pos_ptr,
+                    ring_base,
+                    stride_w_slot,
+                    freeze,
+                    start,
+                    center,
+                    mean,
+                    window + SINKS,
+                    D,
+                    D_PAD,
+                )  # every live slot, sinks included
+                center = tl.where(freeze[:, None], mean, center)
+                tl.store(center_rows, center, mask=freeze[:, None] & (d < D))
+                # the re-centred rows are written before the leaving token's is read
+                tl.debug_barrier()
+        page_ptr = block_table_ptr + b64 * stride_bt_b + page_index * stride_bt_p
+        page = tl.load(page_ptr, mask=evict, other=0).to(tl.int64)
+        slot = (tl.maximum(leaving, 0) % page_size).to(tl.int64)
+        k_row, v_row, m_row = row_pointers(planes, page, head64, slot)
+        encode_side(
+            k_window_ptr, ring_rows, 1, evict, k_row, m_row, rot_ptr, K, D, INV_SQRT_D, BLOCK_R
         )
-        v_sink = tl.load(
-            value_ptr
-            + (b64 * stride_vb + head64 * stride_vh + chain64 * stride_vt)[:, None]
-            + d * stride_vd,
-            mask=sink_mask,
+        encode_side(
+            v_window_ptr, ring_rows, 1, evict, v_row, m_row, rot_ptr, V, D, INV_SQRT_D, BLOCK_R
         )
+        # Every thread's reads of the old ring rows happen before any thread overwrites them.
+        tl.debug_barrier()
+
+    if PHASES != EVICT:
+        # 2. the new token loaded above takes the slot
         if CENTER:
-            k_sink = k_sink.to(tl.float32) - center
-        tl.store(
-            k_window_ptr + sink_rows[:, None] + d,
-            k_sink.to(k_window_ptr.dtype.element_ty),
-            mask=sink_mask,
-        )
-        tl.store(
-            v_window_ptr + sink_rows[:, None] + d,
-            v_sink.to(v_window_ptr.dtype.element_ty),
-            mask=sink_mask,
-        )
-        tl.store(pos_ptr + sink_rows // D, start + chain, mask=to_sink)
+            k_new = k_new.to(tl.float32) - center
+        w_dst = ring_rows[:, None] + d
+        tl.store(k_window_ptr + w_dst, k_new.to(k_window_ptr.dtype.element_ty), mask=copy_mask)
+        tl.store(v_window_ptr + w_dst, v_new.to(v_window_ptr.dtype.element_ty), mask=copy_mask)
+        tl.store(pos_ptr + pos_rows, start + newest, mask=to_ring)
+
+        if SINKS > 0:
+            # 3. new token `chain` at a sink's position takes the sink's slot (no other row reads
+            # or writes it)
+            to_sink = live & (start + chain < SINKS)
+            chain64 = chain.to(tl.int64)
+            sink_rows = ring_base + (window + start + chain).to(tl.int64) * stride_w_slot
+            sink_mask = to_sink[:, None] & (d < D)
+            k_sink = tl.load(
+                key_ptr
+                + (b64 * stride_kb + head64 * stride_kh + chain64 * stride_kt)[:, None]
+                + d * stride_kd,
+                mask=sink_mask,
+            )
+            v_sink = tl.load(
+                value_ptr
+                + (b64 * stride_vb + head64 * stride_vh + chain64 * stride_vt)[:, None]
+                + d * stride_vd,
+                mask=sink_mask,
+            )
+            if CENTER:
+                k_sink = k_sink.to(tl.float32) - center
+            tl.store(
+                k_window_ptr + sink_rows[:, None] + d,
+                k_sink.to(k_window_ptr.dtype.element_ty),
+                mask=sink_mask,
+            )
+            tl.store(
+                v_window_ptr + sink_rows[:, None] + d,
+                v_sink.to(v_window_ptr.dtype.element_ty),
+                mask=sink_mask,
+            )
+            tl.store(pos_ptr + sink_rows // D, start + chain, mask=to_sink)
 
 
 @functools.lru_cache(maxsize=256)
@@ -303,6 +384,12 @@ def _launch(
         center_inline,
     )
     return launcher, (triton.cdiv(num_rows, block_rows),)
+
+
+def token_arguments(key: torch.Tensor, value: torch.Tensor) -> tuple:
+    """The ``tokens`` tuple of new keys and values ``[B, Hk, T, D]``: both, then their four
+    strides each."""
+    return (key, value, *key.stride(), *value.stride())
 
 
 # (launcher, grid) of op calls by their arguments' metadata key
@@ -389,10 +476,7 @@ def store_window(
     )
     launcher(
         grid,
-        key,
-        value,
-        *key.stride(),
-        *value.stride(),
+        token_arguments(key, value),
         ring_arguments(window),
         plane_arguments(cache),
         table_arguments(block_table),

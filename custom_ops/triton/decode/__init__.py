@@ -1,4 +1,5 @@
-"""Split-KV decode attention over a compressed paged cache: ``torch.ops.tq.decode`` on CUDA.
+"""Split-KV decode attention over a compressed paged cache: ``torch.ops.tq.decode`` (and
+``tq.decode_step``, :func:`decode_step`) on CUDA.
 
 Up to four launches, shapes fixed by the inputs (CUDA-graph safe, no host sync), chosen by the
 cached launch plan (:mod:`~custom_ops.triton.decode.plan`):
@@ -34,10 +35,17 @@ from custom_ops.triton.decode.plan import DecodePlan, QueryMode, SplitConfig, pl
 from custom_ops.triton.decode.prep import launch_prep
 from custom_ops.triton.decode.ring import launch_ring
 from custom_ops.triton.decode.softmax import LOG2E
-from custom_ops.triton.decode.split import compile_split, launch_split, split_arguments
+from custom_ops.triton.decode.split import (
+    DecodeStep,
+    compile_split,
+    launch_split,
+    split_arguments,
+)
 from custom_ops.triton.decode.verify import verify_arguments
 from custom_ops.triton.launch import KeyedMemo
 from custom_ops.triton.paged import mask_arguments
+from custom_ops.triton.store import side_params
+from custom_ops.triton.store_window import store_window
 from custom_ops.triton.traced import tracing, unread
 
 __all__ = [
@@ -46,6 +54,7 @@ __all__ = [
     "QueryMode",
     "SplitConfig",
     "decode",
+    "decode_step",
     "plan_for",
     "compile_split_kernel",
 ]
@@ -63,9 +72,10 @@ def plan_for(
     split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
     softcap: float = 0.0,
+    step: int = 0,
 ) -> DecodePlan:
     """The :class:`DecodePlan` of a decode with these inputs (``q [B, Hq, D]`` or ``[B, Hq, T,
-    D]``; ``fast`` default: on CUDA)."""
+    D]``; ``fast`` default: on CUDA; ``step``: :func:`plan_decode`'s)."""
     batch, num_q_heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
     q_tokens = 1 if q.dim() == 3 else q.shape[2]
     _, num_kv_heads, page_size, _ = cache.k_codes.shape
@@ -94,6 +104,8 @@ def plan_for(
         sinks,
         tracing(),
         softcap,
+        step,
+        side_params(fmt, cache, head_dim) if step == 2 else None,
     )
 
 
@@ -138,6 +150,7 @@ def decode(
     split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
     launch_key: Hashable | None = None,
+    step: DecodeStep | None = None,
 ) -> torch.Tensor:
     """Launch the decode kernels (inputs validated; see ``torch.ops.tq.decode``).
 
@@ -152,14 +165,18 @@ def decode(
     CUDA; the interpreter cannot run them); ``split_config`` and ``merge_config`` override the
     plan's kernel configurations (sweeps, tests). ``launch_key``: the op arguments' metadata key
     (:func:`custom_ops.validate.launch_key`), which determines the plan and the kernels'
-    specializations: both are then looked up by it.
+    specializations: both are then looked up by it. ``step``: a decode step's own tokens
+    (:func:`decode_step`), attended beside the cache as it was and, outside a graph traced for
+    inductor, appended by the split kernel.
     """
     batch, head_dim = q.shape[0], q.shape[-1]
     if batch == 0:
         return q.new_empty(q.shape)
     overridden = fast is not None or split_config is not None or merge_config is not None
-    # a graph traced for inductor gets Triton kernels only (see plan_decode's ``traced``)
-    key = None if overridden or launch_key is None else (launch_key, tracing())
+    # a graph traced for inductor gets Triton kernels only (see plan_decode's ``traced``), and
+    # no append inside the split kernel (see decode_step)
+    step_mode = 0 if step is None else 1 if tracing() else 2
+    key = None if overridden or launch_key is None else (launch_key, tracing(), step_mode)
     plan = _PLANS.get(
         key,
         lambda: plan_for(
@@ -174,6 +191,7 @@ def decode(
             split_config,
             merge_config,
             softcap,
+            step_mode,
         ),
     )
     mask_args = mask_arguments(mask, seq_lens)
@@ -217,6 +235,7 @@ def decode(
                 window,
                 part_out,
                 part_lse,
+                step,
             ),
             key,
         )
@@ -236,6 +255,63 @@ def decode(
         )
     launch_merge(plan.merge, part_out, part_lse, rotation, out, key)
     return out.view(q.shape)
+
+
+def decode_step(
+    fmt: KVFormat,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    start_pos: torch.Tensor,
+    rotation: torch.Tensor,
+    num_splits: int,
+    scale: float,
+    counts: torch.Tensor,
+    window: RecentWindow,
+    mask: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    launch_key: Hashable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch a decode step with its own token (inputs validated; see
+    ``torch.ops.tq.decode_step``): ``q [B, Hq, D]`` attends the cache as it was before the step,
+    its positions below ``start_pos``, and the step's ``key``/``value [B, Hk, 1, D]``
+    exactly; then the token is appended as ``tq.store_window`` appends it. Returns the output
+    (q's shape and dtype) and the new lengths ``[B] int32``.
+
+    Two launches, the split kernel and the merge. The split grid has one more program per
+    sequence-head, which quantizes the token leaving the ring into its page while the splits
+    attend (no split reads that page slot). The last of a sequence-head's programs to finish
+    (counted in ``counts``: zero, left zero) writes the step's token into the ring, since no
+    split reads the ring any more. In a graph traced for inductor, whose launches cannot
+    mutate a tensor inside a kernel with inline PTX, the window store appends after the merge
+    instead (three launches, the same bytes).
+    """
+    batch = q.shape[0]
+    new_lens = torch.empty(batch, dtype=torch.int32, device=q.device)
+    step = DecodeStep(key, value, start_pos, counts, new_lens)
+    # the kernels read the lengths from start_pos; seq_lens' place takes the new lengths
+    out = decode(
+        fmt,
+        q,
+        cache,
+        block_table,
+        new_lens,
+        rotation,
+        num_splits,
+        scale,
+        mask,
+        window,
+        softcap,
+        launch_key=launch_key,
+        step=step,
+    )
+    if batch == 0 or tracing():
+        new_lens = store_window(
+            fmt, key, value, cache, window, block_table, start_pos, rotation, launch_key=None
+        )
+    return out, new_lens
 
 
 def compile_split_kernel(

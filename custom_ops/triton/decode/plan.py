@@ -35,6 +35,7 @@ __all__ = [
     "SplitConfig",
     "DecodePlan",
     "plan_decode",
+    "step_supported",
     "TOKENS_PER_STEP",
 ]
 
@@ -163,6 +164,13 @@ def _query_mode(
     return QueryMode.PREPARED
 
 
+def step_supported(fmt: KVFormat, window: int, q_tokens: int) -> bool:
+    """Whether the split kernel can attend a decode step's own token (``tq.decode_step``): one
+    query token, a ring of ``window > 0`` slots (the step's token goes there) read by the split
+    kernel itself (values in the original space; rotated ones take the ring kernel)."""
+    return q_tokens == 1 and window > 0 and not fmt.value.rotated
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_decode(
     fmt: KVFormat,
@@ -185,6 +193,8 @@ def plan_decode(
     sinks: int = 0,
     traced: bool = False,
     softcap: float = 0.0,
+    step: int = 0,
+    store_params: tuple | None = None,
 ) -> DecodePlan:
     """The plan of a decode over a paged cache (cached per argument tuple).
 
@@ -211,6 +221,16 @@ def plan_decode(
             the Gluon verify kernel).
         softcap: the logit softcap of the scores (natural-log units; 0: none), compiled into
             the split and ring kernels in log2 units; the verify kernel has none.
+        step: a decode step with its own token (``tq.decode_step``): 0 none; 1 the split
+            kernel attends it beside the cache as it was (the caller appends it after the
+            merge); 2 its last program per sequence-head also appends it. Needs one query
+            token, a window (``window > 0``) and values in the original space.
+        store_params: with ``step`` 2, the key and value
+            :class:`~custom_ops.triton.planes.CodecParams` of the cache's rows
+            (:func:`custom_ops.triton.store.side_params`), for the append.
+
+    Raises:
+        ValueError: a ``step`` this decode cannot take.
     """
     cuda = device.type == "cuda"
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if cuda else None
@@ -250,8 +270,15 @@ def plan_decode(
     # the verify kernel where it serves (docs/design/decode.md#the-verify-kernel-in-gluon);
     # sweeps and tests
     # that configure the split kernel get the split kernel
+    if step and not step_supported(fmt, window, q_tokens):
+        raise ValueError(
+            f"a decode step with its own token needs one query token, a recent window and "
+            f"values in the original space: got format {fmt.name}, window {window}, "
+            f"{q_tokens} query tokens"
+        )
     use_verify = (
-        not traced
+        not step
+        and not traced
         and softcap == 0
         and split_config == SplitConfig()
         and query == QueryMode.PREPARED  # the verify kernel reads the prepared q_code
@@ -265,7 +292,9 @@ def plan_decode(
         else ring.window_parts(window, sinks, batch * num_kv_heads, sm_count)
     )
     num_partials = num_splits + window_parts
-    split_grid = (num_splits, num_kv_heads, batch)
+    # a step that appends in the split kernel has one more program per sequence-head: the
+    # eviction of the token leaving the ring (custom_ops.triton.decode.split)
+    split_grid = (num_splits + (step == 2), num_kv_heads, batch)
     if num_warps is None:
         # two warps where the grid leaves SMs idle (at most two programs per SM): each decodes
         # half of its tile, shortening the chain short contexts wait for
@@ -338,6 +367,9 @@ def plan_decode(
                     SINKS=sinks,
                     SOFTCAP=softcap * LOG2E,
                     PDL=pdl,
+                    STEP=step,
+                    STORE_K=store_params[0] if step == 2 else None,
+                    STORE_V=store_params[1] if step == 2 else None,
                     **launch_options,
                 ),
             ),

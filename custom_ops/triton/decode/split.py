@@ -20,12 +20,21 @@ With a recent window the splits cover the compressed positions ``[0, len - W)``,
 in the original space the kernel also reads the ring (``RING``): the tiles of its ring run (the
 window's positions, then the sinks) go round robin to the splits, ``RING_BLOCK`` places each,
 and enter the same softmax state and accumulators.
+
+A decode step with its own token (``STEP``, ``tq.decode_step``) reads the lengths from the
+step's positions: the splits attend the cache as it was, the last split also the step's key
+and value, exactly. With ``STEP == 2`` the grid has one more program per sequence-head, which
+quantizes the token leaving the ring into its page at once (past every split's compressed
+tokens); the last program of a sequence-head to finish, counted atomically, writes the step's
+token into the ring (:func:`custom_ops.triton.store_window.append_rows`' two phases).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -58,9 +67,11 @@ from custom_ops.triton.paged import (
     ring_start,
     table_arguments,
 )
+from custom_ops.triton.store_window import EVICT, FILL, append_rows, token_arguments
 from custom_ops.triton.traced import unread
 
 __all__ = [
+    "DecodeStep",
     "split_kernel",
     "split_arguments",
     "launch_split",
@@ -68,6 +79,20 @@ __all__ = [
     "UNIT_MAX",
     "UNIT_MIN",
 ]
+
+
+class DecodeStep(NamedTuple):
+    """A decode step's own tokens for the split kernel (``tq.decode_step``): ``key``, ``value``
+    ``[B, Hk, 1, D]`` (last dim contiguous) at positions ``start_pos [B]`` (int32 or int64);
+    ``counts [>= B * Hk] int32``, zero, the arrivals per sequence-head (the append's); the new
+    lengths ``new_lens [B] int32`` (written by the append)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    start_pos: torch.Tensor
+    counts: torch.Tensor
+    new_lens: torch.Tensor
+
 
 # Where the split kernel gets its queries (plan.QueryMode): scaled here (unrotated keys),
 # rotated by the preparation kernel, or rotated here (rotated keys at short contexts).
@@ -244,6 +269,30 @@ def _compressed_pass(
 
 
 @triton.jit
+def _attend_exact(scores, v_rows, in_tile, state, V: tl.constexpr, F32: tl.constexpr):
+    """One tile of exact keys' ``scores [N, G_PAD]`` (log2, masked: -inf) and value rows
+    ``v_rows [1, N]`` (ring slots, or the step's own token) into ``state = (m, l, zero_acc,
+    acc0..3)``, rescaled every tile."""
+    m_i, l_i, zero_acc, acc0, acc1, acc2, acc3 = state
+    m_i, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_i)
+    p = tl.math.exp2(scores - m_sub[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    zero_acc *= alpha
+    acc0, acc1, acc2, acc3 = ring_values(
+        p,
+        v_rows,
+        in_tile,
+        acc0 * alpha[None, :],
+        acc1 * alpha[None, :],
+        acc2 * alpha[None, :],
+        acc3 * alpha[None, :],
+        V,
+        F32,
+    )
+    return m_i, l_i, zero_acc, acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def split_kernel(
     q_ptr,
     q_orig_ptr,
@@ -261,6 +310,11 @@ def split_kernel(
     part_lse_ptr,
     num_kv_heads,
     max_pages,
+    tokens,
+    start_pos_ptr,
+    stride_start,
+    counts_ptr,
+    new_lens_ptr,
     MASK: tl.constexpr,
     Q_TOKENS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -286,6 +340,9 @@ def split_kernel(
     SINKS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,
+    STEP: tl.constexpr = 0,
+    STORE_K: tl.constexpr = None,
+    STORE_V: tl.constexpr = None,
 ):
     split = tl.program_id(0)
     head = tl.program_id(1)
@@ -296,6 +353,33 @@ def split_kernel(
         # itself, everything but q_code, which the query preparation writes, was ready before.
         gdc_launch_dependents()
     query = (q_orig_ptr, stride_qb, stride_qh)
+    # the decode step's append: (sequence, kv-head), what append_rows reads and writes
+    append = (
+        b,
+        head,
+        num_kv_heads,
+        max_pages,
+        window,
+        rot_ptr,
+        planes,
+        table,
+        rings,
+        tokens,
+        start_pos_ptr,
+        stride_start,
+        counts_ptr,
+        new_lens_ptr,
+    )
+    if STEP == 2:
+        if split == NUM_SPLITS:
+            # The eviction program: the token leaving the ring goes into its page now, beside
+            # the splits (no split reads that page slot: it is past their compressed tokens),
+            # then it arrives like a split.
+            _append_phase(append, PAGE_SIZE, D, D_PAD, INV_SQRT_D, STORE_K, STORE_V, SINKS, EVICT)
+            _arrive(
+                append, NUM_SPLITS + 1, PAGE_SIZE, D, D_PAD, INV_SQRT_D, STORE_K, STORE_V, SINKS
+            )
+            return
 
     # This split's token range of the compressed positions [0, ring start), from the
     # device-side length and ring positions: [start, end) (the sinks' positions masked). The
@@ -303,7 +387,15 @@ def split_kernel(
     # (RING) or by the ring kernel.
     k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
     ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
-    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
+    if STEP != 0:
+        # A decode step with its own token (tokens [B, Hk, 1, D], at position start): the
+        # cache as it was before the step, [0, start), and the token itself, exact.
+        step_pos = tl.load(start_pos_ptr + b * stride_start)
+        # an int64 start narrowed: negative ones (a sequence the step skips) stay negative
+        step_pos = tl.where(step_pos >= 0, tl.minimum(step_pos, 2**31 - 1), -1).to(tl.int32)
+        seq_len = tl.minimum(tl.maximum(step_pos, 0), max_pages * PAGE_SIZE + window)
+    else:
+        seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
     compressed_len = ring_start(pos_ptr + ring // D, seq_len, window)
     tile_tokens: tl.constexpr = SUBTILES * BLOCK_N
     if ONE_TILE:
@@ -443,21 +535,52 @@ def split_kernel(
                 scores, positions, masking, b, q_head, row_ok, MASK, Q_TOKENS, SOFTCAP
             )
             scores = tl.where(in_ring[:, None], scores, float("-inf"))
-            m_i, m_sub, alpha = softmax_rescale(tl.max(scores, axis=0), m_i)
-            p = tl.math.exp2(scores - m_sub[None, :])
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            zero_acc *= alpha
-            acc0, acc1, acc2, acc3 = ring_values(
-                p,
+            m_i, l_i, zero_acc, acc0, acc1, acc2, acc3 = _attend_exact(
+                scores,
                 v_window_ptr + ring + rows[None, :],
                 in_ring,
-                acc0 * alpha[None, :],
-                acc1 * alpha[None, :],
-                acc2 * alpha[None, :],
-                acc3 * alpha[None, :],
+                (m_i, l_i, zero_acc, acc0, acc1, acc2, acc3),
                 V,
                 RING_F32,
             )
+        if STEP != 0:
+            if split == NUM_SPLITS - 1:
+                # the step's own key and value (row 0 of a ring-sized tile), exact, as a
+                # prefill chunk attends its own tokens
+                key_ptr, value_ptr, stride_kb, stride_kh = (
+                    tokens[0],
+                    tokens[1],
+                    tokens[2],
+                    tokens[3],
+                )
+                stride_vb, stride_vh = tokens[6], tokens[7]
+                r = tl.arange(0, RING_BLOCK)
+                own = (r == 0) & (step_pos >= 0)
+                b64 = b.to(tl.int64)
+                head64 = head.to(tl.int64)
+                k_own = key_ptr + b64 * stride_kb + head64 * stride_kh + 0 * r
+                scores = ring_scores(k_own[:, None], own, rqs, D) * q_scale
+                scores = mask_scores(
+                    scores,
+                    tl.maximum(step_pos, 0) + 0 * r,
+                    masking,
+                    b,
+                    q_head,
+                    row_ok,
+                    MASK,
+                    Q_TOKENS,
+                    SOFTCAP,
+                )
+                scores = tl.where(own[:, None], scores, float("-inf"))
+                v_own = value_ptr + b64 * stride_vb + head64 * stride_vh + 0 * r
+                m_i, l_i, zero_acc, acc0, acc1, acc2, acc3 = _attend_exact(
+                    scores,
+                    v_own[None, :],
+                    own,
+                    (m_i, l_i, zero_acc, acc0, acc1, acc2, acc3),
+                    V,
+                    RING_F32,
+                )
 
     # This split's partial, normalized, in natural element order; lse in the log2 domain.
     lse, inv_l = partial_normalizer(m_i, l_i)
@@ -474,6 +597,97 @@ def split_kernel(
         tl.store(out_ptrs + 3 * V.PC, (acc3 + zero_acc[None, :]) * scale, mask=ok)
     tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
 
+    if STEP == 2:
+        _arrive(append, NUM_SPLITS + 1, PAGE_SIZE, D, D_PAD, INV_SQRT_D, STORE_K, STORE_V, SINKS)
+
+
+@triton.jit
+def _append_phase(
+    append,
+    PAGE_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    STORE_K: tl.constexpr,
+    STORE_V: tl.constexpr,
+    SINKS: tl.constexpr,
+    PHASES: tl.constexpr,
+):
+    """Phase ``PHASES`` of ``tq.store_window``'s append of one sequence-head's new token
+    (:func:`~custom_ops.triton.store_window.append_rows`, one row; ``append``: the split
+    kernel's tuple of the sequence-head and the cache)."""
+    (
+        b,
+        head,
+        num_kv_heads,
+        max_pages,
+        window,
+        rot_ptr,
+        planes,
+        table,
+        rings,
+        tokens,
+        start_pos_ptr,
+        stride_start,
+        _,
+        new_lens_ptr,
+    ) = append
+    row = b * num_kv_heads + head + tl.zeros([1], tl.int32)
+    append_rows(
+        row,
+        row >= 0,
+        tokens,
+        rings,
+        planes,
+        table,
+        start_pos_ptr,
+        stride_start,
+        new_lens_ptr,
+        rot_ptr,
+        new_lens_ptr,  # (no key centres)
+        num_kv_heads,
+        1,
+        1,
+        window,
+        PAGE_SIZE,
+        max_pages,
+        D,
+        D_PAD,
+        INV_SQRT_D,
+        1,
+        STORE_K,
+        STORE_V,
+        SINKS,
+        False,
+        False,
+        PHASES,
+    )
+
+
+@triton.jit
+def _arrive(
+    append,
+    ARRIVALS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+    STORE_K: tl.constexpr,
+    STORE_V: tl.constexpr,
+    SINKS: tl.constexpr,
+):
+    """Count this program's arrival at its sequence-head (``append``, :func:`_append_phase`);
+    the last of its ``ARRIVALS`` programs (every split and the eviction program) resets the
+    count to 0 (so it is 0 before every launch) and writes the step's token into the ring, its
+    position and (head 0) the new length: nothing reads the ring any more."""
+    b, head, num_kv_heads = append[0], append[1], append[2]
+    counts_ptr = append[12]
+    tl.debug_barrier()  # every warp's reads are behind its stores above
+    count = counts_ptr + b * num_kv_heads + head
+    if tl.atomic_add(count, 1, sem="acq_rel") == ARRIVALS - 1:
+        tl.store(count, 0)
+        _append_phase(append, PAGE_SIZE, D, D_PAD, INV_SQRT_D, STORE_K, STORE_V, SINKS, FILL)
+
 
 def split_arguments(
     q,
@@ -487,15 +701,23 @@ def split_arguments(
     window: RecentWindow | None,
     part_out,
     part_lse,
+    step: DecodeStep | None = None,
 ) -> tuple:
     """The split kernel's runtime arguments, in order (``mask_args``: ``(mask, stride_b,
     stride_h, stride_t, mask_len)``). ``window``: the recent window, or None (then
     placeholders, never read, and W = 0). The kernel reads the ring positions for where its
-    compressed tokens end, and the rings only where its plan says."""
+    compressed tokens end, and the rings only where its plan says. ``step``: the decode step's
+    own tokens (its plan's ``STEP``), or None (placeholders, never read)."""
     if window is None:
         rings, size = (unread(q), unread(q), unread(seq_lens), 0, 0, 0), 0
     else:
         rings, size = ring_arguments(window), window.size
+    if step is None:
+        tokens = (unread(q), unread(q), 0, 0, 0, 0, 0, 0, 0, 0)
+        step_args = (unread(seq_lens), 0, unread(seq_lens), unread(seq_lens))
+    else:
+        tokens = token_arguments(step.key, step.value)
+        step_args = (step.start_pos, step.start_pos.stride(0), step.counts, step.new_lens)
     return (
         q_code,
         q,
@@ -513,6 +735,8 @@ def split_arguments(
         part_lse,
         cache.k_codes.shape[1],
         block_table.shape[1],
+        tokens,
+        *step_args,
     )
 
 
