@@ -42,6 +42,7 @@ import argparse
 import functools
 import importlib
 import json
+import pkgutil
 import statistics
 import sys
 import time
@@ -49,6 +50,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +66,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
+import custom_ops.triton  # noqa: E402
 from custom_ops.formats import PagedKVCache, RecentWindow, get_format  # noqa: E402
 from custom_ops.triton import store_window as triton_store_window  # noqa: E402
 from examples.generate import sync  # noqa: E402
@@ -177,15 +180,10 @@ def kernel_times(model: Transformer, step, batch: int, position: int, steps: int
 
 
 @functools.cache
-def _tq_kernel_names() -> frozenset[str]:
+def tq_kernel_names() -> frozenset[str]:
     """The names of the Triton kernels the ``tq`` ops launch (every ``*_kernel`` jit function
     of :mod:`custom_ops.triton`; a traced launch's flat entry is named after its kernel)."""
-    import pkgutil
-
-    import triton
-
-    import custom_ops.triton as package
-
+    package = custom_ops.triton
     names = set()
     for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         for value in vars(importlib.import_module(module.name)).values():
@@ -209,7 +207,7 @@ def attention_kernels(kernels: list[dict], cache: str, n_layer: int) -> float:
         if cache in DENSE:  # (inductor's own kernels, triton_*, may be named after SDPA)
             marked = any(mark in name.lower() for mark in SDPA_KERNEL_MARKS)
             return marked and not name.startswith("triton_")
-        return name.split("_flat_")[0] in _tq_kernel_names()
+        return name.split("_flat_")[0] in tq_kernel_names()
 
     return sum(r["launches"] for r in kernels if counted(r["kernel"])) / n_layer
 

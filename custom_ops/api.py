@@ -200,7 +200,18 @@ def decode_step(
     positions below ``start_pos``) and the step's ``key``/``value [B, Hk, 1, D]`` exactly, then
     the token is appended to the cache and ``window``; ``(out [B, Hq, D], new lengths [B]
     int32)``. ``counts``: ``[>= B * Hk] int32`` zeros, the append's arrival counts (left zero).
-    Defaults as :func:`decode`'s."""
+    Defaults as :func:`decode`'s.
+
+    Raises:
+        ValueError: a window whose keys are stored centred (``key_center``): the step's own key
+            would be attended and stored without the centre; and what ``tq.decode_step``
+            refuses.
+    """
+    if window.key_center is not None:
+        raise ValueError(
+            "decode_step: window.key_center is set (keys stored centred), which the fused step "
+            "does not serve; use store_window and decode"
+        )
     if num_splits is None:
         num_splits = _cache_splits(q, cache, block_table, window)
     args = DecodeStepArgs(

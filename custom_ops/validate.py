@@ -617,11 +617,18 @@ def check_decode(args: DecodeArgs, op: str = "decode") -> KVFormat:
 
 
 def check_decode_step(args: DecodeStepArgs) -> KVFormat:
-    """Checks of ``tq.decode_step``; returns the format. Its query as ``tq.decode``'s (one token
-    per sequence), its tokens, positions and rings as ``tq.store_window``'s (one token, whose
-    checks also cover the pages the step reads: those below its start), then what the fused
-    step needs: the arrival counts, a contiguous head dim and a format and window it
-    serves."""
+    """Checks of ``tq.decode_step``: its tokens, positions and rings as ``tq.store_window``'s
+    (one token), its query and the pages it reads as ``tq.decode``'s at the lengths before the
+    step, then what the fused step needs: a format and window it serves, a contiguous head dim
+    and zero arrival counts (their values where values are checked).
+
+    Returns:
+        The format.
+
+    Raises:
+        ValueError, TypeError: an argument the step cannot take, named with its value and
+            what is allowed.
+    """
     op = "decode_step"
     q, key, value, counts = args.q, args.key, args.value, args.counts
     if q.dim() != 3:
@@ -647,15 +654,17 @@ def check_decode_step(args: DecodeStepArgs) -> KVFormat:
         op,
     )
     batch, num_kv_heads = key.shape[:2]
-    # (the lengths the decode's checks take: zeros, its pages checked above up to the start)
-    lengths = q.new_zeros(q.shape[0], dtype=torch.int32)
+    if q.shape[0] != batch:
+        _fail(op, f"q has {q.shape[0]} sequences but key has {batch}")
+    # the attention reads the cache below each start: its pages are the decode's at that length
+    lengths = args.start_pos.clamp_min(0).to(torch.int32)
     check_decode(
         DecodeArgs(
             q,
             args.k_codes,
             args.v_codes,
             args.meta,
-            args.block_table[: q.shape[0]],
+            args.block_table[:batch],
             lengths,
             args.rotation,
             args.fmt,
@@ -670,15 +679,17 @@ def check_decode_step(args: DecodeStepArgs) -> KVFormat:
         ),
         op,
     )
-    if q.shape[0] != batch:
-        _fail(op, f"q has {q.shape[0]} sequences but key has {batch}")
     window = formats.ring_window(args.k_window, args.sinks)
     if not step_supported(fmt, window, 1):
+        why = (
+            f"{fmt.name}'s values are rotated (the ring kernel reads their ring)"
+            if fmt.value.rotated
+            else f"the rings hold no recent window (window {window}, sinks {args.sinks})"
+        )
         _fail(
             op,
-            f"a fused decode step needs a recent window (window {window}) and values in the "
-            f"original space ({fmt.name}'s are rotated: {fmt.value.rotated}); use "
-            "tq.store_window and tq.decode",
+            f"a fused decode step needs a recent window and values in the original space: "
+            f"{why}; use tq.store_window and tq.decode",
         )
     for name, t in (("key", key), ("value", value)):
         if t.stride(-1) != 1:

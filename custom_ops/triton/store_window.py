@@ -37,6 +37,7 @@ __all__ = [
     "token_arguments",
     "EVICT",
     "FILL",
+    "narrowed_start",
     "store_window",
     "APPEND_LAUNCH",
     "INTERPRETED_APPEND_LAUNCH",
@@ -52,13 +53,21 @@ __all__ = [
 # another in Python: there appends keep 16 rows on 4 warps (one row per program made the store
 # tests 5x slower); the bytes written do not depend on the shape (test_store_window.py checks
 # APPEND_LAUNCH against the reference on the CPU too).
-# append_rows' phases: the leaving token into its page, then the new tokens into the ring
-EVICT = tl.constexpr(1)
-FILL = tl.constexpr(2)
 APPEND_LAUNCH = (1, 1)
 INTERPRETED_APPEND_LAUNCH = (16, 4)
 PREFILL_LAUNCH = (32, 4)
 APPEND_MAX_ROWS = 4096
+# append_rows' phases: the leaving token into its page, then the new tokens into the ring
+EVICT = tl.constexpr(1)
+FILL = tl.constexpr(2)
+EVICT_AND_FILL = tl.constexpr(3)
+
+
+@triton.jit
+def narrowed_start(start):
+    """A start position (int32 or int64) as int32: negative ones, which skip a sequence, stay
+    negative (-2**32 would become 0), large ones saturate."""
+    return tl.where(start >= 0, tl.minimum(start, 2**31 - 1), -1).to(tl.int32)
 
 
 @triton.jit
@@ -150,7 +159,7 @@ def append_rows(
     SINKS: tl.constexpr,
     CENTER: tl.constexpr,
     CENTER_INLINE: tl.constexpr,
-    PHASES: tl.constexpr = 3,  # EVICT | FILL
+    PHASES: tl.constexpr = EVICT_AND_FILL,
 ):
     """Row ``(b, chain, head)`` (``rows [BLOCK_R]``, those ``in_range``): ring slot ``(start +
     chain) % W`` of sequence ``b`` (chains below ``W``). Its old token is quantized into its
@@ -172,7 +181,7 @@ def append_rows(
     its position), ``FILL`` writes the new tokens into the ring and the sinks, their positions
     and the length; both, one after the other, by default. The decode step with its own token
     (:mod:`custom_ops.triton.decode.split`, one row per program) evicts at its start, where no
-    split reads that page slot, and fills once every split has read the ring."""
+    split attends that page slot, and fills once every split has read the ring."""
     (
         key_ptr,
         value_ptr,
@@ -188,9 +197,7 @@ def append_rows(
     head = rows % num_kv_heads
     chain = (rows // num_kv_heads) % num_chains
     b = rows // (num_kv_heads * num_chains)
-    start = tl.load(start_pos_ptr + b * stride_start, mask=in_range, other=-1)
-    # an int64 start narrowed: negative ones stay negative (-2**32 would become 0)
-    start = tl.where(start >= 0, tl.minimum(start, 2**31 - 1), -1).to(tl.int32)
+    start = narrowed_start(tl.load(start_pos_ptr + b * stride_start, mask=in_range, other=-1))
     live = in_range & (start >= 0)
     if PHASES != EVICT:
         tl.store(

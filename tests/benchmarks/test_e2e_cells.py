@@ -105,4 +105,4 @@ def test_attention_kernels_count_the_caches_work_per_layer():
         dict(kernel="split_kernel", launches=16.0),
     ]
     assert e2e.attention_kernels(dense_rows, "bf16", layers) == 2.0
-    assert {"split_kernel", "merge_kernel", "store_window_kernel"} <= e2e._tq_kernel_names()
+    assert {"split_kernel", "merge_kernel", "store_window_kernel"} <= e2e.tq_kernel_names()

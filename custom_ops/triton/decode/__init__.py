@@ -31,7 +31,13 @@ import torch
 
 from custom_ops.formats import KVFormat, PagedKVCache, RecentWindow, sequence_capacity, window_size
 from custom_ops.triton.decode.merge import MergeConfig, launch_merge
-from custom_ops.triton.decode.plan import DecodePlan, QueryMode, SplitConfig, plan_decode
+from custom_ops.triton.decode.plan import (
+    DecodePlan,
+    QueryMode,
+    SplitConfig,
+    StepMode,
+    plan_decode,
+)
 from custom_ops.triton.decode.prep import launch_prep
 from custom_ops.triton.decode.ring import launch_ring
 from custom_ops.triton.decode.softmax import LOG2E
@@ -72,7 +78,7 @@ def plan_for(
     split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
     softcap: float = 0.0,
-    step: int = 0,
+    step: StepMode = StepMode.NONE,
 ) -> DecodePlan:
     """The :class:`DecodePlan` of a decode with these inputs (``q [B, Hq, D]`` or ``[B, Hq, T,
     D]``; ``fast`` default: on CUDA; ``step``: :func:`plan_decode`'s)."""
@@ -105,7 +111,7 @@ def plan_for(
         tracing(),
         softcap,
         step,
-        side_params(fmt, cache, head_dim) if step == 2 else None,
+        side_params(fmt, cache, head_dim) if step == StepMode.APPEND else None,
     )
 
 
@@ -175,7 +181,9 @@ def decode(
     overridden = fast is not None or split_config is not None or merge_config is not None
     # a graph traced for inductor gets Triton kernels only (see plan_decode's ``traced``), and
     # no append inside the split kernel (see decode_step)
-    step_mode = 0 if step is None else 1 if tracing() else 2
+    step_mode = (
+        StepMode.NONE if step is None else StepMode.ATTEND if tracing() else StepMode.APPEND
+    )
     key = None if overridden or launch_key is None else (launch_key, tracing(), step_mode)
     plan = _PLANS.get(
         key,
@@ -280,13 +288,25 @@ def decode_step(
     exactly; then the token is appended as ``tq.store_window`` appends it. Returns the output
     (q's shape and dtype) and the new lengths ``[B] int32``.
 
-    Two launches, the split kernel and the merge. The split grid has one more program per
-    sequence-head, which quantizes the token leaving the ring into its page while the splits
-    attend (no split reads that page slot). The last of a sequence-head's programs to finish
-    (counted in ``counts``: zero, left zero) writes the step's token into the ring, since no
-    split reads the ring any more. In a graph traced for inductor, whose launches cannot
-    mutate a tensor inside a kernel with inline PTX, the window store appends after the merge
-    instead (three launches, the same bytes).
+    Two launches, the split kernel and the merge (three with the query preparation: rotated
+    keys at long splits). The split grid has one more program per sequence-head, which
+    quantizes the token leaving the ring into its page while the splits attend (no split
+    attends that page slot). The last of a sequence-head's programs to finish (counted in
+    ``counts``: zero, left zero) writes the step's token into the ring, since no split reads
+    the ring any more. In a graph traced for inductor the window store appends after the merge
+    instead (one launch more, the same bytes): the split kernel's inline PTX stops PyTorch's
+    mutation analysis of a traced launch (:mod:`custom_ops.triton.traced`), so inductor
+    could not be told which buffers an append inside it writes.
+
+    Args:
+        fmt, q, key, value, cache, block_table, start_pos, rotation, num_splits, scale,
+            window, mask, softcap: as ``torch.ops.tq.decode_step`` takes them (``cache`` the
+            planes, ``window`` the rings), validated.
+        counts: ``[>= B * Hk] int32`` zeros, the arrival counts.
+        launch_key: the op arguments' metadata key (see :func:`decode`).
+
+    Returns:
+        ``(out, new_lens)``: q's shape and dtype, and ``[B] int32``.
     """
     batch = q.shape[0]
     new_lens = torch.empty(batch, dtype=torch.int32, device=q.device)

@@ -32,6 +32,7 @@ from custom_ops.tuning import decode_tuning
 
 __all__ = [
     "QueryMode",
+    "StepMode",
     "SplitConfig",
     "DecodePlan",
     "plan_decode",
@@ -77,6 +78,15 @@ class QueryMode(enum.IntEnum):
     SCALED = 0  # unrotated keys: the split kernel scales the query itself
     PREPARED = 1  # rotated keys, long splits: the preparation kernel rotates it first
     ROTATED_HERE = 2  # rotated keys, short splits: the split kernel rotates it (Walsh-Hadamard)
+
+
+class StepMode(enum.IntEnum):
+    """What the split kernel does with a decode step's own token (its ``STEP`` constexpr;
+    ``tq.decode_step``)."""
+
+    NONE = 0  # tq.decode: no step's token
+    ATTEND = 1  # attends it; the window store appends after the merge (graphs for inductor)
+    APPEND = 2  # attends it and appends it: an eviction program, the last arrival fills
 
 
 class SplitConfig(NamedTuple):
@@ -193,7 +203,7 @@ def plan_decode(
     sinks: int = 0,
     traced: bool = False,
     softcap: float = 0.0,
-    step: int = 0,
+    step: StepMode = StepMode.NONE,
     store_params: tuple | None = None,
 ) -> DecodePlan:
     """The plan of a decode over a paged cache (cached per argument tuple).
@@ -221,11 +231,10 @@ def plan_decode(
             the Gluon verify kernel).
         softcap: the logit softcap of the scores (natural-log units; 0: none), compiled into
             the split and ring kernels in log2 units; the verify kernel has none.
-        step: a decode step with its own token (``tq.decode_step``): 0 none; 1 the split
-            kernel attends it beside the cache as it was (the caller appends it after the
-            merge); 2 its last program per sequence-head also appends it. Needs one query
-            token, a window (``window > 0``) and values in the original space.
-        store_params: with ``step`` 2, the key and value
+        step: what the split kernel does with a decode step's own token (:class:`StepMode`).
+            Other than ``NONE`` it needs one query token, a window (``window > 0``) and values
+            in the original space.
+        store_params: with ``StepMode.APPEND``, the key and value
             :class:`~custom_ops.triton.planes.CodecParams` of the cache's rows
             (:func:`custom_ops.triton.store.side_params`), for the append.
 
@@ -270,7 +279,7 @@ def plan_decode(
     # the verify kernel where it serves (docs/design/decode.md#the-verify-kernel-in-gluon);
     # sweeps and tests
     # that configure the split kernel get the split kernel
-    if step and not step_supported(fmt, window, q_tokens):
+    if step != StepMode.NONE and not step_supported(fmt, window, q_tokens):
         raise ValueError(
             f"a decode step with its own token needs one query token, a recent window and "
             f"values in the original space: got format {fmt.name}, window {window}, "
@@ -294,7 +303,7 @@ def plan_decode(
     num_partials = num_splits + window_parts
     # a step that appends in the split kernel has one more program per sequence-head: the
     # eviction of the token leaving the ring (custom_ops.triton.decode.split)
-    split_grid = (num_splits + (step == 2), num_kv_heads, batch)
+    split_grid = (num_splits + (step == StepMode.APPEND), num_kv_heads, batch)
     if num_warps is None:
         # two warps where the grid leaves SMs idle (at most two programs per SM): each decodes
         # half of its tile, shortening the chain short contexts wait for
@@ -367,9 +376,9 @@ def plan_decode(
                     SINKS=sinks,
                     SOFTCAP=softcap * LOG2E,
                     PDL=pdl,
-                    STEP=step,
-                    STORE_K=store_params[0] if step == 2 else None,
-                    STORE_V=store_params[1] if step == 2 else None,
+                    STEP=int(step),
+                    STORE_K=store_params[0] if step == StepMode.APPEND else None,
+                    STORE_V=store_params[1] if step == StepMode.APPEND else None,
                     **launch_options,
                 ),
             ),

@@ -23,7 +23,7 @@ and enter the same softmax state and accumulators.
 
 A decode step with its own token (``STEP``, ``tq.decode_step``) reads the lengths from the
 step's positions: the splits attend the cache as it was, the last split also the step's key
-and value, exactly. With ``STEP == 2`` the grid has one more program per sequence-head, which
+and value, exactly. With ``STEP_APPEND`` the grid has one more program per sequence-head, which
 quantizes the token leaving the ring into its page at once (past every split's compressed
 tokens); the last program of a sequence-head to finish, counted atomically, writes the step's
 token into the ring (:func:`custom_ops.triton.store_window.append_rows`' two phases).
@@ -67,7 +67,13 @@ from custom_ops.triton.paged import (
     ring_start,
     table_arguments,
 )
-from custom_ops.triton.store_window import EVICT, FILL, append_rows, token_arguments
+from custom_ops.triton.store_window import (
+    EVICT,
+    FILL,
+    append_rows,
+    narrowed_start,
+    token_arguments,
+)
 from custom_ops.triton.traced import unread
 
 __all__ = [
@@ -99,6 +105,10 @@ class DecodeStep(NamedTuple):
 QUERY_SCALED = tl.constexpr(0)
 QUERY_PREPARED = tl.constexpr(1)
 QUERY_ROTATED_HERE = tl.constexpr(2)
+# What the split kernel does with a decode step's own token (plan.StepMode): nothing, attend
+# it, or attend and append it.
+STEP_NONE = tl.constexpr(0)
+STEP_APPEND = tl.constexpr(2)
 
 
 # The largest value scale (or norm) whose products p * v_scale the split pass takes as they are
@@ -370,10 +380,11 @@ def split_kernel(
         counts_ptr,
         new_lens_ptr,
     )
-    if STEP == 2:
+    if STEP == STEP_APPEND:
         if split == NUM_SPLITS:
             # The eviction program: the token leaving the ring goes into its page now, beside
-            # the splits (no split reads that page slot: it is past their compressed tokens),
+            # the splits (no split attends that page slot: it is past their compressed tokens;
+            # a tile may load its bytes, which then get zero probability),
             # then it arrives like a split.
             _append_phase(append, PAGE_SIZE, D, D_PAD, INV_SQRT_D, STORE_K, STORE_V, SINKS, EVICT)
             _arrive(
@@ -387,12 +398,10 @@ def split_kernel(
     # (RING) or by the ring kernel.
     k_window_ptr, v_window_ptr, pos_ptr, stride_w_b, stride_w_h, stride_w_slot = rings
     ring = b.to(tl.int64) * stride_w_b + head.to(tl.int64) * stride_w_h
-    if STEP != 0:
+    if STEP != STEP_NONE:
         # A decode step with its own token (tokens [B, Hk, 1, D], at position start): the
         # cache as it was before the step, [0, start), and the token itself, exact.
-        step_pos = tl.load(start_pos_ptr + b * stride_start)
-        # an int64 start narrowed: negative ones (a sequence the step skips) stay negative
-        step_pos = tl.where(step_pos >= 0, tl.minimum(step_pos, 2**31 - 1), -1).to(tl.int32)
+        step_pos = narrowed_start(tl.load(start_pos_ptr + b * stride_start))
         seq_len = tl.minimum(tl.maximum(step_pos, 0), max_pages * PAGE_SIZE + window)
     else:
         seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
@@ -543,17 +552,11 @@ def split_kernel(
                 V,
                 RING_F32,
             )
-        if STEP != 0:
+        if STEP != STEP_NONE:
             if split == NUM_SPLITS - 1:
                 # the step's own key and value (row 0 of a ring-sized tile), exact, as a
                 # prefill chunk attends its own tokens
-                key_ptr, value_ptr, stride_kb, stride_kh = (
-                    tokens[0],
-                    tokens[1],
-                    tokens[2],
-                    tokens[3],
-                )
-                stride_vb, stride_vh = tokens[6], tokens[7]
+                key_ptr, value_ptr, stride_kb, stride_kh, _, _, stride_vb, stride_vh, _, _ = tokens
                 r = tl.arange(0, RING_BLOCK)
                 own = (r == 0) & (step_pos >= 0)
                 b64 = b.to(tl.int64)
@@ -597,7 +600,7 @@ def split_kernel(
         tl.store(out_ptrs + 3 * V.PC, (acc3 + zero_acc[None, :]) * scale, mask=ok)
     tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
 
-    if STEP == 2:
+    if STEP == STEP_APPEND:
         _arrive(append, NUM_SPLITS + 1, PAGE_SIZE, D, D_PAD, INV_SQRT_D, STORE_K, STORE_V, SINKS)
 
 
@@ -680,9 +683,10 @@ def _arrive(
     the last of its ``ARRIVALS`` programs (every split and the eviction program) resets the
     count to 0 (so it is 0 before every launch) and writes the step's token into the ring, its
     position and (head 0) the new length: nothing reads the ring any more."""
-    b, head, num_kv_heads = append[0], append[1], append[2]
-    counts_ptr = append[12]
-    tl.debug_barrier()  # every warp's reads are behind its stores above
+    b, head, num_kv_heads, _, _, _, _, _, _, _, _, _, counts_ptr, _ = append
+    # All warps have read their ring rows (their partial, stored above, needed them) before
+    # the arrival is counted: the last arrival overwrites a ring row.
+    tl.debug_barrier()
     count = counts_ptr + b * num_kv_heads + head
     if tl.atomic_add(count, 1, sem="acq_rel") == ARRIVALS - 1:
         tl.store(count, 0)

@@ -12,7 +12,7 @@ from conftest import triton_kernels
 from helpers import rel_error
 from window_sequences import BATCH, HEAD_DIM, NUM_KV_HEADS, REWRITE_STEPS, STEPS, Sequences
 
-from custom_ops import reference
+from custom_ops import api, reference
 from custom_ops.formats import FORMATS
 from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode.plan import step_supported
@@ -61,14 +61,20 @@ def _expected(seqs, q, key, value, starts):
 @pytest.mark.parametrize("fmt_name", STEP_FORMATS)
 def test_decode_step_attends_then_appends(fmt_name, sinks, steps, kernel_device, seeded):
     """After chunks and single tokens (appends, or rewrites from below the length), each
-    one-token step equals float64 attention over the cache as it was and its own token; its
-    cache afterwards equals the window store's, byte for byte; the arrival counts are zero
-    again and the new lengths are the store's."""
+    one-token step (the last one rolled back 3 positions under "rewrites") equals float64
+    attention over the cache as it was and its own token; its cache afterwards equals the
+    window store's, byte for byte; the arrival counts are zero again and the new lengths are
+    the store's. (The interpreter runs the eviction programs after every split, so on the CPU
+    they always fill; a GPU interleaves them.)"""
     seqs = Sequences(fmt_name, seeded, kernel_device, sinks=sinks)
     schedule = STEPS if steps == "appends" else REWRITE_STEPS
-    for n_new, starts in schedule[:5]:
+    for i, (n_new, starts) in enumerate(schedule[:5]):
         seqs.append(n_new, starts, seeded, use_triton=False)
-        starts = tuple(int(x) for x in seqs.lens) if n_new > 1 else (int(seqs.lens[0]), -1)
+        lens = [int(x) for x in seqs.lens]
+        if steps == "rewrites" and i == 4:  # sequence 0 rolls back 3 positions (stale ring)
+            starts = (max(lens[0] - 3, 0), lens[1])
+        else:  # sequence 1 skipped after single tokens
+            starts = tuple(lens) if n_new > 1 else (lens[0], -1)
         q = torch.randn(BATCH, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=seeded).half()
         state = seeded.get_state()
         key, value = _own_tokens(seeded)
@@ -188,23 +194,58 @@ def test_opcheck_decode_step(impl, kernel_device, seeded):
 
 
 def test_bad_input_is_refused_before_anything_is_written(seeded):
-    """A format with rotated values, a head dim that is not contiguous and counts that are not
-    zero each raise a ValueError naming the op and the argument; the cache is unchanged."""
+    """Each bad argument raises a ValueError or TypeError naming the op, the argument and what
+    is allowed, and the cache stays byte for byte unchanged: a head dim that is not contiguous,
+    counts that are not zero, too short or not int32, a key of two tokens, a batch that q and
+    key disagree on, a page id past the cache below the step's start (after a rollback: the
+    pages the attention reads), a format with rotated values and rings without a window; the
+    API refuses a window whose keys are stored centred."""
     seqs, (q, key, value, starts, counts) = _op_case("4bit_nc", 0, "cpu", seeded)
-    before = [t.clone() for t in (*seqs.cache, *seqs.rings)]
+    before = [t.clone() for t in (*seqs.cache, *seqs.rings, seqs.block_table)]
     strided = torch.randn(BATCH, NUM_KV_HEADS, 1, 2 * HEAD_DIM).to(torch.bfloat16)[..., ::2]
+    two = torch.randn(BATCH, NUM_KV_HEADS, 2, HEAD_DIM).to(torch.bfloat16)
     cases = [
-        (dict(key=strided, value=strided), "key must have a contiguous head dim"),
-        (dict(counts=counts + 1), "counts must be zero"),
+        (dict(key=strided, value=strided), ValueError, "key must have a contiguous head dim"),
+        (dict(counts=counts + 1), ValueError, "counts must be zero"),
+        (dict(counts=counts[:3]), ValueError, "counts must hold B \\* Hk = 4 entries"),
+        (dict(counts=counts.long()), TypeError, "counts must be a contiguous int32 vector"),
+        (dict(key=two, value=two), ValueError, "key must be \\[B, Hk, 1, D\\]"),
+        (dict(q=q[:1]), ValueError, "q has 1 sequences but key has 2"),
     ]
-    for change, message in cases:
+    for change, error, message in cases:
         args = dict(q=q, key=key, value=value, starts=starts, counts=counts) | change
-        with pytest.raises(ValueError, match=f"decode_step: {message}"):
-            torch.ops.tq.decode_step(
-                *_op_args(seqs, *args.values(), "4bit_nc", 0),
+        with pytest.raises(error, match=f"decode_step: {message}"):
+            torch.ops.tq.decode_step(*_op_args(seqs, *args.values(), "4bit_nc", 0))
+    # a rollback to position 4: the attention reads the pages below it, whose first id is bad
+    seqs.block_table[0, 0] = 10**6
+    with pytest.raises(ValueError, match="decode_step: block_table\\[0, 0\\] = 1000000"):
+        torch.ops.tq.decode_step(
+            *_op_args(
+                seqs, q, key, value, torch.tensor([4, -1], dtype=torch.int32), counts, "4bit_nc", 0
             )
+        )
+    seqs.block_table[0, 0] = before[-1][0, 0]
     rotated, (q, key, value, starts, counts) = _op_case("tq4_nc", 0, "cpu", seeded)
-    with pytest.raises(ValueError, match="decode_step: a fused decode step needs"):
+    with pytest.raises(ValueError, match="decode_step: .* tq4_nc's values are rotated"):
         torch.ops.tq.decode_step(*_op_args(rotated, q, key, value, starts, counts, "tq4_nc", 0))
-    for now, then in zip((*seqs.cache, *seqs.rings), before, strict=True):
+    sinks_only = Sequences("4bit_nc", seeded, "cpu", window=0, sinks=3)
+    with pytest.raises(ValueError, match="decode_step: .* no recent window \\(window 0"):
+        torch.ops.tq.decode_step(
+            *_op_args(sinks_only, q, key, value, starts, counts, "4bit_nc", 3)
+        )
+    centred = Sequences("4bit_nc", seeded, "cpu", center=True)
+    with pytest.raises(ValueError, match="decode_step: window.key_center is set"):
+        api.decode_step(
+            "4bit_nc",
+            q,
+            key,
+            value,
+            centred.cache,
+            centred.recent,
+            centred.block_table,
+            starts,
+            centred.consts,
+            counts,
+        )
+    for now, then in zip((*seqs.cache, *seqs.rings, seqs.block_table), before, strict=True):
         assert torch.equal(now, then)
