@@ -291,10 +291,7 @@ def _store_window_job(fmt, d, start, center, launch):
     return compile_offline(
         store_window.store_window_kernel,
         (1,),
-        new,
-        new,
-        *new.stride(),
-        *new.stride(),
+        store_window.token_arguments(new, new),
         ring_arguments(RecentWindow(ring, ring, ring_pos, SINKS)),
         plane_arguments(cache),
         table_arguments(torch.zeros(2, 4, dtype=torch.int32)),

@@ -60,7 +60,6 @@ APPEND_MAX_ROWS = 4096
 # append_rows' phases: the leaving token into its page, then the new tokens into the ring
 EVICT = tl.constexpr(1)
 FILL = tl.constexpr(2)
-EVICT_AND_FILL = tl.constexpr(3)
 
 
 @triton.jit
@@ -159,7 +158,8 @@ def append_rows(
     SINKS: tl.constexpr,
     CENTER: tl.constexpr,
     CENTER_INLINE: tl.constexpr,
-    PHASES: tl.constexpr = EVICT_AND_FILL,
+    # EVICT | FILL, both (a literal: inductor's generated module evaluates the defaults)
+    PHASES: tl.constexpr = 3,
 ):
     """Row ``(b, chain, head)`` (``rows [BLOCK_R]``, those ``in_range``): ring slot ``(start +
     chain) % W`` of sequence ``b`` (chains below ``W``). Its old token is quantized into its
