@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from conftest import triton_kernels
-from helpers import rel_error
+from helpers import random_kv, rel_error
 from window_sequences import BATCH, HEAD_DIM, NUM_KV_HEADS, REWRITE_STEPS, STEPS, Sequences
 
 from custom_ops import api, reference
@@ -24,8 +24,6 @@ STEP_FORMATS = sorted(name for name, fmt in FORMATS.items() if not fmt.value.rot
 def _own_tokens(gen):
     """The next step's keys and values ``[B, Hk, 1, D]`` as ``Sequences.append`` draws them
     from ``gen`` (the same generator state gives the same tokens)."""
-    from helpers import random_kv
-
     key, value = random_kv(BATCH, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, gen)
     key = key.reshape(BATCH, 1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
     value = value.reshape(BATCH, 1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
@@ -56,6 +54,46 @@ def _expected(seqs, q, key, value, starts):
     return reference.attention(q.double(), k, v, lens, HEAD_DIM**-0.5)
 
 
+def _checked_step(seqs, starts, gen, num_splits):
+    """One step through the Triton kernels on ``seqs``' device at ``starts``, checked: within
+    1e-3 of float64 attention over the cache as it was and the step's token, the cache
+    afterwards byte-equal to the window store's, the counts back to zero and the new lengths
+    the store's. Returns the sequences after the step (the store's bookkeeping)."""
+    q = torch.randn(BATCH, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen).half()
+    state = gen.get_state()
+    key, value = _own_tokens(gen)
+    expected = _expected(seqs, q, key, value, starts)
+    stored = copy.deepcopy(seqs)
+    gen.set_state(state)
+    stored.append(1, starts, gen, use_triton=False)
+    d = seqs.device
+    counts = torch.zeros(BATCH * NUM_KV_HEADS, dtype=torch.int32, device=d)
+    with triton_kernels(d):
+        out, lens = triton_decode.decode_step(
+            seqs.fmt,
+            q.to(d),
+            key.to(d),
+            value.to(d),
+            seqs.cache,
+            seqs.block_table,
+            torch.tensor(starts, dtype=torch.int32, device=d),
+            seqs.consts.rotation,
+            num_splits,
+            HEAD_DIM**-0.5,
+            counts,
+            seqs.recent,
+        )
+    live = torch.tensor([s >= 0 for s in starts])
+    assert rel_error(out.cpu()[live], expected.float()[live]) < 1e-3, starts
+    assert torch.equal(lens.cpu(), torch.where(live, stored.lens, 0))
+    assert not counts.any()
+    for mine, theirs in zip(
+        (*seqs.cache, *seqs.rings), (*stored.cache, *stored.rings), strict=True
+    ):
+        assert torch.equal(mine.cpu(), theirs.cpu()), starts
+    return stored  # the same bytes; its bookkeeping knows the step's token
+
+
 @pytest.mark.parametrize("steps", ["appends", "rewrites"])
 @pytest.mark.parametrize("sinks", [0, 3])
 @pytest.mark.parametrize("fmt_name", STEP_FORMATS)
@@ -75,39 +113,46 @@ def test_decode_step_attends_then_appends(fmt_name, sinks, steps, kernel_device,
             starts = (max(lens[0] - 3, 0), lens[1])
         else:  # sequence 1 skipped after single tokens
             starts = tuple(lens) if n_new > 1 else (lens[0], -1)
-        q = torch.randn(BATCH, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=seeded).half()
-        state = seeded.get_state()
-        key, value = _own_tokens(seeded)
-        expected = _expected(seqs, q, key, value, starts)
-        stored = copy.deepcopy(seqs)
+        seqs = _checked_step(seqs, starts, seeded, num_splits=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4"])
+def test_many_steps_interleave_the_eviction_and_the_splits(fmt_name, seeded):
+    """On a GPU, where the eviction programs run beside the splits and any program may be the
+    last to arrive: 55 one-token steps (one sequence skipping every fifth) through a ring of 40
+    slots and 4 sinks read by both splits, several ring tiles each, past the point where every
+    step sends a token to its page; each step checked as above."""
+    seqs = Sequences(fmt_name, seeded, "cuda", window=40, sinks=4)
+    seqs.append(11, (0, 0), seeded, use_triton=False)
+    for step in range(55):
+        lens = [int(x) for x in seqs.lens]
+        starts = (lens[0], -1 if step % 5 == 4 else lens[1])
+        seqs = _checked_step(seqs, starts, seeded, num_splits=2)
+
+
+@pytest.mark.gpu
+def test_compiled_step_equals_the_eager_one(seeded):
+    """Under torch.compile inductor launches the kernels itself: the split kernel attends and
+    the window store appends after the merge (StepMode.ATTEND). Its output equals the eager
+    op's (the split kernel appending) within 1e-3 and its cache bytes are the same."""
+    state = seeded.get_state()
+    runs = []
+    for compiled in (False, True):
         seeded.set_state(state)
-        stored.append(1, starts, seeded, use_triton=False)
-        d = seqs.device
-        counts = torch.zeros(BATCH * NUM_KV_HEADS, dtype=torch.int32, device=d)
-        with triton_kernels(d):
-            out, lens = triton_decode.decode_step(
-                seqs.fmt,
-                q.to(d),
-                key.to(d),
-                value.to(d),
-                seqs.cache,
-                seqs.block_table,
-                torch.tensor(starts, dtype=torch.int32, device=d),
-                seqs.consts.rotation,
-                4,
-                HEAD_DIM**-0.5,
-                counts,
-                seqs.recent,
-            )
-        live = torch.tensor([s >= 0 for s in starts])
-        assert rel_error(out.cpu()[live], expected.float()[live]) < 1e-3
-        assert torch.equal(lens.cpu(), torch.where(live, stored.lens, 0))
-        assert not counts.any()
-        for mine, theirs in zip(
-            (*seqs.cache, *seqs.rings), (*stored.cache, *stored.rings), strict=True
-        ):
-            assert torch.equal(mine.cpu(), theirs.cpu())
-        seqs = stored  # the same bytes; its bookkeeping knows the step's token
+        seqs, (q, key, value, starts, counts) = _op_case("4bit_nc", 3, "cuda", seeded)
+        step = torch.ops.tq.decode_step
+        if compiled:
+            torch._dynamo.reset()
+            step = torch.compile(lambda *args: torch.ops.tq.decode_step(*args), fullgraph=True)
+        with torch.no_grad():
+            out, lens = step(*_op_args(seqs, q, key, value, starts, counts, "4bit_nc", 3))
+        runs.append((out.float().cpu(), lens.cpu(), [t.cpu() for t in (*seqs.cache, *seqs.rings)]))
+    torch._dynamo.reset()
+    (eager_out, eager_lens, eager_cache), (out, lens, cache) = runs
+    assert rel_error(out[:1], eager_out[:1]) < 1e-3 and torch.equal(lens, eager_lens)
+    for mine, theirs in zip(cache, eager_cache, strict=True):
+        assert torch.equal(mine, theirs)
 
 
 def test_step_needs_a_window_one_token_and_unrotated_values():
