@@ -402,9 +402,10 @@ def split_kernel(
         # A decode step with its own token (tokens [B, Hk, 1, D], at position start): the
         # cache as it was before the step, [0, start), and the token itself, exact.
         step_pos = narrowed_start(tl.load(start_pos_ptr + b * stride_start))
-        seq_len = tl.minimum(tl.maximum(step_pos, 0), max_pages * PAGE_SIZE + window)
+        cached = tl.maximum(step_pos, 0)
     else:
-        seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_pages * PAGE_SIZE + window)
+        cached = tl.load(seq_lens_ptr + b)
+    seq_len = tl.minimum(cached, max_pages * PAGE_SIZE + window)
     compressed_len = ring_start(pos_ptr + ring // D, seq_len, window)
     tile_tokens: tl.constexpr = SUBTILES * BLOCK_N
     if ONE_TILE:
