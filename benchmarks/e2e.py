@@ -23,7 +23,9 @@ sequence whose KV cache fits ``--kv-budget-gb`` at that batch.
 
 ``--kernels N`` adds, per cell, the GPU time per step of every kernel over ``N`` profiled steps
 (``torch.profiler``; kernels replayed from a CUDA graph included), the largest first: where the
-step's time goes; and the table's ``attn_kernels``: kernels per layer per step of the cache's
+step's time goes, with ``idle_us``, the time the GPU ran nothing just before that kernel's
+launches (launch latency, a dependency's wait; the JSON has the last step's launches in order,
+``timeline``); and the table's ``attn_kernels``: kernels per layer per step of the cache's
 attention work, the ``tq`` ops' Triton kernels (append, query preparation, split, ring, merge)
 for a TurboQuant cache, SDPA's for bf16 (whose cache write inductor fuses into the RoPE kernel).
 
@@ -155,10 +157,13 @@ def _decode_steps(model: Transformer, step, token: torch.Tensor, positions) -> t
 
 
 @torch.no_grad()
-def kernel_times(model: Transformer, step, batch: int, position: int, steps: int) -> list[dict]:
+def kernel_times(
+    model: Transformer, step, batch: int, position: int, steps: int
+) -> tuple[list[dict], list[dict]]:
     """GPU microseconds per decode step of each kernel (by name, summed over its launches;
     memory copies and sets too) over ``steps`` profiled steps at ``position, ...``, largest
-    first."""
+    first: ``us``, ``launches`` and ``idle_us`` (:func:`idle_before`); and the last step's
+    launches (:func:`step_timeline`)."""
     device = model.output.weight.device
     token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
     positions = [torch.tensor([position + i], device=device) for i in range(steps)]
@@ -166,17 +171,52 @@ def kernel_times(model: Transformer, step, batch: int, position: int, steps: int
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _decode_steps(model, step, token, positions)
         sync(device.type)
-    totals: dict[str, list] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
-            entry = totals.setdefault(event.name, [0.0, 0])
-            entry[0] += event.device_time
-            entry[1] += 1
-    rows = [
-        dict(kernel=name, us=us / steps, launches=count / steps)
-        for name, (us, count) in totals.items()
+    launches = [
+        (event.name, event.time_range.start, event.time_range.end)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0
     ]
-    return sorted(rows, key=lambda r: -r["us"])
+    timed = idle_before(launches)
+    totals: dict[str, list] = {}
+    for name, begin, end, idle in timed:
+        entry = totals.setdefault(name, [0.0, 0, 0.0])
+        entry[0] += end - begin
+        entry[1] += 1
+        entry[2] += idle
+    rows = [
+        dict(kernel=name, us=us / steps, launches=count / steps, idle_us=idle / steps)
+        for name, (us, count, idle) in totals.items()
+    ]
+    return sorted(rows, key=lambda r: -r["us"]), step_timeline(timed, len(timed) // steps)
+
+
+def step_timeline(timed: list[tuple[str, float, float, float]], count: int) -> list[dict]:
+    """The last ``count`` launches of :func:`idle_before`'s list (one step's), in order: name,
+    start (microseconds from the first), duration and idle time before it."""
+    last = timed[len(timed) - count :]
+    return [
+        dict(kernel=name, start_us=begin - last[0][1], us=end - begin, idle_us=idle)
+        for name, begin, end, idle in last
+    ]
+
+
+# the GPU is busy between two steps' kernels for as long as the host takes: longer idle time
+# than this is not a gap inside the step's work
+STEP_PAUSE_US = 50.0
+
+
+def idle_before(launches: list[tuple[str, float, float]]) -> list[tuple[str, float, float, float]]:
+    """Each launch ``(name, start, end)`` (microseconds, one stream's kernels) with the time the
+    GPU ran none of them just before it started: its start minus the latest end of the
+    launches that started before it, 0 where it overlapped one (programmatic dependent launch),
+    and 0 after a pause longer than :data:`STEP_PAUSE_US` (between steps). Summed per kernel,
+    this is where a step's time goes between kernels: launch latency, a dependency's wait."""
+    rows, busy_until = [], None
+    for name, begin, end in sorted(launches, key=lambda launch: launch[1]):
+        idle = 0.0 if busy_until is None else max(0.0, begin - busy_until)
+        rows.append((name, begin, end, idle if idle <= STEP_PAUSE_US else 0.0))
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return rows
 
 
 @functools.cache
@@ -284,7 +324,7 @@ def _time_cell(model: Transformer, args, mode: str, batch: int, context: int, ca
         step = step_function(mode)
         result["ms"], result["block_ms"] = time_decode(model, step, batch, filled, args.steps)
         if args.kernels:
-            result["kernels"] = kernel_times(
+            result["kernels"], result["timeline"] = kernel_times(
                 model, step, batch, filled + args.steps + 3, args.kernels
             )
             result["attn_kernels"] = attention_kernels(
@@ -337,7 +377,7 @@ def _time_interleaved(
             if args.kernels:
                 install(cache)
                 first = filled + args.steps + 3
-                results[cache]["kernels"] = kernel_times(
+                results[cache]["kernels"], results[cache]["timeline"] = kernel_times(
                     model, decode_one_token, batch, first, args.kernels
                 )
                 results[cache]["attn_kernels"] = attention_kernels(
@@ -369,12 +409,14 @@ def _print_row(row: dict) -> None:
     print(_row_text(row), flush=True)
     if row.get("kernels"):
         total = sum(r["us"] for r in row["kernels"])
+        idle = sum(r["idle_us"] for r in row["kernels"])
         print(
             f"  GPU time per step {total:.1f} us in "
-            f"{sum(r['launches'] for r in row['kernels']):.0f} launches"
+            f"{sum(r['launches'] for r in row['kernels']):.0f} launches, {idle:.1f} us idle "
+            "between them"
         )
         top = [dict(r, kernel=r["kernel"][:90]) for r in row["kernels"][:24]]
-        print_table(top, dict(kernel="", us=".1f", launches=".0f"))
+        print_table(top, dict(kernel="", us=".1f", launches=".0f", idle_us=".1f"))
 
 
 def _cache_bytes(cfg: ModelArgs, cache: str, batch: int, context: int) -> int:

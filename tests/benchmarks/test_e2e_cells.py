@@ -106,3 +106,29 @@ def test_attention_kernels_count_the_caches_work_per_layer():
     ]
     assert e2e.attention_kernels(dense_rows, "bf16", layers) == 2.0
     assert {"split_kernel", "merge_kernel", "store_window_kernel"} <= e2e.tq_kernel_names()
+
+
+def test_idle_time_is_charged_to_the_launch_that_waited():
+    """``idle_us``: the time the GPU ran none of the step's kernels just before a launch
+    started, 0 for one that overlapped an earlier launch (programmatic dependent launch: the
+    merge starting while the split kernel runs) and 0 after a pause between steps; a step's
+    timeline lists its launches in order from its first one's start."""
+    launches = [
+        ("merge_kernel", 14.0, 20.0),  # started before the split kernel ended
+        ("store_window_kernel", 0.0, 4.0),
+        ("split_kernel", 6.5, 15.0),
+        ("gemm", 21.0, 30.0),
+        ("store_window_kernel", 130.0, 134.0),  # the next step, after the host's pause
+    ]
+    timed = e2e.idle_before(launches)
+    assert [(name, idle) for name, _, _, idle in timed] == [
+        ("store_window_kernel", 0.0),
+        ("split_kernel", 2.5),
+        ("merge_kernel", 0.0),
+        ("gemm", 1.0),
+        ("store_window_kernel", 0.0),
+    ]
+    assert e2e.step_timeline(timed[:4], 2) == [
+        dict(kernel="merge_kernel", start_us=0.0, us=6.0, idle_us=0.0),
+        dict(kernel="gemm", start_us=7.0, us=9.0, idle_us=1.0),
+    ]
