@@ -13,7 +13,11 @@ about ``context`` tokens. Caches:
 
 Modes: ``reduce-overhead`` (``torch.compile(decode_one_token, mode="reduce-overhead",
 fullgraph=True)``: CUDA graphs), ``default`` (``torch.compile(..., fullgraph=True)``, no
-graphs: host-bound at small batch) and ``eager``. Each cell times ``--steps`` steps after
+graphs: host-bound at small batch) and ``eager``. Each ``reduce-overhead`` cell runs in a fresh
+process (``--one-process``: all in this one), because a CUDA graph captured after another one
+in the same process runs slower: on an H200 the GPU waits ~0.45 us between two of its kernels
+instead of ~0.1 (the step's 250 kernels lose ~90 us), however the earlier graph was freed, so
+the first cell of a run would be favoured. Each cell times ``--steps`` steps after
 warm-up in five blocks, wall clock between two synchronizations, and reports the median block
 (the JSON has every block's); in eager mode the caches of one batch and context are all held
 at once and their blocks interleaved, so that a slow stretch of a shared host slows a block of
@@ -46,6 +50,7 @@ import importlib
 import json
 import pkgutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -283,7 +288,11 @@ def set_caches(
     model.setup_caches(batch, context, cache_factory=factory)
 
 
-def run_cells(model: Transformer, args) -> list[dict]:
+def run_cells(model: Transformer | None, args, fresh_processes: bool = False) -> list[dict]:
+    """Every cell of ``args`` (modes x batches x contexts x the bf16 baseline, ``args.dense``
+    and ``args.formats``), each row printed as it is timed. ``fresh_processes``: each
+    ``reduce-overhead`` cell is timed in a process of its own (:func:`_time_cell_in_process`;
+    ``model`` may then be None if no other mode is asked for)."""
     rows = []
     for mode in args.modes:
         for batch in args.batches:
@@ -296,9 +305,12 @@ def run_cells(model: Transformer, args) -> list[dict]:
                     eager = _time_interleaved(model, args, batch, context, caches)
                 base_ms = None
                 for cache in caches:
-                    timed = eager.get(cache) or _time_cell(
-                        model, args, mode, batch, context, cache
-                    )
+                    if mode == "reduce-overhead" and fresh_processes:
+                        timed = _time_cell_in_process(args, mode, batch, context, cache)
+                    else:
+                        timed = eager.get(cache) or _time_cell(
+                            model, args, mode, batch, context, cache
+                        )
                     row = dict(mode=mode, batch=batch, context=context, cache=cache, **timed)
                     ms = row["ms"]
                     base_ms = ms if cache == BASELINE else base_ms
@@ -336,6 +348,54 @@ def _time_cell(model: Transformer, args, mode: str, batch: int, context: int, ca
     _drop_caches(model)
     torch._dynamo.reset()
     return result
+
+
+# the arguments of a cell timed in a process of its own (--cell), besides its coordinates
+CELL_ARGS = ("preset", "steps", "kernels", "splits", "sinks", "center")
+CELL_RESULT = "e2e cell result: "  # the child's line that carries its result
+
+
+def _time_cell_in_process(
+    args, mode: str, batch: int, context: int, cache: str, device: str = "cuda"
+) -> dict:
+    """:func:`_time_cell`'s result, timed by ``e2e.py --cell`` in a new Python process that
+    builds the model itself on ``device`` (its stderr passes through)."""
+    cell = dict(mode=mode, batch=batch, context=context, cache=cache)
+    cell.update((name, getattr(args, name)) for name in CELL_ARGS)
+    cell["device"] = device
+    child = subprocess.run(
+        [sys.executable, __file__, "--cell", json.dumps(cell)],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    for line in reversed(child.stdout.splitlines()):
+        if line.startswith(CELL_RESULT):
+            return json.loads(line[len(CELL_RESULT) :])
+    raise RuntimeError(
+        f"the process timing cell {cell} exited with code {child.returncode} and no result; "
+        f"its output:\n{child.stdout}"
+    )
+
+
+def _time_cell_here(cell_json: str) -> None:
+    """The ``--cell`` process: build the model of ``cell_json``'s preset, time that one cell
+    (:func:`_time_cell`) and print its result on a line of its own."""
+    cell = json.loads(cell_json)
+    args = argparse.Namespace(**{name: cell[name] for name in CELL_ARGS})
+    model = _build_model(args.preset, cell["device"])
+    timed = _time_cell(model, args, cell["mode"], cell["batch"], cell["context"], cell["cache"])
+    print(CELL_RESULT + json.dumps(timed), flush=True)
+
+
+def _build_model(preset: str, device: str = "cuda") -> Transformer:
+    """The example model of ``preset`` with random bf16 weights (seed 0) on ``device``."""
+    with torch.device(device):
+        return (
+            init_weights(Transformer(ModelArgs.from_name(preset)), seed=0)
+            .to(torch.bfloat16)
+            .eval()
+        )
 
 
 def _time_interleaved(
@@ -692,6 +752,12 @@ def main() -> None:
         metavar="N",
         help="also profile N steps per cell: GPU time per kernel",
     )
+    parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="time reduce-overhead cells in this process too (the first cell's graph is favoured)",
+    )
+    parser.add_argument("--cell", help=argparse.SUPPRESS)  # (a cell's own process)
     parser.add_argument("--host", action="store_true", help="also the host-overhead table")
     parser.add_argument("--out", default="e2e.json")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
@@ -700,6 +766,9 @@ def main() -> None:
         parser.error(f"need --steps >= 1 and --kernels >= 0, got {args.steps} and {args.kernels}")
     if args.plot:
         plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
+    if args.cell:
+        _time_cell_here(args.cell)
         return
     require_cuda("benchmarks/e2e.py")
     cfg = ModelArgs.from_name(args.preset)
@@ -710,14 +779,16 @@ def main() -> None:
         num_splits=args.splits,
         sinks=args.sinks,
         center_keys=args.center,
+        fresh_processes=not args.one_process,
     )
     if args.host:
         payload["host"] = host_table(cfg, args.formats)
         print(f"{gpu_name()}: one layer of {args.preset} at B=1, 4096 tokens")
         print_table(payload["host"], dict(cache="", call="", cpu_us=".1f"))
-    with torch.device("cuda"):
-        model = init_weights(Transformer(cfg), seed=0).to(torch.bfloat16).eval()
-    payload["rows"] = run_cells(model, args)
+    fresh = not args.one_process
+    in_process = args.one_process or set(args.modes) - {"reduce-overhead"}
+    model = _build_model(args.preset) if in_process else None
+    payload["rows"] = run_cells(model, args, fresh_processes=fresh)
     print(
         f"{gpu_name()}, {args.preset}; speed-up over bf16 SDPA with enable_gqa, same mode; "
         f"max_context: tokens per sequence whose KV cache fits {args.kv_budget_gb} GB"

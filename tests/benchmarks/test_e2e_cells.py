@@ -132,3 +132,13 @@ def test_idle_time_is_charged_to_the_launch_that_waited():
         dict(kernel="merge_kernel", start_us=0.0, us=6.0, idle_us=0.0),
         dict(kernel="gemm", start_us=7.0, us=9.0, idle_us=1.0),
     ]
+
+
+def test_a_cell_in_a_process_of_its_own():
+    """``reduce-overhead`` cells are timed each in a new process (``e2e.py --cell``), which
+    builds the model from the cell's preset and prints the cell's result for the parent: here
+    an eager cell of the tiny model on the CPU, through the same plumbing."""
+    args = Namespace(**vars(_args()), preset="tiny")
+    timed = e2e._time_cell_in_process(args, "eager", 1, 48, "4bit_nc", device="cpu")
+    assert len(timed["block_ms"]) == STEPS and math.isfinite(timed["ms"]), timed
+    assert timed["kv_gb"] > 0
