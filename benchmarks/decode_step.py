@@ -61,7 +61,6 @@ def time_cell(fmt: str, batch: int, context: int, layers: int) -> dict:
     token = torch.randn(batch, NUM_KV_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     position = torch.tensor([filled], device="cuda")
     operands = [_operands(cache, batch) for cache in caches]
-    counts = [torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device="cuda") for _ in caches]
 
     def separate() -> None:
         start = position[:1].expand(batch)
@@ -72,11 +71,9 @@ def time_cell(fmt: str, batch: int, context: int, layers: int) -> dict:
 
     def fused() -> None:
         start = position[:1].expand(batch)
-        for cache, (planes, window, table, consts), count in zip(
-            caches, operands, counts, strict=True
-        ):
+        for cache, (planes, window, table, consts) in zip(caches, operands, strict=True):
             api.decode_step(
-                fmt, q, token, token, planes, window, table, start, consts, count, cache.num_splits
+                fmt, q, token, token, planes, window, table, start, consts, cache.num_splits
             )
         position.add_(1)
 

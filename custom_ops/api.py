@@ -190,7 +190,6 @@ def decode_step(
     block_table: torch.Tensor,
     start_pos: torch.Tensor,
     constants: KVConstants,
-    counts: torch.Tensor,
     num_splits: int | None = None,
     scale: float | None = None,
     mask: torch.Tensor | None = None,
@@ -199,8 +198,7 @@ def decode_step(
     """A decode step with its own token: ``q [B, Hq, D]`` attends the cache as it was (the
     positions below ``start_pos``) and the step's ``key``/``value [B, Hk, 1, D]`` exactly, then
     the token is appended to the cache and ``window``; ``(out [B, Hq, D], new lengths [B]
-    int32)``. ``counts``: ``[>= B * Hk] int32`` zeros, the append's arrival counts (left zero).
-    Defaults as :func:`decode`'s.
+    int32)``. Defaults as :func:`decode`'s.
 
     Raises:
         ValueError: a window whose keys are stored centred (``key_center``): the step's own key
@@ -222,7 +220,6 @@ def decode_step(
         block_table,
         start_pos,
         constants.rotation,
-        counts,
         get_format(fmt).name,
         num_splits,
         q.shape[-1] ** -0.5 if scale is None else scale,

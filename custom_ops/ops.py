@@ -69,18 +69,18 @@ stay opaque calls.
   from them in full precision. ``softcap > 0`` caps each score ``s`` at ``softcap * tanh(s /
   softcap)`` before the mask.
 * ``tq.decode_step(q, key, value, k_codes, v_codes, meta, block_table, start_pos, rotation,
-  counts, fmt, num_splits, scale, k_window, v_window, window_pos, sinks=0, mask=None,
-  softcap=0.0) -> (out, new_lens)``: a one-token decode step and its append in one op. ``q [B,
+  fmt, num_splits, scale, k_window, v_window, window_pos, sinks=0, mask=None, softcap=0.0) ->
+  (out, new_lens)``: a one-token decode step and its append in one op. ``q [B,
   Hq, D]`` attends each sequence's cache as it is (the positions below ``start_pos[b]``: pages,
   ring run and sinks, as ``tq.decode`` reads them) and the step's own ``key``/``value [B, Hk,
   1, D]`` (contiguous head dim) at ``start_pos[b]``, exactly, as a one-token ``tq.prefill``
   chunk attends itself; then the token is appended as ``tq.store_window`` appends it (the
   token leaving the ring is quantized after the step attended it in full precision). Needs a
-  recent window (``W > 0``) and values in the original space; ``counts [>= B * Hk] int32``,
-  zero before and after, is the CUDA kernels' count of finished programs per sequence-head
-  (the last one appends). Returns the output (q's shape and dtype) and the new lengths ``[B]
-  int32`` (``start_pos + 1``; 0 and zeros for a skipped sequence). On CUDA two launches, the
-  split kernel and the merge (:mod:`custom_ops.triton.decode`).
+  recent window (``W > 0``) and values in the original space. Returns the output (q's shape
+  and dtype) and the new lengths ``[B] int32`` (``start_pos + 1``; 0 and zeros for a skipped
+  sequence). On CUDA two launches, the split kernel (which also moves the token leaving the
+  ring into its page) and the merge (which also writes the step's token into the ring;
+  :mod:`custom_ops.triton.decode`).
 * ``tq.prefill(q, key, value, k_codes, v_codes, meta, block_table, seq_lens, rotation, fmt,
   scale, is_causal, max_seq_len, mask=None, k_window=None, v_window=None, window_pos=None,
   sinks=0, key_center=None, softcap=0.0) -> out``: attention of a chunk of ``T`` tokens just
@@ -344,7 +344,6 @@ def _decode_step(
             *common,
             a.num_splits,
             a.scale,
-            a.counts,
             window_of(a),
             a.mask,
             a.softcap,
@@ -436,7 +435,7 @@ _define(
     DecodeStepArgs,
     _decode_step,
     _decode_step_fake,
-    mutates=("k_codes", "v_codes", "meta", "k_window", "v_window", "window_pos", "counts"),
+    mutates=("k_codes", "v_codes", "meta", "k_window", "v_window", "window_pos"),
     returns="(Tensor, Tensor)",
     traceable=True,
 )

@@ -118,7 +118,6 @@ class DecodeStepArgs(NamedTuple):
     block_table: Tensor
     start_pos: Tensor
     rotation: Tensor
-    counts: Tensor
     fmt: str
     num_splits: int
     scale: float

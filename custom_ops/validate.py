@@ -619,8 +619,8 @@ def check_decode(args: DecodeArgs, op: str = "decode") -> KVFormat:
 def check_decode_step(args: DecodeStepArgs) -> KVFormat:
     """Checks of ``tq.decode_step``: its tokens, positions and rings as ``tq.store_window``'s
     (one token), its query and the pages it reads as ``tq.decode``'s at the lengths before the
-    step, then what the fused step needs: a format and window it serves, a contiguous head dim
-    and zero arrival counts (their values where values are checked).
+    step, then what the fused step needs: a format and window it serves and a contiguous head
+    dim.
 
     Returns:
         The format.
@@ -630,7 +630,7 @@ def check_decode_step(args: DecodeStepArgs) -> KVFormat:
             what is allowed.
     """
     op = "decode_step"
-    q, key, value, counts = args.q, args.key, args.value, args.counts
+    q, key, value = args.q, args.key, args.value
     if q.dim() != 3:
         _fail(op, f"q must be [B, Hq, D] (one query token per sequence), got shape {_shape(q)}")
     if key.dim() != 4 or key.shape[2] != 1:
@@ -653,7 +653,7 @@ def check_decode_step(args: DecodeStepArgs) -> KVFormat:
         ),
         op,
     )
-    batch, num_kv_heads = key.shape[:2]
+    batch = key.shape[0]
     if q.shape[0] != batch:
         _fail(op, f"q has {q.shape[0]} sequences but key has {batch}")
     # the attention reads the cache below each start: its pages are the decode's at that length
@@ -694,20 +694,6 @@ def check_decode_step(args: DecodeStepArgs) -> KVFormat:
     for name, t in (("key", key), ("value", value)):
         if t.stride(-1) != 1:
             _fail(op, f"{name} must have a contiguous head dim (stride 1), got {t.stride()}")
-    if counts.dtype != torch.int32 or counts.dim() != 1 or not counts.is_contiguous():
-        _fail(
-            op,
-            f"counts must be a contiguous int32 vector, got {counts.dtype} {_shape(counts)}",
-            TypeError if counts.dtype != torch.int32 else ValueError,
-        )
-    if counts.numel() < batch * num_kv_heads:
-        _fail(
-            op,
-            f"counts must hold B * Hk = {batch * num_kv_heads} entries, got {counts.numel()}",
-        )
-    check_same_device(op, args.k_codes.device, counts=counts)
-    if checks_values(counts) and counts[: batch * num_kv_heads].any():
-        _fail(op, "counts must be zero (the fused step leaves them zero)")
     return fmt
 
 

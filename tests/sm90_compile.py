@@ -17,8 +17,10 @@ from custom_ops.formats import RecentWindow, get_format
 from custom_ops.triton import center, decode, dequant, prefill, store, store_window
 from custom_ops.triton.decode import verify
 from custom_ops.triton.decode.codes import part_params
+from custom_ops.triton.decode.merge import merge_arguments
+from custom_ops.triton.decode.plan import StepMode, step_supported
 from custom_ops.triton.decode.softmax import LOG2E
-from custom_ops.triton.decode.split import split_arguments
+from custom_ops.triton.decode.split import DecodeStep, split_arguments
 from custom_ops.triton.offline import compile_offline
 from custom_ops.triton.paged import plane_arguments, ring_arguments, table_arguments
 from custom_ops.triton.store import side_params
@@ -144,7 +146,8 @@ def kernels(name: str) -> dict:
             part_out = torch.empty(2, HEADS * GROUP, plan.num_partials, d)
             part_lse = torch.empty(2, HEADS * GROUP, plan.num_partials)
             mask_args = (lens, 0, 0, 0, 0)
-            split_args = split_arguments(
+            # split_arguments' arguments but the step's
+            split_inputs = (
                 q,
                 q_code,
                 LOG2E,
@@ -158,9 +161,21 @@ def kernels(name: str) -> dict:
                 part_lse,
             )
             launches = {
-                "split": (plan.split, split_args),
-                "merge": (plan.merge, (part_out, part_lse, rot, q, 2 * HEADS * GROUP)),
+                "split": (plan.split, split_arguments(*split_inputs)),
+                "merge": (plan.merge, merge_arguments(part_out, part_lse, rot, q)),
             }
+            if step_supported(fmt, WINDOW, 1):
+                # tq.decode_step: the split kernel's eviction programs, the merge's fill
+                step_plan = decode.plan_for(
+                    fmt, q, cache, block_table, 2, None, window, fast, step=StepMode.APPEND
+                )
+                step = DecodeStep(new, new, lens, lens)
+                launches["step split"] = (step_plan.split, split_arguments(*split_inputs, step))
+                fill = (new, new, lens, lens, window, block_table)
+                launches["step merge"] = (
+                    step_plan.merge,
+                    merge_arguments(part_out, part_lse, rot, q, fill),
+                )
             if plan.prep is not None:
                 launches["prep"] = (
                     plan.prep,

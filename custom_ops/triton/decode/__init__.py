@@ -173,7 +173,7 @@ def decode(
     (:func:`custom_ops.validate.launch_key`), which determines the plan and the kernels'
     specializations: both are then looked up by it. ``step``: a decode step's own tokens
     (:func:`decode_step`), attended beside the cache as it was and, outside a graph traced for
-    inductor, appended by the split kernel.
+    inductor, appended by the split kernel and the merge.
     """
     batch, head_dim = q.shape[0], q.shape[-1]
     if batch == 0:
@@ -261,7 +261,10 @@ def decode(
             part_lse,
             key,
         )
-    launch_merge(plan.merge, part_out, part_lse, rotation, out, key)
+    fill = None
+    if step_mode == StepMode.APPEND:
+        fill = (step.key, step.value, step.start_pos, step.new_lens, window, block_table)
+    launch_merge(plan.merge, part_out, part_lse, rotation, out, key, fill)
     return out.view(q.shape)
 
 
@@ -276,7 +279,6 @@ def decode_step(
     rotation: torch.Tensor,
     num_splits: int,
     scale: float,
-    counts: torch.Tensor,
     window: RecentWindow,
     mask: torch.Tensor | None = None,
     softcap: float = 0.0,
@@ -291,18 +293,16 @@ def decode_step(
     Two launches, the split kernel and the merge (three with the query preparation: rotated
     keys at long splits). The split grid has one more program per sequence-head, which
     quantizes the token leaving the ring into its page while the splits attend (no split
-    attends that page slot). The last of a sequence-head's programs to finish (counted in
-    ``counts``: zero, left zero) writes the step's token into the ring, since no split reads
-    the ring any more. In a graph traced for inductor the window store appends after the merge
-    instead (one launch more, the same bytes): the split kernel's inline PTX stops PyTorch's
-    mutation analysis of a traced launch (:mod:`custom_ops.triton.traced`), so inductor
-    could not be told which buffers an append inside it writes.
+    attends that page slot). The merge, which runs once every split has read the ring, writes
+    the step's token into it. In a graph traced for inductor the window store appends after
+    the merge instead (one launch more, the same bytes): the split kernel's inline PTX stops
+    PyTorch's mutation analysis of a traced launch (:mod:`custom_ops.triton.traced`), so
+    inductor could not be told which buffers an append inside it writes.
 
     Args:
         fmt, q, key, value, cache, block_table, start_pos, rotation, num_splits, scale,
             window, mask, softcap: as ``torch.ops.tq.decode_step`` takes them (``cache`` the
             planes, ``window`` the rings), validated.
-        counts: ``[>= B * Hk] int32`` zeros, the arrival counts.
         launch_key: the op arguments' metadata key (see :func:`decode`).
 
     Returns:
@@ -310,7 +310,7 @@ def decode_step(
     """
     batch = q.shape[0]
     new_lens = torch.empty(batch, dtype=torch.int32, device=q.device)
-    step = DecodeStep(key, value, start_pos, counts, new_lens)
+    step = DecodeStep(key, value, start_pos, new_lens)
     # the kernels read the lengths from start_pos; seq_lens' place takes the new lengths
     out = decode(
         fmt,

@@ -86,7 +86,7 @@ class StepMode(enum.IntEnum):
 
     NONE = 0  # tq.decode: no step's token
     ATTEND = 1  # attends it; the window store appends after the merge (graphs for inductor)
-    APPEND = 2  # attends it and appends it: an eviction program, the last arrival fills
+    APPEND = 2  # attends it and appends it: an eviction program, the merge fills the ring
 
 
 class SplitConfig(NamedTuple):
@@ -442,12 +442,19 @@ def plan_decode(
             f"merge_config.split_chunk must divide the plan's split count {num_splits}, got "
             f"{merge_config.split_chunk}"
         )
+    merge_grid = (triton.cdiv(num_rows, merge_config.block_m),)
+    # a step that appends in the split kernel has the merge write the step's token into the ring
+    fill_rows = 0
+    if step == StepMode.APPEND:
+        fill_rows = merge.fill_rows_per_program(batch * num_kv_heads, merge_grid[0])
     merge_launch = KernelLaunch(
-        (triton.cdiv(num_rows, merge_config.block_m),),
+        merge_grid,
         Launcher(
             merge.merge_kernel,
             dict(
                 common,
+                FILL_ROWS=fill_rows,
+                SINKS=sinks,
                 NUM_SPLITS=num_splits,
                 WINDOW_PARTS=window_parts,
                 WINDOW_PARTS_PAD=triton.next_power_of_2(max(1, window_parts)),

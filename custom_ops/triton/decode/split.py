@@ -25,8 +25,8 @@ A decode step with its own token (``STEP``, ``tq.decode_step``) reads the length
 step's positions: the splits attend the cache as it was, the last split also the step's key
 and value, exactly. With ``STEP_APPEND`` the grid has one more program per sequence-head, which
 quantizes the token leaving the ring into its page at once (past every split's compressed
-tokens); the last program of a sequence-head to finish, counted atomically, writes the step's
-token into the ring (:func:`custom_ops.triton.store_window.append_rows`' two phases).
+tokens: :func:`custom_ops.triton.store_window.append_rows`' ``EVICT`` phase); the merge, once
+every split has read the ring, writes the step's token into it (the ``FILL`` phase).
 """
 
 from __future__ import annotations
@@ -67,13 +67,7 @@ from custom_ops.triton.paged import (
     ring_start,
     table_arguments,
 )
-from custom_ops.triton.store_window import (
-    EVICT,
-    FILL,
-    append_rows,
-    narrowed_start,
-    token_arguments,
-)
+from custom_ops.triton.store_window import EVICT, append_rows, narrowed_start, token_arguments
 from custom_ops.triton.traced import unread
 
 __all__ = [
@@ -88,15 +82,13 @@ __all__ = [
 
 
 class DecodeStep(NamedTuple):
-    """A decode step's own tokens for the split kernel (``tq.decode_step``): ``key``, ``value``
-    ``[B, Hk, 1, D]`` (last dim contiguous) at positions ``start_pos [B]`` (int32 or int64);
-    ``counts [>= B * Hk] int32``, zero, the arrivals per sequence-head (the append's); the new
-    lengths ``new_lens [B] int32`` (written by the append)."""
+    """A decode step's own tokens (``tq.decode_step``): ``key``, ``value`` ``[B, Hk, 1, D]``
+    (last dim contiguous) at positions ``start_pos [B]`` (int32 or int64); the new lengths
+    ``new_lens [B] int32``, which the merge's fill of the ring writes."""
 
     key: torch.Tensor
     value: torch.Tensor
     start_pos: torch.Tensor
-    counts: torch.Tensor
     new_lens: torch.Tensor
 
 
@@ -323,8 +315,6 @@ def split_kernel(
     tokens,
     start_pos_ptr,
     stride_start,
-    counts_ptr,
-    new_lens_ptr,
     MASK: tl.constexpr,
     Q_TOKENS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -363,32 +353,32 @@ def split_kernel(
         # itself, everything but q_code, which the query preparation writes, was ready before.
         gdc_launch_dependents()
     query = (q_orig_ptr, stride_qb, stride_qh)
-    # the decode step's append: (sequence, kv-head), what append_rows reads and writes
-    append = (
-        b,
-        head,
-        num_kv_heads,
-        max_pages,
-        window,
-        rot_ptr,
-        planes,
-        table,
-        rings,
-        tokens,
-        start_pos_ptr,
-        stride_start,
-        counts_ptr,
-        new_lens_ptr,
-    )
     if STEP == STEP_APPEND:
         if split == NUM_SPLITS:
             # The eviction program: the token leaving the ring goes into its page now, beside
             # the splits (no split attends that page slot: it is past their compressed tokens;
-            # a tile may load its bytes, which then get zero probability),
-            # then it arrives like a split.
-            _append_phase(append, PAGE_SIZE, D, D_PAD, INV_SQRT_D, STORE_K, STORE_V, SINKS, EVICT)
-            _arrive(
-                append, NUM_SPLITS + 1, PAGE_SIZE, D, D_PAD, INV_SQRT_D, STORE_K, STORE_V, SINKS
+            # a tile may load its bytes, which then get zero probability). The merge, after
+            # every program of this kernel, writes the step's token into the ring.
+            _evict(
+                b,
+                head,
+                num_kv_heads,
+                max_pages,
+                window,
+                rot_ptr,
+                planes,
+                table,
+                rings,
+                tokens,
+                start_pos_ptr,
+                stride_start,
+                PAGE_SIZE,
+                D,
+                D_PAD,
+                INV_SQRT_D,
+                STORE_K,
+                STORE_V,
+                SINKS,
             )
             return
 
@@ -601,13 +591,21 @@ def split_kernel(
         tl.store(out_ptrs + 3 * V.PC, (acc3 + zero_acc[None, :]) * scale, mask=ok)
     tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
 
-    if STEP == STEP_APPEND:
-        _arrive(append, NUM_SPLITS + 1, PAGE_SIZE, D, D_PAD, INV_SQRT_D, STORE_K, STORE_V, SINKS)
-
 
 @triton.jit
-def _append_phase(
-    append,
+def _evict(
+    b,
+    head,
+    num_kv_heads,
+    max_pages,
+    window,
+    rot_ptr,
+    planes,
+    table,
+    rings,
+    tokens,
+    start_pos_ptr,
+    stride_start,
     PAGE_SIZE: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -615,27 +613,10 @@ def _append_phase(
     STORE_K: tl.constexpr,
     STORE_V: tl.constexpr,
     SINKS: tl.constexpr,
-    PHASES: tl.constexpr,
 ):
-    """Phase ``PHASES`` of ``tq.store_window``'s append of one sequence-head's new token
-    (:func:`~custom_ops.triton.store_window.append_rows`, one row; ``append``: the split
-    kernel's tuple of the sequence-head and the cache)."""
-    (
-        b,
-        head,
-        num_kv_heads,
-        max_pages,
-        window,
-        rot_ptr,
-        planes,
-        table,
-        rings,
-        tokens,
-        start_pos_ptr,
-        stride_start,
-        _,
-        new_lens_ptr,
-    ) = append
+    """The ``EVICT`` phase of ``tq.store_window``'s append of sequence ``b``'s token at kv-head
+    ``head`` (:func:`~custom_ops.triton.store_window.append_rows`, one row): the token leaving
+    the ring is quantized into its page slot."""
     row = b * num_kv_heads + head + tl.zeros([1], tl.int32)
     append_rows(
         row,
@@ -646,9 +627,9 @@ def _append_phase(
         table,
         start_pos_ptr,
         stride_start,
-        new_lens_ptr,
+        start_pos_ptr,  # (the lengths: written by the fill)
         rot_ptr,
-        new_lens_ptr,  # (no key centres)
+        start_pos_ptr,  # (no key centres)
         num_kv_heads,
         1,
         1,
@@ -664,34 +645,8 @@ def _append_phase(
         SINKS,
         False,
         False,
-        PHASES,
+        EVICT,
     )
-
-
-@triton.jit
-def _arrive(
-    append,
-    ARRIVALS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    D: tl.constexpr,
-    D_PAD: tl.constexpr,
-    INV_SQRT_D: tl.constexpr,
-    STORE_K: tl.constexpr,
-    STORE_V: tl.constexpr,
-    SINKS: tl.constexpr,
-):
-    """Count this program's arrival at its sequence-head (``append``, :func:`_append_phase`);
-    the last of its ``ARRIVALS`` programs (every split and the eviction program) resets the
-    count to 0 (so it is 0 before every launch) and writes the step's token into the ring, its
-    position and (head 0) the new length: nothing reads the ring any more."""
-    b, head, num_kv_heads, _, _, _, _, _, _, _, _, _, counts_ptr, _ = append
-    # All warps have read their ring rows (their partial, stored above, needed them) before
-    # the arrival is counted: the last arrival overwrites a ring row.
-    tl.debug_barrier()
-    count = counts_ptr + b * num_kv_heads + head
-    if tl.atomic_add(count, 1, sem="acq_rel") == ARRIVALS - 1:
-        tl.store(count, 0)
-        _append_phase(append, PAGE_SIZE, D, D_PAD, INV_SQRT_D, STORE_K, STORE_V, SINKS, FILL)
 
 
 def split_arguments(
@@ -719,10 +674,10 @@ def split_arguments(
         rings, size = ring_arguments(window), window.size
     if step is None:
         tokens = (unread(q), unread(q), 0, 0, 0, 0, 0, 0, 0, 0)
-        step_args = (unread(seq_lens), 0, unread(seq_lens), unread(seq_lens))
+        step_args = (unread(seq_lens), 0)
     else:
         tokens = token_arguments(step.key, step.value)
-        step_args = (step.start_pos, step.start_pos.stride(0), step.counts, step.new_lens)
+        step_args = (step.start_pos, step.start_pos.stride(0))
     return (
         q_code,
         q,

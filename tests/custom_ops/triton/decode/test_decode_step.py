@@ -1,6 +1,7 @@
 """A decode step with its own token (``custom_ops.triton.decode.decode_step``): attention over the
-cache as it was and the token itself, exact, then the token appended in the split kernel's last
-program per sequence-head, byte for byte as ``tq.store_window`` appends it."""
+cache as it was and the token itself, exact, then the token appended (the token leaving the ring
+by the split kernel's eviction programs, the step's own into the ring by the merge), byte for
+byte as ``tq.store_window`` appends it."""
 
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ def _expected(seqs, q, key, value, starts):
 def _checked_step(seqs, starts, gen, num_splits):
     """One step through the Triton kernels on ``seqs``' device at ``starts``, checked: within
     1e-3 of float64 attention over the cache as it was and the step's token, the cache
-    afterwards byte-equal to the window store's, the counts back to zero and the new lengths
-    the store's. Returns the sequences after the step (the store's bookkeeping)."""
+    afterwards byte-equal to the window store's and the new lengths the store's. Returns the
+    sequences after the step (the store's bookkeeping)."""
     q = torch.randn(BATCH, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen).half()
     state = gen.get_state()
     key, value = _own_tokens(gen)
@@ -67,7 +68,6 @@ def _checked_step(seqs, starts, gen, num_splits):
     gen.set_state(state)
     stored.append(1, starts, gen, use_triton=False)
     d = seqs.device
-    counts = torch.zeros(BATCH * NUM_KV_HEADS, dtype=torch.int32, device=d)
     with triton_kernels(d):
         out, lens = triton_decode.decode_step(
             seqs.fmt,
@@ -80,13 +80,11 @@ def _checked_step(seqs, starts, gen, num_splits):
             seqs.consts.rotation,
             num_splits,
             HEAD_DIM**-0.5,
-            counts,
             seqs.recent,
         )
     live = torch.tensor([s >= 0 for s in starts])
     assert rel_error(out.cpu()[live], expected.float()[live]) < 1e-3, starts
     assert torch.equal(lens.cpu(), torch.where(live, stored.lens, 0))
-    assert not counts.any()
     for mine, theirs in zip(
         (*seqs.cache, *seqs.rings), (*stored.cache, *stored.rings), strict=True
     ):
@@ -101,9 +99,8 @@ def test_decode_step_attends_then_appends(fmt_name, sinks, steps, kernel_device,
     """After chunks and single tokens (appends, or rewrites from below the length), each
     one-token step (the last one rolled back 3 positions under "rewrites") equals float64
     attention over the cache as it was and its own token; its cache afterwards equals the
-    window store's, byte for byte; the arrival counts are zero again and the new lengths are
-    the store's. (The interpreter runs the eviction programs after every split, so on the CPU
-    they always fill; a GPU interleaves them.)"""
+    window store's, byte for byte, and the new lengths are the store's. (The interpreter runs
+    the eviction programs after every split; a GPU interleaves them.)"""
     seqs = Sequences(fmt_name, seeded, kernel_device, sinks=sinks)
     schedule = STEPS if steps == "appends" else REWRITE_STEPS
     for i, (n_new, starts) in enumerate(schedule[:5]):
@@ -119,10 +116,11 @@ def test_decode_step_attends_then_appends(fmt_name, sinks, steps, kernel_device,
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4"])
 def test_many_steps_interleave_the_eviction_and_the_splits(fmt_name, seeded):
-    """On a GPU, where the eviction programs run beside the splits and any program may be the
-    last to arrive: 55 one-token steps (one sequence skipping every fifth) through a ring of 40
-    slots and 4 sinks read by both splits, several ring tiles each, past the point where every
-    step sends a token to its page; each step checked as above."""
+    """On a GPU, where the eviction programs run beside the splits and the merge may start
+    before the split kernel ends (programmatic dependent launch): 55 one-token steps (one
+    sequence skipping every fifth) through a ring of 40 slots and 4 sinks read by both splits,
+    several ring tiles each, past the point where every step sends a token to its page; each
+    step checked as above."""
     seqs = Sequences(fmt_name, seeded, "cuda", window=40, sinks=4)
     seqs.append(11, (0, 0), seeded, use_triton=False)
     for step in range(55):
@@ -140,13 +138,13 @@ def test_compiled_step_equals_the_eager_one(seeded):
     runs = []
     for compiled in (False, True):
         seeded.set_state(state)
-        seqs, (q, key, value, starts, counts) = _op_case("4bit_nc", 3, "cuda", seeded)
+        seqs, (q, key, value, starts) = _op_case("4bit_nc", 3, "cuda", seeded)
         step = torch.ops.tq.decode_step
         if compiled:
             torch._dynamo.reset()
             step = torch.compile(lambda *args: torch.ops.tq.decode_step(*args), fullgraph=True)
         with torch.no_grad():
-            out, lens = step(*_op_args(seqs, q, key, value, starts, counts, "4bit_nc", 3))
+            out, lens = step(*_op_args(seqs, q, key, value, starts, "4bit_nc", 3))
         runs.append((out.float().cpu(), lens.cpu(), [t.cpu() for t in (*seqs.cache, *seqs.rings)]))
     torch._dynamo.reset()
     (eager_out, eager_lens, eager_cache), (out, lens, cache) = runs
@@ -165,19 +163,18 @@ def test_step_needs_a_window_one_token_and_unrotated_values():
 
 def _op_case(fmt_name, sinks, device, gen):
     """Two sequences after an 11-token prefill and a few single tokens (the ring full), the
-    step's query, tokens (last head dim contiguous), start positions (one skipped) and zero
-    counts on ``device``."""
+    step's query, tokens (last head dim contiguous) and start positions (one skipped) on
+    ``device``."""
     seqs = Sequences(fmt_name, gen, device, sinks=sinks)
     seqs.append(11, (0, 0), gen, use_triton=False)
     seqs.append(1, (11, 11), gen, use_triton=False)
     q = torch.randn(BATCH, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(torch.bfloat16)
     key, value = (t.contiguous() for t in _own_tokens(gen))
     starts = torch.tensor([12, -1], dtype=torch.int32)
-    counts = torch.zeros(BATCH * NUM_KV_HEADS, dtype=torch.int32)
-    return seqs, [t.to(device) for t in (q, key, value, starts, counts)]
+    return seqs, [t.to(device) for t in (q, key, value, starts)]
 
 
-def _op_args(seqs, q, key, value, starts, counts, fmt_name, sinks, mask=None):
+def _op_args(seqs, q, key, value, starts, fmt_name, sinks, mask=None):
     return (
         q,
         key,
@@ -186,7 +183,6 @@ def _op_args(seqs, q, key, value, starts, counts, fmt_name, sinks, mask=None):
         seqs.block_table,
         starts,
         *seqs.consts,
-        counts,
         fmt_name,
         2,
         HEAD_DIM**-0.5,
@@ -208,18 +204,17 @@ def test_op_reference_and_kernels_agree(fmt_name, sinks, kernel_device, seeded):
         for impl in ("reference", "triton"):  # (Triton's interpreter off a GPU)
             device = "cpu" if impl == "reference" else kernel_device
             seeded.set_state(state)
-            seqs, (q, key, value, starts, counts) = _op_case(fmt_name, sinks, device, seeded)
+            seqs, (q, key, value, starts) = _op_case(fmt_name, sinks, device, seeded)
             mask = None
             if mask_kind:
                 mask = torch.randn(1, 1, seqs.capacity, generator=seeded).to(device)
             with triton_kernels(device) if impl == "triton" else torch.no_grad():
                 out, new_lens = torch.ops.tq.decode_step(
-                    *_op_args(seqs, q, key, value, starts, counts, fmt_name, sinks, mask)
+                    *_op_args(seqs, q, key, value, starts, fmt_name, sinks, mask)
                 )
             outs.append(out.cpu().float())
             lens.append(new_lens.cpu())
             caches.append([t.cpu() for t in (*seqs.cache, *seqs.rings)])
-            assert not counts.any()
         assert rel_error(outs[1][:1], outs[0][:1]) < 1e-3
         assert not outs[0][1].any() and not outs[1][1].any()
         assert torch.equal(lens[0], torch.tensor([13, 0], dtype=torch.int32))
@@ -241,43 +236,36 @@ def test_opcheck_decode_step(impl, kernel_device, seeded):
 def test_bad_input_is_refused_before_anything_is_written(seeded):
     """Each bad argument raises a ValueError or TypeError naming the op, the argument and what
     is allowed, and the cache stays byte for byte unchanged: a head dim that is not contiguous,
-    counts that are not zero, too short or not int32, a key of two tokens, a batch that q and
+    a key of two tokens, a batch that q and
     key disagree on, a page id past the cache below the step's start (after a rollback: the
     pages the attention reads), a format with rotated values and rings without a window; the
     API refuses a window whose keys are stored centred."""
-    seqs, (q, key, value, starts, counts) = _op_case("4bit_nc", 0, "cpu", seeded)
+    seqs, (q, key, value, starts) = _op_case("4bit_nc", 0, "cpu", seeded)
     before = [t.clone() for t in (*seqs.cache, *seqs.rings, seqs.block_table)]
     strided = torch.randn(BATCH, NUM_KV_HEADS, 1, 2 * HEAD_DIM).to(torch.bfloat16)[..., ::2]
     two = torch.randn(BATCH, NUM_KV_HEADS, 2, HEAD_DIM).to(torch.bfloat16)
     cases = [
         (dict(key=strided, value=strided), ValueError, "key must have a contiguous head dim"),
-        (dict(counts=counts + 1), ValueError, "counts must be zero"),
-        (dict(counts=counts[:3]), ValueError, "counts must hold B \\* Hk = 4 entries"),
-        (dict(counts=counts.long()), TypeError, "counts must be a contiguous int32 vector"),
         (dict(key=two, value=two), ValueError, "key must be \\[B, Hk, 1, D\\]"),
         (dict(q=q[:1]), ValueError, "q has 1 sequences but key has 2"),
     ]
     for change, error, message in cases:
-        args = dict(q=q, key=key, value=value, starts=starts, counts=counts) | change
+        args = dict(q=q, key=key, value=value, starts=starts) | change
         with pytest.raises(error, match=f"decode_step: {message}"):
             torch.ops.tq.decode_step(*_op_args(seqs, *args.values(), "4bit_nc", 0))
     # a rollback to position 4: the attention reads the pages below it, whose first id is bad
     seqs.block_table[0, 0] = 10**6
     with pytest.raises(ValueError, match="decode_step: block_table\\[0, 0\\] = 1000000"):
         torch.ops.tq.decode_step(
-            *_op_args(
-                seqs, q, key, value, torch.tensor([4, -1], dtype=torch.int32), counts, "4bit_nc", 0
-            )
+            *_op_args(seqs, q, key, value, torch.tensor([4, -1], dtype=torch.int32), "4bit_nc", 0)
         )
     seqs.block_table[0, 0] = before[-1][0, 0]
-    rotated, (q, key, value, starts, counts) = _op_case("tq4_nc", 0, "cpu", seeded)
+    rotated, (q, key, value, starts) = _op_case("tq4_nc", 0, "cpu", seeded)
     with pytest.raises(ValueError, match="decode_step: .* tq4_nc's values are rotated"):
-        torch.ops.tq.decode_step(*_op_args(rotated, q, key, value, starts, counts, "tq4_nc", 0))
+        torch.ops.tq.decode_step(*_op_args(rotated, q, key, value, starts, "tq4_nc", 0))
     sinks_only = Sequences("4bit_nc", seeded, "cpu", window=0, sinks=3)
     with pytest.raises(ValueError, match="decode_step: .* no recent window \\(window 0"):
-        torch.ops.tq.decode_step(
-            *_op_args(sinks_only, q, key, value, starts, counts, "4bit_nc", 3)
-        )
+        torch.ops.tq.decode_step(*_op_args(sinks_only, q, key, value, starts, "4bit_nc", 3))
     centred = Sequences("4bit_nc", seeded, "cpu", center=True)
     with pytest.raises(ValueError, match="decode_step: window.key_center is set"):
         api.decode_step(
@@ -290,7 +278,6 @@ def test_bad_input_is_refused_before_anything_is_written(seeded):
             centred.block_table,
             starts,
             centred.consts,
-            counts,
         )
     for now, then in zip((*seqs.cache, *seqs.rings, seqs.block_table), before, strict=True):
         assert torch.equal(now, then)
