@@ -196,8 +196,9 @@ def kernel_times(
 
 
 def step_timeline(timed: list[tuple[str, float, float, float]], count: int) -> list[dict]:
-    """The last ``count`` launches of :func:`idle_before`'s list (one step's), in order: name,
-    start (microseconds from the first), duration and idle time before it."""
+    """The last ``count`` launches of :func:`idle_before`'s list (one step's, every step
+    launching as many), in order: name, start (microseconds from the first), duration and idle
+    time before it."""
     last = timed[len(timed) - count :]
     return [
         dict(kernel=name, start_us=begin - last[0][1], us=end - begin, idle_us=idle)
@@ -205,8 +206,8 @@ def step_timeline(timed: list[tuple[str, float, float, float]], count: int) -> l
     ]
 
 
-# the GPU is busy between two steps' kernels for as long as the host takes: longer idle time
-# than this is not a gap inside the step's work
+# the GPU is idle between two steps' kernels for as long as the host takes: longer idle time
+# than this is not a gap inside the step's work (a graph replay's gaps are ~0.1-1 us)
 STEP_PAUSE_US = 50.0
 
 
@@ -215,7 +216,9 @@ def idle_before(launches: list[tuple[str, float, float]]) -> list[tuple[str, flo
     GPU ran none of them just before it started: its start minus the latest end of the
     launches that started before it, 0 where it overlapped one (programmatic dependent launch),
     and 0 after a pause longer than :data:`STEP_PAUSE_US` (between steps). Summed per kernel,
-    this is where a step's time goes between kernels: launch latency, a dependency's wait."""
+    this is where a step's time goes between kernels: launch latency, a dependency's wait. Made
+    for CUDA-graph replays: in eager and default modes the host's gaps inside a step may pass
+    the pause and count as 0."""
     rows, busy_until = [], None
     for name, begin, end in sorted(launches, key=lambda launch: launch[1]):
         idle = 0.0 if busy_until is None else max(0.0, begin - busy_until)
@@ -353,29 +356,36 @@ def _time_cell(model: Transformer, args, mode: str, batch: int, context: int, ca
 # the arguments of a cell timed in a process of its own (--cell), besides its coordinates
 CELL_ARGS = ("preset", "steps", "kernels", "splits", "sinks", "center")
 CELL_RESULT = "e2e cell result: "  # the child's line that carries its result
+CELL_TIMEOUT_S = 1800  # a cell's process: compile, fill, time, profile
 
 
 def _time_cell_in_process(
     args, mode: str, batch: int, context: int, cache: str, device: str = "cuda"
 ) -> dict:
     """:func:`_time_cell`'s result, timed by ``e2e.py --cell`` in a new Python process that
-    builds the model itself on ``device`` (its stderr passes through)."""
+    builds the model itself on ``device`` (its stderr passes through); ``ms`` None and an
+    ``error`` where the process gave no result."""
     cell = dict(mode=mode, batch=batch, context=context, cache=cache)
     cell.update((name, getattr(args, name)) for name in CELL_ARGS)
     cell["device"] = device
-    child = subprocess.run(
-        [sys.executable, __file__, "--cell", json.dumps(cell)],
-        stdout=subprocess.PIPE,
-        text=True,
-        check=False,
-    )
+    kv_bytes = _cache_bytes(ModelArgs.from_name(args.preset), cache, batch, context)
+    failed = dict(ms=None, kv_gb=kv_bytes / 1e9)  # the row of a cell without a result
+    try:
+        child = subprocess.run(
+            [sys.executable, __file__, "--cell", json.dumps(cell)],
+            stdout=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=CELL_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return dict(failed, error=f"no result in {CELL_TIMEOUT_S} s")
     for line in reversed(child.stdout.splitlines()):
         if line.startswith(CELL_RESULT):
             return json.loads(line[len(CELL_RESULT) :])
-    raise RuntimeError(
-        f"the process timing cell {cell} exited with code {child.returncode} and no result; "
-        f"its output:\n{child.stdout}"
-    )
+    # (killed for memory, crashed: the row says so and the other cells go on)
+    print(f"cell {cell}: exit code {child.returncode}, no result:\n{child.stdout}", flush=True)
+    return dict(failed, error=f"exit code {child.returncode}")
 
 
 def _time_cell_here(cell_json: str) -> None:
@@ -785,10 +795,9 @@ def main() -> None:
         payload["host"] = host_table(cfg, args.formats)
         print(f"{gpu_name()}: one layer of {args.preset} at B=1, 4096 tokens")
         print_table(payload["host"], dict(cache="", call="", cpu_us=".1f"))
-    fresh = not args.one_process
-    in_process = args.one_process or set(args.modes) - {"reduce-overhead"}
+    in_process = args.one_process or bool(set(args.modes) - {"reduce-overhead"})
     model = _build_model(args.preset) if in_process else None
-    payload["rows"] = run_cells(model, args, fresh_processes=fresh)
+    payload["rows"] = run_cells(model, args, fresh_processes=payload["fresh_processes"])
     print(
         f"{gpu_name()}, {args.preset}; speed-up over bf16 SDPA with enable_gqa, same mode; "
         f"max_context: tokens per sequence whose KV cache fits {args.kv_budget_gb} GB"

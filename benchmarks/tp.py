@@ -8,7 +8,10 @@ with random K/V up to ``context - steps - 4`` tokens, the decode step of each mo
 after warm-up): the bf16 cache with SDPA ``enable_gqa=True`` (the baseline of every speed-up)
 and each TurboQuant format, at one batch x context, in each mode (``eager``,
 ``reduce-overhead``: CUDA graphs). Rank 0's times are reported; the all-reduces of every layer
-keep the ranks in step. ``kv_gb`` is one GPU's cache.
+keep the ranks in step. ``kv_gb`` is one GPU's cache. The ranks time every cell in their own
+processes, so a ``reduce-overhead`` cell after the first one runs its CUDA graph as a second
+graph of the process (``benchmarks/e2e.py``'s ``--one-process``: bf16, timed first, gains ~90 us
+per step on an H200).
 
 The comparison: after the TP cells, rank 0 alone (the other ranks have exited) runs the
 unsharded model on one GPU at each ``--single-batches`` batch, default ``batch / N``: **the

@@ -18,6 +18,7 @@ from custom_ops.triton import center, decode, dequant, prefill, store, store_win
 from custom_ops.triton.decode import verify
 from custom_ops.triton.decode.codes import part_params
 from custom_ops.triton.decode.merge import merge_arguments
+from custom_ops.triton.decode.merge_fill import merge_fill_arguments
 from custom_ops.triton.decode.plan import StepMode, step_supported
 from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.decode.split import DecodeStep, split_arguments
@@ -164,17 +165,17 @@ def kernels(name: str) -> dict:
                 "split": (plan.split, split_arguments(*split_inputs)),
                 "merge": (plan.merge, merge_arguments(part_out, part_lse, rot, q)),
             }
-            if step_supported(fmt, WINDOW, 1):
-                # tq.decode_step: the split kernel's eviction programs, the merge's fill
+            if step_supported(fmt, WINDOW, 1) and fast and label == "long":
+                # tq.decode_step: the split kernel's eviction programs, the merge's fill (one
+                # configuration: the step's code is the same in the others)
                 step_plan = decode.plan_for(
                     fmt, q, cache, block_table, 2, None, window, fast, step=StepMode.APPEND
                 )
                 step = DecodeStep(new, new, lens, lens)
                 launches["step split"] = (step_plan.split, split_arguments(*split_inputs, step))
-                fill = (new, new, lens, lens, window, block_table)
                 launches["step merge"] = (
                     step_plan.merge,
-                    merge_arguments(part_out, part_lse, rot, q, fill),
+                    merge_fill_arguments(part_out, part_lse, rot, q, step, window, block_table),
                 )
             if plan.prep is not None:
                 launches["prep"] = (

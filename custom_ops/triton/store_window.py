@@ -180,8 +180,9 @@ def append_rows(
     ``PHASES``: ``EVICT`` quantizes the leaving token into its page (reading the ring row and
     its position), ``FILL`` writes the new tokens into the ring and the sinks, their positions
     and the length; both, one after the other, by default. The decode step with its own token
-    (:mod:`custom_ops.triton.decode.split`, one row per program) evicts at its start, where no
-    split attends that page slot, and fills once every split has read the ring."""
+    evicts in the split kernel (:mod:`custom_ops.triton.decode.split`, one row per program,
+    beside the splits: none attends that page slot) and fills in the merge
+    (:mod:`custom_ops.triton.decode.merge_fill`, after the whole split kernel)."""
     (
         key_ptr,
         value_ptr,
@@ -289,8 +290,9 @@ def append_rows(
         encode_side(
             v_window_ptr, ring_rows, 1, evict, v_row, m_row, rot_ptr, V, D, INV_SQRT_D, BLOCK_R
         )
-        # Every thread's reads of the old ring rows happen before any thread overwrites them.
-        tl.debug_barrier()
+        if PHASES != EVICT:
+            # Every thread's reads of the old ring rows happen before any thread overwrites them.
+            tl.debug_barrier()
 
     if PHASES != EVICT:
         # 2. the new token loaded above takes the slot

@@ -31,6 +31,7 @@ import torch
 
 from custom_ops.formats import KVFormat, PagedKVCache, RecentWindow, sequence_capacity, window_size
 from custom_ops.triton.decode.merge import MergeConfig, launch_merge
+from custom_ops.triton.decode.merge_fill import merge_fill_arguments
 from custom_ops.triton.decode.plan import (
     DecodePlan,
     QueryMode,
@@ -261,10 +262,13 @@ def decode(
             part_lse,
             key,
         )
-    fill = None
-    if step_mode == StepMode.APPEND:
-        fill = (step.key, step.value, step.start_pos, step.new_lens, window, block_table)
-    launch_merge(plan.merge, part_out, part_lse, rotation, out, key, fill)
+    if step_mode == StepMode.APPEND:  # the merge also writes the step's token into the ring
+        arguments = merge_fill_arguments(
+            part_out, part_lse, rotation, out, step, window, block_table
+        )
+        plan.merge(*arguments, key=key)
+    else:
+        launch_merge(plan.merge, part_out, part_lse, rotation, out, key)
     return out.view(q.shape)
 
 

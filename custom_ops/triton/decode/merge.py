@@ -1,12 +1,9 @@
 """Log-sum-exp merge of the split (and ring) partials into the attention output.
 
 Grid ``ceil(B * Hq / BLOCK_M)``. Rotated values go back to the original space here: a
-Walsh-Hadamard butterfly for power-of-two head dims, products with R otherwise.
-
-After a decode step's split kernel (``tq.decode_step``), which has read the ring and moved the
-token leaving it into its page, the merge also writes the step's token into the ring
-(:func:`custom_ops.triton.store_window.append_rows`' ``FILL`` phase, ``FILL_ROWS`` sequence-heads
-per program): the split kernel's programs need not find out which of them finishes last.
+Walsh-Hadamard butterfly for power-of-two head dims, products with R otherwise. A decode step's
+merge, which also fills the ring, is :mod:`custom_ops.triton.decode.merge_fill`'s kernel around
+the same :func:`merge_rows`.
 """
 
 from __future__ import annotations
@@ -20,17 +17,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from custom_ops.triton.hadamard import walsh_hadamard_rows
-from custom_ops.triton.paged import ring_arguments, table_arguments
-from custom_ops.triton.store_window import FILL, append_rows, token_arguments
-from custom_ops.triton.traced import unread
 
 __all__ = [
     "MergeConfig",
     "merge_config",
+    "merge_rows",
     "merge_kernel",
     "merge_arguments",
     "launch_merge",
-    "fill_rows_per_program",
 ]
 
 # Warps of a multi-row or many-partial program, and the most partial elements per lane of a
@@ -108,12 +102,6 @@ def _merge_store(
     tl.store(out_ptrs, (out * inv_total[:, None]).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def fill_rows_per_program(sequence_heads: int, num_programs: int) -> int:
-    """``FILL_ROWS``: the sequence-heads whose step token each of the merge's ``num_programs``
-    programs writes into the ring (a power of two), so that they cover ``sequence_heads``."""
-    return triton.next_power_of_2(triton.cdiv(sequence_heads, max(num_programs, 1)))
-
-
 @triton.jit
 def merge_kernel(
     part_out_ptr,
@@ -121,15 +109,6 @@ def merge_kernel(
     rot_ptr,
     out_ptr,
     num_rows,
-    tokens,
-    rings,
-    table,
-    start_pos_ptr,
-    stride_start,
-    new_lens_ptr,
-    num_kv_heads,
-    window,
-    sequence_heads,
     NUM_SPLITS: tl.constexpr,
     WINDOW_PARTS: tl.constexpr,
     WINDOW_PARTS_PAD: tl.constexpr,
@@ -141,56 +120,54 @@ def merge_kernel(
     LOG2_D: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
     PDL: tl.constexpr,
-    FILL_ROWS: tl.constexpr,
-    SINKS: tl.constexpr,
+):
+    """:func:`merge_rows` of this program's rows, once the kernels before it have finished."""
+    if PDL:
+        gdc_wait()  # for every partial
+    merge_rows(
+        part_out_ptr,
+        part_lse_ptr,
+        rot_ptr,
+        out_ptr,
+        num_rows,
+        NUM_SPLITS,
+        WINDOW_PARTS,
+        WINDOW_PARTS_PAD,
+        SPLIT_CHUNK,
+        BLOCK_M,
+        ROTATE_BACK,
+        D,
+        D_PAD,
+        LOG2_D,
+        INV_SQRT_D,
+    )
+
+
+@triton.jit
+def merge_rows(
+    part_out_ptr,
+    part_lse_ptr,
+    rot_ptr,
+    out_ptr,
+    num_rows,
+    NUM_SPLITS: tl.constexpr,
+    WINDOW_PARTS: tl.constexpr,
+    WINDOW_PARTS_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ROTATE_BACK: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
 ):
     """``out[row] = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max lse)`` for the
     ``BLOCK_M`` rows ``b * Hq + h`` of this program, ``SPLIT_CHUNK`` splits at a time. Rotated
     values go back by a Walsh-Hadamard butterfly for power-of-two head dims (only R's first
     column is read), otherwise by ``[BLOCK_M, D] @ R^T`` products (R read once per ``BLOCK_M``
     rows); the window's ``WINDOW_PARTS`` partials (after the splits') are in the original space
-    already.
-
-    ``FILL_ROWS > 0`` (a decode step's merge): this program also writes the step's token
-    (``tokens``) of sequence-heads ``[pid * FILL_ROWS, (pid + 1) * FILL_ROWS)`` (of
-    ``sequence_heads``, ``b * Hk + head``) into the ring (``rings``, ``window`` slots and
-    ``SINKS``), its position and the new lengths ``new_lens_ptr``, from the positions
-    ``start_pos_ptr``; the split kernel, finished by then, moved the token leaving the ring into
-    its page."""
+    already."""
     NUM_PARTIALS: tl.constexpr = NUM_SPLITS + WINDOW_PARTS
-    if PDL:
-        gdc_wait()  # for every partial, and for the split kernel's reads of the ring
-    if FILL_ROWS > 0:
-        fill_rows = tl.program_id(0) * FILL_ROWS + tl.arange(0, FILL_ROWS)
-        append_rows(
-            fill_rows,
-            fill_rows < sequence_heads,
-            tokens,
-            rings,
-            0,  # (the planes, the rotation, the page size and the codecs: the eviction's)
-            table,
-            start_pos_ptr,
-            stride_start,
-            new_lens_ptr,
-            rot_ptr,
-            new_lens_ptr,  # (no key centres)
-            num_kv_heads,
-            1,
-            1,
-            window,
-            1,
-            1,
-            D,
-            D_PAD,
-            INV_SQRT_D,
-            FILL_ROWS,
-            None,
-            None,
-            SINKS,
-            False,
-            False,
-            FILL,
-        )
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows[:, None] < num_rows
     split_lse = tl.load(
@@ -287,37 +264,11 @@ def merge_kernel(
 
 
 def merge_arguments(
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
-    rotation: torch.Tensor,
-    out: torch.Tensor,
-    fill: tuple | None = None,
+    part_out: torch.Tensor, part_lse: torch.Tensor, rotation: torch.Tensor, out: torch.Tensor
 ) -> tuple:
     """The merge kernel's runtime arguments, in order: the partials ``part_out [B, Hq,
-    partials, D]`` / ``part_lse``, the rotation and ``out [B, Hq, D]``; ``fill``: a decode
-    step's ``(key, value, start_pos, new_lens, window, block_table)`` whose token the merge
-    writes into the ring (its plan's ``FILL_ROWS``), or None (placeholders, never read)."""
-    if fill is None:
-        # (each placeholder its own while traced: see unread)
-        tokens = (unread(out), unread(out), 0, 0, 0, 0, 0, 0, 0, 0)
-        rings = (unread(out), unread(out), unread(part_lse), 0, 0, 0)
-        table = (unread(part_lse), 0, 0)
-        fill_args = (tokens, rings, table, unread(part_lse), 0, unread(part_lse), 0, 0, 0)
-    else:
-        key_tokens, value_tokens, start_pos, new_lens, window, block_table = fill
-        batch, num_kv_heads = key_tokens.shape[:2]
-        fill_args = (
-            token_arguments(key_tokens, value_tokens),
-            ring_arguments(window),
-            table_arguments(block_table),
-            start_pos,
-            start_pos.stride(0),
-            new_lens,
-            num_kv_heads,
-            window.size,
-            batch * num_kv_heads,
-        )
-    return (part_out, part_lse, rotation, out, out.shape[0] * out.shape[1], *fill_args)
+    partials, D]`` / ``part_lse``, the rotation, ``out [B, Hq, D]`` and its row count."""
+    return (part_out, part_lse, rotation, out, out.shape[0] * out.shape[1])
 
 
 def launch_merge(
@@ -327,8 +278,8 @@ def launch_merge(
     rotation: torch.Tensor,
     out: torch.Tensor,
     key: Hashable | None = None,
-    fill: tuple | None = None,
 ) -> None:
-    """Merge ``part_out`` / ``part_lse`` into ``out`` (:func:`merge_arguments`; ``launch``: the
-    plan's launch of this kernel; ``key``: the launcher's specialization key)."""
-    launch(*merge_arguments(part_out, part_lse, rotation, out, fill), key=key)
+    """Merge ``part_out [B, Hq, partials, D]`` / ``part_lse`` into ``out [B, Hq, D]``
+    (``launch``: the plan's launch of this kernel; ``key``: the launcher's specialization
+    key)."""
+    launch(*merge_arguments(part_out, part_lse, rotation, out), key=key)

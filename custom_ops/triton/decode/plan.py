@@ -23,7 +23,7 @@ import triton
 
 from custom_ops.formats import KVFormat
 from custom_ops.splits import splits_in_one_wave
-from custom_ops.triton.decode import merge, prep, ring, verify
+from custom_ops.triton.decode import merge, merge_fill, prep, ring, verify
 from custom_ops.triton.decode.codes import PartParams, part_params
 from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.decode.split import split_kernel
@@ -443,18 +443,19 @@ def plan_decode(
             f"{merge_config.split_chunk}"
         )
     merge_grid = (triton.cdiv(num_rows, merge_config.block_m),)
-    # a step that appends in the split kernel has the merge write the step's token into the ring
-    fill_rows = 0
+    merge_kernel, fill_options = merge.merge_kernel, {}
     if step == StepMode.APPEND:
-        fill_rows = merge.fill_rows_per_program(batch * num_kv_heads, merge_grid[0])
+        # the step's token goes into the ring in the merge (custom_ops.triton.decode.merge_fill)
+        merge_kernel = merge_fill.merge_fill_kernel
+        fill_rows = merge_fill.fill_rows_per_program(batch * num_kv_heads, merge_grid[0])
+        fill_options = dict(FILL_ROWS=fill_rows, SINKS=sinks)
     merge_launch = KernelLaunch(
         merge_grid,
         Launcher(
-            merge.merge_kernel,
+            merge_kernel,
             dict(
                 common,
-                FILL_ROWS=fill_rows,
-                SINKS=sinks,
+                **fill_options,
                 NUM_SPLITS=num_splits,
                 WINDOW_PARTS=window_parts,
                 WINDOW_PARTS_PAD=triton.next_power_of_2(max(1, window_parts)),

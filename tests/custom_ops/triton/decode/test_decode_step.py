@@ -99,8 +99,7 @@ def test_decode_step_attends_then_appends(fmt_name, sinks, steps, kernel_device,
     """After chunks and single tokens (appends, or rewrites from below the length), each
     one-token step (the last one rolled back 3 positions under "rewrites") equals float64
     attention over the cache as it was and its own token; its cache afterwards equals the
-    window store's, byte for byte, and the new lengths are the store's. (The interpreter runs
-    the eviction programs after every split; a GPU interleaves them.)"""
+    window store's, byte for byte, and the new lengths are the store's."""
     seqs = Sequences(fmt_name, seeded, kernel_device, sinks=sinks)
     schedule = STEPS if steps == "appends" else REWRITE_STEPS
     for i, (n_new, starts) in enumerate(schedule[:5]):
