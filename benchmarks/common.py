@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,8 @@ __all__ = [
     "write_json",
     "pyplot",
     "save_figure",
+    "time_in_process",
+    "report_cell",
 ]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -161,3 +164,37 @@ def save_figure(fig, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+# The line a cell's own process prints its result on (time_in_process, report_cell).
+CELL_RESULT = "benchmark cell result: "
+
+
+def time_in_process(script: str | Path, cell: dict, timeout_s: float) -> dict:
+    """Run ``python script --cell JSON(cell)`` in a new process and return the result it
+    printed with :func:`report_cell`; ``{"error": ...}`` where it printed none (killed, crashed)
+    or took longer than ``timeout_s``. Its stderr passes through.
+
+    CUDA-graph cells are timed this way: a graph captured after another one in the same process
+    waits ~0.45 us before each kernel instead of ~0.1 us on an H200 (docs/notes/
+    2026-11-29-first-graph.md), which would favour whichever cell comes first."""
+    try:
+        child = subprocess.run(
+            [sys.executable, str(script), "--cell", json.dumps(cell)],
+            stdout=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return dict(error=f"no result in {timeout_s} s")
+    for line in reversed(child.stdout.splitlines()):
+        if line.startswith(CELL_RESULT):
+            return json.loads(line[len(CELL_RESULT) :])
+    print(f"cell {cell}: exit code {child.returncode}, no result:\n{child.stdout}", flush=True)
+    return dict(error=f"exit code {child.returncode}")
+
+
+def report_cell(result: dict) -> None:
+    """Print a cell's result for the :func:`time_in_process` that started this process."""
+    print(CELL_RESULT + json.dumps(result), flush=True)

@@ -50,7 +50,6 @@ import importlib
 import json
 import pkgutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,8 +67,10 @@ from common import (  # noqa: E402
     gpu_name,
     print_table,
     pyplot,
+    report_cell,
     require_cuda,
     save_figure,
+    time_in_process,
     write_json,
 )
 
@@ -355,7 +356,6 @@ def _time_cell(model: Transformer, args, mode: str, batch: int, context: int, ca
 
 # the arguments of a cell timed in a process of its own (--cell), besides its coordinates
 CELL_ARGS = ("preset", "steps", "kernels", "splits", "sinks", "center")
-CELL_RESULT = "e2e cell result: "  # the child's line that carries its result
 CELL_TIMEOUT_S = 1800  # a cell's process: compile, fill, time, profile
 
 
@@ -363,39 +363,26 @@ def _time_cell_in_process(
     args, mode: str, batch: int, context: int, cache: str, device: str = "cuda"
 ) -> dict:
     """:func:`_time_cell`'s result, timed by ``e2e.py --cell`` in a new Python process that
-    builds the model itself on ``device`` (its stderr passes through); ``ms`` None and an
+    builds the model itself on ``device`` (:func:`common.time_in_process`); ``ms`` None and an
     ``error`` where the process gave no result."""
-    cell = dict(mode=mode, batch=batch, context=context, cache=cache)
+    cell = dict(mode=mode, batch=batch, context=context, cache=cache, device=device)
     cell.update((name, getattr(args, name)) for name in CELL_ARGS)
-    cell["device"] = device
-    kv_bytes = _cache_bytes(ModelArgs.from_name(args.preset), cache, batch, context)
-    failed = dict(ms=None, kv_gb=kv_bytes / 1e9)  # the row of a cell without a result
-    try:
-        child = subprocess.run(
-            [sys.executable, __file__, "--cell", json.dumps(cell)],
-            stdout=subprocess.PIPE,
-            text=True,
-            check=False,
-            timeout=CELL_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        return dict(failed, error=f"no result in {CELL_TIMEOUT_S} s")
-    for line in reversed(child.stdout.splitlines()):
-        if line.startswith(CELL_RESULT):
-            return json.loads(line[len(CELL_RESULT) :])
-    # (killed for memory, crashed: the row says so and the other cells go on)
-    print(f"cell {cell}: exit code {child.returncode}, no result:\n{child.stdout}", flush=True)
-    return dict(failed, error=f"exit code {child.returncode}")
+    timed = time_in_process(__file__, cell, CELL_TIMEOUT_S)
+    if "error" in timed:
+        kv_bytes = _cache_bytes(ModelArgs.from_name(args.preset), cache, batch, context)
+        timed.update(ms=None, kv_gb=kv_bytes / 1e9)
+    return timed
 
 
 def _time_cell_here(cell_json: str) -> None:
     """The ``--cell`` process: build the model of ``cell_json``'s preset, time that one cell
-    (:func:`_time_cell`) and print its result on a line of its own."""
+    (:func:`_time_cell`) and report its result (:func:`common.report_cell`)."""
     cell = json.loads(cell_json)
     args = argparse.Namespace(**{name: cell[name] for name in CELL_ARGS})
     model = _build_model(args.preset, cell["device"])
-    timed = _time_cell(model, args, cell["mode"], cell["batch"], cell["context"], cell["cache"])
-    print(CELL_RESULT + json.dumps(timed), flush=True)
+    report_cell(
+        _time_cell(model, args, cell["mode"], cell["batch"], cell["context"], cell["cache"])
+    )
 
 
 def _build_model(preset: str, device: str = "cuda") -> Transformer:
@@ -500,7 +487,7 @@ def _cache_bytes(cfg: ModelArgs, cache: str, batch: int, context: int) -> int:
 
 
 def _row_text(row: dict) -> str:
-    ms = "oom" if row["ms"] is None else f"{row['ms']:.2f} ms"
+    ms = _missing(row) if row["ms"] is None else f"{row['ms']:.2f} ms"
     speed = "" if row["speedup"] is None else f" {row['speedup']:.2f}x"
     return (
         f"{row['mode']:>15} B{row['batch']:<3} ctx {row['context']:>6} {row['cache']:>11}: "
@@ -508,11 +495,16 @@ def _row_text(row: dict) -> str:
     )
 
 
+def _missing(row: dict) -> str:
+    """What a row without a time shows: ``failed`` (its process gave no result) or ``oom``."""
+    return "failed" if "error" in row else "oom"
+
+
 def _printable(row: dict) -> dict:
     """``row`` with its timings as text (``oom`` where the cache did not fit)."""
     text = {"ms": "{:.2f}", "tok_s": "{:.0f}", "speedup": "{:.2f}x"}
     printable = {
-        k: (("oom" if v is None else fmt.format(v)) if (fmt := text.get(k)) else v)
+        k: ((_missing(row) if v is None else fmt.format(v)) if (fmt := text.get(k)) else v)
         for k, v in row.items()
     }
     attn = row.get("attn_kernels")  # profiled cells only (--kernels)

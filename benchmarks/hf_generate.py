@@ -14,7 +14,10 @@ every query head (``repeat_kv``), what a careful user of a static cache can stil
 
 Decode speed: a logits processor records the time of every step (after a synchronization);
 tokens/s is ``batch x steps / time`` over the steps after the first ``--skip`` (compilation and
-CUDA-graph recording happen in the first ones). KV bytes: what each cache holds.
+CUDA-graph recording happen in the first ones). KV bytes: what each cache holds. Each
+``reduce-overhead`` cell runs in a process of its own (``--one-process``: all in this one),
+since a CUDA graph captured after another one in the same process runs slower, which favoured
+the first cell, the StaticCache baseline (``benchmarks/common.py``'s ``time_in_process``).
 
     python benchmarks/hf_generate.py                                   # B=32, 8k, both models
     python benchmarks/hf_generate.py --models smollm2 --batch 4 --context 2048
@@ -37,8 +40,10 @@ from common import (  # noqa: E402
     gpu_name,
     print_table,
     pyplot,
+    report_cell,
     require_cuda,
     save_figure,
+    time_in_process,
     write_json,
 )
 
@@ -50,6 +55,9 @@ BASELINE = "static"
 # StaticCache variants timed besides the baseline
 DENSE_VARIANTS = ("static-gqa",)
 MODES = ("reduce-overhead", "default", "eager")
+# the arguments of a cell timed in a process of its own (--cell), besides its coordinates
+CELL_ARGS = ("batch", "context", "new_tokens", "skip", "window", "prefill_chunk")
+CELL_TIMEOUT_S = 1800
 
 
 def model_config(name: str):
@@ -100,49 +108,82 @@ def time_generate(model, cache, prompt, new_tokens: int, mode: str, chunk: int, 
     return tok_s, prompt.shape[0] / tok_s * 1e3
 
 
-def run(args) -> list[dict]:
-    from transformers import LlamaForCausalLM, StaticCache
+def build(name: str, args):
+    """``(model, config, prompt)``: the random-weight bf16 model ``name`` on the GPU (seed 0)
+    and ``args.batch`` random prompts that fill the cache to ``args.context`` tokens minus the
+    generated ones."""
+    from transformers import LlamaForCausalLM
 
+    config = model_config(name)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    prompt = torch.randint(
+        3,
+        config.vocab_size,
+        (args.batch, args.context - args.new_tokens),
+        device="cuda",
+        generator=gen,
+    )
+    return model, config, prompt
+
+
+def time_cell(model, config, prompt, cache_name: str, mode: str, args) -> dict:
+    """``tok_s``, ``ms`` (None where the GPU ran out of memory) and ``kv_gb`` of one
+    ``generate`` with the cache ``cache_name`` in ``mode``."""
+    from transformers import StaticCache
+
+    dense = cache_name in (BASELINE, *DENSE_VARIANTS)
+    if dense:
+        cache = StaticCache(config, max_cache_len=args.context)
+    else:
+        cache = TurboQuantCache(config, args.context, preset=cache_name, window=args.window)
+    torch._dynamo.reset()
+    # static-gqa: transformers' switch for SDPA with enable_gqa despite the mask
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1" if cache_name == "static-gqa" else "0"
+    try:
+        tok_s, ms = time_generate(
+            model, cache, prompt, args.new_tokens, mode, args.prefill_chunk, args.skip
+        )
+    except torch.OutOfMemoryError:
+        tok_s = ms = None
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "0"
+    kv_bytes = (
+        cache.nbytes()
+        if not dense
+        else sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    )
+    del cache
+    torch.cuda.empty_cache()
+    return dict(tok_s=tok_s, ms=ms, kv_gb=kv_bytes / 1e9)
+
+
+def _time_cell_here(cell_json: str) -> None:
+    """The ``--cell`` process: build the cell's model and prompts, time its one ``generate``
+    and report the result (:func:`common.report_cell`)."""
+    cell = json.loads(cell_json)
+    args = argparse.Namespace(**{name: cell[name] for name in CELL_ARGS})
+    model, config, prompt = build(cell["model"], args)
+    report_cell(time_cell(model, config, prompt, cell["cache"], cell["mode"], args))
+
+
+def run(args) -> list[dict]:
     rows = []
     for name in args.models:
-        config = model_config(name)
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        prompt = torch.randint(
-            3,
-            config.vocab_size,
-            (args.batch, args.context - args.new_tokens),
-            device="cuda",
-            generator=gen,
-        )
+        built = None  # this process's model, built for the first cell timed here
         for mode in args.modes:
             baseline = None
             for cache_name in [BASELINE, *args.dense, *args.presets]:
-                dense = cache_name in (BASELINE, *DENSE_VARIANTS)
-                if dense:
-                    cache = StaticCache(config, max_cache_len=args.context)
+                if mode == "reduce-overhead" and not args.one_process:
+                    cell = dict(model=name, mode=mode, cache=cache_name)
+                    cell.update((field, getattr(args, field)) for field in CELL_ARGS)
+                    timed = dict(tok_s=None, ms=None, kv_gb=None)
+                    timed.update(time_in_process(__file__, cell, CELL_TIMEOUT_S))
                 else:
-                    cache = TurboQuantCache(
-                        config, args.context, preset=cache_name, window=args.window
-                    )
-                torch._dynamo.reset()
-                # static-gqa: transformers' switch for SDPA with enable_gqa despite the mask
-                force_gqa = "1" if cache_name == "static-gqa" else "0"
-                os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = force_gqa
-                try:
-                    tok_s, ms = time_generate(
-                        model, cache, prompt, args.new_tokens, mode, args.prefill_chunk, args.skip
-                    )
-                except torch.OutOfMemoryError:
-                    tok_s = ms = None
-                os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "0"
-                kv_bytes = (
-                    cache.nbytes()
-                    if not dense
-                    else sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-                )
+                    built = built or build(name, args)
+                    timed = time_cell(*built, cache_name, mode, args)
+                tok_s = timed["tok_s"]
                 if cache_name == BASELINE:
                     baseline = tok_s
                 speedup = tok_s / baseline if tok_s and baseline else None
@@ -153,16 +194,12 @@ def run(args) -> list[dict]:
                         batch=args.batch,
                         context=args.context,
                         cache=cache_name,
-                        tok_s=tok_s,
-                        ms=ms,
-                        kv_gb=kv_bytes / 1e9,
+                        **timed,
                         speedup=speedup,
                     )
                 )
                 print(json.dumps(rows[-1]), flush=True)
-                del cache
-                torch.cuda.empty_cache()
-        del model
+        del built
         torch.cuda.empty_cache()
     return rows
 
@@ -209,6 +246,12 @@ def main() -> None:
         default=None,
         help="transformers' prefill_chunk_size (default: none)",
     )
+    parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="time reduce-overhead cells in this process too (the first cell's graph is favoured)",
+    )
+    parser.add_argument("--cell", help=argparse.SUPPRESS)  # (a cell's own process)
     parser.add_argument("--out", default="hf_generate.json")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of a saved JSON run")
     args = parser.parse_args()
@@ -216,10 +259,18 @@ def main() -> None:
         plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return
     require_cuda("benchmarks/hf_generate.py")
+    if args.cell:
+        _time_cell_here(args.cell)
+        return
     if args.new_tokens <= args.skip + 1:
         parser.error(f"--new-tokens ({args.new_tokens}) must exceed --skip + 1 ({args.skip + 1})")
     payload = dict(
-        gpu=gpu_name(), batch=args.batch, context=args.context, window=args.window, rows=run(args)
+        gpu=gpu_name(),
+        batch=args.batch,
+        context=args.context,
+        window=args.window,
+        fresh_processes=not args.one_process,
+        rows=run(args),
     )
     print(
         f"{payload['gpu']}: generate, B={args.batch}, context {args.context}, window "
@@ -230,7 +281,9 @@ def main() -> None:
         {
             **row,
             **{
-                key: "oom" if row[key] is None else format(row[key], spec)
+                key: ("failed" if "error" in row else "oom")
+                if row[key] is None
+                else format(row[key], spec)
                 for key, spec in specs.items()
             },
         }

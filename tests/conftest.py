@@ -69,6 +69,7 @@ SLOW = {
         "test_decode_of_centred_keys_is_attention_over_the_keys",
         "test_every_magnitude_is_represented",
         "test_a_cell_in_a_process_of_its_own",
+        "test_a_cell_process_reports_its_result_or_its_failure",
         "test_append_launch_matches_reference",
     ),
 }

@@ -142,3 +142,28 @@ def test_a_cell_in_a_process_of_its_own():
     timed = e2e._time_cell_in_process(args, "eager", 1, 48, "4bit_nc", device="cpu")
     assert len(timed["block_ms"]) == STEPS and math.isfinite(timed["ms"]), timed
     assert timed["kv_gb"] > 0
+
+
+def test_a_cell_process_reports_its_result_or_its_failure(tmp_path):
+    """``common.time_in_process``: the result a cell's process reports (``report_cell``), an
+    ``error`` row where it exits without one or outlives its timeout."""
+    import common
+
+    script = tmp_path / "cell.py"
+    script.write_text(
+        "import json, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "from common import report_cell\n"
+        "cell = json.loads(sys.argv[2])\n"
+        "time.sleep(cell['sleep'])\n"
+        "if cell['ok']:\n"
+        "    report_cell(dict(ms=cell['ms']))\n"
+        "sys.exit(0 if cell['ok'] else 3)\n"
+    )
+    assert common.time_in_process(script, dict(ok=True, ms=1.5, sleep=0), 600) == dict(ms=1.5)
+    assert common.time_in_process(script, dict(ok=False, ms=0, sleep=0), 600) == dict(
+        error="exit code 3"
+    )
+    assert common.time_in_process(script, dict(ok=True, ms=0, sleep=30), 1) == dict(
+        error="no result in 1 s"
+    )
