@@ -359,26 +359,35 @@ def split_kernel(
             # the splits (no split attends that page slot: it is past their compressed tokens;
             # a tile may load its bytes, which then get zero probability). The merge, after
             # every program of this kernel, writes the step's token into the ring.
-            _evict(
-                b,
-                head,
-                num_kv_heads,
-                max_pages,
-                window,
-                rot_ptr,
+            row = b * num_kv_heads + head + tl.zeros([1], tl.int32)
+            append_rows(
+                row,
+                row >= 0,
+                tokens,
+                rings,
                 planes,
                 table,
-                rings,
-                tokens,
                 start_pos_ptr,
                 stride_start,
+                start_pos_ptr,  # (the lengths: written by the fill)
+                rot_ptr,
+                start_pos_ptr,  # (no key centres)
+                num_kv_heads,
+                1,
+                1,
+                window,
                 PAGE_SIZE,
+                max_pages,
                 D,
                 D_PAD,
                 INV_SQRT_D,
+                1,
                 STORE_K,
                 STORE_V,
                 SINKS,
+                False,
+                False,
+                EVICT,
             )
             return
 
@@ -590,63 +599,6 @@ def split_kernel(
         tl.store(out_ptrs + 2 * V.PC, (acc2 + zero_acc[None, :]) * scale, mask=ok)
         tl.store(out_ptrs + 3 * V.PC, (acc3 + zero_acc[None, :]) * scale, mask=ok)
     tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
-
-
-@triton.jit
-def _evict(
-    b,
-    head,
-    num_kv_heads,
-    max_pages,
-    window,
-    rot_ptr,
-    planes,
-    table,
-    rings,
-    tokens,
-    start_pos_ptr,
-    stride_start,
-    PAGE_SIZE: tl.constexpr,
-    D: tl.constexpr,
-    D_PAD: tl.constexpr,
-    INV_SQRT_D: tl.constexpr,
-    STORE_K: tl.constexpr,
-    STORE_V: tl.constexpr,
-    SINKS: tl.constexpr,
-):
-    """The ``EVICT`` phase of ``tq.store_window``'s append of sequence ``b``'s token at kv-head
-    ``head`` (:func:`~custom_ops.triton.store_window.append_rows`, one row): the token leaving
-    the ring is quantized into its page slot."""
-    row = b * num_kv_heads + head + tl.zeros([1], tl.int32)
-    append_rows(
-        row,
-        row >= 0,
-        tokens,
-        rings,
-        planes,
-        table,
-        start_pos_ptr,
-        stride_start,
-        start_pos_ptr,  # (the lengths: written by the fill)
-        rot_ptr,
-        start_pos_ptr,  # (no key centres)
-        num_kv_heads,
-        1,
-        1,
-        window,
-        PAGE_SIZE,
-        max_pages,
-        D,
-        D_PAD,
-        INV_SQRT_D,
-        1,
-        STORE_K,
-        STORE_V,
-        SINKS,
-        False,
-        False,
-        EVICT,
-    )
 
 
 def split_arguments(
