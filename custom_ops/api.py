@@ -33,7 +33,7 @@ from custom_ops.schema import (
     StoreWindowArgs,
     window_fields,
 )
-from custom_ops.triton.decode.plan import step_supported
+from custom_ops.triton.decode.plan import step_pays, step_supported
 
 __all__ = [
     "KVConstants",
@@ -43,6 +43,7 @@ __all__ = [
     "dequantize",
     "decode",
     "decode_step",
+    "step_pays",
     "step_supported",
     "prefill",
     "default_num_splits",

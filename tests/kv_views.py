@@ -35,12 +35,13 @@ def dense_attention(q, keys, values, attn_mask=None, is_causal=False, scale=None
     masked out, ``attn_mask`` (bool, or additive) applied and ``is_causal`` top-left aligned,
     as dense SDPA over the same positions; with a ``softcap``, the scores capped at ``softcap *
     tanh(s / softcap)`` before the mask."""
-    k = keys.dequantize(torch.float64).cpu()
-    v = values.dequantize(torch.float64).cpu()
+    # a pending decode token as SDPA attends it: the cache as it was and the token, exact
+    k = keys.dequantize(torch.float64, store_pending=False).cpu()
+    v = values.dequantize(torch.float64, store_pending=False).cpu()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     seq = k.shape[2]
-    visible = (torch.arange(seq)[None, :] < keys.seq_lens.cpu()[:, None])[:, None, None, :]
+    visible = (torch.arange(seq)[None, :] < keys.lengths().cpu()[:, None])[:, None, None, :]
     if is_causal:
         visible = visible & torch.ones(q.shape[2], seq, dtype=torch.bool).tril()
     if attn_mask is None:

@@ -34,7 +34,7 @@ from torch import nn
 from custom_ops import api, ops, validate
 from custom_ops.formats import PagedKVCache, RecentWindow, get_format
 from custom_ops.schema import StoreArgs, StoreWindowArgs, window_fields
-from tq_compile.kv_tensor import TurboQuantKVTensor
+from tq_compile.kv_tensor import StoreRecord, TurboQuantKVTensor
 from tq_compile.options import CacheOptions, check_count
 
 __all__ = ["TurboQuantKVCache", "kv_cache_nbytes", "warn_unquantized_cache"]
@@ -160,6 +160,13 @@ class TurboQuantKVCache(nn.Module):
             *rings,
         ):
             self.register_buffer(name, tensor, persistent=False)
+        # a decode token's append and attention can be one op (tq.decode_step; per batch
+        # size where it pays: api.step_pays)
+        self.fuses_steps = (
+            self.has_rings
+            and not center_keys
+            and api.step_supported(self.kv_format, self.window, 1)
+        )
         self.num_kv_heads, self.head_dim = n_heads, head_dim
         self.num_splits = self._choose_splits()
         self._forget_eager()
@@ -193,6 +200,7 @@ class TurboQuantKVCache(nn.Module):
         self._eager_operands: dict[int, _Operands] = {}
         self._eager_views: dict[int, tuple[TurboQuantKVTensor, TurboQuantKVTensor]] = {}
         self._eager_buffers = tuple(self._buffers.values())
+        self._pending_view: TurboQuantKVTensor | None = None  # (see store_pending)
 
     def _choose_splits(self) -> int:
         if self.options.num_splits is not None:
@@ -207,6 +215,7 @@ class TurboQuantKVCache(nn.Module):
         )
 
     def _apply(self, fn, recurse=True):
+        self.store_pending()  # into the buffers it belongs to, before they are replaced
         # what fn does to a tensor of the model's dtype: a conversion to the other model dtype
         # (model.half(), .to(bfloat16)) converts the rings, which hold the model's tokens
         target = fn(torch.empty(0, dtype=self.model_dtype, device=self.rotation.device)).dtype
@@ -284,6 +293,13 @@ class TurboQuantKVCache(nn.Module):
                 f"{n_new} new tokens (k_val.shape[2]); expected T >= 1 of "
                 "each"
             )
+        ring_dtype = self.k_window.dtype if self.has_rings else None
+        if ring_dtype is not None and not k_val.dtype == v_val.dtype == ring_dtype:
+            # (the ring would hold a cast: bfloat16 keys near 1e5 are inf in float16)
+            raise TypeError(
+                f"{where}: key must have the rings' dtype {ring_dtype} (the model's), got "
+                f"k_val {k_val.dtype} and v_val {v_val.dtype}"
+            )
         if torch.compiler.is_compiling() or not validate.checks_values(input_pos):
             return  # traced: no values to read (the ops' own checks still run)
         low, high = int(input_pos.min()), int(input_pos.max())
@@ -327,7 +343,10 @@ class TurboQuantKVCache(nn.Module):
             them attends over the chunk exactly (``tq.prefill``). Eagerly, every update of one
             token and one batch size returns the same two objects with that update's lengths:
             views kept from an earlier step show the cache as it is now (views derived from
-            them, such as a ``repeat_interleave``, keep their lengths).
+            them, such as a ``repeat_interleave``, keep their lengths). In a traced step one
+            token may be left pending in fresh views (``step_start``), stored by whatever
+            consumes them: SDPA (``tq.decode_step``) or ``.dequantize()``
+            (docs/design/cache.md#a-decode-tokens-store).
         """
         self._check_update(input_pos, k_val, v_val)
         batch, num_kv_heads, n_new, head_dim = k_val.shape
@@ -335,6 +354,8 @@ class TurboQuantKVCache(nn.Module):
         # nn.Module.__getattr__ included): the operands and views of a batch size are looked up
         # once, and each line below is at most one kernel, none where a view does.
         eager = ops.is_eager()
+        if eager:
+            self.store_pending()
         if eager and not all(map(operator.is_, self._eager_buffers, self._buffers.values())):
             self._forget_eager()  # a buffer was assigned since the memos were made
         operands = self._eager_operands.get(batch) if eager else None
@@ -349,6 +370,21 @@ class TurboQuantKVCache(nn.Module):
                 )
         planes, window, table, rotation = operands
         name = self.kv_format.name
+        fuses_step = self.fuses_steps and api.step_pays(batch, self.num_kv_heads)
+        if n_new == 1 and fuses_step and _head_dim_contiguous(k_val, v_val):
+            # A decode token is left pending in the views, which show the cache as it was and
+            # the token; whatever consumes them stores it: SDPA (tq.decode_step: the token
+            # attends that and is appended, in the split kernel and the merge; or dense
+            # attention, then the window store) or .dequantize(); eagerly also the next update
+            # or a move (store_pending) (docs/design/cache.md#a-decode-tokens-store).
+            if not eager:
+                start = input_pos[:1].expand(batch)
+                return self._views(operands, start, k_val, v_val, step_start=start)
+            # (the cache's own copy of the positions: callers advance input_pos in place)
+            start = input_pos[:1].to(torch.int32, copy=True).expand(batch)
+            views = self._eager_decode_views(batch, operands, start, k_val, v_val, start)
+            self._pending_view = views[0]
+            return views
         # The codes are constants to autograd (the ops have no derivative); a chunk's views
         # still carry k_val / v_val as they are, through which attention's gradient flows.
         k_store, v_store = k_val.detach(), v_val.detach()
@@ -389,16 +425,38 @@ class TurboQuantKVCache(nn.Module):
             return self._views(operands, seq_lens, k_val, v_val)
         if not eager or type(seq_lens) is not torch.Tensor:
             return self._views(operands, seq_lens)  # traced: fresh views of the mutated buffers
-        # Eager decode: the views of this batch size are built once and get each update's
-        # lengths (a wrapper subclass costs ~5 us of host to build). Like a dense cache's
-        # buffers, the views returned by every update are the cache: they show its current
-        # contents.
+        return self._eager_decode_views(batch, operands, seq_lens)
+
+    def _eager_decode_views(
+        self,
+        batch: int,
+        operands: _Operands,
+        seq_lens: torch.Tensor,
+        chunk_k: torch.Tensor | None = None,
+        chunk_v: torch.Tensor | None = None,
+        step_start: torch.Tensor | None = None,
+    ):
+        """Eager decode: the views of this batch size are built once and get each update's
+        lengths and pending token, if any (a wrapper subclass costs ~5 us of host to build).
+        Like a dense cache's buffers, the views returned by every update are the cache: they
+        show its current contents."""
         views = self._eager_views.get(batch)
         if views is None:
             views = self._eager_views[batch] = self._views(operands, seq_lens)
+        record = None if step_start is None else StoreRecord()
         for view in views:
-            view.seq_lens = seq_lens
+            view.seq_lens, view.chunk_k, view.chunk_v = seq_lens, chunk_k, chunk_v
+            view.step_start, view.store_record = step_start, record
         return views
+
+    def store_pending(self) -> None:
+        """Store an eager decode step's token if nothing stored it yet (SDPA over its views or
+        their ``.dequantize()`` store it): the next update, a move of the buffers and the
+        Hugging Face layer's reset, crop and reorder call this first. A traced step's token
+        is its views' to store: a compiled region must consume the views it gets."""
+        view, self._pending_view = self._pending_view, None
+        if view is not None:
+            view.stored()
 
     def _operands(self, batch: int) -> _Operands:
         """The buffers the ops take for the first ``batch`` sequences."""
@@ -418,10 +476,12 @@ class TurboQuantKVCache(nn.Module):
         seq_lens: torch.Tensor,
         chunk_k: torch.Tensor | None = None,
         chunk_v: torch.Tensor | None = None,
+        step_start: torch.Tensor | None = None,
     ):
         """Key and value views of ``operands``' sequences, of lengths ``seq_lens [B] int32``,
         carrying the update's exact keys and values ``chunk_k``/``chunk_v [B, Hk, T, D]`` (or
-        None)."""
+        None) and, for a token not stored yet, its positions ``step_start``
+        (:class:`TurboQuantKVTensor`)."""
         return tuple(
             TurboQuantKVTensor.from_cache(
                 side,
@@ -436,6 +496,7 @@ class TurboQuantKVCache(nn.Module):
                 operands.window,
                 chunk_k,
                 chunk_v,
+                step_start,
             )
             for side in ("key", "value")
         )
@@ -460,6 +521,10 @@ class TurboQuantKVCache(nn.Module):
             f"window={self.window}, sinks={self.sinks}, center_keys={self.center_keys}, "
             f"num_splits={self.num_splits}"
         )
+
+
+def _head_dim_contiguous(*tensors: torch.Tensor) -> bool:
+    return all(t.stride(-1) == 1 for t in tensors)
 
 
 def kv_cache_nbytes(model: nn.Module) -> int:

@@ -13,11 +13,13 @@ Each attention layer is a :class:`TurboQuantLayer` (transformers' ``CacheLayerMi
 contract) owning one :class:`~tq_compile.cache.TurboQuantKVCache`: paged codes, the recent
 window ring, all static buffers allocated at the first ``update`` and marked static for
 ``torch.compile``. ``update`` stores the new tokens (``torch.ops.tq.store`` /
-``store_window``) and returns :class:`~tq_compile.kv_tensor.TurboQuantKVTensor` views of shape
-``[B, Hk, max_cache_len, D]``; transformers' ``sdpa`` attention then reaches ``tq.decode``
-through them (its ``repeat_kv`` and ``pack_gqa`` stay lazy), so no full-precision copy of the
-cache is ever made while decoding (GQA groups up to 64 query heads per kv-head:
-``kv_tensor.MAX_FOLDED_ROWS``). The cached length is a device tensor, as in
+``store_window``; in a compiled decode step the attention's ``tq.decode_step`` may store the
+token instead, see ``TurboQuantKVCache.update``) and returns
+:class:`~tq_compile.kv_tensor.TurboQuantKVTensor` views of shape ``[B, Hk, max_cache_len, D]``;
+transformers' ``sdpa`` attention then reaches ``tq.decode`` through them (its ``repeat_kv``
+and ``pack_gqa`` stay lazy), so no full-precision copy of the cache is ever made while
+decoding (GQA groups up to 64 query heads per kv-head: ``kv_tensor.MAX_FOLDED_ROWS``). The
+cached length is a device tensor, as in
 ``StaticLayer``, so a compiled decode step has static shapes and no host sync.
 
 Layers of other kinds than attention over the whole past are refused at construction, except
@@ -261,11 +263,15 @@ class TurboQuantLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Empty the cache. Only the length is cleared: positions at or past it are never read,
         and the next sequence's tokens replace the old ones in the ring."""
+        if self.is_initialized:
+            self.kv.store_pending()  # (its position would evict the next sequence's tokens)
         self.cumulative_length.zero_()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative
         count; 0 does nothing); see ``is_croppable``."""
+        if self.is_initialized:
+            self.kv.store_pending()
         _crop_length(self, tokens_to_remove)
 
     @torch.no_grad()
@@ -274,6 +280,7 @@ class TurboQuantLayer(CacheLayerMixin):
         ``beam_idx[b]``. The block table is the identity, so each sequence's pages move whole."""
         if not self.is_initialized:
             return
+        self.kv.store_pending()  # (into its own sequence's rows, before they move)
         beam_idx = beam_idx.to(self.device)
         batch = beam_idx.shape[0]
         sequences = [self.kv.k_codes, self.kv.v_codes, self.kv.meta]

@@ -8,7 +8,9 @@ planes as inner tensors, and intercept SDPA in ``__torch_function__``:
 
 * queries that all see the same positions (one decode token; or Hugging Face's ``pack_gqa``
   layout, a head group as query rows under one mask row): ``torch.ops.tq.decode`` over the
-  compressed bytes, the attention mask passed through;
+  compressed bytes, the attention mask passed through; in a traced step whose token the cache
+  left pending in the views (``step_start``), ``torch.ops.tq.decode_step``, which also stores
+  it;
 * up to 16 query tokens with a mask per token (gpt-fast's causal-mask slice, Hugging Face's 4-D
   mask: a speculative-decoding verify step, a short chunk): ``torch.ops.tq.decode`` of the
   sequence's last ``T`` tokens, each seeing the cached positions its mask row allows (as
@@ -45,14 +47,33 @@ from torchao.utils import TorchAOBaseTensor
 from custom_ops import compat, ops
 from custom_ops.formats import PagedKVCache, RecentWindow, sequence_capacity, window_size
 from custom_ops.reference import overlay_chunk, softcap_scores
-from custom_ops.schema import DecodeArgs, DequantizeArgs, PrefillArgs, window_fields
+from custom_ops.schema import (
+    DecodeArgs,
+    DecodeStepArgs,
+    DequantizeArgs,
+    PrefillArgs,
+    StoreWindowArgs,
+    window_fields,
+)
 from custom_ops.validate import MAX_QUERY_TOKENS
 
-__all__ = ["TurboQuantKVTensor", "attention"]
+__all__ = ["StoreRecord", "TurboQuantKVTensor", "attention"]
 
 _SIDES = ("key", "value")
 # the flattened fields (k_window, v_window, window_pos, sinks, key_center) of no window
 _NO_WINDOW = (None, None, None, 0, None)
+
+
+class StoreRecord:
+    """Whether an eager decode step's pending token is stored: one per step, shared by every
+    view that carries the token (the cache's two reused views and views derived from them), so
+    that the first store is the only one and the cache's next update stores a token that
+    nothing stored. ``seq_lens``: the lengths after the store (``[B] int32``), None before."""
+
+    __slots__ = ("seq_lens",)
+
+    def __init__(self) -> None:
+        self.seq_lens: torch.Tensor | None = None
 
 
 class TurboQuantKVTensor(TorchAOBaseTensor):
@@ -73,6 +94,12 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         chunk_k, chunk_v: optional ``[B, Hk, T, D]``: the keys and values of the update that
             made the view (its last ``T`` positions), as the model computed them: a prefill
             chunk attends over them exactly.
+        step_start: a one-token update not stored yet (None: none pending; only in traced
+            steps): its positions ``[B]``, ``input_pos``' dtype (then ``seq_lens`` holds the
+            same: the lengths before it). SDPA of its token over the view runs
+            ``tq.decode_step`` (attention over the cache as it was and the token, then the
+            append); other SDPA calls attend densely, then store it (:meth:`stored`);
+            :meth:`dequantize` stores it, then reads (docs/design/cache.md).
 
     Non-Tensor Attributes:
         fmt: format name (``custom_ops.FORMATS``).
@@ -111,6 +138,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         "key_center",
         "chunk_k",
         "chunk_v",
+        "step_start",
     ]
     # the constructor's arguments, in order
     _FLAT_NAMES = (*tensor_data_names, *tensor_attribute_names, *optional_tensor_data_names)
@@ -138,6 +166,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         key_center=None,
         chunk_k=None,
         chunk_v=None,
+        step_start=None,
     ):
         batch, num_kv_heads, head_dim = block_table.shape[0], k_codes.shape[1], rotation.shape[0]
         if split_heads:
@@ -158,6 +187,8 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             setattr(self, name, kwargs.get(name))
         if self.side not in _SIDES:
             raise ValueError(f"side must be one of {_SIDES}, got {self.side!r}")
+        # an eager view's pending token: whether a view carrying it stored it (StoreRecord)
+        self.store_record: StoreRecord | None = None
 
     # ---- construction helpers -------------------------------------------------------------
 
@@ -176,6 +207,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         window: RecentWindow | None = None,
         chunk_k: torch.Tensor | None = None,
         chunk_v: torch.Tensor | None = None,
+        step_start: torch.Tensor | None = None,
     ) -> TurboQuantKVTensor:
         """The ``side`` (``"key"`` or ``"value"``) view ``[B, Hk, max_seq_len, D]`` of a paged
         cache, before any GQA repetition.
@@ -193,6 +225,8 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
                 positions, sinks and the keys' centre, ``tq.store_window``'s), or None.
             chunk_k, chunk_v: ``[B, Hk, T, D]`` the keys and values just written at each
                 sequence's last ``T`` positions, as the model computed them, or None.
+            step_start: with a one-token ``chunk_k``/``chunk_v`` not stored yet, its positions
+                ``[B]`` (``seq_lens`` is then the same); else None.
         """
         k_window, v_window, window_pos, sinks, key_center = window or _NO_WINDOW
         return cls(
@@ -215,6 +249,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             key_center,
             chunk_k,
             chunk_v,
+            step_start,
         )
 
     def _with(self, **changes) -> TurboQuantKVTensor:
@@ -223,9 +258,52 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         attrs = {name: getattr(self, name) for name in self.tensor_attribute_names}
         attrs.update(changes)
         optional = [getattr(self, name) for name in self.optional_tensor_data_names]
-        return TurboQuantKVTensor(
+        view = TurboQuantKVTensor(
             *tensors, *(attrs[n] for n in self.tensor_attribute_names), *optional
         )
+        if self.store_record is not None:  # (eager only: the same pending token)
+            view.store_record = self.store_record
+        return view
+
+    def stored(self) -> TurboQuantKVTensor:
+        """This view with its pending one-token update stored (``tq.store_window``; the view
+        itself if none is pending): the same cache, at the lengths after the update, still
+        carrying the token as given. Storing twice writes the same bytes (the token's slot then
+        holds its own position: nothing leaves the ring); an eager token is stored once, by the
+        first of the views sharing its :class:`StoreRecord`."""
+        if self.step_start is None:
+            return self
+        record = self.store_record
+        if record is not None and record.seq_lens is not None:
+            return self.after_store(record.seq_lens)
+        seq_lens = ops.call(
+            StoreWindowArgs(
+                self.chunk_k.detach(),
+                self.chunk_v.detach(),
+                *self.planes,
+                block_table=self.block_table,
+                start_pos=self.step_start,
+                rotation=self.rotation,
+                fmt=self.fmt,
+                **window_fields(self.window, StoreWindowArgs),
+            )
+        )
+        if record is not None:
+            record.seq_lens = seq_lens
+        return self.after_store(seq_lens)
+
+    def lengths(self) -> torch.Tensor:
+        """Each sequence's length as the view shows it, ``[B]``: ``seq_lens``, plus a pending
+        token's position (``step_start + 1``: the cache as it was and the token)."""
+        if self.step_start is None:
+            return self.seq_lens
+        return (self.step_start + 1).to(torch.int32)
+
+    def after_store(self, seq_lens: torch.Tensor) -> TurboQuantKVTensor:
+        """This view once its pending token is stored, the new lengths ``seq_lens``."""
+        tensors = {name: getattr(self, name) for name in self._FLAT_NAMES}
+        tensors.update(seq_lens=seq_lens, step_start=None)
+        return TurboQuantKVTensor(**tensors)
 
     @property
     def planes(self) -> PagedKVCache:
@@ -241,11 +319,23 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             self.k_window, self.v_window, self.window_pos, self.sinks, self.key_center
         )
 
-    def dequantize(self, dtype: torch.dtype | None = None, uncenter: bool = True) -> torch.Tensor:
+    def dequantize(
+        self, dtype: torch.dtype | None = None, uncenter: bool = True, store_pending: bool = True
+    ) -> torch.Tensor:
         """Dense ``[B, H, S_max, D]`` (this view's logical shape) in ``dtype`` (default: the
         model's); positions past each sequence's length are zero. Keys stored centred get their
         centre back unless ``uncenter`` is False (then every key of a sequence-head is off by
-        the same vector: attention over them is the same)."""
+        the same vector: attention over them is the same).
+
+        A pending decode token (``step_start``) is stored first unless ``store_pending`` is
+        False: the result is then the cache after the step, whose token leaving the recent
+        window is read quantized (SDPA over the views attends that one exactly, one step
+        longer: ``tq.decode_step``). Storing keeps the cache right whoever reads the views (a
+        compiled step cannot tell later whether attention stored the token). With
+        ``store_pending`` False nothing is written: the cache as it was and the pending token
+        over its position, exactly what SDPA over the view attends (a test's oracle)."""
+        if self.step_start is not None and store_pending:
+            return self.stored().dequantize(dtype, uncenter)
         length = self.max_seq_len
         window = self.window
         if window is not None and not (uncenter and self.side == "key"):
@@ -255,11 +345,12 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             length = sequence_capacity(
                 self.block_table.shape[1], self.k_codes.shape[2], window_size(window)
             )
+        lengths = self.lengths()
         k, v = ops.call(
             DequantizeArgs(
                 *self.planes,
                 self.block_table,
-                self.seq_lens,
+                lengths,
                 self.rotation,
                 self.fmt,
                 length,
@@ -268,6 +359,10 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             )
         )
         dense = (k if self.side == "key" else v)[:, :, : self.max_seq_len]
+        if self.step_start is not None:  # the pending token, at each sequence's last position
+            dense = overlay_chunk(
+                dense, self.chunk_k if self.side == "key" else self.chunk_v, lengths
+            )
         if self.split_heads:
             return dense[:, :, None].expand(self.shape)
         return dense.repeat_interleave(self.group, dim=1) if self.group > 1 else dense
@@ -515,6 +610,50 @@ def _tq_decode(
     )
 
 
+def _decode_step(
+    q: torch.Tensor,
+    k: TurboQuantKVTensor,
+    v: TurboQuantKVTensor,
+    attn_mask,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """``tq.decode_step`` of queries ``q [B, H, L, D]`` at the pending token's position (its
+    own, ``L = 1``; or HF's pack_gqa rows, ``[B, Hk, group, D]``, folded into the ``H * L``
+    query heads of one step, row ``h * L + l`` reading kv-head ``h`` as ``h`` does) over the
+    cache of view ``k`` as it was and the token (``k.chunk_k``, ``v.chunk_v``), then its
+    append; ``(the output [B, H, L, D], the new lengths [B] int32)``."""
+    batch, heads, rows, head_dim = q.shape
+    mask = None
+    if attn_mask is not None:  # [B|1, H|1, L|1, M] -> [B|1, H * L or 1, M]
+        mask = _mask_4d(attn_mask)
+        if mask.shape[2] == 1:
+            mask = mask.select(2, 0)
+            if mask.shape[1] > 1 and rows > 1:
+                mask = mask.repeat_interleave(rows, dim=1)
+        else:
+            mask = mask.expand(mask.shape[0], heads, rows, mask.shape[3])
+            mask = mask.reshape(mask.shape[0], heads * rows, mask.shape[3])
+    out, lens = ops.call(
+        DecodeStepArgs(
+            q.reshape(batch, heads * rows, head_dim),
+            k.chunk_k,
+            v.chunk_v,
+            *k.planes,
+            k.block_table,
+            k.step_start,
+            k.rotation,
+            k.fmt,
+            k.num_splits,
+            scale,
+            **window_fields(k.window, DecodeStepArgs),
+            mask=mask,
+            softcap=softcap,
+        )
+    )
+    return out.reshape(batch, heads, rows, head_dim), lens
+
+
 def _prefill(
     q: torch.Tensor,
     k: TurboQuantKVTensor,
@@ -616,6 +755,29 @@ def _attention(a: dict, softcap: float) -> torch.Tensor:
     differentiable = torch.is_grad_enabled() and (
         q.requires_grad or (own and (k.chunk_k.requires_grad or v.chunk_v.requires_grad))
     )
+    stored_lens = k.store_record.seq_lens if k.store_record is not None else None
+    if k.step_start is not None and stored_lens is not None:
+        # an eager step's token that a view sharing it stored already: the cache after it
+        k, v = k.after_store(stored_lens), v.after_store(stored_lens)
+    if k.step_start is not None:
+        # A one-token update not stored yet: the views show the cache as it was and the token.
+        # Queries at its position (its own, or HF's pack_gqa rows of its head group) attend that
+        # and append the token in one op; causal, truncated and differentiable calls attend it
+        # densely, then store it.
+        rows = q.shape[1] * q.shape[2] // k.k_codes.shape[1]
+        if not a["is_causal"] and not k.truncated and not differentiable:
+            if rows <= MAX_FOLDED_ROWS:
+                out, seq_lens = _decode_step(q, k, v, attn_mask, scale, softcap)
+                if k.store_record is not None:
+                    k.store_record.seq_lens = seq_lens
+                return out
+            if q.shape[2] == 1:  # a wider GQA group (MQA): the token stored, then tq.decode
+                return _decode_tokens(q, k.stored(), attn_mask, scale, softcap)
+        # dense attention over what the views show (the cache as it was and the token as given,
+        # over its position: autograd reaches it through the views), then the token is stored
+        out = _dense_over_views(q, k, v, a, scale, softcap, own=False)
+        k.stored()
+        return out
     if not a["is_causal"] and not k.truncated and not differentiable:
         # one token per sequence as it is; a few tokens with a mask row each (the mask alone
         # orders them: a causal one, a bidirectional prefix, HF's pack_gqa rows under a
@@ -635,13 +797,22 @@ def _attention(a: dict, softcap: float) -> torch.Tensor:
     # reads them: the gradient reaches them and the query, the cached tokens are constants, as
     # a StaticCache's earlier tokens are to a step that did not compute them). Keys as stored
     # where softmax alone follows: it ignores the centre that all of a query's scores share.
-    keys = k.dequantize(q.dtype, uncenter=bool(softcap) or own)
-    values = v.dequantize(q.dtype)
+    return _dense_over_views(q, k, v, a, scale, softcap, own)
+
+
+def _dense_over_views(q, k, v, a: dict, scale: float, softcap: float, own: bool):
+    """Dense SDPA of ``q`` over what the views ``k``/``v`` show (a pending token over its
+    position, nothing stored: :meth:`TurboQuantKVTensor.dequantize`), every position past a
+    sequence's length masked out, under ``a``'s mask and ``is_causal``; ``own``: the update's
+    tokens (``chunk_k``/``chunk_v``) over their positions, as given."""
+    keys = k.dequantize(q.dtype, uncenter=bool(softcap) or own, store_pending=False)
+    values = v.dequantize(q.dtype, store_pending=False)
     if own:
         keys = overlay_chunk(keys, k.chunk_k, k.seq_lens)
         values = overlay_chunk(values, v.chunk_v, v.seq_lens)
+    attn_mask = a["attn_mask"]
     seq = k.shape[2]
-    visible = torch.arange(seq, device=q.device)[None, :] < k.seq_lens[:, None]
+    visible = torch.arange(seq, device=q.device)[None, :] < k.lengths()[:, None]
     visible = visible[:, None, None, :]  # [B, 1, 1, S]
     if a["is_causal"]:  # top-left aligned, as dense SDPA does
         causal = torch.ones(q.shape[2], seq, dtype=torch.bool, device=q.device).tril()

@@ -20,7 +20,10 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from custom_ops import ops
 from custom_ops.formats import FORMATS
+from custom_ops.schema import StoreWindowArgs
+from custom_ops.triton.decode import plan
 from examples.model import (
     ModelArgs,
     Transformer,
@@ -44,21 +47,23 @@ def test_update_returns_views_of_the_whole_cache():
 
 def test_eager_updates_return_the_cache_views_with_the_new_lengths():
     """Eagerly, every update of one token and one batch size returns the same two views (built
-    once: host time per layer), holding that update's lengths, like a dense cache returning its
-    buffers; another batch size has its own views, and a module move (``.to()``, new buffers)
-    new ones over the new buffers. An update of several tokens (a prefill chunk) returns fresh
-    views that carry its keys and values."""
+    once: host time per layer), like a dense cache returning its buffers; another batch size
+    has its own views, and a module move (``.to()``, new buffers) new ones over the new
+    buffers. An update of several tokens (a prefill chunk) returns fresh views that carry its
+    keys and values. A decode token is pending in the views (they show the cache as it was and
+    the token) until attention over them or the next update stores it."""
     cache, prompt_keys, _ = filled_tq_cache(length=36)
     assert prompt_keys.chunk_k is not None and prompt_keys.chunk_k.shape[2] == 36
     kv = torch.randn(B, HK, 1, D, dtype=torch.bfloat16)
     keys, values = cache.update(torch.tensor([36]), kv, kv)
-    assert keys is not prompt_keys and keys.chunk_k is None
-    again_keys, again_values = cache.update(torch.tensor([37]), kv, kv)
+    assert keys is not prompt_keys and keys.chunk_k is kv and keys.step_start.tolist() == [36] * B
+    assert keys.lengths().tolist() == [37] * B
+    again_keys, again_values = cache.update(torch.tensor([37]), kv, kv)  # 36 stored first
     assert again_keys is keys and again_values is values
-    assert keys.seq_lens.tolist() == [38] * B
+    assert keys.lengths().tolist() == [38] * B and keys.stored().seq_lens.tolist() == [38] * B
     first_keys, _ = cache.update(torch.tensor([38]), kv[:1], kv[:1])
     assert first_keys is not keys and first_keys.shape[0] == 1
-    assert first_keys.seq_lens.tolist() == [39] and keys.seq_lens.tolist() == [38] * B
+    assert first_keys.lengths().tolist() == [39] and keys.lengths().tolist() == [38] * B
     cache.to(torch.float16)  # a module conversion (the rings follow it): new views
     kv = kv.half()
     moved_keys, _ = cache.update(torch.tensor([39]), kv, kv)
@@ -78,17 +83,85 @@ def test_update_takes_int32_and_int64_positions():
         for start, n in ((0, 11), (11, 1), (12, 1)):
             kv = torch.randn(B, HK, n, D, dtype=torch.bfloat16)
             keys, _ = cache.update(torch.arange(start, start + n, dtype=dtype), kv, kv)
-        assert keys.seq_lens.tolist() == [13] * B
+        assert keys.stored().seq_lens.tolist() == [13] * B
         caches.append(cache)
     for (name, a), b in zip(caches[0].named_buffers(), caches[1].buffers(), strict=True):
         assert torch.equal(a, b), name
 
 
+def _eager_steps(consume, steps=12, window=4):
+    """A cache after ``steps`` eager decode steps past an 8-token prompt (the ring of
+    ``window`` slots wrapping), each step's views given to ``consume(q, keys, values)`` with
+    ``input_pos`` advanced in place afterwards (as gpt-fast's loop does); the outputs, and the
+    window stores launched outside tq.decode_step."""
+    gen = torch.Generator().manual_seed(11)
+    cache = TurboQuantKVCache(B, HK, S_MAX, D, window=window)
+    kv = torch.randn(B, HK, 8, D, generator=gen).bfloat16()
+    cache.update(torch.arange(8), kv, kv)
+    input_pos, outputs, stores = torch.tensor([8]), [], []
+    original = ops.call
+
+    def counting(args):
+        if isinstance(args, StoreWindowArgs):
+            stores.append(args)
+        return original(args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "call", counting)
+        for _ in range(steps):
+            k, v = (torch.randn(B, HK, 1, D, generator=gen).bfloat16() for _ in range(2))
+            q = torch.randn(B, HK * GROUP, 1, D, generator=gen).bfloat16()
+            keys, values = cache.update(input_pos, k, v)
+            outputs.append(consume(q, keys, values))
+            input_pos += 1
+    return cache, outputs, len(stores)
+
+
+def test_eager_pending_token_is_stored_once_whoever_consumes_it():
+    """Eager decode steps whose views reach SDPA as derived views (repeat_interleave), or only
+    through one side's .dequantize() first, or not at all, with input_pos advanced in place: the
+    same outputs as SDPA over the views with enable_gqa and the same cache bytes (the token's
+    positions are the cache's own copy); a token is stored once (tq.decode_step, or one window
+    store per step where something else consumed it); a token nothing consumed is stored before
+    a module move."""
+
+    def gqa(q, keys, values):
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+    def repeated(q, keys, values):
+        keys, values = (t.repeat_interleave(GROUP, dim=1) for t in (keys, values))
+        return F.scaled_dot_product_attention(q, keys, values)
+
+    def value_read_first(q, keys, values):
+        values.dequantize()  # stores the token: attention then reads the cache after it
+        return gqa(q, keys, values)
+
+    reference, expected, reference_stores = _eager_steps(gqa)
+    assert reference_stores == 0  # every token stored by tq.decode_step
+    derived, outputs, stores = _eager_steps(repeated)
+    assert stores == 0
+    for got, want in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    read_first, _, stores = _eager_steps(value_read_first)
+    assert stores == 12
+    unread, _, stores = _eager_steps(lambda *views: None)
+    assert stores == 11  # each stored by the next update; the last one still pending
+    unread.to(torch.float32)  # (a move stores it into the buffers it belongs to)
+    for cache in (derived, read_first, unread):
+        for (name, a), b in zip(reference.named_buffers(), cache.buffers(), strict=True):
+            assert torch.equal(a, b.to(a.dtype)), name
+
+
+@pytest.mark.parametrize("stored_first", [False, True])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_update_then_attend_sees_the_new_token(backend):
+def test_compiled_update_then_attend_sees_the_new_token(backend, stored_first, monkeypatch):
     """Stale-read guard: in one compiled graph, update() writes a token and SDPA on the returned
     views must see it. A query aligned with the new key attends almost only to it, so a stale
-    read (the pre-write cache) would give a different output."""
+    read (the pre-write cache) would give a different output. Both traced routes: the token
+    pending in the views (tq.decode_step stores it), and stored by update() first (the route
+    past 32 sequence-heads)."""
+    if stored_first:
+        monkeypatch.setattr(plan, "STEP_MAX_SEQUENCE_HEADS", 0)
     cache_e, _, _ = filled_tq_cache(length=10, seed=5)
     cache_c, _, _ = filled_tq_cache(length=10, seed=5)
     gen = torch.Generator().manual_seed(6)
@@ -108,6 +181,33 @@ def test_compiled_update_then_attend_sees_the_new_token(backend):
     torch.testing.assert_close(actual, expected, rtol=1e-2, atol=1e-2)
     # the new value dominates the output: the write was seen
     assert rel_error(actual, new_v.repeat_interleave(GROUP, 1)) < 0.3
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_step_reading_its_views_only_through_dequantize_stores_its_token(backend):
+    """A traced decode step's token is pending in the views until SDPA over them stores it; a
+    compiled step that reads them only through .dequantize() (an eager-attention model) stores
+    it too: its cache then holds the bytes of one stored eagerly, and each .dequantize() returns
+    the cache after the step (the token at its position)."""
+    compiled_cache, eager_cache = (filled_tq_cache(length=30, seed=7)[0] for _ in range(2))
+    gen = torch.Generator().manual_seed(8)
+    new_k = torch.randn(B, HK, 1, D, generator=gen).bfloat16()
+    new_v = torch.randn(B, HK, 1, D, generator=gen).bfloat16()
+    pos = torch.tensor([30])
+
+    def read(cache):
+        keys, values = cache.update(pos, new_k, new_v)
+        return keys.dequantize(), values.dequantize()
+
+    torch._dynamo.reset()
+    dense_k, dense_v = torch.compile(read, backend=backend, fullgraph=True)(compiled_cache)
+    torch._dynamo.reset()
+    eager_cache.update(pos, new_k, new_v)[0].stored()
+    for (name, a), b in zip(compiled_cache.named_buffers(), eager_cache.buffers(), strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(dense_k[:, :, 30], new_k[:, :, 0])
+    assert torch.equal(dense_v[:, :, 30], new_v[:, :, 0])
+    assert not dense_k[:, :, 31:].any()
 
 
 def test_model_dtype_cast_converts_the_rings_only():
@@ -369,10 +469,13 @@ def test_compiled_step_copies_no_cache_buffer(device, center):
     _, codes = run_and_get_code(step, model, tok, torch.tensor([PROMPT_LEN], device=device))
     torch._dynamo.reset()
     code = "\n".join(codes)
-    if device == "cpu":
-        assert "store_window" in code and "decode" in code
-    else:
-        assert "store_window_kernel" in code and "split_kernel" in code
+    if device == "cpu":  # uncentred keys: the decode token's step is one op
+        ops_called = ("store_window", "decode") if center else ("decode_step",)
+        assert all(name in code for name in ops_called)
+    else:  # (the step: the split kernel appends, the merge fills the ring)
+        kernels = ("store_window_kernel", "merge_kernel") if center else ("merge_fill_kernel",)
+        assert all(name in code for name in ("split_kernel", *kernels))
+        assert center or "store_window_kernel" not in code
         left = sorted(
             {line.strip()[:160] for line in code.splitlines() if "torch.ops.tq." in line}
         )
@@ -456,10 +559,8 @@ auto_functionalized_v2(tq.store.default)
 tq.decode.default
 dense sdpa / dequantize calls: 0
 window 16:
-auto_functionalized_v2(tq.store_window.default)
-tq.decode.default
-auto_functionalized_v2(tq.store_window.default)
-tq.decode.default
+auto_functionalized_v2(tq.decode_step.default)
+auto_functionalized_v2(tq.decode_step.default)
 dense sdpa / dequantize calls: 0""",
         )
 

@@ -148,11 +148,13 @@ def test_int8_generation_matches_static_cache(arch):
 
 
 class _DequantizedLayer(TurboQuantLayer):
-    """Reference: the same quantized cache, read back as dense tensors for plain SDPA."""
+    """Reference: the same quantized cache, read back as dense tensors for plain SDPA (a decode
+    token as SDPA over the views attends it: the cache as it was and the token, exact; the next
+    update stores it)."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         keys, values = super().update(key_states, value_states)
-        return keys.dequantize(), values.dequantize()
+        return keys.dequantize(store_pending=False), values.dequantize(store_pending=False)
 
 
 def _reference_cache(

@@ -173,18 +173,15 @@ def decode(
     plan's kernel configurations (sweeps, tests). ``launch_key``: the op arguments' metadata key
     (:func:`custom_ops.validate.launch_key`), which determines the plan and the kernels'
     specializations: both are then looked up by it. ``step``: a decode step's own tokens
-    (:func:`decode_step`), attended beside the cache as it was and, outside a graph traced for
-    inductor, appended by the split kernel and the merge.
+    (:func:`decode_step`), attended beside the cache as it was and appended by the split kernel
+    and the merge.
     """
     batch, head_dim = q.shape[0], q.shape[-1]
     if batch == 0:
         return q.new_empty(q.shape)
     overridden = fast is not None or split_config is not None or merge_config is not None
-    # a graph traced for inductor gets Triton kernels only (see plan_decode's ``traced``), and
-    # no append inside the split kernel (see decode_step)
-    step_mode = (
-        StepMode.NONE if step is None else StepMode.ATTEND if tracing() else StepMode.APPEND
-    )
+    # (a graph traced for inductor gets Triton kernels only: see plan_decode's ``traced``)
+    step_mode = StepMode.NONE if step is None else StepMode.APPEND
     key = None if overridden or launch_key is None else (launch_key, tracing(), step_mode)
     plan = _PLANS.get(
         key,
@@ -298,10 +295,10 @@ def decode_step(
     keys at long splits). The split grid has one more program per sequence-head, which
     quantizes the token leaving the ring into its page while the splits attend (no split
     attends that page slot). The merge, which runs once every split has read the ring, writes
-    the step's token into it. In a graph traced for inductor the window store appends after
-    the merge instead (one launch more, the same bytes): the split kernel's inline PTX stops
-    PyTorch's mutation analysis of a traced launch (:mod:`custom_ops.triton.traced`), so
-    inductor could not be told which buffers an append inside it writes.
+    the step's token into it. In a graph traced for inductor the same two kernels run
+    (programmatic dependent launch off: :mod:`custom_ops.triton.traced`); PyTorch's mutation
+    analysis of their launches finds what each writes (the split kernel: the partials and the
+    planes; the merge: the output, the new lengths and the rings).
 
     Args:
         fmt, q, key, value, cache, block_table, start_pos, rotation, num_splits, scale,
@@ -331,7 +328,7 @@ def decode_step(
         launch_key=launch_key,
         step=step,
     )
-    if batch == 0 or tracing():
+    if batch == 0:
         new_lens = store_window(
             fmt, key, value, cache, window, block_table, start_pos, rotation, launch_key=None
         )

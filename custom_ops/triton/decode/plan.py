@@ -36,7 +36,9 @@ __all__ = [
     "SplitConfig",
     "DecodePlan",
     "plan_decode",
+    "step_pays",
     "step_supported",
+    "STEP_MAX_SEQUENCE_HEADS",
     "TOKENS_PER_STEP",
 ]
 
@@ -85,8 +87,7 @@ class StepMode(enum.IntEnum):
     ``tq.decode_step``)."""
 
     NONE = 0  # tq.decode: no step's token
-    ATTEND = 1  # attends it; the window store appends after the merge (graphs for inductor)
-    APPEND = 2  # attends it and appends it: an eviction program, the merge fills the ring
+    APPEND = 1  # attends it and appends it: an eviction program, the merge fills the ring
 
 
 class SplitConfig(NamedTuple):
@@ -179,6 +180,20 @@ def step_supported(fmt: KVFormat, window: int, q_tokens: int) -> bool:
     query token, a ring of ``window > 0`` slots (the step's token goes there) read by the split
     kernel itself (values in the original space; rotated ones take the ring kernel)."""
     return q_tokens == 1 and window > 0 and not fmt.value.rotated
+
+
+# The most sequence-heads (B * Hk) of a decode step whose append the split kernel and the merge
+# take over (tq.decode_step) in the caches. H200, 1b-shape model (Hk 8), each cell in its own
+# process: at B1 the step is 1.01x bf16 against 0.94-0.96x with the window store launched before
+# the decode; at B16 it is slower (4bit_nc 1.06x against 1.10x, k8v4 1.00x against 1.14x).
+STEP_MAX_SEQUENCE_HEADS = 32
+
+
+def step_pays(batch: int, num_kv_heads: int) -> bool:
+    """Whether a cache's decode step of ``batch`` sequences appends its token inside the decode
+    (``tq.decode_step``) rather than with the window store before it: where the store's launch
+    is a large part of the step (few sequence-heads, :data:`STEP_MAX_SEQUENCE_HEADS`)."""
+    return batch * num_kv_heads <= STEP_MAX_SEQUENCE_HEADS
 
 
 @functools.lru_cache(maxsize=1024)

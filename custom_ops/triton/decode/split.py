@@ -97,10 +97,10 @@ class DecodeStep(NamedTuple):
 QUERY_SCALED = tl.constexpr(0)
 QUERY_PREPARED = tl.constexpr(1)
 QUERY_ROTATED_HERE = tl.constexpr(2)
-# What the split kernel does with a decode step's own token (plan.StepMode): nothing, attend
-# it, or attend and append it.
+# What the split kernel does with a decode step's own token (plan.StepMode): nothing, or attend
+# and append it.
 STEP_NONE = tl.constexpr(0)
-STEP_APPEND = tl.constexpr(2)
+STEP_APPEND = tl.constexpr(1)
 
 
 # The largest value scale (or norm) whose products p * v_scale the split pass takes as they are

@@ -60,11 +60,12 @@ def _step(cache, gen, head_dim, q_heads, tokens):
 @pytest.mark.parametrize(
     ("fmt", "window", "head_dim", "tokens", "kernels"),
     [
-        # the prefill of 40 tokens passes the window's 8 on to the plain store
-        ("4bit_nc", 8, 64, 1, {"store_window", "store", "split", "merge"}),
+        # the prefill of 40 tokens passes the window's 8 on to the plain store; a decode token
+        # with a window and unrotated values is appended by the split kernel and merge_fill
+        ("4bit_nc", 8, 64, 1, {"store_window", "store", "split", "merge_fill"}),
         ("4bit_nc", 0, 64, 1, {"store", "split", "merge"}),
         ("tq3_nc", 8, 64, 2, {"store_window", "store", "split", "ring_partials", "merge"}),
-        ("4bit_nc", 8, 96, 1, {"store_window", "store", "prep_query", "split", "merge"}),
+        ("4bit_nc", 8, 96, 1, {"store_window", "store", "prep_query", "split", "merge_fill"}),
     ],
 )
 def test_flat_entries_compute_what_the_kernels_compute(fmt, window, head_dim, tokens, kernels):
@@ -97,8 +98,11 @@ def test_inductor_builds_every_traced_kernel():
     left, only the kernels' launches, and each kernel builds from the source inductor writes
     for it (its transitive closure, constexprs by repr, the config as inductor reads it back),
     for sm_90: appends with and without a window, a ring kernel, fp8 keys, a 4-token verify
-    step. From PyTorch 2.13 on, whose mutation analysis sees through pure inline PTX, each
-    launch counts as written exactly what its kernel writes (2.11 counts every argument)."""
+    step; a decode token's step (window, unrotated values: 4-bit and fp8) in the split kernel and
+    the merge. From PyTorch 2.13 on, whose mutation analysis sees through pure inline PTX, each
+    launch counts as written exactly what its kernel writes (2.11 counts every argument): the
+    step's split kernel the planes too (its eviction programs), its merge the rings and the
+    lengths (the fill)."""
     cases = ["4bit_nc:16:2:1", "4bit_nc:0:1:1", "tq3_nc:16:2:1", "fp8:16:1:1", "k8v4:16:1:4"]
     result = run_compiler_script("inductor_trace.py", *cases)
     lines = result.stdout.splitlines()
@@ -106,8 +110,9 @@ def test_inductor_builds_every_traced_kernel():
     calls = [line for line in lines if " calls: " in line]
     built = [line for line in lines if line.endswith(": ok")]
     assert len(calls) == len(cases) and not [c for c in calls if "tq." in c], "\n".join(calls)
-    # store or store_window, split, merge; and the ring kernel of tq3_nc's rotated values
-    assert len(built) == 3 * len(cases) + 1, result.stdout
+    # store or store_window, split, merge (a decode step: the split kernel, merge_fill); and
+    # the ring kernel of tq3_nc's rotated values
+    assert len(built) == 3 * len(cases) + 1 - 2, result.stdout
     # the plan's register caps reach the compile through inductor's options: the long split's
     # 128, a 4-token verify step's 192 (16 rows); no other kernel has one
     caps = {line.split("_flat_")[0]: line.split(": ")[1] for line in lines if " maxnreg: " in line}
@@ -116,17 +121,31 @@ def test_inductor_builds_every_traced_kernel():
     assert {cap for name, cap in caps.items() if "split_kernel" not in name} == {"None"}, caps
     if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
         written = {
-            line.split(" writes: ")[0].split()[1].split("_flat_")[0]: line.split(": ")[1]
+            (line.split()[0], line.split(" writes: ")[0].split()[1].split("_flat_")[0]): (
+                line.split(": ")[1]
+            )
             for line in lines
             if " writes: " in line
         }
+        plain = "part_out_ptr part_lse_ptr"
+        window_store = "rings_0 rings_1 rings_2 planes_0 planes_1 planes_2 seq_lens_ptr"
+        step = {
+            "split_kernel": f"planes_0 planes_1 planes_2 {plain}",
+            "merge_fill_kernel": "out_ptr rings_0 rings_1 rings_2 new_lens_ptr",
+        }
         assert written == {
-            "store_kernel": "planes_0 planes_1 planes_2",
-            "store_window_kernel": "rings_0 rings_1 rings_2 planes_0 planes_1 planes_2 "
-            "seq_lens_ptr",
-            "split_kernel": "part_out_ptr part_lse_ptr",
-            "ring_partials_kernel": "part_out_ptr part_lse_ptr",
-            "merge_kernel": "out_ptr",
+            **{("4bit_nc:16:2:1", kernel): writes for kernel, writes in step.items()},
+            ("4bit_nc:0:1:1", "store_kernel"): "planes_0 planes_1 planes_2",
+            ("4bit_nc:0:1:1", "split_kernel"): plain,
+            ("4bit_nc:0:1:1", "merge_kernel"): "out_ptr",
+            ("tq3_nc:16:2:1", "store_window_kernel"): window_store,
+            ("tq3_nc:16:2:1", "split_kernel"): plain,
+            ("tq3_nc:16:2:1", "ring_partials_kernel"): plain,
+            ("tq3_nc:16:2:1", "merge_kernel"): "out_ptr",
+            **{("fp8:16:1:1", kernel): writes for kernel, writes in step.items()},
+            ("k8v4:16:1:4", "store_window_kernel"): window_store,
+            ("k8v4:16:1:4", "split_kernel"): plain,
+            ("k8v4:16:1:4", "merge_kernel"): "out_ptr",
         }, written
 
 

@@ -130,9 +130,9 @@ def test_many_steps_interleave_the_eviction_and_the_splits(fmt_name, seeded):
 
 @pytest.mark.gpu
 def test_compiled_step_equals_the_eager_one(seeded):
-    """Under torch.compile inductor launches the kernels itself: the split kernel attends and
-    the window store appends after the merge (StepMode.ATTEND). Its output equals the eager
-    op's (the split kernel appending) within 1e-3 and its cache bytes are the same."""
+    """Under torch.compile inductor launches the same two kernels itself (no programmatic
+    dependent launch; the mutation analysis of each launch tells it what the kernel writes).
+    Its output equals the eager op's within 1e-3 and its cache bytes are the same."""
     state = seeded.get_state()
     runs = []
     for compiled in (False, True):
