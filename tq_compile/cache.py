@@ -34,7 +34,7 @@ from torch import nn
 from custom_ops import api, ops, validate
 from custom_ops.formats import PagedKVCache, RecentWindow, get_format
 from custom_ops.schema import StoreArgs, StoreWindowArgs, window_fields
-from tq_compile.kv_tensor import StoreRecord, TurboQuantKVTensor
+from tq_compile.kv_tensor import TurboQuantKVTensor
 from tq_compile.options import CacheOptions, check_count
 
 __all__ = ["TurboQuantKVCache", "kv_cache_nbytes", "warn_unquantized_cache"]
@@ -200,7 +200,6 @@ class TurboQuantKVCache(nn.Module):
         self._eager_operands: dict[int, _Operands] = {}
         self._eager_views: dict[int, tuple[TurboQuantKVTensor, TurboQuantKVTensor]] = {}
         self._eager_buffers = tuple(self._buffers.values())
-        self._pending_view: TurboQuantKVTensor | None = None  # (see store_pending)
 
     def _choose_splits(self) -> int:
         if self.options.num_splits is not None:
@@ -215,7 +214,6 @@ class TurboQuantKVCache(nn.Module):
         )
 
     def _apply(self, fn, recurse=True):
-        self.store_pending()  # into the buffers it belongs to, before they are replaced
         # what fn does to a tensor of the model's dtype: a conversion to the other model dtype
         # (model.half(), .to(bfloat16)) converts the rings, which hold the model's tokens
         target = fn(torch.empty(0, dtype=self.model_dtype, device=self.rotation.device)).dtype
@@ -345,8 +343,8 @@ class TurboQuantKVCache(nn.Module):
             views kept from an earlier step show the cache as it is now (views derived from
             them, such as a ``repeat_interleave``, keep their lengths). In a traced step one
             token may be left pending in fresh views (``step_start``), stored by whatever
-            consumes them: SDPA (``tq.decode_step``) or ``.dequantize()``
-            (docs/design/cache.md#a-decode-tokens-store).
+            consumes them: SDPA (``tq.decode_step``) or ``.dequantize()``; a compiled region
+            must consume the views it gets (docs/design/cache.md#a-decode-tokens-store).
         """
         self._check_update(input_pos, k_val, v_val)
         batch, num_kv_heads, n_new, head_dim = k_val.shape
@@ -354,8 +352,6 @@ class TurboQuantKVCache(nn.Module):
         # nn.Module.__getattr__ included): the operands and views of a batch size are looked up
         # once, and each line below is at most one kernel, none where a view does.
         eager = ops.is_eager()
-        if eager:
-            self.store_pending()
         if eager and not all(map(operator.is_, self._eager_buffers, self._buffers.values())):
             self._forget_eager()  # a buffer was assigned since the memos were made
         operands = self._eager_operands.get(batch) if eager else None
@@ -372,19 +368,15 @@ class TurboQuantKVCache(nn.Module):
         name = self.kv_format.name
         fuses_step = self.fuses_steps and api.step_pays(batch, self.num_kv_heads)
         if n_new == 1 and fuses_step and _head_dim_contiguous(k_val, v_val):
-            # A decode token is left pending in the views, which show the cache as it was and
-            # the token; whatever consumes them stores it: SDPA (tq.decode_step: the token
-            # attends that and is appended, in the split kernel and the merge; or dense
-            # attention, then the window store) or .dequantize(); eagerly also the next update
-            # or a move (store_pending) (docs/design/cache.md#a-decode-tokens-store).
+            # Traced: a decode token is left pending in the (fresh) views, which show the cache
+            # as it was and the token; whatever consumes them stores it: SDPA (tq.decode_step:
+            # the token attends that and is appended, in the split kernel and the merge; or
+            # dense attention, then the window store) or .dequantize()
+            # (docs/design/cache.md#a-decode-tokens-store). Eager steps store it here: their
+            # views are reused across steps (below).
             if not eager:
                 start = input_pos[:1].expand(batch)
                 return self._views(operands, start, k_val, v_val, step_start=start)
-            # (the cache's own copy of the positions: callers advance input_pos in place)
-            start = input_pos[:1].to(torch.int32, copy=True).expand(batch)
-            views = self._eager_decode_views(batch, operands, start, k_val, v_val, start)
-            self._pending_view = views[0]
-            return views
         # The codes are constants to autograd (the ops have no derivative); a chunk's views
         # still carry k_val / v_val as they are, through which attention's gradient flows.
         k_store, v_store = k_val.detach(), v_val.detach()
@@ -425,38 +417,16 @@ class TurboQuantKVCache(nn.Module):
             return self._views(operands, seq_lens, k_val, v_val)
         if not eager or type(seq_lens) is not torch.Tensor:
             return self._views(operands, seq_lens)  # traced: fresh views of the mutated buffers
-        return self._eager_decode_views(batch, operands, seq_lens)
-
-    def _eager_decode_views(
-        self,
-        batch: int,
-        operands: _Operands,
-        seq_lens: torch.Tensor,
-        chunk_k: torch.Tensor | None = None,
-        chunk_v: torch.Tensor | None = None,
-        step_start: torch.Tensor | None = None,
-    ):
-        """Eager decode: the views of this batch size are built once and get each update's
-        lengths and pending token, if any (a wrapper subclass costs ~5 us of host to build).
-        Like a dense cache's buffers, the views returned by every update are the cache: they
-        show its current contents."""
+        # Eager decode: the views of this batch size are built once and get each update's
+        # lengths (a wrapper subclass costs ~5 us of host to build). Like a dense cache's
+        # buffers, the views returned by every update are the cache: they show its current
+        # contents.
         views = self._eager_views.get(batch)
         if views is None:
             views = self._eager_views[batch] = self._views(operands, seq_lens)
-        record = None if step_start is None else StoreRecord()
         for view in views:
-            view.seq_lens, view.chunk_k, view.chunk_v = seq_lens, chunk_k, chunk_v
-            view.step_start, view.store_record = step_start, record
+            view.seq_lens = seq_lens
         return views
-
-    def store_pending(self) -> None:
-        """Store an eager decode step's token if nothing stored it yet (SDPA over its views or
-        their ``.dequantize()`` store it): the next update, a move of the buffers and the
-        Hugging Face layer's reset, crop and reorder call this first. A traced step's token
-        is its views' to store: a compiled region must consume the views it gets."""
-        view, self._pending_view = self._pending_view, None
-        if view is not None:
-            view.stored()
 
     def _operands(self, batch: int) -> _Operands:
         """The buffers the ops take for the first ``batch`` sequences."""

@@ -263,15 +263,11 @@ class TurboQuantLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Empty the cache. Only the length is cleared: positions at or past it are never read,
         and the next sequence's tokens replace the old ones in the ring."""
-        if self.is_initialized:
-            self.kv.store_pending()  # (its position would evict the next sequence's tokens)
         self.cumulative_length.zero_()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative
         count; 0 does nothing); see ``is_croppable``."""
-        if self.is_initialized:
-            self.kv.store_pending()
         _crop_length(self, tokens_to_remove)
 
     @torch.no_grad()
@@ -280,7 +276,6 @@ class TurboQuantLayer(CacheLayerMixin):
         ``beam_idx[b]``. The block table is the identity, so each sequence's pages move whole."""
         if not self.is_initialized:
             return
-        self.kv.store_pending()  # (into its own sequence's rows, before they move)
         beam_idx = beam_idx.to(self.device)
         batch = beam_idx.shape[0]
         sequences = [self.kv.k_codes, self.kv.v_codes, self.kv.meta]

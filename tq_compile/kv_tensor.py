@@ -57,23 +57,11 @@ from custom_ops.schema import (
 )
 from custom_ops.validate import MAX_QUERY_TOKENS
 
-__all__ = ["StoreRecord", "TurboQuantKVTensor", "attention"]
+__all__ = ["TurboQuantKVTensor", "attention"]
 
 _SIDES = ("key", "value")
 # the flattened fields (k_window, v_window, window_pos, sinks, key_center) of no window
 _NO_WINDOW = (None, None, None, 0, None)
-
-
-class StoreRecord:
-    """Whether an eager decode step's pending token is stored: one per step, shared by every
-    view that carries the token (the cache's two reused views and views derived from them), so
-    that the first store is the only one and the cache's next update stores a token that
-    nothing stored. ``seq_lens``: the lengths after the store (``[B] int32``), None before."""
-
-    __slots__ = ("seq_lens",)
-
-    def __init__(self) -> None:
-        self.seq_lens: torch.Tensor | None = None
 
 
 class TurboQuantKVTensor(TorchAOBaseTensor):
@@ -187,8 +175,6 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
             setattr(self, name, kwargs.get(name))
         if self.side not in _SIDES:
             raise ValueError(f"side must be one of {_SIDES}, got {self.side!r}")
-        # an eager view's pending token: whether a view carrying it stored it (StoreRecord)
-        self.store_record: StoreRecord | None = None
 
     # ---- construction helpers -------------------------------------------------------------
 
@@ -258,24 +244,17 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         attrs = {name: getattr(self, name) for name in self.tensor_attribute_names}
         attrs.update(changes)
         optional = [getattr(self, name) for name in self.optional_tensor_data_names]
-        view = TurboQuantKVTensor(
+        return TurboQuantKVTensor(
             *tensors, *(attrs[n] for n in self.tensor_attribute_names), *optional
         )
-        if self.store_record is not None:  # (eager only: the same pending token)
-            view.store_record = self.store_record
-        return view
 
     def stored(self) -> TurboQuantKVTensor:
         """This view with its pending one-token update stored (``tq.store_window``; the view
         itself if none is pending): the same cache, at the lengths after the update, still
         carrying the token as given. Storing twice writes the same bytes (the token's slot then
-        holds its own position: nothing leaves the ring); an eager token is stored once, by the
-        first of the views sharing its :class:`StoreRecord`."""
+        holds its own position: nothing leaves the ring)."""
         if self.step_start is None:
             return self
-        record = self.store_record
-        if record is not None and record.seq_lens is not None:
-            return self.after_store(record.seq_lens)
         seq_lens = ops.call(
             StoreWindowArgs(
                 self.chunk_k.detach(),
@@ -288,8 +267,6 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
                 **window_fields(self.window, StoreWindowArgs),
             )
         )
-        if record is not None:
-            record.seq_lens = seq_lens
         return self.after_store(seq_lens)
 
     def lengths(self) -> torch.Tensor:
@@ -755,10 +732,6 @@ def _attention(a: dict, softcap: float) -> torch.Tensor:
     differentiable = torch.is_grad_enabled() and (
         q.requires_grad or (own and (k.chunk_k.requires_grad or v.chunk_v.requires_grad))
     )
-    stored_lens = k.store_record.seq_lens if k.store_record is not None else None
-    if k.step_start is not None and stored_lens is not None:
-        # an eager step's token that a view sharing it stored already: the cache after it
-        k, v = k.after_store(stored_lens), v.after_store(stored_lens)
     if k.step_start is not None:
         # A one-token update not stored yet: the views show the cache as it was and the token.
         # Queries at its position (its own, or HF's pack_gqa rows of its head group) attend that
@@ -767,10 +740,7 @@ def _attention(a: dict, softcap: float) -> torch.Tensor:
         rows = q.shape[1] * q.shape[2] // k.k_codes.shape[1]
         if not a["is_causal"] and not k.truncated and not differentiable:
             if rows <= MAX_FOLDED_ROWS:
-                out, seq_lens = _decode_step(q, k, v, attn_mask, scale, softcap)
-                if k.store_record is not None:
-                    k.store_record.seq_lens = seq_lens
-                return out
+                return _decode_step(q, k, v, attn_mask, scale, softcap)[0]
             if q.shape[2] == 1:  # a wider GQA group (MQA): the token stored, then tq.decode
                 return _decode_tokens(q, k.stored(), attn_mask, scale, softcap)
         # dense attention over what the views show (the cache as it was and the token as given,

@@ -189,11 +189,19 @@ def ranks(tmp_path_factory):
 
 
 @functools.cache
-def _single(cache: str) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """The unsharded model's logits with ``cache``, and its caches' (kv-heads, bytes)."""
+def _single(cache: str, compiled: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The unsharded model's logits with ``cache``, eager or ``compiled`` (aot_eager: a
+    compiled step attends the token leaving the window one step longer than an eager one,
+    tq.decode_step), and its caches' (kv-heads, bytes)."""
     model = _model()
     _set_caches(model, cache)
-    return _decode(model, _tokens()), _cache_sizes(model)
+    step = decode_one_token
+    if compiled:
+        torch._dynamo.reset()
+        step = torch.compile(decode_one_token, fullgraph=True, backend="aot_eager")
+    logits = _decode(model, _tokens(), step)
+    torch._dynamo.reset()
+    return logits, _cache_sizes(model)
 
 
 def _relative_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -207,10 +215,11 @@ def _relative_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tens
 )
 def test_tp_decode_matches_single_process(ranks, world_size, route, cache, backend):
     """N-rank decode (prefill 12, then 10 steps crossing the 8-token window) gives the
-    single-process logits within TP_BOUND at every step, on every rank, and the same next
+    single-process logits (eager, or compiled for a compiled rank) within TP_BOUND at every
+    step, on every rank, and the same next
     token wherever the top two logits are not near-tied; compiled: one graph; each rank's cache
     holds Hk / N kv-heads and 1 / N of the single-process cache's bytes for its kv-heads."""
-    expected, single_caches = _single(cache)
+    expected, single_caches = _single(cache, backend is not None)
     for rank, result in enumerate(ranks(world_size)):
         got = result[route, cache, backend]
         errors = _relative_errors(got["logits"], expected)

@@ -20,9 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from custom_ops import ops
 from custom_ops.formats import FORMATS
-from custom_ops.schema import StoreWindowArgs
 from custom_ops.triton.decode import plan
 from examples.model import (
     ModelArgs,
@@ -47,23 +45,21 @@ def test_update_returns_views_of_the_whole_cache():
 
 def test_eager_updates_return_the_cache_views_with_the_new_lengths():
     """Eagerly, every update of one token and one batch size returns the same two views (built
-    once: host time per layer), like a dense cache returning its buffers; another batch size
-    has its own views, and a module move (``.to()``, new buffers) new ones over the new
-    buffers. An update of several tokens (a prefill chunk) returns fresh views that carry its
-    keys and values. A decode token is pending in the views (they show the cache as it was and
-    the token) until attention over them or the next update stores it."""
+    once: host time per layer), holding that update's lengths, like a dense cache returning its
+    buffers; another batch size has its own views, and a module move (``.to()``, new buffers)
+    new ones over the new buffers. An update of several tokens (a prefill chunk) returns fresh
+    views that carry its keys and values."""
     cache, prompt_keys, _ = filled_tq_cache(length=36)
     assert prompt_keys.chunk_k is not None and prompt_keys.chunk_k.shape[2] == 36
     kv = torch.randn(B, HK, 1, D, dtype=torch.bfloat16)
     keys, values = cache.update(torch.tensor([36]), kv, kv)
-    assert keys is not prompt_keys and keys.chunk_k is kv and keys.step_start.tolist() == [36] * B
-    assert keys.lengths().tolist() == [37] * B
-    again_keys, again_values = cache.update(torch.tensor([37]), kv, kv)  # 36 stored first
+    assert keys is not prompt_keys and keys.chunk_k is None
+    again_keys, again_values = cache.update(torch.tensor([37]), kv, kv)
     assert again_keys is keys and again_values is values
-    assert keys.lengths().tolist() == [38] * B and keys.stored().seq_lens.tolist() == [38] * B
+    assert keys.seq_lens.tolist() == [38] * B
     first_keys, _ = cache.update(torch.tensor([38]), kv[:1], kv[:1])
     assert first_keys is not keys and first_keys.shape[0] == 1
-    assert first_keys.lengths().tolist() == [39] and keys.lengths().tolist() == [38] * B
+    assert first_keys.seq_lens.tolist() == [39] and keys.seq_lens.tolist() == [38] * B
     cache.to(torch.float16)  # a module conversion (the rings follow it): new views
     kv = kv.half()
     moved_keys, _ = cache.update(torch.tensor([39]), kv, kv)
@@ -83,73 +79,10 @@ def test_update_takes_int32_and_int64_positions():
         for start, n in ((0, 11), (11, 1), (12, 1)):
             kv = torch.randn(B, HK, n, D, dtype=torch.bfloat16)
             keys, _ = cache.update(torch.arange(start, start + n, dtype=dtype), kv, kv)
-        assert keys.stored().seq_lens.tolist() == [13] * B
+        assert keys.seq_lens.tolist() == [13] * B
         caches.append(cache)
     for (name, a), b in zip(caches[0].named_buffers(), caches[1].buffers(), strict=True):
         assert torch.equal(a, b), name
-
-
-def _eager_steps(consume, steps=12, window=4):
-    """A cache after ``steps`` eager decode steps past an 8-token prompt (the ring of
-    ``window`` slots wrapping), each step's views given to ``consume(q, keys, values)`` with
-    ``input_pos`` advanced in place afterwards (as gpt-fast's loop does); the outputs, and the
-    window stores launched outside tq.decode_step."""
-    gen = torch.Generator().manual_seed(11)
-    cache = TurboQuantKVCache(B, HK, S_MAX, D, window=window)
-    kv = torch.randn(B, HK, 8, D, generator=gen).bfloat16()
-    cache.update(torch.arange(8), kv, kv)
-    input_pos, outputs, stores = torch.tensor([8]), [], []
-    original = ops.call
-
-    def counting(args):
-        if isinstance(args, StoreWindowArgs):
-            stores.append(args)
-        return original(args)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ops, "call", counting)
-        for _ in range(steps):
-            k, v = (torch.randn(B, HK, 1, D, generator=gen).bfloat16() for _ in range(2))
-            q = torch.randn(B, HK * GROUP, 1, D, generator=gen).bfloat16()
-            keys, values = cache.update(input_pos, k, v)
-            outputs.append(consume(q, keys, values))
-            input_pos += 1
-    return cache, outputs, len(stores)
-
-
-def test_eager_pending_token_is_stored_once_whoever_consumes_it():
-    """Eager decode steps whose views reach SDPA as derived views (repeat_interleave), or only
-    through one side's .dequantize() first, or not at all, with input_pos advanced in place: the
-    same outputs as SDPA over the views with enable_gqa and the same cache bytes (the token's
-    positions are the cache's own copy); a token is stored once (tq.decode_step, or one window
-    store per step where something else consumed it); a token nothing consumed is stored before
-    a module move."""
-
-    def gqa(q, keys, values):
-        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
-
-    def repeated(q, keys, values):
-        keys, values = (t.repeat_interleave(GROUP, dim=1) for t in (keys, values))
-        return F.scaled_dot_product_attention(q, keys, values)
-
-    def value_read_first(q, keys, values):
-        values.dequantize()  # stores the token: attention then reads the cache after it
-        return gqa(q, keys, values)
-
-    reference, expected, reference_stores = _eager_steps(gqa)
-    assert reference_stores == 0  # every token stored by tq.decode_step
-    derived, outputs, stores = _eager_steps(repeated)
-    assert stores == 0
-    for got, want in zip(outputs, expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    read_first, _, stores = _eager_steps(value_read_first)
-    assert stores == 12
-    unread, _, stores = _eager_steps(lambda *views: None)
-    assert stores == 11  # each stored by the next update; the last one still pending
-    unread.to(torch.float32)  # (a move stores it into the buffers it belongs to)
-    for cache in (derived, read_first, unread):
-        for (name, a), b in zip(reference.named_buffers(), cache.buffers(), strict=True):
-            assert torch.equal(a, b.to(a.dtype)), name
 
 
 @pytest.mark.parametrize("stored_first", [False, True])
@@ -202,7 +135,7 @@ def test_compiled_step_reading_its_views_only_through_dequantize_stores_its_toke
     torch._dynamo.reset()
     dense_k, dense_v = torch.compile(read, backend=backend, fullgraph=True)(compiled_cache)
     torch._dynamo.reset()
-    eager_cache.update(pos, new_k, new_v)[0].stored()
+    eager_cache.update(pos, new_k, new_v)
     for (name, a), b in zip(compiled_cache.named_buffers(), eager_cache.buffers(), strict=True):
         assert torch.equal(a, b), name
     assert torch.equal(dense_k[:, :, 30], new_k[:, :, 0])

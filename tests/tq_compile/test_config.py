@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import expecttest
 import torch
+from helpers import rel_error
 from torchao.quantization import quantize_ as torchao_quantize_
 
 from examples.model import (
@@ -64,7 +65,9 @@ def test_keep_first_and_last_in_full_precision():
 @torch.no_grad()
 def test_quantized_model_compiled_decode_matches_eager():
     """After quantize_, torch.compile(decode_one_token) (aot_eager) gives eager's tokens and
-    logits over 6 steps."""
+    logits over 6 steps, to rounding: the compiled step attends its own token beside the cache
+    (tq.decode_step), the eager one after storing it (the window holds all 22 tokens, so both
+    read the same values, summed in another order)."""
     eager, compiled = _model(), _model()
     compiled.load_state_dict(eager.state_dict())
     for m in (eager, compiled):
@@ -78,7 +81,8 @@ def test_quantized_model_compiled_decode_matches_eager():
         pos = torch.tensor([16 + i])
         tok_e, logits_e = decode_one_token(eager, tok_e, pos)
         tok_c, logits_c = step(compiled, tok_c, pos)
-        torch.testing.assert_close(logits_c, logits_e, rtol=0, atol=0)
+        assert rel_error(logits_c, logits_e) < 1e-3  # measured: 4e-4
+        assert torch.equal(tok_c, tok_e)
     torch._dynamo.reset()
 
 

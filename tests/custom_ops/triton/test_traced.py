@@ -60,12 +60,11 @@ def _step(cache, gen, head_dim, q_heads, tokens):
 @pytest.mark.parametrize(
     ("fmt", "window", "head_dim", "tokens", "kernels"),
     [
-        # the prefill of 40 tokens passes the window's 8 on to the plain store; a decode token
-        # with a window and unrotated values is appended by the split kernel and merge_fill
-        ("4bit_nc", 8, 64, 1, {"store_window", "store", "split", "merge_fill"}),
+        # the prefill of 40 tokens passes the window's 8 on to the plain store
+        ("4bit_nc", 8, 64, 1, {"store_window", "store", "split", "merge"}),
         ("4bit_nc", 0, 64, 1, {"store", "split", "merge"}),
         ("tq3_nc", 8, 64, 2, {"store_window", "store", "split", "ring_partials", "merge"}),
-        ("4bit_nc", 8, 96, 1, {"store_window", "store", "prep_query", "split", "merge_fill"}),
+        ("4bit_nc", 8, 96, 1, {"store_window", "store", "prep_query", "split", "merge"}),
     ],
 )
 def test_flat_entries_compute_what_the_kernels_compute(fmt, window, head_dim, tokens, kernels):
