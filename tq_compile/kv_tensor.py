@@ -599,7 +599,7 @@ def _decode_step(
     own, ``L = 1``; or HF's pack_gqa rows, ``[B, Hk, group, D]``, folded into the ``H * L``
     query heads of one step, row ``h * L + l`` reading kv-head ``h`` as ``h`` does) over the
     cache of view ``k`` as it was and the token (``k.chunk_k``, ``v.chunk_v``), then its
-    append; ``(the output [B, H, L, D], the new lengths [B] int32)``."""
+    append; the output ``[B, H, L, D]``."""
     batch, heads, rows, head_dim = q.shape
     mask = None
     if attn_mask is not None:  # [B|1, H|1, L|1, M] -> [B|1, H * L or 1, M]
@@ -611,7 +611,7 @@ def _decode_step(
         else:
             mask = mask.expand(mask.shape[0], heads, rows, mask.shape[3])
             mask = mask.reshape(mask.shape[0], heads * rows, mask.shape[3])
-    out, lens = ops.call(
+    out, _ = ops.call(  # (and the new lengths: the views are not reused)
         DecodeStepArgs(
             q.reshape(batch, heads * rows, head_dim),
             k.chunk_k,
@@ -628,7 +628,7 @@ def _decode_step(
             softcap=softcap,
         )
     )
-    return out.reshape(batch, heads, rows, head_dim), lens
+    return out.reshape(batch, heads, rows, head_dim)
 
 
 def _prefill(
@@ -740,7 +740,7 @@ def _attention(a: dict, softcap: float) -> torch.Tensor:
         rows = q.shape[1] * q.shape[2] // k.k_codes.shape[1]
         if not a["is_causal"] and not k.truncated and not differentiable:
             if rows <= MAX_FOLDED_ROWS:
-                return _decode_step(q, k, v, attn_mask, scale, softcap)[0]
+                return _decode_step(q, k, v, attn_mask, scale, softcap)
             if q.shape[2] == 1:  # a wider GQA group (MQA): the token stored, then tq.decode
                 return _decode_tokens(q, k.stored(), attn_mask, scale, softcap)
         # dense attention over what the views show (the cache as it was and the token as given,
