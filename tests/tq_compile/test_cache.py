@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import re
 import warnings
+from unittest import mock
 
 import expecttest
 import pytest
@@ -20,6 +21,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from custom_ops import ops
 from custom_ops.formats import FORMATS
 from custom_ops.triton.decode import plan
 from examples.model import (
@@ -141,6 +143,40 @@ def test_compiled_step_reading_its_views_only_through_dequantize_stores_its_toke
     assert torch.equal(dense_k[:, :, 30], new_k[:, :, 0])
     assert torch.equal(dense_v[:, :, 30], new_v[:, :, 0])
     assert not dense_k[:, :, 31:].any()
+
+
+def test_compiled_step_of_a_wide_gqa_group_stores_then_decodes():
+    """A compiled decode step whose GQA group is wider than tq.decode_step takes (72 query
+    heads over one kv-head: more than MAX_FOLDED_ROWS) stores the pending token and runs
+    tq.decode, not dense attention: the output and cache bytes of the eager step (which stores
+    first too), and no dequantize in the graph."""
+    caches = [TurboQuantKVCache(1, 1, S_MAX, D, window=8) for _ in range(2)]
+    gen = torch.Generator().manual_seed(12)
+    prompt = torch.randn(1, 1, 10, D, generator=gen).bfloat16()
+    for cache in caches:
+        cache.update(torch.arange(10), prompt, prompt)
+    new_k, new_v = (torch.randn(1, 1, 1, D, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(1, 72, 1, D, generator=gen).bfloat16()
+
+    def step(cache):
+        keys, values = cache.update(torch.tensor([10]), new_k, new_v)
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+    expected = step(caches[0])
+    called, call = [], ops.call
+
+    def recording(args):
+        called.append(type(args).__name__)
+        return call(args)
+
+    torch._dynamo.reset()
+    with mock.patch.object(ops, "call", recording):
+        got = torch.compile(step, backend="aot_eager", fullgraph=True)(caches[1])
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    for (name, a), b in zip(caches[0].named_buffers(), caches[1].buffers(), strict=True):
+        assert torch.equal(a, b), name
+    assert sorted(set(called)) == ["DecodeArgs", "StoreWindowArgs"], called
 
 
 def test_model_dtype_cast_converts_the_rings_only():
