@@ -291,13 +291,6 @@ class TurboQuantKVCache(nn.Module):
                 f"{n_new} new tokens (k_val.shape[2]); expected T >= 1 of "
                 "each"
             )
-        ring_dtype = self.k_window.dtype if self.has_rings else None
-        if ring_dtype is not None and not k_val.dtype == v_val.dtype == ring_dtype:
-            # (the ring would hold a cast: bfloat16 keys near 1e5 are inf in float16)
-            raise TypeError(
-                f"{where}: key must have the rings' dtype {ring_dtype} (the model's), got "
-                f"k_val {k_val.dtype} and v_val {v_val.dtype}"
-            )
         if torch.compiler.is_compiling() or not validate.checks_values(input_pos):
             return  # traced: no values to read (the ops' own checks still run)
         low, high = int(input_pos.min()), int(input_pos.max())
@@ -366,17 +359,21 @@ class TurboQuantKVCache(nn.Module):
                 )
         planes, window, table, rotation = operands
         name = self.kv_format.name
-        fuses_step = self.fuses_steps and api.step_pays(batch, self.num_kv_heads)
-        if n_new == 1 and fuses_step and _head_dim_contiguous(k_val, v_val):
+        if (
+            n_new == 1
+            and not eager
+            and self.fuses_steps
+            and api.step_pays(batch, num_kv_heads)
+            and _head_dim_contiguous(k_val, v_val)
+        ):
             # Traced: a decode token is left pending in the (fresh) views, which show the cache
-            # as it was and the token; whatever consumes them stores it: SDPA (tq.decode_step:
-            # the token attends that and is appended, in the split kernel and the merge; or
-            # dense attention, then the window store) or .dequantize()
-            # (docs/design/cache.md#a-decode-tokens-store). Eager steps store it here: their
-            # views are reused across steps (below).
-            if not eager:
-                start = input_pos[:1].expand(batch)
-                return self._views(operands, start, k_val, v_val, step_start=start)
+            # as it was and the token; whatever consumes them stores it (its arguments are
+            # checked there, by the op that stores it): SDPA (tq.decode_step: the token attends
+            # that and is appended, in the split kernel and the merge; or dense attention, then
+            # the window store) or .dequantize() (docs/design/cache.md#a-decode-tokens-store).
+            # Eager steps store it here: their views are reused across steps (below).
+            start = input_pos[:1].expand(batch)
+            return self._views(operands, start, k_val, v_val, step_start=start)
         # The codes are constants to autograd (the ops have no derivative); a chunk's views
         # still carry k_val / v_val as they are, through which attention's gradient flows.
         k_store, v_store = k_val.detach(), v_val.detach()
