@@ -25,6 +25,13 @@ each rather than one cache's whole cell. A cache that does not fit the GPU is re
 ``oom`` (a capacity win for the smaller cache). ``max_context``: the longest context per
 sequence whose KV cache fits ``--kv-budget-gb`` at that batch.
 
+``--capacity-gb GB`` times what a serving user buys instead: each cache at the largest batch
+whose KV cache fits ``GB`` (bf16 included, at its own batch), and ``speedup`` is tokens per
+second over bf16's:
+
+    python benchmarks/e2e.py --modes reduce-overhead --contexts 8192 --capacity-gb 24 \
+        --formats k8v4 4bit_nc 3bit_nc tqk5v3_nc --dense
+
 ``--kernels N`` adds, per cell, the GPU time per step of every kernel over ``N`` profiled steps
 (``torch.profiler``; kernels replayed from a CUDA graph included), the largest first: where the
 step's time goes, with ``idle_us``, the time the GPU ran nothing just before that kernel's
@@ -292,14 +299,31 @@ def set_caches(
     model.setup_caches(batch, context, cache_factory=factory)
 
 
+def largest_batch(cfg: ModelArgs, cache: str, context: int, budget_bytes: float) -> int:
+    """The most sequences of ``context`` slots whose KV cache of kind ``cache`` fits
+    ``budget_bytes`` (0 where not even one does)."""
+    one = _cache_bytes(cfg, cache, 1, context)
+    if one > budget_bytes:
+        return 0
+    # affine in the batch: a TurboQuant cache also holds its constants (rotation, levels)
+    per_sequence = _cache_bytes(cfg, cache, 2, context) - one
+    batch = 1 + int((budget_bytes - one) // per_sequence)
+    while batch > 1 and _cache_bytes(cfg, cache, batch, context) > budget_bytes:
+        batch -= 1
+    return batch
+
+
 def run_cells(model: Transformer | None, args, fresh_processes: bool = False) -> list[dict]:
     """Every cell of ``args`` (modes x batches x contexts x the bf16 baseline, ``args.dense``
-    and ``args.formats``), each row printed as it is timed. ``fresh_processes``: each
-    ``reduce-overhead`` cell is timed in a process of its own (:func:`_time_cell_in_process`;
-    ``model`` may then be None if no other mode is asked for)."""
+    and ``args.formats``), each row printed as it is timed; with ``args.capacity_gb`` each
+    cache at its :func:`largest_batch` of that budget instead of ``args.batches``.
+    ``speedup`` is tokens per second over the baseline's (at equal batches, its time over the
+    cell's). ``fresh_processes``: each ``reduce-overhead`` cell is timed in a process of its
+    own (:func:`_time_cell_in_process`; ``model`` may then be None if no other mode is asked
+    for)."""
     rows = []
     for mode in args.modes:
-        for batch in args.batches:
+        for batch in [None] if args.capacity_gb else args.batches:
             for context in args.contexts:
                 caches = [BASELINE, *args.dense, *args.formats]
                 # eager cells are timed together; compiled ones one by one, each row printed
@@ -307,9 +331,17 @@ def run_cells(model: Transformer | None, args, fresh_processes: bool = False) ->
                 eager = {}
                 if mode == "eager":
                     eager = _time_interleaved(model, args, batch, context, caches)
-                base_ms = None
+                base_tok_s = None
                 for cache in caches:
-                    if mode == "reduce-overhead" and fresh_processes:
+                    if args.capacity_gb:
+                        cfg = ModelArgs.from_name(args.preset)
+                        batch = largest_batch(cfg, cache, context, args.capacity_gb * 1e9)
+                    if batch == 0:  # not even one sequence fits the budget
+                        kv_bytes = _cache_bytes(
+                            ModelArgs.from_name(args.preset), cache, 1, context
+                        )
+                        timed = dict(ms=None, kv_gb=kv_bytes / 1e9)
+                    elif mode == "reduce-overhead" and fresh_processes:
                         timed = _time_cell_in_process(args, mode, batch, context, cache)
                     else:
                         timed = eager.get(cache) or _time_cell(
@@ -317,12 +349,16 @@ def run_cells(model: Transformer | None, args, fresh_processes: bool = False) ->
                         )
                     row = dict(mode=mode, batch=batch, context=context, cache=cache, **timed)
                     ms = row["ms"]
-                    base_ms = ms if cache == BASELINE else base_ms
+                    tok_s = batch / ms * 1e3 if ms else None
+                    base_tok_s = tok_s if cache == BASELINE else base_tok_s
                     row.update(
-                        tok_s=batch / ms * 1e3 if ms else None,
-                        speedup=base_ms / ms if ms and base_ms else None,
+                        tok_s=tok_s,
+                        speedup=tok_s / base_tok_s if tok_s and base_tok_s else None,
                         max_context=int(
-                            args.kv_budget_gb * 1e9 * context / (row["kv_gb"] * 1e9 * batch)
+                            args.kv_budget_gb
+                            * 1e9
+                            * context
+                            / (row["kv_gb"] * 1e9 * max(batch, 1))
                         ),
                     )
                     rows.append(row)
@@ -688,11 +724,30 @@ def _batch_context_label(cell: tuple[int, int]) -> str:
     return f"B={cell[0]}\n{cell[1] // 1024}K"
 
 
+def _context(row: dict) -> int:
+    return row["context"]
+
+
+def _context_label(context: int) -> str:
+    return f"{context // 1024}K"
+
+
+def plot_run(payload: dict, path: Path) -> None:
+    """:func:`plot` of a run: cells are contexts in a capacity run (each cache at its own
+    batch), batch x context otherwise."""
+    if payload.get("capacity_gb"):
+        plot(payload, path, cell=_context, label=_context_label)
+    else:
+        plot(payload, path)
+
+
 def plot(payload: dict, path: Path, cell=_batch_context, label=_batch_context_label) -> None:
     """Speed-up over bf16 (enable_gqa) per cell, one panel per mode, one bar per cache; a
-    row's cell is ``cell(row)`` (hashable), its tick ``label(cell)``."""
+    row's cell is ``cell(row)`` (hashable), its tick ``label(cell)``. In a capacity run the
+    bars also name their batch."""
     plt = pyplot()
 
+    capacity = payload.get("capacity_gb")
     rows = [r for r in payload["rows"] if r["cache"] != BASELINE]
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4.5), squeeze=False)
@@ -701,20 +756,21 @@ def plot(payload: dict, path: Path, cell=_batch_context, label=_batch_context_la
         caches = list(dict.fromkeys(r["cache"] for r in rows if r["mode"] == mode))
         width = 0.8 / len(caches)
         for i, cache in enumerate(caches):
-            speed = {
-                cell(r): r["speedup"] or 0
-                for r in rows
-                if r["mode"] == mode and r["cache"] == cache
-            }
+            mine = {cell(r): r for r in rows if r["mode"] == mode and r["cache"] == cache}
+            speed = [(mine[c]["speedup"] or 0) if c in mine else 0 for c in cells]
+            texts = [
+                f"{s:.2f}" + (f"\nB{mine[c]['batch']}" if capacity and c in mine else "")
+                for s, c in zip(speed, cells, strict=True)
+            ]
             xs = [j + i * width for j in range(len(cells))]
-            bars = ax.bar(xs, [speed.get(c, 0) for c in cells], width, label=cache)
-            ax.bar_label(bars, [f"{speed.get(c, 0):.2f}" for c in cells], fontsize=6)
+            ax.bar_label(ax.bar(xs, speed, width, label=cache), texts, fontsize=6)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))], [label(c) for c in cells])
         ax.set_title(mode)
-        ax.set_ylabel("speed-up vs bf16 SDPA (enable_gqa)")
+        ax.set_ylabel(("tokens/s" if capacity else "speed-up") + " vs bf16 SDPA (enable_gqa)")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{payload['preset']} decode step on {payload['gpu']}")
+    at = f",\neach cache at its largest batch in {capacity:g} GB" if capacity else ""
+    fig.suptitle(f"{payload['preset']} decode step on {payload['gpu']}{at}")
     save_figure(fig, path)
 
 
@@ -734,6 +790,13 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kv-budget-gb", type=float, default=40.0)
+    parser.add_argument(
+        "--capacity-gb",
+        type=float,
+        metavar="GB",
+        help="each cache at the largest batch whose KV cache fits GB (instead of --batches); "
+        "speed-up: tokens/s over bf16 at its own largest batch",
+    )
     parser.add_argument(
         "--splits", type=int, help="the TurboQuant caches' decode split count (default: theirs)"
     )
@@ -766,8 +829,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1 or args.kernels < 0:
         parser.error(f"need --steps >= 1 and --kernels >= 0, got {args.steps} and {args.kernels}")
+    if args.capacity_gb is not None and (args.capacity_gb <= 0 or "eager" in args.modes):
+        parser.error(
+            f"--capacity-gb needs a budget > 0 and compiled modes (eager cells share one batch): "
+            f"got {args.capacity_gb} GB, modes {args.modes}"
+        )
     if args.plot:
-        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        plot_run(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return
     if args.cell:
         _time_cell_here(args.cell)
@@ -778,6 +846,7 @@ def main() -> None:
         gpu=gpu_name(),
         preset=args.preset,
         kv_budget_gb=args.kv_budget_gb,
+        capacity_gb=args.capacity_gb,
         num_splits=args.splits,
         sinks=args.sinks,
         center_keys=args.center,
@@ -790,8 +859,14 @@ def main() -> None:
     in_process = args.one_process or bool(set(args.modes) - {"reduce-overhead"})
     model = _build_model(args.preset) if in_process else None
     payload["rows"] = run_cells(model, args, fresh_processes=payload["fresh_processes"])
+    speedup = (
+        f"tokens/s over bf16 SDPA with enable_gqa, same mode, each cache at its largest batch "
+        f"in {args.capacity_gb:g} GB"
+        if args.capacity_gb
+        else "speed-up over bf16 SDPA with enable_gqa, same mode"
+    )
     print(
-        f"{gpu_name()}, {args.preset}; speed-up over bf16 SDPA with enable_gqa, same mode; "
+        f"{gpu_name()}, {args.preset}; {speedup}; "
         f"max_context: tokens per sequence whose KV cache fits {args.kv_budget_gb} GB"
     )
     if payload["rows"]:
@@ -814,7 +889,7 @@ def main() -> None:
     print(f"wrote {path}")
     if payload["rows"]:
         try:
-            plot(payload, path.with_suffix(".png"))
+            plot_run(payload, path.with_suffix(".png"))
         except ImportError:
             print("matplotlib not installed: no PNG (python benchmarks/e2e.py --plot JSON)")
 

@@ -38,6 +38,8 @@ def _args() -> Namespace:
         sinks=None,
         center=False,
         kv_budget_gb=1.0,
+        capacity_gb=None,
+        preset="tiny",
     )
 
 
@@ -138,8 +140,7 @@ def test_a_cell_in_a_process_of_its_own():
     """``reduce-overhead`` cells are timed each in a new process (``e2e.py --cell``), which
     builds the model from the cell's preset and prints the cell's result for the parent: here
     an eager cell of the tiny model on the CPU, through the same plumbing."""
-    args = Namespace(**vars(_args()), preset="tiny")
-    timed = e2e._time_cell_in_process(args, "eager", 1, 48, "4bit_nc", device="cpu")
+    timed = e2e._time_cell_in_process(_args(), "eager", 1, 48, "4bit_nc", device="cpu")
     assert len(timed["block_ms"]) == STEPS and math.isfinite(timed["ms"]), timed
     assert timed["kv_gb"] > 0
 
@@ -167,3 +168,40 @@ def test_a_cell_process_reports_its_result_or_its_failure(tmp_path):
     assert common.time_in_process(script, dict(ok=True, ms=0, sleep=30), 1) == dict(
         error="no result in 1 s"
     )
+
+
+def test_largest_batch_is_the_most_sequences_that_fit_the_budget():
+    """The batch a capacity run gives a cache fits the budget and one more sequence does not;
+    a budget below one sequence gives 0."""
+    cfg = ModelArgs.from_name("tiny")
+    for cache in ("bf16", "4bit_nc", "3bit_nc"):
+        one = e2e._cache_bytes(cfg, cache, 1, 256)
+        for budget in (one, 10.5 * one, 1e9):
+            batch = e2e.largest_batch(cfg, cache, 256, budget)
+            assert e2e._cache_bytes(cfg, cache, batch, 256) <= budget, (cache, budget)
+            assert e2e._cache_bytes(cfg, cache, batch + 1, 256) > budget, (cache, budget)
+        assert e2e.largest_batch(cfg, cache, 256, one - 1) == 0
+
+
+def test_capacity_cells_take_each_cache_at_its_largest_batch(monkeypatch):
+    """``--capacity-gb``: each cache is timed at the largest batch its KV cache fits in the
+    budget, and its speed-up is tokens per second over bf16's at bf16's own batch."""
+    cfg = ModelArgs.from_name("tiny")
+    timed = []
+
+    def fake_cell(model, args, mode, batch, context, cache):
+        timed.append((cache, batch))
+        return dict(ms=2.0 if cache == "bf16" else 3.0, kv_gb=1.0)
+
+    monkeypatch.setattr(e2e, "_time_cell", fake_cell)
+    budget = 8 * e2e._cache_bytes(cfg, "bf16", 1, 256)
+    args = Namespace(
+        **dict(vars(_args()), modes=["default"], contexts=[256], capacity_gb=budget / 1e9)
+    )
+    rows = e2e.run_cells(None, args)
+    batches = {cache: e2e.largest_batch(cfg, cache, 256, budget) for cache in ("bf16", "4bit_nc")}
+    assert batches["bf16"] == 8 and batches["4bit_nc"] > 10, batches
+    assert timed == list(batches.items())
+    bf16, tq = rows
+    assert bf16["speedup"] == 1.0
+    assert tq["speedup"] == pytest.approx((batches["4bit_nc"] / 3.0) / (8 / 2.0))
