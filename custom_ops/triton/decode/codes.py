@@ -1,8 +1,9 @@
 """Code rows -> fp16 tensor-core operands: the decode kernels' dequantization of one tile.
 
 The bit planes of :mod:`custom_ops.formats` are strided, so shifting a row of code bytes yields
-a *contiguous part* of the head dim: 4- and 5-bit codes give two halves (low / high nibbles),
-3- and 2-bit codes four quarters, 8-bit codes one part. Each part is decoded straight into its own
+a *contiguous part* of the head dim: 4-bit codes give two halves (low / high nibbles), 5-, 3-
+and 2-bit codes four quarters (5 bits: two blocks of the 4-bit plane, two nibbles each), 8-bit
+codes one part. Each part is decoded straight into its own
 ``tl.dot`` operand and multiplied with the matching part of the query: nothing is shuffled. On
 the GPU the parts are decoded by inline PTX (:mod:`custom_ops.triton.decode.ptx`, the codec's
 ``ASM``); under the interpreter, which cannot run PTX, by plain Triton (``ASM == ""``).
@@ -99,36 +100,6 @@ def _sign_offsets(
 
 
 @triton.jit
-def _sign_tile(
-    codes_ptr,
-    row_offsets,
-    j,
-    mask,
-    P: tl.constexpr,
-    D: tl.constexpr,
-    BYTE_STRIDE: tl.constexpr,
-    TOKEN_RUN: tl.constexpr,
-):
-    """The 1-bit sign plane of 5-bit codes, re-read as a *sign tile* that matches the low
-    plane's tile: its byte ``j`` is the sign plane's byte ``j mod D/8``, whose bit ``r`` is the
-    sign of element ``j mod D/8 + r D/8``. Returns ``(signs, sign_shift)``, ``sign_shift = j //
-    (D/8)``: element ``j + h D/2``'s sign is bit ``4h`` of ``signs >> sign_shift``. The inline
-    asm shifts 4 packed bytes at once: along the tokens (values) they share ``j``, along ``j``
-    (keys) they do when D/8 is a multiple of 4; elsewhere (plain Triton, and keys at D = 80)
-    ``signs`` comes shifted and the shift is 0."""
-    ASM: tl.constexpr = P.ASM
-    D8: tl.constexpr = D // 8
-    signs = tl.load(
-        codes_ptr + _sign_offsets(row_offsets, j, P, D, BYTE_STRIDE, TOKEN_RUN), mask=mask, other=0
-    )
-    sign_shift = tl.broadcast_to((j // D8).to(tl.uint8), signs.shape)
-    if (ASM == "") | ((BYTE_STRIDE == 1) & (D8 % 4 != 0)):
-        signs = (signs >> sign_shift).to(tl.uint8)
-        sign_shift = tl.zeros_like(sign_shift)
-    return signs, sign_shift
-
-
-@triton.jit
 def _sign_halves(
     codes_ptr,
     row_offsets,
@@ -139,18 +110,42 @@ def _sign_halves(
     BYTE_STRIDE: tl.constexpr,
     TOKEN_RUN: tl.constexpr,
 ):
-    """The 1-bit sign plane of 3-bit codes as two tiles that match the 2-bit plane's tile
-    (``j < D/4``): ``low``'s byte ``j`` is the sign plane's byte ``j`` for ``j < D/8`` (0
-    elsewhere), ``high``'s byte ``j`` its byte ``j - D/8`` for ``j >= D/8`` (0 elsewhere).
-    Sign byte ``i``'s bit ``r`` is the top bit of element ``i + r D/8``, so element ``j + q
-    D/4``'s is bit ``2q`` of ``low | high >> 1``. Both tiles are loads, never computed from
-    ``j``: then Triton decodes straight in the dot operand's layout (a sign shift ``j // (D/8)``
-    as an operand sent each decoded fp16 tile through shared memory)."""
+    """The 1-bit sign plane of 3- and 5-bit codes as two tiles that match a tile of ``D/4``
+    bytes of the other plane (``j < D/4``): ``low``'s byte ``j`` is the sign plane's byte ``j``
+    for ``j < D/8`` (0 elsewhere), ``high``'s byte ``j`` its byte ``j - D/8`` for ``j >= D/8``
+    (0 elsewhere). Sign byte ``i``'s bit ``r`` is the top bit of element ``i + r D/8``, so
+    element ``j + q D/4``'s is bit ``2q`` of ``low | high >> 1``. Both tiles are loads, never
+    computed from ``j``: then Triton decodes straight in the dot operand's layout (a sign shift
+    ``j // (D/8)`` as an operand sent each decoded fp16 tile through shared memory)."""
     D8: tl.constexpr = D // 8
     sign_ptrs = codes_ptr + _sign_offsets(row_offsets, j, P, D, BYTE_STRIDE, TOKEN_RUN)
     low = tl.load(sign_ptrs, mask=mask & (j < D8), other=0)
     high = tl.load(sign_ptrs, mask=mask & (j >= D8), other=0)
     return low, high
+
+
+@triton.jit
+def _lut5_block(plane, low, high, BLOCK: tl.constexpr, P: tl.constexpr):
+    """The two quarters (``BLOCK`` and ``BLOCK + 2``) of 5-bit codes that block ``BLOCK`` of the
+    4-bit plane holds, their signs from the sign halves (:func:`_sign_halves`), fp16 tiles of
+    ``plane``'s shape."""
+    ASM: tl.constexpr = P.ASM
+    if ASM != "":
+        # the block's sign shift 2c as a constant operand: Triton decodes a tile whose operands
+        # are loads and constants in the dot operand's layout
+        low_quarter, high_quarter = tl.inline_asm_elementwise(
+            ASM,
+            "=r,=r,=r,=r,r,r,r,r",
+            [plane, low, high, tl.full(plane.shape, 2 * BLOCK, tl.uint8)],
+            dtype=(tl.float16,) * 2,
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        signs = (low | (high >> 1)) >> (2 * BLOCK)
+        low_quarter = _values((plane & 15) | ((signs & 1) << 4), P)
+        high_quarter = _values((plane >> 4) | (signs & 16), P)
+    return low_quarter, high_quarter
 
 
 @triton.jit
@@ -192,25 +187,14 @@ def decode_tile(
         p2 = p0
         p3 = p0
     elif P.BITS == 5:
-        # 4-bit plane byte j: element j's magnitude in the low nibble, element j + D/2's in the
-        # high nibble; their signs are bits 0 and 4 of the sign tile (see _sign_tile)
-        signs, sign_shift = _sign_tile(
-            codes_ptr, row_offsets, j, mask, P, D, BYTE_STRIDE, TOKEN_RUN
-        )
-        if ASM != "":
-            p0, p1 = tl.inline_asm_elementwise(
-                ASM,
-                "=r,=r,=r,=r,r,r,r",
-                [plane, signs, sign_shift],
-                dtype=(tl.float16,) * 2,
-                is_pure=True,
-                pack=4,
-            )
-        else:
-            p0 = _values((plane & 15) | ((signs & 1) << 4), P)
-            p1 = _values((plane >> 4) | (signs & 16), P)
-        p2 = p0
-        p3 = p0
+        # block c of the 4-bit plane (bytes j + c D/4, c = 0 here, 1 in `second`): element
+        # j + c D/4's magnitude in the low nibble, element j + c D/4 + D/2's in the high one,
+        # quarters c and c + 2; their signs are bits 2c and 2c + 4 of low | high >> 1 (see
+        # _sign_halves)
+        second = tl.load(codes_ptr + offsets + (D // 4) * BYTE_STRIDE, mask=mask, other=0)
+        low, high = _sign_halves(codes_ptr, row_offsets, j, mask, P, D, BYTE_STRIDE, TOKEN_RUN)
+        p0, p2 = _lut5_block(plane, low, high, 0, P)
+        p1, p3 = _lut5_block(second, low, high, 1, P)
     elif P.BITS == 3:
         # 2-bit plane byte j holds element j + q*D/4 at bits 2q; element j + q*D/4's top bit is
         # bit 2q of low | high >> 1 (see _sign_halves)

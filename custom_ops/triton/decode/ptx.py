@@ -19,12 +19,14 @@ following the strided bit planes of :mod:`custom_ops.formats`:
   bytes), ``$9`` (``low``), ``$10`` (``high``); outputs ``$2q $2q+1`` for quarter ``q``. One
   32-bit shift lines up the 4 bytes' top bits (bit 7, which gets the next byte's bit 0, is never
   read).
-* 5 bits, a 4-bit plane (magnitudes: byte ``j`` = element ``j`` in the low nibble, ``j + D/2``
-  in the high nibble) and a 1-bit plane, which the kernel re-reads as a *sign tile*: byte ``j``
-  of the 1-bit plane's byte ``j mod D/8``, whose bit ``4h + s`` is element ``j + h D/2``'s sign,
-  with ``s = j // (D/8)`` (0 to 3) the *sign shift*. Inputs ``$4`` (4-bit plane bytes), ``$5``
-  (sign tile bytes), ``$6`` (the sign shift of the 4 bytes, equal, in each byte); outputs ``$0
-  $1`` (low half), ``$2 $3`` (high half).
+* 5 bits, a 4-bit plane (magnitudes: byte ``i`` = element ``i`` in the low nibble, ``i + D/2``
+  in the high nibble) and a 1-bit plane (bit ``r`` of byte ``i``: the sign of element ``i + r
+  D/8``), read in two *blocks* of ``D/4`` plane bytes: block ``c`` (0 or 1), byte ``j`` is plane
+  byte ``j + c D/4`` (elements ``j + c D/4`` and ``j + c D/4 + D/2``: quarters ``c`` and ``c +
+  2``), against the sign halves of the 3-bit codes (above), whose bits ``2c`` (``low``) and
+  ``2c + 1`` (``high``) hold the low nibble's sign, ``2c + 4`` and ``2c + 5`` the high one's.
+  Inputs ``$4`` (plane bytes), ``$5`` (``low``), ``$6`` (``high``), ``$7`` (``2c`` in each
+  byte: a constant); outputs ``$0 $1`` (the low nibbles' quarter), ``$2 $3`` (the high ones').
 * 2 bits, one plane: bits ``2q`` of byte ``j`` = element ``j + q D/4``. Input ``$8``; outputs
   ``$2q $2q+1`` for quarter ``q``. A 4-entry fp16 table covers every code, so Lloyd-Max and
   uniform codes share one string (``lut2_asm``) with different tables.
@@ -120,8 +122,8 @@ lop3.b32 $3, $3, t, 0x80008000, {_A_OR_B_AND_C:#x};
 
 
 def lut5_asm(levels: Sequence[float]) -> str:
-    """5-bit sign-magnitude Lloyd-Max codes (a 4-bit magnitude plane and a sign tile) -> fp16
-    levels (``levels``: ``[32]`` signed).
+    """5-bit sign-magnitude Lloyd-Max codes (a block of the 4-bit magnitude plane and the sign
+    halves) -> fp16 levels (``levels``: ``[32]`` signed).
 
     The 16 magnitudes' low and high bytes fill two pairs of 8-byte tables each (magnitudes 0-7
     and 8-15); ``prmt`` looks each nibble's low 3 bits up in both, and a byte mask of each
@@ -156,8 +158,14 @@ def lut5_asm(levels: Sequence[float]) -> str:
             f"prmt.b32 {lo}, x, y, 0x6240;",
             f"prmt.b32 {hi}, x, y, 0x7351;",
         ]
+    # t: the sign halves moved so that each byte's bit 0 / 4 is its low / high nibble's sign
+    # (32-bit shifts by at most 3: the bits the next byte shifts in are never read)
     lines += [
-        *_shifted_signs("$5", "$6"),
+        "and.b32 k, $7, 0xff;",
+        "shr.b32 a, $5, k;",
+        "shr.b32 t, $6, k;",
+        "shr.b32 t, t, 1;",
+        "or.b32 t, t, a;",
         "prmt.b32 sl, t, 0, 0x1404;",
         "prmt.b32 sh, t, 0, 0x3424;",
     ]
@@ -208,12 +216,6 @@ def _quarter_lookup(q: int) -> list[str]:
         "shr.b32 p, p, 16;",
         f"prmt.b32 ${2 * q + 1}, tab0, tab1, p;",
     ]
-
-
-def _shifted_signs(signs: str, shift: str) -> tuple[str, str]:
-    """``t`` = the sign tile ``signs`` shifted right by the sign shift (the low byte of
-    ``shift``)."""
-    return f"and.b32 t, {shift}, 0xff;", f"shr.b32 t, {signs}, t;"
 
 
 # 3-bit codes: t = the sign halves $9 | $10 >> 1, whose bit 2q of each byte is the top bit of
@@ -312,9 +314,10 @@ sub.rn.f16x2 $1, $1, magic;
 
 def parts_of(codec: Codec) -> int:
     """How many contiguous parts of the head dim the decode kernel splits a side into: one
-    ``tl.dot`` per part, each fed straight from the bit planes (2 for 5 and 4 bits, 4 for 3 and
-    2 bits)."""
-    return {5: 2, 4: 2, 3: 4, 2: 4}.get(codec.bits, 1)
+    ``tl.dot`` per part, each fed straight from the bit planes (2 for 4 bits, 4 for 5, 3 and 2
+    bits: 5-bit codes are decoded a block of ``D/4`` plane bytes at a time, see
+    :func:`lut5_asm`)."""
+    return {5: 4, 4: 2, 3: 4, 2: 4}.get(codec.bits, 1)
 
 
 def decode_asm(codec: Codec, head_dim: int) -> str:

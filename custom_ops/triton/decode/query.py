@@ -64,7 +64,7 @@ def rotate_query(
     x = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     y = rotate_rows(x, rot_ptr, INV_SQRT_D * q_scale, D, LOG2_D)  # [G_PAD, D]
     G_PAD: tl.constexpr = y.shape[0]
-    tl.static_assert(PARTS > 1, "rotated keys have 2 (4-bit) or 4 (2- and 3-bit) parts")
+    tl.static_assert(PARTS > 1, "rotated keys have 2 (4-bit) or 4 (2-, 3- and 5-bit) parts")
     if PARTS == 2:
         q0, q1 = tl.split(tl.permute(tl.reshape(y, [G_PAD, 2, PC]), [2, 0, 1]))
         q0 = q0.to(tl.float16)

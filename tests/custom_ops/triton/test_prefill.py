@@ -444,10 +444,10 @@ def test_rings(window, sinks, prefix, tokens, start, kernel_device, prefix_path,
 
 
 @pytest.mark.parametrize("head_dim", [80, 96, 128, 256])
-@pytest.mark.parametrize("fmt_name", ["3bit_nc", "tq4_nc"])
+@pytest.mark.parametrize("fmt_name", ["3bit_nc", "tq4_nc", "tqk5v3_nc"])
 def test_head_dims(fmt_name, head_dim, kernel_device, prefix_path, seeded):
-    """Head dims 80 and 96 (padded parts), 128 and 256, four parts of 3-bit codes and two of
-    rotated 4-bit values."""
+    """Head dims 80 and 96 (padded parts), 128 and 256, four parts of 3-bit codes and of 5-bit
+    keys, two of rotated 4-bit values."""
     case = Case(fmt_name, seeded, head_dim=head_dim, prefix=40, tokens=12, batch=1)
     case.check(kernel_device, prefix_path, mask=case.causal_mask())
 

@@ -161,9 +161,12 @@ def test_scores_rising_along_the_sequence(
 
 
 @pytest.mark.parametrize("head_dim", [80, 96, 128, 256])
-@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k8v4", "tq4_nc", "k2v2_nc"])
+@pytest.mark.parametrize(
+    "fmt_name", ["4bit_nc", "3bit_nc", "k8v4", "tq4_nc", "k2v2_nc", "tqk5v3_nc"]
+)
 def test_kernel_head_dims(fmt_name, head_dim, kernel_device, seeded):
-    """Head dims 80, 96 (padded tiles), 128 and 256 against float64 attention."""
+    """Head dims 80, 96 (padded tiles), 128 and 256 against float64 attention (5-bit keys: the
+    sign halves' boundary D/8 inside a 4-byte group at D = 80)."""
     fmt, consts, cache, table, lens, q = decode_case(fmt_name, head_dim, 4, seeded)
     expected = reference.decode(fmt, q, cache, table, lens, *consts, head_dim**-0.5, torch.float64)
     actual = _kernel_decode(fmt, q, cache, table, lens, consts, kernel_device)
@@ -306,8 +309,8 @@ an infinite softcap: ValueError: tq.decode: softcap must be 0 (no cap) or a posi
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_fast_and_portable_paths_agree(seeded):
     """On the GPU, the inline-PTX decoding of the codes (5, 4, 3, 2 bits, int8) equals the
-    plain-Triton decoding; sign planes also at D = 80, whose key signs are shifted in Triton,
-    and D = 64."""
+    plain-Triton decoding; sign planes also at D = 80 (a key's 4-byte group straddles D/8, the
+    sign halves' boundary) and D = 64."""
     formats = [
         "4bit_nc",
         "tq4_nc",

@@ -78,21 +78,22 @@ def test_uint4_asm(seeded):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_lut5_asm(head_dim, seeded):
-    """Each byte's low / high nibble is the magnitude of the half's 5-bit sign-magnitude code,
-    whose sign is bit 0 / 4 of the sign tile shifted by the sign shift (0 to 3): it becomes its
-    fp16 Lloyd-Max level."""
+@pytest.mark.parametrize("block", [0, 1])
+def test_lut5_asm(head_dim, block, seeded):
+    """Each byte's low / high nibble is the magnitude of a 5-bit sign-magnitude code of the
+    block's low / high quarter, whose sign is bit 2c / 2c + 4 of the sign halves' ``low |
+    high >> 1`` (c the block, given as the constant 2c): it becomes its fp16 Lloyd-Max
+    level."""
     levels = signed_levels(5, head_dim)
     asm = lut5_asm(levels)
-    planes = _random_words(seeded, [0x76543210, 0xFEDCBA98, 0x01234567, 0x89ABCDEF, 0, 2**32 - 1])
-    signs = _random_words(seeded, [0xFFFFFFFF, 0, 0x0F0F0F0F, 0xF0F0F0F0, 0x11111111, 0x88888888])
-    for i, (plane_word, sign_word) in enumerate(zip(planes, signs, strict=True)):
-        shift = i % 4
-        low, high = _outputs(asm, {4: plane_word, 5: sign_word, 6: shift * 0x01010101}, 2)
+    for plane_word, low_word, high_word in _sign_cases(seeded):
+        inputs = {4: plane_word, 5: low_word, 6: high_word, 7: 2 * block * 0x01010101}
+        low, high = _outputs(asm, inputs, 2)
+        signs = [lo | hi >> 1 for lo, hi in zip(_bytes(low_word), _bytes(high_word), strict=True)]
         for half, values in ((0, low), (1, high)):
             codes = [
-                ((b >> (4 * half)) & 15) | (((s >> (4 * half + shift)) & 1) << 4)
-                for b, s in zip(_bytes(plane_word), _bytes(sign_word), strict=True)
+                ((b >> (4 * half)) & 15) | (((s >> (2 * block + 4 * half)) & 1) << 4)
+                for b, s in zip(_bytes(plane_word), signs, strict=True)
             ]
             assert values == [levels[c].item() for c in codes]
 
