@@ -32,6 +32,8 @@ __all__ = [
     "save_figure",
     "time_in_process",
     "report_cell",
+    "kv_cache_bytes",
+    "largest_batch",
 ]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -198,3 +200,62 @@ def time_in_process(script: str | Path, cell: dict, timeout_s: float) -> dict:
 def report_cell(result: dict) -> None:
     """Print a cell's result for the :func:`time_in_process` that started this process."""
     print(CELL_RESULT + json.dumps(result), flush=True)
+
+
+def kv_cache_bytes(
+    preset: str | None,
+    n_layer: int,
+    num_kv_heads: int,
+    head_dim: int,
+    batch: int,
+    context: int,
+    **options,
+) -> int:
+    """Bytes of a KV cache, counted on the meta device without allocating it.
+
+    Args:
+        preset: a TurboQuant format name, or None for bf16 keys and values.
+        n_layer, num_kv_heads, head_dim: the model's layers, kv-heads and head dim.
+        batch, context: sequences and slots per sequence.
+        options: the ``TurboQuantKVCache``'s options (window, sinks, center_keys; the Hugging
+            Face cache's layers hold the same).
+
+    Returns:
+        The bytes every layer's cache holds together.
+    """
+    if preset is None:
+        return 2 * n_layer * batch * num_kv_heads * context * head_dim * 2
+    from tq_compile import TurboQuantKVCache
+
+    layer = TurboQuantKVCache(
+        batch,
+        num_kv_heads,
+        context,
+        head_dim,
+        preset=preset,
+        device="meta",
+        warn_unquantized=False,
+        **options,
+    )
+    return n_layer * layer.nbytes()
+
+
+def largest_batch(kv_bytes: Callable[[int], int], budget_bytes: float) -> int:
+    """The most sequences whose KV cache fits a budget.
+
+    Args:
+        kv_bytes: the cache's bytes at a batch (affine in it).
+        budget_bytes: the budget.
+
+    Returns:
+        The largest batch with ``kv_bytes(batch) <= budget_bytes``, 0 where not even one
+        sequence fits.
+    """
+    one = kv_bytes(1)
+    if one > budget_bytes:
+        return 0
+    # affine in the batch: a TurboQuant cache also holds its constants (rotation, levels)
+    batch = 1 + int((budget_bytes - one) // (kv_bytes(2) - one))
+    while batch > 1 and kv_bytes(batch) > budget_bytes:
+        batch -= 1
+    return batch

@@ -72,6 +72,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import (  # noqa: E402
     capture,
     gpu_name,
+    kv_cache_bytes,
+    largest_batch,
     print_table,
     pyplot,
     report_cell,
@@ -299,24 +301,10 @@ def set_caches(
     model.setup_caches(batch, context, cache_factory=factory)
 
 
-def largest_batch(cfg: ModelArgs, cache: str, context: int, budget_bytes: float) -> int:
-    """The most sequences of ``context`` slots whose KV cache of kind ``cache`` fits
-    ``budget_bytes`` (0 where not even one does)."""
-    one = _cache_bytes(cfg, cache, 1, context)
-    if one > budget_bytes:
-        return 0
-    # affine in the batch: a TurboQuant cache also holds its constants (rotation, levels)
-    per_sequence = _cache_bytes(cfg, cache, 2, context) - one
-    batch = 1 + int((budget_bytes - one) // per_sequence)
-    while batch > 1 and _cache_bytes(cfg, cache, batch, context) > budget_bytes:
-        batch -= 1
-    return batch
-
-
 def run_cells(model: Transformer | None, args, fresh_processes: bool = False) -> list[dict]:
     """Every cell of ``args`` (modes x batches x contexts x the bf16 baseline, ``args.dense``
     and ``args.formats``), each row printed as it is timed; with ``args.capacity_gb`` each
-    cache at its :func:`largest_batch` of that budget instead of ``args.batches``.
+    cache at its :func:`capacity_batch` instead of ``args.batches``.
     ``speedup`` is tokens per second over the baseline's (at equal batches, its time over the
     cell's). ``fresh_processes``: each ``reduce-overhead`` cell is timed in a process of its
     own (:func:`_time_cell_in_process`; ``model`` may then be None if no other mode is asked
@@ -334,13 +322,11 @@ def run_cells(model: Transformer | None, args, fresh_processes: bool = False) ->
                 base_tok_s = None
                 for cache in caches:
                     if args.capacity_gb:
-                        cfg = ModelArgs.from_name(args.preset)
-                        batch = largest_batch(cfg, cache, context, args.capacity_gb * 1e9)
+                        batch = capacity_batch(args, cache, context)
                     if batch == 0:  # not even one sequence fits the budget
-                        kv_bytes = _cache_bytes(
-                            ModelArgs.from_name(args.preset), cache, 1, context
-                        )
-                        timed = dict(ms=None, kv_gb=kv_bytes / 1e9)
+                        cfg = ModelArgs.from_name(args.preset)
+                        kv_bytes = _cache_bytes(cfg, cache, 1, context, args)
+                        timed = dict(ms=None, kv_gb=kv_bytes / 1e9, over_budget=True)
                     elif mode == "reduce-overhead" and fresh_processes:
                         timed = _time_cell_in_process(args, mode, batch, context, cache)
                     else:
@@ -384,7 +370,7 @@ def _time_cell(model: Transformer, args, mode: str, batch: int, context: int, ca
             )
         result["kv_gb"] = kv_cache_nbytes(model) / 1e9
     except torch.cuda.OutOfMemoryError:
-        result = dict(ms=None, kv_gb=_cache_bytes(model.config, cache, batch, context) / 1e9)
+        result = dict(ms=None, kv_gb=_cache_bytes(model.config, cache, batch, context, args) / 1e9)
     _drop_caches(model)
     torch._dynamo.reset()
     return result
@@ -405,7 +391,7 @@ def _time_cell_in_process(
     cell.update((name, getattr(args, name)) for name in CELL_ARGS)
     timed = time_in_process(__file__, cell, CELL_TIMEOUT_S)
     if "error" in timed:
-        kv_bytes = _cache_bytes(ModelArgs.from_name(args.preset), cache, batch, context)
+        kv_bytes = _cache_bytes(ModelArgs.from_name(args.preset), cache, batch, context, args)
         timed.update(ms=None, kv_gb=kv_bytes / 1e9)
     return timed
 
@@ -447,7 +433,7 @@ def _time_interleaved(
     }
     device = model.output.weight.device
     if device.type == "cuda":
-        need = sum(_cache_bytes(model.config, cache, batch, context) for cache in caches)
+        need = sum(_cache_bytes(model.config, cache, batch, context, args) for cache in caches)
         if need > torch.cuda.mem_get_info(device)[0] / 2:
             return {cache: cell() for cache, cell in cells.items()}
     held, results = {}, {}
@@ -512,14 +498,26 @@ def _print_row(row: dict) -> None:
         print_table(top, dict(kernel="", us=".1f", launches=".0f", idle_us=".1f"))
 
 
-def _cache_bytes(cfg: ModelArgs, cache: str, batch: int, context: int) -> int:
-    """KV bytes a cache of this kind would take (for one that did not fit)."""
+def _cache_bytes(cfg: ModelArgs, cache: str, batch: int, context: int, args) -> int:
+    """KV bytes a cache of this kind takes with ``args``' options (sinks, centering), without
+    allocating it: for a capacity run's batch and for a cache that did not fit."""
     if cache in DENSE:
-        return 2 * cfg.n_layer * batch * cfg.n_local_heads * context * cfg.head_dim * 2
-    meta = TurboQuantKVCache(
-        batch, cfg.n_local_heads, context, cfg.head_dim, preset=cache, device="meta"
+        preset, options = None, {}
+    else:
+        preset, options = cache, dict(sinks=args.sinks, center_keys=args.center)
+    return kv_cache_bytes(
+        preset, cfg.n_layer, cfg.n_local_heads, cfg.head_dim, batch, context, **options
     )
-    return cfg.n_layer * meta.nbytes()
+
+
+def capacity_batch(args, cache: str, context: int) -> int:
+    """The most sequences of ``context`` slots whose KV cache of kind ``cache`` (with ``args``'
+    options) fits ``args.capacity_gb`` in the model ``args.preset`` (0 where not even one
+    does)."""
+    cfg = ModelArgs.from_name(args.preset)
+    return largest_batch(
+        lambda batch: _cache_bytes(cfg, cache, batch, context, args), args.capacity_gb * 1e9
+    )
 
 
 def _row_text(row: dict) -> str:
@@ -532,8 +530,11 @@ def _row_text(row: dict) -> str:
 
 
 def _missing(row: dict) -> str:
-    """What a row without a time shows: ``failed`` (its process gave no result) or ``oom``."""
-    return "failed" if "error" in row else "oom"
+    """What a row without a time shows: ``failed`` (its process gave no result), ``over
+    budget`` (a capacity run where not one sequence fits) or ``oom``."""
+    if "error" in row:
+        return "failed"
+    return "over budget" if row.get("over_budget") else "oom"
 
 
 def _printable(row: dict) -> dict:
@@ -543,6 +544,8 @@ def _printable(row: dict) -> dict:
         k: ((_missing(row) if v is None else fmt.format(v)) if (fmt := text.get(k)) else v)
         for k, v in row.items()
     }
+    if row["ms"] is not None and row["speedup"] is None:  # timed, but no baseline to compare
+        printable["speedup"] = "-"
     attn = row.get("attn_kernels")  # profiled cells only (--kernels)
     printable["attn_kernels"] = "-" if attn is None else f"{attn:.1f}"
     return printable
@@ -769,7 +772,10 @@ def plot(payload: dict, path: Path, cell=_batch_context, label=_batch_context_la
         ax.set_title(mode)
         ax.set_ylabel(("tokens/s" if capacity else "speed-up") + " vs bf16 SDPA (enable_gqa)")
         ax.legend(fontsize=7)
-    at = f",\neach cache at its largest batch in {capacity:g} GB" if capacity else ""
+    baseline = ", ".join(
+        f"{BASELINE} B{r['batch']}" for r in payload["rows"] if r["cache"] == BASELINE
+    )
+    at = f",\neach cache at its largest batch in {capacity:g} GB ({baseline})" if capacity else ""
     fig.suptitle(f"{payload['preset']} decode step on {payload['gpu']}{at}")
     save_figure(fig, path)
 
@@ -865,26 +871,28 @@ def main() -> None:
         if args.capacity_gb
         else "speed-up over bf16 SDPA with enable_gqa, same mode"
     )
-    print(
-        f"{gpu_name()}, {args.preset}; {speedup}; "
-        f"max_context: tokens per sequence whose KV cache fits {args.kv_budget_gb} GB"
+    max_context = (
+        ""
+        if args.capacity_gb
+        else f"; max_context: tokens per sequence whose KV cache fits {args.kv_budget_gb} GB"
     )
+    print(f"{gpu_name()}, {args.preset}; {speedup}{max_context}")
     if payload["rows"]:
-        print_table(
-            [_printable(r) for r in payload["rows"]],
-            dict(
-                mode="",
-                batch="d",
-                context="d",
-                cache="",
-                ms="",
-                tok_s="",
-                speedup="",
-                kv_gb=".2f",
-                max_context="d",
-                attn_kernels="",
-            ),
+        columns = dict(
+            mode="",
+            batch="d",
+            context="d",
+            cache="",
+            ms="",
+            tok_s="",
+            speedup="",
+            kv_gb=".2f",
+            max_context="d",
+            attn_kernels="",
         )
+        if args.capacity_gb:  # the batch comes from the budget: no context to trade for it
+            del columns["max_context"]
+        print_table([_printable(r) for r in payload["rows"]], columns)
     path = write_json(args.out, payload)
     print(f"wrote {path}")
     if payload["rows"]:

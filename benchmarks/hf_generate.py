@@ -19,8 +19,13 @@ CUDA-graph recording happen in the first ones). KV bytes: what each cache holds.
 since a CUDA graph captured after another one in the same process runs slower, which favoured
 the first cell, the StaticCache baseline (``benchmarks/common.py``'s ``time_in_process``).
 
+``--capacity-gb GB`` gives each cache the largest batch whose KV cache fits ``GB`` instead of
+``--batch`` (StaticCache too, at its own), so ``speedup`` is what a serving user gets from the
+same memory.
+
     python benchmarks/hf_generate.py                                   # B=32, 8k, both models
     python benchmarks/hf_generate.py --models smollm2 --batch 4 --context 2048
+    python benchmarks/hf_generate.py --models 1b-shape --presets 4bit_nc tqk5v3_nc --capacity-gb 24
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import (  # noqa: E402
     gpu_name,
+    kv_cache_bytes,
+    largest_batch,
     print_table,
     pyplot,
     report_cell,
@@ -108,25 +115,50 @@ def time_generate(model, cache, prompt, new_tokens: int, mode: str, chunk: int, 
     return tok_s, prompt.shape[0] / tok_s * 1e3
 
 
-def build(name: str, args):
-    """``(model, config, prompt)``: the random-weight bf16 model ``name`` on the GPU (seed 0)
-    and ``args.batch`` random prompts that fill the cache to ``args.context`` tokens minus the
-    generated ones."""
+def build(name: str):
+    """``(model, config)``: the random-weight bf16 model ``name`` on the GPU (seed 0)."""
     from transformers import LlamaForCausalLM
 
     config = model_config(name)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return model, config
+
+
+def prompts(config, args) -> torch.Tensor:
+    """``args.batch`` random prompts (seed 0) that fill the cache to ``args.context`` tokens
+    minus the generated ones."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    prompt = torch.randint(
+    return torch.randint(
         3,
         config.vocab_size,
         (args.batch, args.context - args.new_tokens),
         device="cuda",
         generator=gen,
     )
-    return model, config, prompt
+
+
+def capacity_batch(config, cache_name: str, args) -> int:
+    """The most sequences of ``args.context`` slots whose cache ``cache_name`` fits
+    ``args.capacity_gb`` (0 where not even one does)."""
+    dense = cache_name in (BASELINE, *DENSE_VARIANTS)
+    head_dim = (
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+
+    def kv_bytes(batch: int) -> int:
+        return kv_cache_bytes(
+            None if dense else cache_name,
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            head_dim,
+            batch,
+            args.context,
+            **({} if dense else dict(window=args.window)),
+        )
+
+    return largest_batch(kv_bytes, args.capacity_gb * 1e9)
 
 
 def time_cell(model, config, prompt, cache_name: str, mode: str, args) -> dict:
@@ -164,25 +196,35 @@ def _time_cell_here(cell_json: str) -> None:
     and report the result (:func:`common.report_cell`)."""
     cell = json.loads(cell_json)
     args = argparse.Namespace(**{name: cell[name] for name in CELL_ARGS})
-    model, config, prompt = build(cell["model"], args)
-    report_cell(time_cell(model, config, prompt, cell["cache"], cell["mode"], args))
+    model, config = build(cell["model"])
+    report_cell(time_cell(model, config, prompts(config, args), cell["cache"], cell["mode"], args))
 
 
 def run(args) -> list[dict]:
+    """Every cell (models x modes x the baseline, ``args.dense`` and ``args.presets``), each
+    at ``args.batch`` sequences or, with ``args.capacity_gb``, at its cache's
+    :func:`capacity_batch`; ``speedup`` is tokens/s over the baseline's."""
     rows = []
     for name in args.models:
         built = None  # this process's model, built for the first cell timed here
         for mode in args.modes:
             baseline = None
             for cache_name in [BASELINE, *args.dense, *args.presets]:
-                if mode == "reduce-overhead" and not args.one_process:
+                cell_args = argparse.Namespace(**vars(args))
+                if args.capacity_gb:
+                    cell_args.batch = capacity_batch(model_config(name), cache_name, args)
+                timed = dict(tok_s=None, ms=None, kv_gb=None)
+                if cell_args.batch == 0:  # not even one sequence fits the budget
+                    timed.update(over_budget=True)
+                elif mode == "reduce-overhead" and not args.one_process:
                     cell = dict(model=name, mode=mode, cache=cache_name)
-                    cell.update((field, getattr(args, field)) for field in CELL_ARGS)
-                    timed = dict(tok_s=None, ms=None, kv_gb=None)
+                    cell.update((field, getattr(cell_args, field)) for field in CELL_ARGS)
                     timed.update(time_in_process(__file__, cell, CELL_TIMEOUT_S))
                 else:
-                    built = built or build(name, args)
-                    timed = time_cell(*built, cache_name, mode, args)
+                    built = built or build(name)
+                    model, config = built
+                    prompt = prompts(config, cell_args)
+                    timed = time_cell(model, config, prompt, cache_name, mode, cell_args)
                 tok_s = timed["tok_s"]
                 if cache_name == BASELINE:
                     baseline = tok_s
@@ -191,7 +233,7 @@ def run(args) -> list[dict]:
                     dict(
                         model=name,
                         mode=mode,
-                        batch=args.batch,
+                        batch=cell_args.batch,
                         context=args.context,
                         cache=cache_name,
                         **timed,
@@ -204,21 +246,39 @@ def run(args) -> list[dict]:
     return rows
 
 
+def _printable(row: dict, specs: dict[str, str]) -> dict[str, str]:
+    """``row``'s ``specs`` fields as text: ``failed`` (its process gave no result), ``over
+    budget`` (a capacity run where not one sequence fits) or ``oom`` where missing, and ``-``
+    for the speed-up of a row timed without a baseline."""
+    missing = "failed" if "error" in row else "over budget" if row.get("over_budget") else "oom"
+    text = {
+        key: missing if row[key] is None else format(row[key], spec) for key, spec in specs.items()
+    }
+    if row["tok_s"] is not None and row["speedup"] is None:
+        text["speedup"] = "-"
+    return text
+
+
 def plot(payload: dict, path: Path) -> None:
-    """Tokens/s per cache, one panel per model and mode."""
+    """Tokens/s per cache, one panel per model and mode (in a capacity run each bar also names
+    its batch)."""
     plt = pyplot()
+    capacity = payload.get("capacity_gb")
 
     panels = list(dict.fromkeys((r["model"], r["mode"]) for r in payload["rows"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4), squeeze=False)
     for ax, (model, mode) in zip(axes[0], panels, strict=True):
         rows = [r for r in payload["rows"] if (r["model"], r["mode"]) == (model, mode)]
         bars = ax.bar([r["cache"] for r in rows], [r["tok_s"] or 0 for r in rows])
-        ax.bar_label(bars, [f"{r['speedup'] or 0:.2f}x" for r in rows], fontsize=7)
+        ax.bar_label(
+            bars,
+            [f"{r['speedup'] or 0:.2f}x" + (f"\nB{r['batch']}" if capacity else "") for r in rows],
+            fontsize=7,
+        )
         ax.set_title(f"{model}, {mode}")
         ax.set_ylabel("decode tokens/s")
-    fig.suptitle(
-        f"generate, B={payload['batch']}, {payload['context']} tokens, on {payload['gpu']}"
-    )
+    batch = f"largest batch in {capacity:g} GB" if capacity else f"B={payload['batch']}"
+    fig.suptitle(f"generate, {batch}, {payload['context']} tokens, on {payload['gpu']}")
     save_figure(fig, path)
 
 
@@ -236,6 +296,12 @@ def main() -> None:
     )
     parser.add_argument("--modes", nargs="+", default=["reduce-overhead"], choices=MODES)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument(
+        "--capacity-gb",
+        type=float,
+        metavar="GB",
+        help="each cache at the largest batch whose KV cache fits GB (instead of --batch)",
+    )
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--skip", type=int, default=16, help="steps left out of the timing")
@@ -264,33 +330,31 @@ def main() -> None:
         return
     if args.new_tokens <= args.skip + 1:
         parser.error(f"--new-tokens ({args.new_tokens}) must exceed --skip + 1 ({args.skip + 1})")
+    if args.capacity_gb is not None and args.capacity_gb <= 0:
+        parser.error(f"--capacity-gb must be > 0, got {args.capacity_gb}")
     payload = dict(
         gpu=gpu_name(),
-        batch=args.batch,
+        batch=None if args.capacity_gb else args.batch,
+        capacity_gb=args.capacity_gb,
         context=args.context,
         window=args.window,
         fresh_processes=not args.one_process,
         rows=run(args),
     )
+    batch = (
+        f"each cache at its largest batch in {args.capacity_gb:g} GB"
+        if args.capacity_gb
+        else f"B={args.batch}"
+    )
     print(
-        f"{payload['gpu']}: generate, B={args.batch}, context {args.context}, window "
-        f"{args.window}; speed-up over StaticCache in the same mode"
+        f"{payload['gpu']}: generate, {batch}, context {args.context}, window "
+        f"{args.window}; speed-up: tokens/s over StaticCache in the same mode"
     )
     specs = dict(tok_s=".0f", ms=".2f", speedup=".2f", kv_gb=".2f")
-    printable = [
-        {
-            **row,
-            **{
-                key: ("failed" if "error" in row else "oom")
-                if row[key] is None
-                else format(row[key], spec)
-                for key, spec in specs.items()
-            },
-        }
-        for row in payload["rows"]
-    ]
+    printable = [{**row, **_printable(row, specs)} for row in payload["rows"]]
     print_table(
-        printable, dict(model="", mode="", cache="", tok_s="", ms="", speedup="", kv_gb="")
+        printable,
+        dict(model="", mode="", cache="", batch="d", tok_s="", ms="", speedup="", kv_gb=""),
     )
     path = write_json(args.out, payload)
     print(f"wrote {path}")

@@ -74,6 +74,7 @@ def cells(model: Transformer, args, batch: int, world_size: int) -> list[dict]:
         formats=args.formats,
         steps=args.steps,
         kv_budget_gb=args.kv_budget_gb,
+        capacity_gb=None,
         splits=None,
         sinks=None,
         center=False,

@@ -1,5 +1,5 @@
 """Helpers shared by the tests: random inputs, poisoned caches, code comparisons, the op tests'
-implementations, a decode case, running the examples."""
+implementations, a decode case, running the examples, a tiny transformers decoder's config."""
 
 from __future__ import annotations
 
@@ -12,6 +12,20 @@ from conftest import ROOT, triton_kernels
 
 from custom_ops import api, reference
 from custom_ops.formats import Codec, Kind, KVFormat, PagedKVCache, RecentWindow, get_format
+
+# A tiny transformers decoder (random weights): 2 layers, 4 query / 2 kv heads of dim 64; the
+# fields every architecture's config takes.
+TINY_DECODER = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=256,
+    attn_implementation="sdpa",
+)
 
 
 def window_on(window: RecentWindow | None, device) -> RecentWindow | None:

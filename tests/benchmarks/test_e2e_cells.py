@@ -170,38 +170,65 @@ def test_a_cell_process_reports_its_result_or_its_failure(tmp_path):
     )
 
 
-def test_largest_batch_is_the_most_sequences_that_fit_the_budget():
-    """The batch a capacity run gives a cache fits the budget and one more sequence does not;
-    a budget below one sequence gives 0."""
+def _capacity_args(budget_bytes: float, **fields) -> Namespace:
+    return Namespace(**dict(vars(_args()), capacity_gb=budget_bytes / 1e9, **fields))
+
+
+def test_capacity_batch_is_the_most_sequences_that_fit_the_budget():
+    """The batch a capacity run gives a cache fits the budget (with the run's sinks) and one more
+    sequence does not; a budget below one sequence gives 0."""
     cfg = ModelArgs.from_name("tiny")
-    for cache in ("bf16", "4bit_nc", "3bit_nc"):
-        one = e2e._cache_bytes(cfg, cache, 1, 256)
+    for cache, sinks in (("bf16", None), ("4bit_nc", None), ("4bit_nc", 64), ("3bit_nc", None)):
+        args = _capacity_args(0, sinks=sinks)
+        one = e2e._cache_bytes(cfg, cache, 1, 256, args)
         for budget in (one, 10.5 * one, 1e9):
-            batch = e2e.largest_batch(cfg, cache, 256, budget)
-            assert e2e._cache_bytes(cfg, cache, batch, 256) <= budget, (cache, budget)
-            assert e2e._cache_bytes(cfg, cache, batch + 1, 256) > budget, (cache, budget)
-        assert e2e.largest_batch(cfg, cache, 256, one - 1) == 0
+            args = _capacity_args(budget, sinks=sinks)
+            batch = e2e.capacity_batch(args, cache, 256)
+            assert e2e._cache_bytes(cfg, cache, batch, 256, args) <= budget, (cache, budget)
+            assert e2e._cache_bytes(cfg, cache, batch + 1, 256, args) > budget, (cache, budget)
+        assert e2e.capacity_batch(_capacity_args(one - 1, sinks=sinks), cache, 256) == 0
+    # sinks are bf16 slots of their own: a cache with 64 of them holds fewer sequences
+    plain, sunk = (_capacity_args(1e6, sinks=sinks) for sinks in (None, 64))
+    assert e2e.capacity_batch(sunk, "4bit_nc", 256) < e2e.capacity_batch(plain, "4bit_nc", 256)
 
 
 def test_capacity_cells_take_each_cache_at_its_largest_batch(monkeypatch):
     """``--capacity-gb``: each cache is timed at the largest batch its KV cache fits in the
-    budget, and its speed-up is tokens per second over bf16's at bf16's own batch."""
+    budget (compiled cells in processes of their own get that batch too), and its speed-up is
+    tokens per second over bf16's at bf16's own batch."""
     cfg = ModelArgs.from_name("tiny")
     timed = []
 
-    def fake_cell(model, args, mode, batch, context, cache):
+    def fake_cell(args, mode, batch, context, cache):
         timed.append((cache, batch))
         return dict(ms=2.0 if cache == "bf16" else 3.0, kv_gb=1.0)
 
-    monkeypatch.setattr(e2e, "_time_cell", fake_cell)
-    budget = 8 * e2e._cache_bytes(cfg, "bf16", 1, 256)
-    args = Namespace(
-        **dict(vars(_args()), modes=["default"], contexts=[256], capacity_gb=budget / 1e9)
-    )
-    rows = e2e.run_cells(None, args)
-    batches = {cache: e2e.largest_batch(cfg, cache, 256, budget) for cache in ("bf16", "4bit_nc")}
+    monkeypatch.setattr(e2e, "_time_cell_in_process", fake_cell)
+    args = _capacity_args(0, modes=["reduce-overhead"], contexts=[256])
+    args.capacity_gb = 8 * e2e._cache_bytes(cfg, "bf16", 1, 256, args) / 1e9
+    rows = e2e.run_cells(None, args, fresh_processes=True)
+    batches = {cache: e2e.capacity_batch(args, cache, 256) for cache in ("bf16", "4bit_nc")}
     assert batches["bf16"] == 8 and batches["4bit_nc"] > 10, batches
     assert timed == list(batches.items())
     bf16, tq = rows
     assert bf16["speedup"] == 1.0
     assert tq["speedup"] == pytest.approx((batches["4bit_nc"] / 3.0) / (8 / 2.0))
+
+
+def test_a_cache_over_the_capacity_budget_is_not_timed(monkeypatch):
+    """A budget below one bf16 sequence: bf16 is reported ``over budget`` (not ``oom``) without
+    being timed, and the TurboQuant cache that fits is timed but has no speed-up to show."""
+    cfg = ModelArgs.from_name("tiny")
+    timed = []
+
+    def fake_cell(model, args, mode, batch, context, cache):
+        timed.append(cache)
+        return dict(ms=3.0, kv_gb=1.0)
+
+    monkeypatch.setattr(e2e, "_time_cell", fake_cell)
+    args = _capacity_args(0, modes=["default"], contexts=[256])
+    args.capacity_gb = 0.9 * e2e._cache_bytes(cfg, "bf16", 1, 256, args) / 1e9
+    bf16, tq = e2e.run_cells(None, args)
+    assert timed == ["4bit_nc"] and bf16["batch"] == 0 and tq["batch"] >= 1
+    assert e2e._printable(bf16)["ms"] == "over budget"
+    assert e2e._printable(tq)["speedup"] == "-" and e2e._printable(tq)["ms"] == "3.00"

@@ -12,6 +12,7 @@ import expecttest
 import pytest
 import torch
 from conftest import triton_kernels
+from helpers import TINY_DECODER
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,17 +25,7 @@ from tq_compile.kv_tensor import TurboQuantKVTensor  # noqa: E402
 from tq_compile.options import CacheOptions  # noqa: E402
 
 PROMPT, NEW, CAPACITY = 12, 32, 64
-_COMMON = dict(
-    vocab_size=256,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=256,
-    attn_implementation="sdpa",
-)
+_COMMON = TINY_DECODER
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
