@@ -53,9 +53,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
-import pkgutil
 import statistics
 import sys
 import time
@@ -63,7 +61,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,8 +79,8 @@ from common import (  # noqa: E402
     time_in_process,
     write_json,
 )
+from profiling import attention_kernels, kernel_table  # noqa: E402
 
-import custom_ops.triton  # noqa: E402
 from custom_ops.formats import PagedKVCache, RecentWindow, get_format  # noqa: E402
 from custom_ops.triton import store_window as triton_store_window  # noqa: E402
 from examples.generate import sync  # noqa: E402
@@ -177,8 +174,7 @@ def kernel_times(
 ) -> tuple[list[dict], list[dict]]:
     """GPU microseconds per decode step of each kernel (by name, summed over its launches;
     memory copies and sets too) over ``steps`` profiled steps at ``position, ...``, largest
-    first: ``us``, ``launches`` and ``idle_us`` (:func:`idle_before`); and the last step's
-    launches (:func:`step_timeline`)."""
+    first, and the last step's launches (:func:`profiling.kernel_table`)."""
     device = model.output.weight.device
     token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
     positions = [torch.tensor([position + i], device=device) for i in range(steps)]
@@ -186,88 +182,7 @@ def kernel_times(
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _decode_steps(model, step, token, positions)
         sync(device.type)
-    launches = [
-        (event.name, event.time_range.start, event.time_range.end)
-        for event in prof.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0
-    ]
-    timed = idle_before(launches)
-    totals: dict[str, list] = {}
-    for name, begin, end, idle in timed:
-        entry = totals.setdefault(name, [0.0, 0, 0.0])
-        entry[0] += end - begin
-        entry[1] += 1
-        entry[2] += idle
-    rows = [
-        dict(kernel=name, us=us / steps, launches=count / steps, idle_us=idle / steps)
-        for name, (us, count, idle) in totals.items()
-    ]
-    return sorted(rows, key=lambda r: -r["us"]), step_timeline(timed, len(timed) // steps)
-
-
-def step_timeline(timed: list[tuple[str, float, float, float]], count: int) -> list[dict]:
-    """The last ``count`` launches of :func:`idle_before`'s list (one step's, every step
-    launching as many), in order: name, start (microseconds from the first), duration and idle
-    time before it."""
-    last = timed[len(timed) - count :]
-    return [
-        dict(kernel=name, start_us=begin - last[0][1], us=end - begin, idle_us=idle)
-        for name, begin, end, idle in last
-    ]
-
-
-# the GPU is idle between two steps' kernels for as long as the host takes: longer idle time
-# than this is not a gap inside the step's work (a graph replay's gaps are ~0.1-1 us)
-STEP_PAUSE_US = 50.0
-
-
-def idle_before(launches: list[tuple[str, float, float]]) -> list[tuple[str, float, float, float]]:
-    """Each launch ``(name, start, end)`` (microseconds, one stream's kernels) with the time the
-    GPU ran none of them just before it started: its start minus the latest end of the
-    launches that started before it, 0 where it overlapped one (programmatic dependent launch),
-    and 0 after a pause longer than :data:`STEP_PAUSE_US` (between steps). Summed per kernel,
-    this is where a step's time goes between kernels: launch latency, a dependency's wait. Made
-    for CUDA-graph replays: in eager and default modes the host's gaps inside a step may pass
-    the pause and count as 0."""
-    rows, busy_until = [], None
-    for name, begin, end in sorted(launches, key=lambda launch: launch[1]):
-        idle = 0.0 if busy_until is None else max(0.0, begin - busy_until)
-        rows.append((name, begin, end, idle if idle <= STEP_PAUSE_US else 0.0))
-        busy_until = end if busy_until is None else max(busy_until, end)
-    return rows
-
-
-@functools.cache
-def tq_kernel_names() -> frozenset[str]:
-    """The names of the Triton kernels the ``tq`` ops launch (every ``*_kernel`` jit function
-    of :mod:`custom_ops.triton`; a traced launch's flat entry is named after its kernel)."""
-    package = custom_ops.triton
-    names = set()
-    for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-        for value in vars(importlib.import_module(module.name)).values():
-            # (KernelInterface: a jit function, or its interpreted form under TRITON_INTERPRET)
-            if isinstance(value, triton.runtime.KernelInterface):
-                name = getattr(value, "__name__", "")
-                if name.endswith("_kernel"):
-                    names.add(name)
-    return frozenset(names)
-
-
-# dense SDPA's kernels (cuDNN's attention and its split reduction, flash, memory-efficient)
-SDPA_KERNEL_MARKS = ("sdpa", "cudnn", "flash", "fmha", "attention")
-
-
-def attention_kernels(kernels: list[dict], cache: str, n_layer: int) -> float:
-    """Kernels per layer per step of a cell's attention work (:func:`kernel_times`' rows): the
-    ``tq`` ops' kernels for a TurboQuant cache, dense SDPA's for a dense one."""
-
-    def counted(name: str) -> bool:
-        if cache in DENSE:  # (inductor's own kernels, triton_*, may be named after SDPA)
-            marked = any(mark in name.lower() for mark in SDPA_KERNEL_MARKS)
-            return marked and not name.startswith("triton_")
-        return name.split("_flat_")[0] in tq_kernel_names()
-
-    return sum(r["launches"] for r in kernels if counted(r["kernel"])) / n_layer
+    return kernel_table(prof, steps)
 
 
 def set_caches(
@@ -366,7 +281,7 @@ def _time_cell(model: Transformer, args, mode: str, batch: int, context: int, ca
                 model, step, batch, filled + args.steps + 3, args.kernels
             )
             result["attn_kernels"] = attention_kernels(
-                result["kernels"], cache, model.config.n_layer
+                result["kernels"], cache in DENSE, model.config.n_layer
             )
         result["kv_gb"] = kv_cache_nbytes(model) / 1e9
     except torch.cuda.OutOfMemoryError:
@@ -460,7 +375,7 @@ def _time_interleaved(
                     model, decode_one_token, batch, first, args.kernels
                 )
                 results[cache]["attn_kernels"] = attention_kernels(
-                    results[cache]["kernels"], cache, model.config.n_layer
+                    results[cache]["kernels"], cache in DENSE, model.config.n_layer
                 )
     except torch.cuda.OutOfMemoryError:
         results = None

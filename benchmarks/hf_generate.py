@@ -19,6 +19,10 @@ CUDA-graph recording happen in the first ones). KV bytes: what each cache holds.
 since a CUDA graph captured after another one in the same process runs slower, which favoured
 the first cell, the StaticCache baseline (``benchmarks/common.py``'s ``time_in_process``).
 
+``--kernels N`` generates N more tokens after the timed ones and profiles them: GPU time per step
+of each kernel, the idle time before its launches and the attention kernels per layer, as in
+``e2e.py`` (``benchmarks/profiling.py``).
+
 ``--capacity-gb GB`` gives each cache the largest batch whose KV cache fits ``GB`` instead of
 ``--batch`` (StaticCache too, at its own), so ``speedup`` is what a serving user gets from the
 same memory.
@@ -37,6 +41,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,6 +58,7 @@ from common import (  # noqa: E402
     time_in_process,
     write_json,
 )
+from profiling import attention_kernels, kernel_table  # noqa: E402
 
 from examples.hf_eval import StepTimer  # noqa: E402
 from tq_compile.hf import TurboQuantCache  # noqa: E402
@@ -63,7 +69,7 @@ BASELINE = "static"
 DENSE_VARIANTS = ("static-gqa",)
 MODES = ("reduce-overhead", "default", "eager")
 # the arguments of a cell timed in a process of its own (--cell), besides its coordinates
-CELL_ARGS = ("batch", "context", "new_tokens", "skip", "window", "prefill_chunk")
+CELL_ARGS = ("batch", "context", "new_tokens", "skip", "window", "prefill_chunk", "kernels")
 CELL_TIMEOUT_S = 1800
 
 
@@ -92,14 +98,39 @@ def model_config(name: str):
     raise ValueError(f"unknown model {name!r}: expected smollm2 or 1b-shape")
 
 
-def time_generate(model, cache, prompt, new_tokens: int, mode: str, chunk: int, skip: int):
-    """Tokens/s of the steps after ``skip`` of one ``generate`` (and the step time in ms)."""
+class StepProfiler:
+    """A ``generate`` logits processor that profiles the GPU's work of the ``steps`` decode steps
+    after its ``start``-th call (``torch.profiler``, CUDA activity; synchronized at both
+    ends)."""
+
+    def __init__(self, start: int, steps: int):
+        self.start, self.steps, self.calls = start, steps, 0
+        self.prof = profile(activities=[ProfilerActivity.CUDA])
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls in (self.start, self.start + self.steps):
+            if scores.is_cuda:
+                torch.cuda.synchronize(scores.device)
+            (self.prof.start if self.calls == self.start else self.prof.stop)()
+        return scores
+
+
+def time_generate(
+    model, cache, prompt, new_tokens: int, mode: str, chunk: int, skip: int, kernels: int = 0
+):
+    """Tokens/s of the steps after ``skip`` of one ``generate`` of ``new_tokens`` tokens, the
+    step time in ms and, with ``kernels``, :func:`profiling.kernel_table` of that many more
+    steps (generated after the timed ones, not timed)."""
     from transformers import CompileConfig, GenerationConfig
 
     timer = StepTimer()
+    processors = [timer]
+    if kernels:
+        processors.append(StepProfiler(new_tokens, kernels))
     config = GenerationConfig(
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
+        max_new_tokens=new_tokens + kernels,
+        min_new_tokens=new_tokens + kernels,
         do_sample=False,
         prefill_chunk_size=chunk,
         disable_compile=mode == "eager",
@@ -109,10 +140,11 @@ def time_generate(model, cache, prompt, new_tokens: int, mode: str, chunk: int, 
         else CompileConfig(mode=None if mode == "default" else mode, fullgraph=True),
     )
     model.generate(
-        prompt, past_key_values=cache, generation_config=config, logits_processor=[timer]
+        prompt, past_key_values=cache, generation_config=config, logits_processor=processors
     )
-    tok_s = timer.tokens_per_second(prompt.shape[0], skip)
-    return tok_s, prompt.shape[0] / tok_s * 1e3
+    tok_s = timer.tokens_per_second(prompt.shape[0], skip, stop=new_tokens)
+    table = kernel_table(processors[1].prof, kernels) if kernels else None
+    return tok_s, prompt.shape[0] / tok_s * 1e3, table
 
 
 def build(name: str):
@@ -128,12 +160,12 @@ def build(name: str):
 
 def prompts(config, args) -> torch.Tensor:
     """``args.batch`` random prompts (seed 0) that fill the cache to ``args.context`` tokens
-    minus the generated ones."""
+    minus the generated ones (the timed and the profiled)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     return torch.randint(
         3,
         config.vocab_size,
-        (args.batch, args.context - args.new_tokens),
+        (args.batch, args.context - args.new_tokens - args.kernels),
         device="cuda",
         generator=gen,
     )
@@ -163,7 +195,9 @@ def capacity_batch(config, cache_name: str, args) -> int:
 
 def time_cell(model, config, prompt, cache_name: str, mode: str, args) -> dict:
     """``tok_s``, ``ms`` (None where the GPU ran out of memory) and ``kv_gb`` of one
-    ``generate`` with the cache ``cache_name`` in ``mode``."""
+    ``generate`` with the cache ``cache_name`` in ``mode``; with ``args.kernels``, also
+    ``kernels`` and ``timeline`` (:func:`profiling.kernel_table`) and ``attn_kernels`` (kernels
+    per layer per step of the cache's attention work)."""
     from transformers import StaticCache
 
     dense = cache_name in (BASELINE, *DENSE_VARIANTS)
@@ -174,10 +208,26 @@ def time_cell(model, config, prompt, cache_name: str, mode: str, args) -> dict:
     torch._dynamo.reset()
     # static-gqa: transformers' switch for SDPA with enable_gqa despite the mask
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1" if cache_name == "static-gqa" else "0"
+    profiled = {}
     try:
-        tok_s, ms = time_generate(
-            model, cache, prompt, args.new_tokens, mode, args.prefill_chunk, args.skip
+        tok_s, ms, table = time_generate(
+            model,
+            cache,
+            prompt,
+            args.new_tokens,
+            mode,
+            args.prefill_chunk,
+            args.skip,
+            args.kernels,
         )
+        if table:
+            kernels, timeline = table
+            layers = config.num_hidden_layers
+            profiled = dict(
+                kernels=kernels,
+                timeline=timeline,
+                attn_kernels=attention_kernels(kernels, dense, layers),
+            )
     except torch.OutOfMemoryError:
         tok_s = ms = None
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "0"
@@ -188,7 +238,7 @@ def time_cell(model, config, prompt, cache_name: str, mode: str, args) -> dict:
     )
     del cache
     torch.cuda.empty_cache()
-    return dict(tok_s=tok_s, ms=ms, kv_gb=kv_bytes / 1e9)
+    return dict(tok_s=tok_s, ms=ms, kv_gb=kv_bytes / 1e9, **profiled)
 
 
 def _time_cell_here(cell_json: str) -> None:
@@ -240,10 +290,27 @@ def run(args) -> list[dict]:
                         speedup=speedup,
                     )
                 )
-                print(json.dumps(rows[-1]), flush=True)
+                shown = {k: v for k, v in rows[-1].items() if k not in ("kernels", "timeline")}
+                print(json.dumps(shown), flush=True)
+                _print_kernels(rows[-1])
         del built
         torch.cuda.empty_cache()
     return rows
+
+
+def _print_kernels(row: dict) -> None:
+    """A profiled row's GPU time per step by kernel, the largest first (``--kernels``)."""
+    if not row.get("kernels"):
+        return
+    total = sum(r["us"] for r in row["kernels"])
+    idle = sum(r["idle_us"] for r in row["kernels"])
+    print(
+        f"  {row['cache']}: GPU time per step {total:.1f} us, {idle:.1f} us idle between "
+        f"kernels, {row['attn_kernels']:.1f} attention kernels per layer",
+        flush=True,
+    )
+    top = [dict(r, kernel=r["kernel"][:90]) for r in row["kernels"][:24]]
+    print_table(top, dict(kernel="", us=".1f", launches=".0f", idle_us=".1f"))
 
 
 def _printable(row: dict, specs: dict[str, str]) -> dict[str, str]:
@@ -306,6 +373,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--skip", type=int, default=16, help="steps left out of the timing")
     parser.add_argument("--window", type=int, default=128)
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile N decode steps after the timed ones: GPU time per kernel",
+    )
     parser.add_argument(
         "--prefill-chunk",
         type=int,

@@ -49,9 +49,12 @@ class StepTimer:
             self.progress(len(self.times))
         return scores
 
-    def tokens_per_second(self, batch: int, skip: int = 0) -> float | None:
-        """``batch`` x steps / seconds between step ``skip`` and the last (None: < 2 steps)."""
-        times = self.times[skip:]
+    def tokens_per_second(
+        self, batch: int, skip: int = 0, stop: int | None = None
+    ) -> float | None:
+        """``batch`` x steps / seconds between step ``skip`` and the last before ``stop`` (None:
+        < 2 steps)."""
+        times = self.times[skip:stop]
         if len(times) < 2:
             return None
         return batch * (len(times) - 1) / (times[-1] - times[0])

@@ -1,5 +1,6 @@
-"""benchmarks/hf_generate.py's capacity batches on the CPU: the batch a capacity run gives a
-cache fits the budget by the cache's own bytes after a forward, and one more sequence does not."""
+"""benchmarks/hf_generate.py on the CPU: the batch a capacity run gives a cache fits the budget
+by the cache's own bytes after a forward (one more sequence does not), and the profiled steps
+come after the timed ones."""
 
 from __future__ import annotations
 
@@ -51,3 +52,32 @@ def test_capacity_batch_fits_the_caches_own_bytes(tiny, cache_name):
     assert batch >= 3, batch
     assert _held_bytes(tiny, cache_name, batch) <= args.capacity_gb * 1e9
     assert _held_bytes(tiny, cache_name, batch + 1) > args.capacity_gb * 1e9
+
+
+class _Recorder:
+    """Stands in for a ``torch.profiler.profile``: records when it is started and stopped."""
+
+    def __init__(self, calls):
+        self.events, self.calls = [], calls
+
+    def start(self):
+        self.events.append(("start", self.calls()))
+
+    def stop(self):
+        self.events.append(("stop", self.calls()))
+
+
+def test_profiled_steps_follow_the_timed_ones():
+    """``--kernels 3`` after 5 timed tokens: profiling starts at the 5th logits call (after the
+    5th forward) and stops at the 8th, so it covers forwards 6 to 8; the timer's rate stops at
+    the 5th call."""
+    profiler = hf_generate.StepProfiler(5, 3)
+    recorder = _Recorder(lambda: profiler.calls)
+    profiler.prof = recorder
+    scores = torch.zeros(1, 4)
+    for _ in range(8):
+        assert profiler(None, scores) is scores
+    assert recorder.events == [("start", 5), ("stop", 8)]
+    timer = hf_generate.StepTimer()
+    timer.times = [0.0, 1.0, 2.0, 3.0, 4.0, 100.0, 200.0, 300.0]
+    assert timer.tokens_per_second(2, skip=1, stop=5) == 2.0
