@@ -125,9 +125,8 @@ def time_generate(
     from transformers import CompileConfig, GenerationConfig
 
     timer = StepTimer()
-    processors = [timer]
-    if kernels:
-        processors.append(StepProfiler(new_tokens, kernels))
+    profiler = StepProfiler(new_tokens, kernels) if kernels else None
+    processors = [timer] if profiler is None else [timer, profiler]
     config = GenerationConfig(
         max_new_tokens=new_tokens + kernels,
         min_new_tokens=new_tokens + kernels,
@@ -143,7 +142,7 @@ def time_generate(
         prompt, past_key_values=cache, generation_config=config, logits_processor=processors
     )
     tok_s = timer.tokens_per_second(prompt.shape[0], skip, stop=new_tokens)
-    table = kernel_table(processors[1].prof, kernels) if kernels else None
+    table = None if profiler is None else kernel_table(profiler.prof, kernels)
     return tok_s, prompt.shape[0] / tok_s * 1e3, table
 
 

@@ -239,14 +239,11 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         )
 
     def _with(self, **changes) -> TurboQuantKVTensor:
-        """The same cache with some non-tensor attributes changed (no data is copied)."""
-        tensors = [getattr(self, name) for name in self.tensor_data_names]
-        attrs = {name: getattr(self, name) for name in self.tensor_attribute_names}
-        attrs.update(changes)
-        optional = [getattr(self, name) for name in self.optional_tensor_data_names]
-        return TurboQuantKVTensor(
-            *tensors, *(attrs[n] for n in self.tensor_attribute_names), *optional
-        )
+        """The same cache with some fields (attributes, or tensors such as the lengths) changed
+        (no data is copied)."""
+        fields = {name: getattr(self, name) for name in self._FLAT_NAMES}
+        fields.update(changes)
+        return TurboQuantKVTensor(*(fields[name] for name in self._FLAT_NAMES))
 
     def stored(self) -> TurboQuantKVTensor:
         """This view with its pending one-token update stored (``tq.store_window``; the view
@@ -267,7 +264,7 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
                 **window_fields(self.window, StoreWindowArgs),
             )
         )
-        return self.after_store(seq_lens)
+        return self._with(seq_lens=seq_lens, step_start=None)
 
     def lengths(self) -> torch.Tensor:
         """Each sequence's length as the view shows it, ``[B]``: ``seq_lens``, plus a pending
@@ -275,12 +272,6 @@ class TurboQuantKVTensor(TorchAOBaseTensor):
         if self.step_start is None:
             return self.seq_lens
         return (self.step_start + 1).to(torch.int32)
-
-    def after_store(self, seq_lens: torch.Tensor) -> TurboQuantKVTensor:
-        """This view once its pending token is stored, the new lengths ``seq_lens``."""
-        tensors = {name: getattr(self, name) for name in self._FLAT_NAMES}
-        tensors.update(seq_lens=seq_lens, step_start=None)
-        return TurboQuantKVTensor(**tensors)
 
     @property
     def planes(self) -> PagedKVCache:
