@@ -25,7 +25,12 @@ of each kernel, the idle time before its launches and the attention kernels per 
 
 ``--capacity-gb GB`` gives each cache the largest batch whose KV cache fits ``GB`` instead of
 ``--batch`` (StaticCache too, at its own), so ``speedup`` is what a serving user gets from the
-same memory.
+same memory. Such a batch fills the budget with KV alone, and the prompt, prefilled in one
+forward, adds activations in proportion to ``batch x context`` beside it: ``peak_gb`` is the
+most GPU memory the cell's ``generate`` held (``torch.cuda.max_memory_allocated``, weights
+included; at the failure where it ran out). ``--prefill-chunk`` bounds them, but under
+``reduce-overhead`` transformers 5.23 compiles the chunks into CUDA graphs, and StaticCache then
+fails ("accessing tensor output of CUDAGraphs that has been overwritten").
 
     python benchmarks/hf_generate.py                                   # B=32, 8k, both models
     python benchmarks/hf_generate.py --models smollm2 --batch 4 --context 2048
@@ -193,8 +198,9 @@ def capacity_batch(config, cache_name: str, args) -> int:
 
 
 def time_cell(model, config, prompt, cache_name: str, mode: str, args) -> dict:
-    """``tok_s``, ``ms`` (None where the GPU ran out of memory) and ``kv_gb`` of one
-    ``generate`` with the cache ``cache_name`` in ``mode``; with ``args.kernels``, also
+    """``tok_s``, ``ms`` (None where the GPU ran out of memory), ``kv_gb`` and ``peak_gb`` (the
+    most GPU memory held, at the failure where it ran out) of one ``generate`` with the cache
+    ``cache_name`` in ``mode``; with ``args.kernels``, also
     ``kernels`` and ``timeline`` (:func:`profiling.kernel_table`) and ``attn_kernels`` (kernels
     per layer per step of the cache's attention work)."""
     from transformers import StaticCache
@@ -208,6 +214,7 @@ def time_cell(model, config, prompt, cache_name: str, mode: str, args) -> dict:
     # static-gqa: transformers' switch for SDPA with enable_gqa despite the mask
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1" if cache_name == "static-gqa" else "0"
     profiled = {}
+    torch.cuda.reset_peak_memory_stats()
     try:
         tok_s, ms, table = time_generate(
             model,
@@ -229,6 +236,7 @@ def time_cell(model, config, prompt, cache_name: str, mode: str, args) -> dict:
             )
     except torch.OutOfMemoryError:
         tok_s = ms = None
+    peak_gb = torch.cuda.max_memory_allocated() / 1e9
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "0"
     kv_bytes = (
         cache.nbytes()
@@ -237,7 +245,7 @@ def time_cell(model, config, prompt, cache_name: str, mode: str, args) -> dict:
     )
     del cache
     torch.cuda.empty_cache()
-    return dict(tok_s=tok_s, ms=ms, kv_gb=kv_bytes / 1e9, **profiled)
+    return dict(tok_s=tok_s, ms=ms, kv_gb=kv_bytes / 1e9, peak_gb=peak_gb, **profiled)
 
 
 def _time_cell_here(cell_json: str) -> None:
@@ -262,7 +270,7 @@ def run(args) -> list[dict]:
                 cell_args = argparse.Namespace(**vars(args))
                 if args.capacity_gb:
                     cell_args.batch = capacity_batch(model_config(name), cache_name, args)
-                timed = dict(tok_s=None, ms=None, kv_gb=None)
+                timed = dict(tok_s=None, ms=None, kv_gb=None, peak_gb=None)
                 if cell_args.batch == 0:  # not even one sequence fits the budget
                     timed.update(over_budget=True)
                 elif mode == "reduce-overhead" and not args.one_process:
@@ -411,6 +419,7 @@ def main() -> None:
         capacity_gb=args.capacity_gb,
         context=args.context,
         window=args.window,
+        prefill_chunk=args.prefill_chunk,
         fresh_processes=not args.one_process,
         rows=run(args),
     )
@@ -423,11 +432,21 @@ def main() -> None:
         f"{payload['gpu']}: generate, {batch}, context {args.context}, window "
         f"{args.window}; speed-up: tokens/s over StaticCache in the same mode"
     )
-    specs = dict(tok_s=".0f", ms=".2f", speedup=".2f", kv_gb=".2f")
+    specs = dict(tok_s=".0f", ms=".2f", speedup=".2f", kv_gb=".2f", peak_gb=".1f")
     printable = [{**row, **_printable(row, specs)} for row in payload["rows"]]
     print_table(
         printable,
-        dict(model="", mode="", cache="", batch="d", tok_s="", ms="", speedup="", kv_gb=""),
+        dict(
+            model="",
+            mode="",
+            cache="",
+            batch="d",
+            tok_s="",
+            ms="",
+            speedup="",
+            kv_gb="",
+            peak_gb="",
+        ),
     )
     path = write_json(args.out, payload)
     print(f"wrote {path}")

@@ -200,6 +200,13 @@ class TurboQuantLayer(CacheLayerMixin):
             f"sinks={options.sink_count}, center_keys={options.center_keys})"
         )
 
+    # Never traced: a compiled forward of a fresh cache (a compiled prefill, such as generate's
+    # chunked one) builds it eagerly at a graph break; under fullgraph=True the error gives this
+    # reason.
+    @torch.compiler.disable(
+        reason="TurboQuantCache builds its layers eagerly; before a compiled prefill call "
+        "cache.early_initialization(batch_size, num_heads, head_dim, dtype, device)"
+    )
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the cache for the batch, heads, head dim, dtype and device of the first
         ``[B, Hk, T, D]`` states, and mark its buffers static for ``torch.compile``."""
