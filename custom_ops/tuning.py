@@ -41,8 +41,9 @@ DECODE_TUNING: dict[str, DecodeTuning] = {
     "tq3_nc": DecodeTuning(),
     "tq2_nc": DecodeTuning(),
     "tqk4v2_nc": DecodeTuning(),
-    # one 32-token tile: two 16-token tiles spill (2684 SASS instructions per 32 tokens, 174
-    # STL; one: 1510); H200 1 x 131072: 109 us, two 32-token tiles on two warps 114
+    # one 32-token tile: two 16-token tiles spill (2623 SASS instructions per 32 tokens, 172
+    # STL; one: 1440); H200 1 x 131072: 109 us, two 32-token tiles on two warps 114 (both
+    # measured at 1510 and 2684 instructions, before the signs went into the high bytes)
     "tqk5v3_nc": DecodeTuning(),
     "k2v2_nc": DecodeTuning(),
     "k2v4_nc": DecodeTuning(subtiles_long=2),

@@ -92,32 +92,31 @@ def lut4_asm(levels: Sequence[float]) -> str:
     tables = _byte_tables(levels[:8])  # tl0, tl1, th0, th1
     # x / y: low / high bytes of the levels of nibbles 0-3 (then 4-7) of $4, i.e. of the low
     # and high nibbles of bytes j, j+1 (then j+2, j+3); the 0x6240 / 0x7351 selectors pair each
-    # level's two bytes into fp16x2 words, then each nibble's bit 3 (sign) goes to bit 15.
+    # level's two bytes into fp16x2 words. Signs: nibble i's bit 3 goes to bit 7 of y's byte i
+    # (the fp16's bit 15) before the pairing: the low nibbles' sign bits are bit 7 of s = $4 <<
+    # 4's bytes, the high nibbles' bit 7 of $4's, so one prmt interleaves them (0x5140, then
+    # 0x7362 for bytes j+2, j+3).
     return f"""{{
-.reg .b32 tl0, tl1, th0, th1, m, x, y, s, t;
+.reg .b32 tl0, tl1, th0, th1, m, x, y, s, k;
 mov.b32 tl0, {tables[0]:#010x};
 mov.b32 tl1, {tables[1]:#010x};
 mov.b32 th0, {tables[2]:#010x};
 mov.b32 th1, {tables[3]:#010x};
 and.b32 m, $4, 0x77777777;
+shl.b32 s, $4, 4;
+prmt.b32 k, s, $4, 0x5140;
 prmt.b32 x, tl0, tl1, m;
 prmt.b32 y, th0, th1, m;
+lop3.b32 y, y, k, 0x80808080, {_A_OR_B_AND_C:#x};
 prmt.b32 $0, x, y, 0x6240;
 prmt.b32 $2, x, y, 0x7351;
 shr.b32 m, m, 16;
+prmt.b32 k, s, $4, 0x7362;
 prmt.b32 x, tl0, tl1, m;
 prmt.b32 y, th0, th1, m;
+lop3.b32 y, y, k, 0x80808080, {_A_OR_B_AND_C:#x};
 prmt.b32 $1, x, y, 0x6240;
 prmt.b32 $3, x, y, 0x7351;
-shl.b32 s, $4, 4;
-prmt.b32 t, s, 0, 0x1404;
-lop3.b32 $0, $0, t, 0x80008000, {_A_OR_B_AND_C:#x};
-prmt.b32 t, $4, 0, 0x1404;
-lop3.b32 $2, $2, t, 0x80008000, {_A_OR_B_AND_C:#x};
-prmt.b32 t, s, 0, 0x3424;
-lop3.b32 $1, $1, t, 0x80008000, {_A_OR_B_AND_C:#x};
-prmt.b32 t, $4, 0, 0x3424;
-lop3.b32 $3, $3, t, 0x80008000, {_A_OR_B_AND_C:#x};
 }}"""
 
 
@@ -128,8 +127,8 @@ def lut5_asm(levels: Sequence[float]) -> str:
     The 16 magnitudes' low and high bytes fill two pairs of 8-byte tables each (magnitudes 0-7
     and 8-15); ``prmt`` looks each nibble's low 3 bits up in both, and a byte mask of each
     nibble's bit 3 (``prmt``'s sign-replicate mode on the plane with its low nibbles' bit 3
-    moved to bit 7) selects between them. Pairing and signs as in :func:`lut4_asm` and
-    :func:`lut3_asm`.
+    moved to bit 7) selects between them. Pairing as in :func:`lut4_asm`, and the signs, as
+    there, go to bit 7 of the high bytes before it.
     """
     tables = _byte_tables(levels[:16])
     lines = [
@@ -139,12 +138,26 @@ def lut5_asm(levels: Sequence[float]) -> str:
             f"mov.b32 {name}, {tables[i]:#010x};"
             for i, name in enumerate(("tl0", "tl1", "tl2", "tl3", "th0", "th1", "th2", "th3"))
         ),
+        # the sign halves moved so that each byte's bit 0 / 4 is its low / high nibble's sign
+        # (32-bit shifts by at most 3: the bits the next byte shifts in are never read); sl /
+        # sh: those bits at bit 7 of each byte, for the low / high nibbles
+        "and.b32 k, $7, 0xff;",
+        "shr.b32 a, $5, k;",
+        "shr.b32 t, $6, k;",
+        "shr.b32 t, t, 1;",
+        "or.b32 t, t, a;",
+        "shl.b32 sl, t, 7;",
+        "shl.b32 sh, t, 3;",
         "and.b32 m, $4, 0x77777777;",
         "shl.b32 t, $4, 4;",  # each byte's bit 3 (its low nibble's top bit) at bit 7
     ]
     # nibbles 0-3 of m: the low / high nibbles of bytes j, j+1 (then j+2, j+3); the mask's
-    # selector takes bit 7 of t's byte (low nibble) and of $4's byte (high nibble) in that order
-    for lo, hi, mask_selector in (("$0", "$2", 0xD9C8), ("$1", "$3", 0xFBEA)):
+    # selector takes bit 7 of t's byte (low nibble) and of $4's byte (high nibble) in that
+    # order, the signs' selector sl's byte and sh's
+    for lo, hi, mask_selector, sign_selector in (
+        ("$0", "$2", 0xD9C8, 0x5140),
+        ("$1", "$3", 0xFBEA, 0x7362),
+    ):
         if lo == "$1":
             lines.append("shr.b32 m, m, 16;")
         lines += [
@@ -155,25 +168,10 @@ def lut5_asm(levels: Sequence[float]) -> str:
             "prmt.b32 a, th0, th1, m;",
             "prmt.b32 b, th2, th3, m;",
             f"lop3.b32 y, a, b, k, {_C_SELECTS_B_OVER_A:#x};",
+            f"prmt.b32 k, sl, sh, {sign_selector:#06x};",
+            f"lop3.b32 y, y, k, 0x80808080, {_A_OR_B_AND_C:#x};",
             f"prmt.b32 {lo}, x, y, 0x6240;",
             f"prmt.b32 {hi}, x, y, 0x7351;",
-        ]
-    # t: the sign halves moved so that each byte's bit 0 / 4 is its low / high nibble's sign
-    # (32-bit shifts by at most 3: the bits the next byte shifts in are never read)
-    lines += [
-        "and.b32 k, $7, 0xff;",
-        "shr.b32 a, $5, k;",
-        "shr.b32 t, $6, k;",
-        "shr.b32 t, t, 1;",
-        "or.b32 t, t, a;",
-        "prmt.b32 sl, t, 0, 0x1404;",
-        "prmt.b32 sh, t, 0, 0x3424;",
-    ]
-    # the low half's signs are bit 0 of each sign byte, the high half's bit 4: under bit 15
-    for out, source, left in (("$0", "sl", 7), ("$2", "sl", 3), ("$1", "sh", 7), ("$3", "sh", 3)):
-        lines += [
-            f"shl.b32 t, {source}, {left};",
-            f"lop3.b32 {out}, {out}, t, 0x80008000, {_A_OR_B_AND_C:#x};",
         ]
     return "\n".join([*lines, "}"])
 
