@@ -251,27 +251,35 @@ def lut3_asm(levels: Sequence[float]) -> str:
 
 
 def _uint3_asm() -> str:
-    """3-bit uniform codes -> exact fp16 integers (same contract as :func:`lut3_asm`)."""
+    """3-bit uniform codes -> exact fp16 integers (same contract as :func:`lut3_asm`).
+
+    Per quarter ``q`` one ``lop3`` takes bits ``2q, 2q + 1`` of the 2-bit plane's lanes and
+    bit ``2q + 2`` of the sign lanes shifted left by 2 (``vl``, ``vh``), one shift brings the
+    3-bit code down to bit 0 (quarter 0 needs none), and ``(x & 7) | magic`` less ``magic`` is
+    its fp16 (the bits above a lane's code are masked off)."""
     lines = [
         "{",
-        ".reg .b32 magic, tl, th, sl, sh, a, b, t;",
+        ".reg .b32 magic, tl, th, sl, sh, vl, vh, x, t;",
         "mov.b32 magic, 0x64006400;",
         "prmt.b32 tl, $8, 0, 0x4140;",  # bytes j, j+1 into the two 16-bit lanes
         "prmt.b32 th, $8, 0, 0x4342;",  # bytes j+2, j+3
         *_SIGN_HALVES,
         "prmt.b32 sl, t, 0, 0x4140;",
         "prmt.b32 sh, t, 0, 0x4342;",
+        "shl.b32 vl, sl, 2;",
+        "shl.b32 vh, sh, 2;",
     ]
     for q in range(4):
-        for low_bits, top_bit, out in (("tl", "sl", f"${2 * q}"), ("th", "sh", f"${2 * q + 1}")):
+        plane_bits = 0x00030003 << (2 * q)
+        for low_bits, top_bits, out in (("tl", "vl", f"${2 * q}"), ("th", "vh", f"${2 * q + 1}")):
             lines += [
-                _shift("a", low_bits, -2 * q),
-                f"lop3.b32 {out}, a, 0x00030003, magic, {_A_AND_B_OR_C:#x};",
-                _shift("b", top_bit, 2 - 2 * q),
-                f"lop3.b32 {out}, {out}, b, 0x00040004, {_A_OR_B_AND_C:#x};",
+                f"lop3.b32 x, {top_bits}, {low_bits}, {plane_bits:#010x}, "
+                f"{_C_SELECTS_B_OVER_A:#x};",
+                _shift("x", "x", -2 * q) if q else "",
+                f"lop3.b32 {out}, x, 0x00070007, magic, {_A_AND_B_OR_C:#x};",
                 f"sub.rn.f16x2 {out}, {out}, magic;",
             ]
-    return "\n".join([*lines, "}"])
+    return "\n".join([line for line in lines if line] + ["}"])
 
 
 UINT3_ASM = _uint3_asm()
