@@ -28,9 +28,9 @@ of each kernel, the idle time before its launches and the attention kernels per 
 same memory. Such a batch fills the budget with KV alone, and the prompt, prefilled in one
 forward, adds activations in proportion to ``batch x context`` beside it: ``peak_gb`` is the
 most GPU memory the cell's ``generate`` held (``torch.cuda.max_memory_allocated``, weights
-included; at the failure where it ran out). ``--prefill-chunk`` bounds them, but under
-``reduce-overhead`` transformers 5.23 compiles the chunks into CUDA graphs, and StaticCache then
-fails ("accessing tensor output of CUDAGraphs that has been overwritten").
+included; at the failure where it ran out; with ``--one-process``, memory earlier cells still
+hold counts too). ``--prefill-chunk`` bounds the activations; transformers then compiles the
+prefill chunks too, so each cache is built first (``early_initialization``).
 
     python benchmarks/hf_generate.py                                   # B=32, 8k, both models
     python benchmarks/hf_generate.py --models smollm2 --batch 4 --context 2048
@@ -179,22 +179,23 @@ def capacity_batch(config, cache_name: str, args) -> int:
     """The most sequences of ``args.context`` slots whose cache ``cache_name`` fits
     ``args.capacity_gb`` (0 where not even one does)."""
     dense = cache_name in (BASELINE, *DENSE_VARIANTS)
-    head_dim = (
-        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    )
 
     def kv_bytes(batch: int) -> int:
         return kv_cache_bytes(
             None if dense else cache_name,
             config.num_hidden_layers,
             config.num_key_value_heads,
-            head_dim,
+            _head_dim(config),
             batch,
             args.context,
             **({} if dense else dict(window=args.window)),
         )
 
     return largest_batch(kv_bytes, args.capacity_gb * 1e9)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def time_cell(model, config, prompt, cache_name: str, mode: str, args) -> dict:
@@ -210,6 +211,17 @@ def time_cell(model, config, prompt, cache_name: str, mode: str, args) -> dict:
         cache = StaticCache(config, max_cache_len=args.context)
     else:
         cache = TurboQuantCache(config, args.context, preset=cache_name, window=args.window)
+    if args.prefill_chunk:
+        # chunked prefill runs compiled: the cache is built before it, as generate builds its
+        # own caches (StaticCache built inside the first CUDA-graphed chunk failed on the H200,
+        # likely because buffers created in a traced graph are not marked static)
+        cache.early_initialization(
+            prompt.shape[0],
+            config.num_key_value_heads,
+            _head_dim(config),
+            torch.bfloat16,
+            prompt.device,
+        )
     torch._dynamo.reset()
     # static-gqa: transformers' switch for SDPA with enable_gqa despite the mask
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1" if cache_name == "static-gqa" else "0"

@@ -134,6 +134,11 @@ def mark_static_address(t: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(t)
 
 
+def has_static_address(t: torch.Tensor) -> bool:
+    """Whether ``t`` was marked with :func:`mark_static_address` (or by transformers)."""
+    return torch._dynamo.utils.get_static_address_type(t) is not None
+
+
 def inductor_is_tracing() -> bool:
     """Whether inductor is tracing a graph now (it sets its fake mode around the trace).
     Imports inductor's modules: ask only where a graph may be traced."""

@@ -154,6 +154,15 @@ def _additive_mask(mask, query, key, is_causal: bool):
 AttentionInterface.register(ATTENTION, turboquant_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
+# A layer's lazy_initialization never runs traced: in a compiled forward of a fresh cache (a
+# compiled prefill, such as generate's chunked one) it runs eagerly at a graph break, so its
+# buffers exist before the graph and are marked static (as StaticLayer's only are when not
+# traced); under fullgraph=True the error gives this reason.
+_EAGER_INITIALIZATION = torch.compiler.disable(
+    reason="TurboQuantCache builds its layers eagerly; before a compiled prefill call "
+    "cache.early_initialization(batch_size, num_heads, head_dim, dtype, device)"
+)
+
 
 class TurboQuantLayer(CacheLayerMixin):
     """One attention layer's quantized cache, following transformers' ``StaticLayer``.
@@ -200,13 +209,7 @@ class TurboQuantLayer(CacheLayerMixin):
             f"sinks={options.sink_count}, center_keys={options.center_keys})"
         )
 
-    # Never traced: a compiled forward of a fresh cache (a compiled prefill, such as generate's
-    # chunked one) builds it eagerly at a graph break; under fullgraph=True the error gives this
-    # reason.
-    @torch.compiler.disable(
-        reason="TurboQuantCache builds its layers eagerly; before a compiled prefill call "
-        "cache.early_initialization(batch_size, num_heads, head_dim, dtype, device)"
-    )
+    @_EAGER_INITIALIZATION
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the cache for the batch, heads, head dim, dtype and device of the first
         ``[B, Hk, T, D]`` states, and mark its buffers static for ``torch.compile``."""
@@ -223,8 +226,7 @@ class TurboQuantLayer(CacheLayerMixin):
         # the batch, as StaticLayer reports it (layers kept dense hold exactly this many)
         self.batch_size, self.num_heads = batch, num_kv_heads
         self.k_head_dim = self.v_head_dim = head_dim
-        # TurboQuantCache warned at construction if the ring covers the capacity (here the
-        # first forward may be traced, where a warning would break the graph)
+        # TurboQuantCache warned at construction if the ring covers the capacity
         self.kv = TurboQuantKVCache(
             capacity,
             num_kv_heads,
@@ -237,10 +239,9 @@ class TurboQuantLayer(CacheLayerMixin):
         )
         self.cumulative_length = self.cumulative_length.to(self.device)
         # as StaticLayer: static addresses keep compiled graphs and CUDA graphs valid across
-        # the in-place writes (not allowed while tracing; prefill is not compiled)
-        if not torch.compiler.is_compiling():
-            for buffer in (*self.kv.buffers(), self.cumulative_length):
-                compat.mark_static_address(buffer)
+        # the in-place writes (never traced here: _EAGER_INITIALIZATION)
+        for buffer in (*self.kv.buffers(), self.cumulative_length):
+            compat.mark_static_address(buffer)
         self.is_initialized = True
 
     def update(
@@ -360,6 +361,11 @@ class DenseLayer(StaticLayer):
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (a negative count; 0 does nothing)."""
         _crop_length(self, tokens_to_remove)
+
+    @_EAGER_INITIALIZATION
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """``StaticLayer``'s, never traced (``_EAGER_INITIALIZATION``)."""
+        super().lazy_initialization(key_states, value_states)
 
 
 class TurboQuantCache(Cache):
