@@ -87,37 +87,47 @@ def _byte_tables(magnitudes: Sequence[float]) -> list[int]:
     return words
 
 
+def _high_byte_signs(low: str, high: str, half: int) -> list[str]:
+    """Set the signs of nibbles ``4 half .. 4 half + 3`` (bytes ``j + 2 half``, ``j + 2 half +
+    1``) at bit 7 of ``y``'s bytes, the fp16 high bytes before the pairing: ``low`` / ``high``
+    hold the low / high nibbles' signs at bit 7 of each byte, and one ``prmt`` interleaves
+    them in nibble order."""
+    selector = (0x5140, 0x7362)[half]
+    return [
+        f"prmt.b32 k, {low}, {high}, {selector:#06x};",
+        f"lop3.b32 y, y, k, 0x80808080, {_A_OR_B_AND_C:#x};",
+    ]
+
+
 def lut4_asm(levels: Sequence[float]) -> str:
     """4-bit sign-magnitude Lloyd-Max codes -> fp16 levels (``levels``: ``[16]`` signed)."""
     tables = _byte_tables(levels[:8])  # tl0, tl1, th0, th1
     # x / y: low / high bytes of the levels of nibbles 0-3 (then 4-7) of $4, i.e. of the low
     # and high nibbles of bytes j, j+1 (then j+2, j+3); the 0x6240 / 0x7351 selectors pair each
-    # level's two bytes into fp16x2 words. Signs: nibble i's bit 3 goes to bit 7 of y's byte i
-    # (the fp16's bit 15) before the pairing: the low nibbles' sign bits are bit 7 of s = $4 <<
-    # 4's bytes, the high nibbles' bit 7 of $4's, so one prmt interleaves them (0x5140, then
-    # 0x7362 for bytes j+2, j+3).
-    return f"""{{
-.reg .b32 tl0, tl1, th0, th1, m, x, y, s, k;
-mov.b32 tl0, {tables[0]:#010x};
-mov.b32 tl1, {tables[1]:#010x};
-mov.b32 th0, {tables[2]:#010x};
-mov.b32 th1, {tables[3]:#010x};
-and.b32 m, $4, 0x77777777;
-shl.b32 s, $4, 4;
-prmt.b32 k, s, $4, 0x5140;
-prmt.b32 x, tl0, tl1, m;
-prmt.b32 y, th0, th1, m;
-lop3.b32 y, y, k, 0x80808080, {_A_OR_B_AND_C:#x};
-prmt.b32 $0, x, y, 0x6240;
-prmt.b32 $2, x, y, 0x7351;
-shr.b32 m, m, 16;
-prmt.b32 k, s, $4, 0x7362;
-prmt.b32 x, tl0, tl1, m;
-prmt.b32 y, th0, th1, m;
-lop3.b32 y, y, k, 0x80808080, {_A_OR_B_AND_C:#x};
-prmt.b32 $1, x, y, 0x6240;
-prmt.b32 $3, x, y, 0x7351;
-}}"""
+    # level's two bytes into fp16x2 words. Signs: each nibble's bit 3 goes to bit 7 of its
+    # byte of y (the fp16's bit 15) before the pairing: the low nibbles' sign bits are bit 7 of
+    # s = $4 << 4's bytes, the high nibbles' bit 7 of $4's.
+    lines = [
+        "{",
+        ".reg .b32 tl0, tl1, th0, th1, m, x, y, s, k;",
+        *(
+            f"mov.b32 {name}, {tables[i]:#010x};"
+            for i, name in enumerate(("tl0", "tl1", "th0", "th1"))
+        ),
+        "and.b32 m, $4, 0x77777777;",
+        "shl.b32 s, $4, 4;",
+    ]
+    for half, (lo, hi) in enumerate((("$0", "$2"), ("$1", "$3"))):
+        if half:
+            lines.append("shr.b32 m, m, 16;")
+        lines += [
+            "prmt.b32 x, tl0, tl1, m;",
+            "prmt.b32 y, th0, th1, m;",
+            *_high_byte_signs("s", "$4", half),
+            f"prmt.b32 {lo}, x, y, 0x6240;",
+            f"prmt.b32 {hi}, x, y, 0x7351;",
+        ]
+    return "\n".join([*lines, "}"])
 
 
 def lut5_asm(levels: Sequence[float]) -> str:
@@ -152,13 +162,9 @@ def lut5_asm(levels: Sequence[float]) -> str:
         "shl.b32 t, $4, 4;",  # each byte's bit 3 (its low nibble's top bit) at bit 7
     ]
     # nibbles 0-3 of m: the low / high nibbles of bytes j, j+1 (then j+2, j+3); the mask's
-    # selector takes bit 7 of t's byte (low nibble) and of $4's byte (high nibble) in that
-    # order, the signs' selector sl's byte and sh's
-    for lo, hi, mask_selector, sign_selector in (
-        ("$0", "$2", 0xD9C8, 0x5140),
-        ("$1", "$3", 0xFBEA, 0x7362),
-    ):
-        if lo == "$1":
+    # selector takes bit 7 of t's byte (low nibble) and of $4's byte (high nibble) in that order
+    for half, (lo, hi, mask_selector) in enumerate((("$0", "$2", 0xD9C8), ("$1", "$3", 0xFBEA))):
+        if half:
             lines.append("shr.b32 m, m, 16;")
         lines += [
             "prmt.b32 a, tl0, tl1, m;",
@@ -168,8 +174,7 @@ def lut5_asm(levels: Sequence[float]) -> str:
             "prmt.b32 a, th0, th1, m;",
             "prmt.b32 b, th2, th3, m;",
             f"lop3.b32 y, a, b, k, {_C_SELECTS_B_OVER_A:#x};",
-            f"prmt.b32 k, sl, sh, {sign_selector:#06x};",
-            f"lop3.b32 y, y, k, 0x80808080, {_A_OR_B_AND_C:#x};",
+            *_high_byte_signs("sl", "sh", half),
             f"prmt.b32 {lo}, x, y, 0x6240;",
             f"prmt.b32 {hi}, x, y, 0x7351;",
         ]
@@ -272,14 +277,17 @@ def _uint3_asm() -> str:
     for q in range(4):
         plane_bits = 0x00030003 << (2 * q)
         for low_bits, top_bits, out in (("tl", "vl", f"${2 * q}"), ("th", "vh", f"${2 * q + 1}")):
-            lines += [
+            lines.append(
                 f"lop3.b32 x, {top_bits}, {low_bits}, {plane_bits:#010x}, "
-                f"{_C_SELECTS_B_OVER_A:#x};",
-                _shift("x", "x", -2 * q) if q else "",
+                f"{_C_SELECTS_B_OVER_A:#x};"
+            )
+            if q:
+                lines.append(_shift("x", "x", -2 * q))
+            lines += [
                 f"lop3.b32 {out}, x, 0x00070007, magic, {_A_AND_B_OR_C:#x};",
                 f"sub.rn.f16x2 {out}, {out}, magic;",
             ]
-    return "\n".join([line for line in lines if line] + ["}"])
+    return "\n".join([*lines, "}"])
 
 
 UINT3_ASM = _uint3_asm()
