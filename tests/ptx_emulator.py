@@ -2,7 +2,8 @@
 
 Inline asm does not run under Triton's interpreter, so the CPU tests run the asm strings here
 instead: ``mov``, ``and``, ``xor``, ``shl``, ``shr``, ``mad.lo``, ``prmt`` (default mode),
-``lop3`` and ``sub.rn.f16x2`` on 32-bit registers, and ``mov.b32 {lo, hi}, r`` into 16-bit ones.
+``lop3``, ``sub.rn.f16x2`` and ``fma.rn.f16x2`` on 32-bit registers, and ``mov.b32 {lo, hi},
+r`` into 16-bit ones.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ def _sub_f16x2(a: int, b: int) -> int:
     x = np.array([a], dtype=np.uint32).view(np.float16)
     y = np.array([b], dtype=np.uint32).view(np.float16)
     return int((x - y).astype(np.float16).view(np.uint32)[0])
+
+
+def _fma_f16x2(a: int, b: int, c: int) -> int:
+    """Per 16-bit lane, ``a * b + c`` rounded once to fp16 (float64 holds the exact product and
+    sum of fp16 operands whose exponents differ by less than 29 binades, as every use here)."""
+    x, y, z = (
+        np.array([v], dtype=np.uint32).view(np.float16).astype(np.float64) for v in (a, b, c)
+    )
+    return int((x * y + z).astype(np.float16).view(np.uint32)[0])
 
 
 def run(asm: str, inputs: dict[int, int]) -> dict[int, int]:
@@ -78,6 +88,8 @@ def run(asm: str, inputs: dict[int, int]) -> dict[int, int]:
             result = vals[0] * vals[1] + vals[2]
         elif op == "sub.rn.f16x2":
             result = _sub_f16x2(*vals)
+        elif op == "fma.rn.f16x2":
+            result = _fma_f16x2(*vals)
         else:
             raise NotImplementedError(op)
         regs[dst] = result & 0xFFFFFFFF

@@ -181,21 +181,25 @@ def lut5_asm(levels: Sequence[float]) -> str:
     return "\n".join([*lines, "}"])
 
 
+# 4-bit uniform codes -> exact fp16 integers. The low nibbles go under the mantissa of 1024.0
+# (0x6400), 1024 + c, less 1024; the high nibbles are masked in place (bits 4-7), 1024 + 16 c,
+# and one fma takes (1024 + 16 c) / 16 - 64 = c: exact (a power-of-two scale, an integer
+# result), and no shift per pair.
 UINT4_ASM = f"""{{
-.reg .b32 t, magic;
+.reg .b32 t, magic, sixteenth, minus64;
 mov.b32 magic, 0x64006400;
+mov.b32 sixteenth, 0x2c002c00;
+mov.b32 minus64, 0xd400d400;
 prmt.b32 t, $4, 0, 0x4140;
 lop3.b32 $0, t, 0x000F000F, magic, {_A_AND_B_OR_C:#x};
-shr.b32 t, t, 4;
-lop3.b32 $2, t, 0x000F000F, magic, {_A_AND_B_OR_C:#x};
+lop3.b32 $2, t, 0x00F000F0, magic, {_A_AND_B_OR_C:#x};
 prmt.b32 t, $4, 0, 0x4342;
 lop3.b32 $1, t, 0x000F000F, magic, {_A_AND_B_OR_C:#x};
-shr.b32 t, t, 4;
-lop3.b32 $3, t, 0x000F000F, magic, {_A_AND_B_OR_C:#x};
+lop3.b32 $3, t, 0x00F000F0, magic, {_A_AND_B_OR_C:#x};
 sub.rn.f16x2 $0, $0, magic;
 sub.rn.f16x2 $1, $1, magic;
-sub.rn.f16x2 $2, $2, magic;
-sub.rn.f16x2 $3, $3, magic;
+fma.rn.f16x2 $2, $2, sixteenth, minus64;
+fma.rn.f16x2 $3, $3, sixteenth, minus64;
 }}"""
 
 
