@@ -9,7 +9,10 @@ Code convention (shared with every kernel): codes are **sign-magnitude**. A b-bi
 ``sign << (b - 1) | magnitude_index`` with magnitudes in ascending order, so the symmetric
 codebook needs a table of 2^(b-1) magnitudes and one sign bit. Levels are rounded to float16
 once, here, because the decode kernels multiply them on fp16 tensor cores: the reference and
-every kernel then use bit-identical levels.
+every kernel then use bit-identical levels. 4-bit magnitudes are rounded further, onto the
+grid ``(r + 1/2) * unit`` (``r`` 0..127, ``unit`` a power of two: :func:`int8_key_grid`), so
+that the decode kernel multiplies 4-bit keys on int8 tensor cores: ``r`` or ``~r = -r - 1`` is
+the code's int8, and ``(r + 1/2) * unit`` is still an fp16 value.
 
 Rotation convention: ``R = diag(signs) @ H.T`` is a +-1 matrix (H a Hadamard matrix of order D),
 and the orthogonal rotation is ``Pi = R.T / sqrt(D)``, so for row vectors ``y = x @ R / sqrt(D)``
@@ -28,6 +31,8 @@ import numpy as np
 import torch
 
 __all__ = [
+    "INT8_GRID_BITS",
+    "int8_key_grid",
     "lloyd_max_magnitudes",
     "signed_levels",
     "hadamard",
@@ -77,11 +82,42 @@ def lloyd_max_magnitudes(bits: int, head_dim: int) -> tuple[float, ...]:
     return tuple(float(v) for v in levels)
 
 
+# Bits whose magnitudes lie on the int8 grid of int8_key_grid.
+INT8_GRID_BITS = 4
+
+
+@functools.cache
+def int8_key_grid(head_dim: int) -> tuple[tuple[int, ...], float]:
+    """The int8 grid of the 4-bit magnitudes: ``(r, unit)`` with magnitude ``m`` equal to
+    ``(r[m] + 1/2) * unit``.
+
+    ``unit`` is the smallest power of two that keeps ``r`` within 0..127 (an int8 ``r``, or
+    ``~r`` for a negative code), so every magnitude is the Lloyd-Max one to within ``unit / 2``
+    (about 0.4% of the largest) and ``(2 r + 1) * unit / 2`` has 8 significant bits: exact in
+    fp16 and in float32. Rounding the 4-bit codebook onto it raises its mean-squared error by
+    0.1% (D 128) to 0.8% (D 256).
+
+    Args:
+        head_dim: the dimension D of the sphere (>= 3).
+
+    Returns:
+        The 8 int magnitudes ``r`` in ascending order, and ``unit``.
+    """
+    exact = lloyd_max_magnitudes(INT8_GRID_BITS, head_dim)
+    unit = 2.0 ** math.ceil(math.log2(exact[-1] / 127.5))
+    return tuple(min(127, max(0, round(m / unit - 0.5))) for m in exact), unit
+
+
 @functools.cache
 def signed_level_values(bits: int, head_dim: int) -> tuple[float, ...]:
     """:func:`signed_levels` as Python floats (hashable: the kernels take them as constexprs).
     Computed in numpy: an op traced for compilation may ask first, under a fake-tensor mode."""
-    mags = np.asarray(lloyd_max_magnitudes(bits, head_dim)).astype(np.float16).astype(np.float32)
+    if bits == INT8_GRID_BITS:
+        grid, unit = int8_key_grid(head_dim)
+        mags = (np.asarray(grid, dtype=np.float32) + 0.5) * np.float32(unit)
+    else:
+        mags = np.asarray(lloyd_max_magnitudes(bits, head_dim)).astype(np.float16)
+        mags = mags.astype(np.float32)
     return tuple(np.concatenate([mags, -mags]).tolist())
 
 
@@ -90,7 +126,8 @@ def signed_levels(bits: int, head_dim: int) -> torch.Tensor:
 
     Returns:
         ``[2^bits] float32``: entry ``s << (bits-1) | m`` is ``(-1)^s * magnitude[m]``, with the
-        magnitudes rounded to float16 (exactly what the kernels multiply with).
+        magnitudes rounded to float16, 4-bit ones to :func:`int8_key_grid` (exactly what the
+        kernels multiply with).
     """
     return torch.tensor(signed_level_values(bits, head_dim), dtype=torch.float32, device="cpu")
 

@@ -16,13 +16,14 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from custom_ops.formats import Codec
-from custom_ops.triton.decode.ptx import decode_asm, parts_of
+from custom_ops.codebook import INT8_GRID_BITS, int8_key_grid
+from custom_ops.formats import Codec, Kind
+from custom_ops.triton.decode.ptx import decode_asm, lut4_int8_asm, parts_of
 from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX
 from custom_ops.triton.planes import codec_levels, first_meta_column, lloyd_max_levels
 from custom_ops.triton.traced import importable_repr
 
-__all__ = ["PartParams", "part_params", "decode_tile"]
+__all__ = ["PartParams", "part_params", "decode_tile", "decode_int8_keys"]
 
 
 class PartParams(NamedTuple):
@@ -39,6 +40,12 @@ class PartParams(NamedTuple):
         PC_PAD: PC rounded up to a power of two.
         ASM: the inline PTX that decodes 4 code bytes (``""``: plain Triton).
         LEVELS: the signed Lloyd-Max levels (``()`` for other codecs).
+        INT8_GRID: for 4-bit Lloyd-Max keys, the magnitudes' ``r`` of
+            :func:`custom_ops.codebook.int8_key_grid` (the split kernel's integer ``Q K^T``);
+            ``()`` otherwise.
+        INT8_UNIT: that grid's unit (0.0 without one).
+        ASM_INT8: the inline PTX that decodes 4 key code bytes to int8 (``""``: plain Triton,
+            or no grid).
     """
 
     KIND: int
@@ -50,6 +57,9 @@ class PartParams(NamedTuple):
     PC_PAD: int
     ASM: str
     LEVELS: tuple[float, ...]
+    INT8_GRID: tuple[int, ...]
+    INT8_UNIT: float
+    ASM_INT8: str
 
     # inductor writes constexprs into its generated code as their repr
     __repr__ = importable_repr
@@ -61,6 +71,9 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
     planes = codec.planes(head_dim)
     parts = parts_of(codec)
     chunk = head_dim // parts
+    grid, unit = (), 0.0
+    if side == "k" and codec.kind == Kind.LLOYD_MAX and codec.bits == INT8_GRID_BITS:
+        grid, unit = int8_key_grid(head_dim)
     return PartParams(
         int(codec.kind),
         codec.bits,
@@ -71,6 +84,9 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
         triton.next_power_of_2(chunk),
         decode_asm(codec, head_dim) if fast else "",
         codec_levels(codec, head_dim),
+        grid,
+        unit,
+        lut4_int8_asm(grid) if fast and grid else "",
     )
 
 
@@ -80,6 +96,36 @@ def _values(codes, P: tl.constexpr):
     if P.KIND == LLOYD_MAX:
         return lloyd_max_levels(codes.to(tl.int32), P).to(tl.float16)
     return codes.to(tl.float16)
+
+
+@triton.jit
+def _int8_keys(codes, P: tl.constexpr):
+    """4-bit key codes (int) -> their int8 on the grid ``P.INT8_GRID``: ``r`` of the magnitude,
+    ``~r`` for a negative code (a select per magnitude, as :func:`lloyd_max_levels`)."""
+    magnitude = codes & 7
+    r = tl.full(codes.shape, P.INT8_GRID[0], tl.int32)
+    for m in tl.static_range(1, 8):
+        r = tl.where(magnitude == m, tl.full(codes.shape, P.INT8_GRID[m], tl.int32), r)
+    return tl.where((codes & 8) != 0, ~r, r).to(tl.int8)
+
+
+@triton.jit
+def decode_int8_keys(codes_ptr, row_offsets, j, mask, P: tl.constexpr):
+    """A tile of 4-bit key code rows as two int8 operands of the integer ``Q K^T``
+    (``row_offsets [N, 1]``, ``j [1, PC]`` the plane's bytes): level ``(int8 + 1/2) *
+    P.INT8_UNIT``. The inline PTX interleaves the halves (:func:`~custom_ops.triton.decode.ptx.
+    lut4_int8_asm`: the query is permuted to match); plain Triton gives part 0 (low nibbles,
+    elements ``j``) and part 1 (high nibbles, elements ``j + D/2``)."""
+    plane = tl.load(codes_ptr + row_offsets + j, mask=mask, other=0)
+    if P.ASM_INT8 != "":
+        k0, k1 = tl.inline_asm_elementwise(
+            P.ASM_INT8, "=r,=r,r", [plane], dtype=(tl.int8, tl.int8), is_pure=True, pack=4
+        )
+    else:
+        codes = plane.to(tl.int32)
+        k0 = _int8_keys(codes & 15, P)
+        k1 = _int8_keys(codes >> 4, P)
+    return k0, k1
 
 
 @triton.jit

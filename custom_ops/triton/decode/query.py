@@ -13,6 +13,7 @@ import triton.language as tl
 from custom_ops.triton.hadamard import rotate_rows
 
 __all__ = [
+    "int8_query",
     "query_part",
     "rotate_query",
     "original_query",
@@ -81,6 +82,54 @@ def rotate_query(
         q2 = q2.to(tl.float16)
         q3 = q3.to(tl.float16)
     return q0, q1, q2, q3
+
+
+@triton.jit
+def int8_query(q0, q1, INTERLEAVED: tl.constexpr):
+    """The two halves of a group's prepared queries (``q0, q1 [G_PAD, PC_PAD]``, rows: the
+    group's queries) as int8 operands of an exact integer ``Q K^T`` with int8 keys
+    (:func:`~custom_ops.triton.decode.codes.decode_int8_keys`).
+
+    Each row is ``(254 hi + lo) * step / 254``: ``step`` its largest magnitude / 127, ``hi``
+    its rounded multiples of ``step`` and ``lo`` the rounded remainder in units of ``step /
+    254`` (both within -127..127), so a query is kept to ``step / 508``, finer than its fp16
+    rounding. Against keys at levels ``(k + 1/2) * unit``, a score is ``(254 sum(hi k) + sum(lo
+    k) + half_sum) * step * unit / 254`` with ``half_sum = sum(254 hi + lo) / 2``: integer
+    products, and sums below ``2**24`` (exact in float32 in any order, so every path gives the
+    same bits). ``INTERLEAVED``: the columns follow the inline PTX's key order (nibbles of bytes
+    ``j, j + 1`` low, high, low, high).
+
+    Returns:
+        ``(hi0, hi1, lo0, lo1)`` transposed, ``[PC_PAD, G_PAD]`` int8; ``half_sum [G_PAD]`` and
+        ``step [G_PAD]`` float32.
+    """
+    x0 = q0.to(tl.float32)
+    x1 = q1.to(tl.float32)
+    largest = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+    step = tl.where(largest > 0, largest / 127.0, 1.0)
+    x0 = x0 / step[:, None]
+    x1 = x1 / step[:, None]
+    if INTERLEAVED:
+        # column 4g + 2b + h of operand a takes column 4g + 2a + b of half h
+        G_PAD: tl.constexpr = x0.shape[0]
+        PC_PAD: tl.constexpr = x0.shape[1]
+        halves = tl.join(
+            tl.reshape(x0, [G_PAD, PC_PAD // 4, 2, 2]), tl.reshape(x1, [G_PAD, PC_PAD // 4, 2, 2])
+        )  # [G_PAD, g, a, b, h]
+        x0, x1 = tl.split(tl.reshape(tl.permute(halves, [0, 1, 3, 4, 2]), [G_PAD, PC_PAD, 2]))
+    hi0 = tl.floor(x0 + 0.5)
+    hi1 = tl.floor(x1 + 0.5)
+    lo0 = tl.floor((x0 - hi0) * 254.0 + 0.5)
+    lo1 = tl.floor((x1 - hi1) * 254.0 + 0.5)
+    half_sum = 0.5 * (tl.sum(hi0 * 254.0 + lo0, axis=1) + tl.sum(hi1 * 254.0 + lo1, axis=1))
+    return (
+        tl.trans(hi0.to(tl.int8)),
+        tl.trans(hi1.to(tl.int8)),
+        tl.trans(lo0.to(tl.int8)),
+        tl.trans(lo1.to(tl.int8)),
+        half_sum,
+        step,
+    )
 
 
 @triton.jit

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from custom_ops.triton.decode.codes import decode_tile
+from custom_ops.triton.decode.codes import decode_int8_keys, decode_tile
 from custom_ops.triton.decode.softmax import mask_scores
 from custom_ops.triton.kinds import UNIFORM
 
@@ -117,26 +117,28 @@ def compressed_scores(
             valid = (n - SINKS).to(tl.uint32, bitcast=True) < limit
     k_codes_ptr, k_head, stride_kc_page, stride_kc_slot = k_plane
     meta_ptr, m_head, stride_m_page, stride_m_slot = meta_plane
-    q0, q1, q2, q3 = qs
     page = entries.to(tl.int64)
     slot = (n % PAGE_SIZE).to(tl.int64)
     k_byte = tl.arange(0, K.PC_PAD)[None, :]
-    k0, k1, k2, k3 = decode_tile(
-        k_codes_ptr,
-        (page * stride_kc_page + k_head + slot * stride_kc_slot)[:, None],
-        k_byte,
-        k_byte < K.PC,
-        K,
-        D,
-        1,
-        1,
-    )
-    scores = tl.dot(k0, q0)
-    if K.PARTS > 1:
-        scores = tl.dot(k1, q1, scores)
-    if K.PARTS > 2:
-        scores = tl.dot(k2, q2, scores)
-        scores = tl.dot(k3, q3, scores)
+    k_rows = (page * stride_kc_page + k_head + slot * stride_kc_slot)[:, None]
+    if K.INT8_UNIT > 0.0 and not ONE_TILE:
+        # exact integer products (custom_ops.triton.decode.query.int8_query)
+        hi0, hi1, lo0, lo1, half_sum, q_step = qs
+        k0, k1 = decode_int8_keys(k_codes_ptr, k_rows, k_byte, k_byte < K.PC, K)
+        high = tl.dot(k1, hi1, tl.dot(k0, hi0, out_dtype=tl.int32), out_dtype=tl.int32)
+        low = tl.dot(k1, lo1, tl.dot(k0, lo0, out_dtype=tl.int32), out_dtype=tl.int32)
+        scores = ((high * 254 + low).to(tl.float32) + half_sum[None, :]) * (
+            q_step * (K.INT8_UNIT / 254.0)
+        )[None, :]
+    else:
+        q0, q1, q2, q3 = qs
+        k0, k1, k2, k3 = decode_tile(k_codes_ptr, k_rows, k_byte, k_byte < K.PC, K, D, 1, 1)
+        scores = tl.dot(k0, q0)
+        if K.PARTS > 1:
+            scores = tl.dot(k1, q1, scores)
+        if K.PARTS > 2:
+            scores = tl.dot(k2, q2, scores)
+            scores = tl.dot(k3, q3, scores)
     m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
     k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
     scores = scores * k_mul[:, None]

@@ -33,7 +33,7 @@ from window_sequences import (
 )
 
 from custom_ops import api, reference
-from custom_ops.formats import FORMATS, RecentWindow, get_format
+from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, RecentWindow, get_format
 from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode import MergeConfig, SplitConfig
 from custom_ops.triton.decode.softmax import LOG2E
@@ -197,6 +197,20 @@ def test_query_rotated_in_split_or_prepared(fmt_name, kernel_device, seeded):
         assert rel_error(actual, expected) < 1e-3
 
 
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_int8_keys_at_every_head_dim(head_dim, kernel_device, seeded):
+    """4-bit keys in streaming splits (a longer table) are multiplied as int8, the query in two
+    int8 terms: at every head dim (80 and 96 pad their halves), the query prepared (2 splits)
+    or, at powers of two, rotated in the kernel (4 splits), against float64 attention."""
+    fmt, consts, cache, table, lens, q = decode_case("4bit_nc", head_dim, 4, seeded)
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, head_dim**-0.5, torch.float64)
+    for num_splits in (2, 4):
+        actual = _kernel_decode(
+            fmt, q, cache, longer_table(table), lens, consts, kernel_device, num_splits=num_splits
+        )
+        assert rel_error(actual, expected) < 1e-3
+
+
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "int8", "fp8", "tq4_nc"])
 def test_block_table_past_the_length_is_not_followed(fmt_name, kernel_device, seeded):
     """Block-table entries past a sequence's pages may hold anything (here a page id far beyond
@@ -310,7 +324,10 @@ an infinite softcap: ValueError: tq.decode: softcap must be 0 (no cap) or a posi
 def test_fast_and_portable_paths_agree(seeded):
     """On the GPU, the inline-PTX decoding of the codes (5, 4, 3, 2 bits, int8) equals the
     plain-Triton decoding; sign planes also at D = 80 (a key's 4-byte group straddles D/8, the
-    sign halves' boundary) and D = 64."""
+    sign halves' boundary) and D = 64. 4-bit keys in streaming splits (longer tables) are
+    multiplied as int8, the PTX's interleaved nibbles against a permuted query: at every head
+    dim (D 80 and 96 pad their halves), with the query prepared (2 splits) or rotated in the
+    kernel (4 splits)."""
     formats = [
         "4bit_nc",
         "tq4_nc",
@@ -333,6 +350,16 @@ def test_fast_and_portable_paths_agree(seeded):
         fast = triton_decode.decode(*args, num_splits=2, scale=0.1)
         portable = triton_decode.decode(*args, num_splits=2, scale=0.1, fast=False)
         torch.testing.assert_close(fast, portable, rtol=0, atol=0)
+    int8_cases = [("4bit_nc", head_dim) for head_dim in SUPPORTED_HEAD_DIMS]
+    for fmt_name, head_dim in int8_cases + [("tq4_nc", 128), ("tqk4v2_nc", 128)]:
+        fmt, consts, cache, table, lens, q = decode_case(fmt_name, head_dim, 4, seeded)
+        cuda_cache = clone_cache(cache, "cuda")
+        table = longer_table(table).cuda()
+        args = (fmt, q.cuda(), cuda_cache, table, lens.cuda(), *(c.cuda() for c in consts))
+        for num_splits in (2, 4):
+            fast = triton_decode.decode(*args, num_splits=num_splits, scale=0.1)
+            portable = triton_decode.decode(*args, num_splits=num_splits, scale=0.1, fast=False)
+            torch.testing.assert_close(fast, portable, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from ptx_emulator import run
 
-from custom_ops.codebook import signed_levels
+from custom_ops.codebook import int8_key_grid, signed_levels
 from custom_ops.formats import Codec, Kind
 from custom_ops.triton.decode.ptx import (
     INT8_ASM,
@@ -15,6 +15,7 @@ from custom_ops.triton.decode.ptx import (
     decode_asm,
     lut3_asm,
     lut4_asm,
+    lut4_int8_asm,
     lut5_asm,
     words_asm,
 )
@@ -67,6 +68,21 @@ def test_lut4_asm(head_dim, seeded):
         low, high = _outputs(asm, {4: word}, 2)
         assert low == [levels[b & 15].item() for b in _bytes(word)]
         assert high == [levels[b >> 4].item() for b in _bytes(word)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_lut4_int8_asm(head_dim, seeded):
+    """Each nibble (sign-magnitude) becomes the int8 whose half-integer, times the grid's unit,
+    is its Lloyd-Max level; the outputs interleave each byte's low and high nibbles."""
+    grid, unit = int8_key_grid(head_dim)
+    levels = signed_levels(4, head_dim)
+    asm = lut4_int8_asm(grid)
+    for word in _random_words(seeded, [0x76543210, 0xFEDCBA98, 0x01234567, 0x89ABCDEF]):
+        regs = run(asm, {2: word})
+        nibbles = [n for b in _bytes(word) for n in (b & 15, b >> 4)]
+        out = _bytes(regs[0]) + _bytes(regs[1])
+        decoded = torch.tensor(out, dtype=torch.uint8).view(torch.int8).double()
+        assert ((decoded + 0.5) * unit).tolist() == [levels[n].item() for n in nibbles]
 
 
 def test_uint4_asm(seeded):
