@@ -80,6 +80,7 @@ def test_speculative_equals_plain_greedy_cpu(window, draft_layers):
         assert spec.accepted > 0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_speculative_under_cuda_graphs():
     """On the GPU, 200 tokens, verify and draft steps compiled with ``reduce-overhead``: the

@@ -90,14 +90,19 @@ def int8_query(q0, q1, INTERLEAVED: tl.constexpr):
     group's queries) as int8 operands of an exact integer ``Q K^T`` with int8 keys
     (:func:`~custom_ops.triton.decode.codes.decode_int8_keys`).
 
-    Each row is ``(254 hi + lo) * step / 254``: ``step`` its largest magnitude / 127, ``hi``
-    its rounded multiples of ``step`` and ``lo`` the rounded remainder in units of ``step /
-    254`` (both within -127..127), so a query is kept to ``step / 508``, finer than its fp16
+    Each row is ``(254 hi + lo) * step / 254``: ``step = 2**(E - 5)`` for its largest magnitude
+    in ``[2**E, 2**(E + 1))``, ``hi`` the rounded multiples of ``step`` (within -64..64) and
+    ``lo`` the rounded remainder in units of ``step / 254`` (within -127..127), so a query is
+    kept to ``step / 508``, at most ``2**-14`` of its largest magnitude: finer than its fp16
     rounding. Against keys at levels ``(k + 1/2) * unit``, a score is ``(254 sum(hi k) + sum(lo
-    k) + half_sum) * step * unit / 254`` with ``half_sum = sum(254 hi + lo) / 2``: integer
-    products, and sums below ``2**24`` (exact in float32 in any order, so every path gives the
-    same bits). ``INTERLEAVED``: the columns follow the inline PTX's key order (nibbles of bytes
-    ``j, j + 1`` low, high, low, high).
+    k) + half_sum) * step * unit / 254`` with ``half_sum = sum(254 hi + lo) / 2``.
+
+    Every step is exact, so the inline-PTX and plain-Triton paths give the same bits: ``step``
+    is a power of two (made from the exponent bits: a division rounds differently on the GPU
+    than under the interpreter), the fp16 queries times ``1 / step`` keep 11 significant bits,
+    so ``(x - hi) * 254`` is exact, and the products and sums are integers below ``2**24``.
+    ``INTERLEAVED``: the columns follow the inline PTX's key order (nibbles of bytes ``j, j +
+    1`` low, high, low, high).
 
     Returns:
         ``(hi0, hi1, lo0, lo1)`` transposed, ``[PC_PAD, G_PAD]`` int8; ``half_sum [G_PAD]`` and
@@ -106,9 +111,12 @@ def int8_query(q0, q1, INTERLEAVED: tl.constexpr):
     x0 = q0.to(tl.float32)
     x1 = q1.to(tl.float32)
     largest = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
-    step = tl.where(largest > 0, largest / 127.0, 1.0)
-    x0 = x0 / step[:, None]
-    x1 = x1 / step[:, None]
+    # the biased exponent of the largest magnitude, at least 6 (zero rows: step 2**-126)
+    biased = tl.maximum((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF, 6)
+    step = ((biased - 5) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((259 - biased) << 23).to(tl.float32, bitcast=True)
+    x0 = x0 * inv_step[:, None]
+    x1 = x1 * inv_step[:, None]
     if INTERLEAVED:
         # column 4g + 2b + h of operand a takes column 4g + 2a + b of half h
         G_PAD: tl.constexpr = x0.shape[0]

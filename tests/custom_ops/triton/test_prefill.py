@@ -575,6 +575,7 @@ length below the chunk: ValueError: tq.prefill: seq_lens must be at least T = 6 
         )
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_fast_and_portable_paths_agree(seeded):
     """On the GPU, the prefill kernel with the inline-PTX decoding of the codes and with the

@@ -179,6 +179,7 @@ def test_inductor_keeps_a_register_cap_once_it_loads_our_constexprs():
     assert result.stdout.split("\n")[-2] == "None 128 None"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="inductor compiles the kernels for a GPU")
 def test_inductor_compiles_the_long_split_under_its_register_cap():
     """A plain-compiled decode with a window over splits of several tiles, in fresh inductor

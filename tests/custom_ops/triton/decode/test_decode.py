@@ -320,6 +320,7 @@ an infinite softcap: ValueError: tq.decode: softcap must be 0 (no cap) or a posi
         )
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_fast_and_portable_paths_agree(seeded):
     """On the GPU, the inline-PTX decoding of the codes (5, 4, 3, 2 bits, int8) equals the
@@ -362,6 +363,7 @@ def test_fast_and_portable_paths_agree(seeded):
             torch.testing.assert_close(fast, portable, rtol=0, atol=0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "tq4_nc", "int8"])
 def test_warp_counts(fmt_name, seeded):

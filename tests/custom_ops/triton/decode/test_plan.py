@@ -43,6 +43,7 @@ def test_one_tile_splits(fmt_name, kernel_device, seeded):
     assert one_tile == [True, False]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "tq4_nc", "int8"])
 def test_split_warps_and_merge_configs(fmt_name, seeded):
@@ -90,6 +91,7 @@ def test_verify_step_warps_and_register_caps(tokens, kernel_device, seeded):
     assert (overridden["num_warps"], overridden["maxnreg"]) == (4, 96)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("tokens", [4, 8])
 def test_verify_step_takes_one_wave_of_splits(tokens, seeded):
