@@ -4,7 +4,8 @@ drafts, a rolled-back or re-run step, a new sequence from position 0).
 The cache must then be the one that writing the final tokens once gives, except that positions
 that had left the recent window before the write stay quantized: attention over it equals
 float64 attention over the final tokens, exact from where the ring run starts and quantized
-below, and is never worse than a cache that quantizes every token. Before the ring recorded its
+below, and within 10% of a cache that quantizes every token (exact tokens usually help; their
+errors and the others' can partly cancel). Before the ring recorded its
 slots' positions, rewriting positions 150..159 of 200 (window 128) quantized ring rows of the
 rewritten tokens into the pages of positions 22..71: 0.44 relative error against 0.04.
 """
@@ -159,5 +160,8 @@ def test_rewrites_equal_writing_the_final_tokens_once(
         bound = 1e-2 if center else 4e-3
         error = (out - attend(expected_k, expected_v)).norm() / exact.norm()
         assert error < bound, f"{where}: {float(error):.3g} from the cache written once"
+        # keeping tokens exact usually lowers one query's error, not always (the tokens' errors
+        # partly cancel: 5% above quantizing everything at one step here, sinks 4, with the
+        # int8-grid levels); a stale code would cost several times more
         all_quantized = (attend(quant_k, quant_v) - exact).norm()
-        assert (out - exact).norm() <= all_quantized * 1.01 + bound * exact.norm(), where
+        assert (out - exact).norm() <= all_quantized * 1.1 + bound * exact.norm(), where

@@ -195,7 +195,7 @@ def _op_args(seqs, q, key, value, starts, fmt_name, sinks, mask=None):
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4"])
 def test_op_reference_and_kernels_agree(fmt_name, sinks, kernel_device, seeded):
     """``tq.decode_step`` on the CPU (the reference: a one-token prefill before the store, then
-    the store) and by the kernels: outputs within 1e-3 (an additive mask too), the same new
+    the store) and by the kernels: outputs within 2**-9 (an additive mask too), the same new
     lengths and the same cache bytes; the skipped sequence's row is zeros."""
     state = seeded.get_state()
     for mask_kind in (None, "additive"):
@@ -214,7 +214,11 @@ def test_op_reference_and_kernels_agree(fmt_name, sinks, kernel_device, seeded):
             outs.append(out.cpu().float())
             lens.append(new_lens.cpu())
             caches.append([t.cpu() for t in (*seqs.cache, *seqs.rings)])
-        assert rel_error(outs[1][:1], outs[0][:1]) < 1e-3
+        # bf16 outputs (a relative spacing of 2**-8 to 2**-7): values that the kernels' fp16
+        # query and probabilities move across a rounding boundary differ by a whole ulp, a few
+        # percent of the elements (1.2e-3 with the int8-grid levels' codes, 5e-4 before);
+        # a 0.4% error in the scores gives 4e-3 to 6.5e-3 here without sinks
+        assert rel_error(outs[1][:1], outs[0][:1]) < 2**-9
         assert not outs[0][1].any() and not outs[1][1].any()
         assert torch.equal(lens[0], torch.tensor([13, 0], dtype=torch.int32))
         assert torch.equal(lens[1], lens[0])
