@@ -115,7 +115,18 @@ def decode_int8_keys(codes_ptr, row_offsets, j, mask, P: tl.constexpr):
     (``row_offsets [N, 1]``, ``j [1, PC]`` the plane's bytes): level ``(int8 + 1/2) *
     P.INT8_UNIT``. The inline PTX interleaves the halves (:func:`~custom_ops.triton.decode.ptx.
     lut4_int8_asm`: the query is permuted to match); plain Triton gives part 0 (low nibbles,
-    elements ``j``) and part 1 (high nibbles, elements ``j + D/2``)."""
+    elements ``j``) and part 1 (high nibbles, elements ``j + D/2``).
+
+    Args:
+        codes_ptr: the key code plane's base.
+        row_offsets: byte 0 of each token's row, ``[N, 1]``.
+        j: the plane's bytes, ``[1, PC_PAD]``.
+        mask: the bytes to load (``j < PC``); others read as code 0.
+        P: the keys' :class:`PartParams` (with ``INT8_GRID``).
+
+    Returns:
+        Two ``[N, PC_PAD]`` int8 tiles, the operands of the two halves.
+    """
     plane = tl.load(codes_ptr + row_offsets + j, mask=mask, other=0)
     if P.ASM_INT8 != "":
         k0, k1 = tl.inline_asm_elementwise(

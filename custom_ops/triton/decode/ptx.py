@@ -146,6 +146,12 @@ def lut4_int8_asm(grid: Sequence[int]) -> str:
     turns their 4 sign bits (bit 3 of each nibble: bit 7 of the bytes of ``$2 << 4`` for low
     nibbles, of ``$2`` for high ones) into 0x00 / 0xFF bytes, and one ``xor`` applies them:
     9 instructions per 8 codes, against 15 for two fp16 outputs (:func:`lut4_asm`).
+
+    Args:
+        grid: the 8 magnitudes' ``r`` (0..127), ascending.
+
+    Returns:
+        The PTX string (input ``$2``, outputs ``$0 $1``: the interleaved order above).
     """
     table = [grid[i] | grid[i + 1] << 8 | grid[i + 2] << 16 | grid[i + 3] << 24 for i in (0, 4)]
     lines = [

@@ -93,16 +93,25 @@ def int8_query(q0, q1, INTERLEAVED: tl.constexpr):
     Each row is ``(254 hi + lo) * step / 254``: ``step = 2**(E - 5)`` for its largest magnitude
     in ``[2**E, 2**(E + 1))``, ``hi`` the rounded multiples of ``step`` (within -64..64) and
     ``lo`` the rounded remainder in units of ``step / 254`` (within -127..127), so a query is
-    kept to ``step / 508``, at most ``2**-14`` of its largest magnitude: finer than its fp16
+    kept to ``step / 508``, at most 1/16256 of its largest magnitude: finer than its fp16
     rounding. Against keys at levels ``(k + 1/2) * unit``, a score is ``(254 sum(hi k) + sum(lo
     k) + half_sum) * step * unit / 254`` with ``half_sum = sum(254 hi + lo) / 2``.
 
-    Every step is exact, so the inline-PTX and plain-Triton paths give the same bits: ``step``
-    is a power of two (made from the exponent bits: a division rounds differently on the GPU
-    than under the interpreter), the fp16 queries times ``1 / step`` keep 11 significant bits,
-    so ``(x - hi) * 254`` is exact, and the products and sums are integers below ``2**24``.
+    Every step but one is exact, and that one rounds the same way everywhere, so the
+    inline-PTX and plain-Triton paths give the same bits: ``step`` is a power of two (made from
+    the exponent bits; a division would round differently on the GPU and under the
+    interpreter), the fp16 queries times ``1 / step`` keep 11 significant bits, so ``(x - hi) *
+    254`` is exact; ``half_sum`` is an integer sum below ``2**22``, the integer score is below
+    ``2**30`` (no int32 overflow at D 256), and its conversion to float32 is the one rounding.
+    A row with a NaN or infinite query has a NaN or infinite ``half_sum`` (taken from the float
+    terms, before their int8 conversion), so its scores are not finite, as with fp16 keys.
     ``INTERLEAVED``: the columns follow the inline PTX's key order (nibbles of bytes ``j, j +
     1`` low, high, low, high).
+
+    Args:
+        q0: the low half of the head dim (the keys' low nibbles), ``[G_PAD, PC_PAD]``.
+        q1: the high half, the same shape.
+        INTERLEAVED: permute the columns for the inline PTX.
 
     Returns:
         ``(hi0, hi1, lo0, lo1)`` transposed, ``[PC_PAD, G_PAD]`` int8; ``half_sum [G_PAD]`` and

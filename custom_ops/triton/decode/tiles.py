@@ -6,7 +6,8 @@ P^T`` (``[PC_PAD, G_PAD]`` per value part). Argument tuples name the planes a ti
 ``table = (block_table_ptr, stride_b, stride_p)``, ``k_plane = (k_codes_ptr, head_offset,
 stride_page, stride_slot)``, ``meta_plane = (meta_ptr, head_offset, stride_page,
 stride_slot)``, ``v_plane = (v_codes_ptr, head_offset, stride_page)`` (value rows token-minor,
-so a slot is a byte offset), ``qs = (q0, q1, q2, q3)`` the query parts.
+so a slot is a byte offset), ``qs = (q0, q1, q2, q3)`` the query parts, or with ``INT8_KEYS``
+:func:`custom_ops.triton.decode.query.int8_query`'s ``(hi0, hi1, lo0, lo1, half_sum, step)``.
 """
 
 from __future__ import annotations
@@ -86,11 +87,14 @@ def compressed_scores(
     ONE_TILE: tl.constexpr,
     SINKS: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
+    INT8_KEYS: tl.constexpr = False,
 ):
     """Scores ``S^T = K @ Q^T`` of the compressed tokens at positions ``n [BLOCK_N]`` (``-inf``
     at and past ``end``, and below ``SINKS``: the sinks are read from the ring), capped by
     ``SOFTCAP`` and masked (:func:`custom_ops.triton.decode.softmax.mask_scores`): ``(scores
     [BLOCK_N, G_PAD] float32 in log2 units, page, slot, meta row pointers, valid)``.
+    ``INT8_KEYS``: 4-bit keys decoded to int8 against ``qs`` from
+    :func:`~custom_ops.triton.decode.query.int8_query`, integer products.
 
     Page ids come from the block table, or from ``early`` (entries read before the length was
     known, ``ONE_TILE``), kept only below ``end``: entries past a sequence's pages may hold
@@ -121,7 +125,7 @@ def compressed_scores(
     slot = (n % PAGE_SIZE).to(tl.int64)
     k_byte = tl.arange(0, K.PC_PAD)[None, :]
     k_rows = (page * stride_kc_page + k_head + slot * stride_kc_slot)[:, None]
-    if K.INT8_UNIT > 0.0 and not ONE_TILE:
+    if INT8_KEYS:
         # exact integer products (custom_ops.triton.decode.query.int8_query)
         hi0, hi1, lo0, lo1, half_sum, q_step = qs
         k0, k1 = decode_int8_keys(k_codes_ptr, k_rows, k_byte, k_byte < K.PC, K)

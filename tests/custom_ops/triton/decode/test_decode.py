@@ -199,9 +199,10 @@ def test_query_rotated_in_split_or_prepared(fmt_name, kernel_device, seeded):
 
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 def test_int8_keys_at_every_head_dim(head_dim, kernel_device, seeded):
-    """4-bit keys in streaming splits (a longer table) are multiplied as int8, the query in two
-    int8 terms: at every head dim (80 and 96 pad their halves), the query prepared (2 splits)
-    or, at powers of two, rotated in the kernel (4 splits), against float64 attention."""
+    """4-bit keys in streaming splits (a longer table) at every head dim (80 and 96 pad their
+    halves), the query prepared (2 splits) or, at powers of two, rotated in the kernel (4
+    splits), against float64 attention: at D 128 with a prepared query they are multiplied as
+    int8 (the query in two int8 terms), elsewhere as fp16 (the split kernel's INT8_KEYS)."""
     fmt, consts, cache, table, lens, q = decode_case("4bit_nc", head_dim, 4, seeded)
     expected = reference.decode(fmt, q, cache, table, lens, *consts, head_dim**-0.5, torch.float64)
     for num_splits in (2, 4):
@@ -209,6 +210,17 @@ def test_int8_keys_at_every_head_dim(head_dim, kernel_device, seeded):
             fmt, q, cache, longer_table(table), lens, consts, kernel_device, num_splits=num_splits
         )
         assert rel_error(actual, expected) < 1e-3
+
+
+def test_int8_keys_keep_a_nan_query(kernel_device, seeded):
+    """A query row holding a NaN gives NaN outputs through the int8 keys too (its int8 terms
+    are finite garbage, its ``half_sum`` NaN), and only that row."""
+    fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 128, 4, seeded)
+    q[0, 1, 7] = float("nan")
+    actual = _kernel_decode(fmt, q, cache, longer_table(table), lens, consts, kernel_device)
+    assert actual[0, 1].isnan().all()
+    actual[0, 1] = 0.0
+    assert not actual.isnan().any()
 
 
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4", "int8", "fp8", "tq4_nc"])
@@ -325,10 +337,10 @@ an infinite softcap: ValueError: tq.decode: softcap must be 0 (no cap) or a posi
 def test_fast_and_portable_paths_agree(seeded):
     """On the GPU, the inline-PTX decoding of the codes (5, 4, 3, 2 bits, int8) equals the
     plain-Triton decoding; sign planes also at D = 80 (a key's 4-byte group straddles D/8, the
-    sign halves' boundary) and D = 64. 4-bit keys in streaming splits (longer tables) are
-    multiplied as int8, the PTX's interleaved nibbles against a permuted query: at every head
-    dim (D 80 and 96 pad their halves), with the query prepared (2 splits) or rotated in the
-    kernel (4 splits)."""
+    sign halves' boundary) and D = 64. 4-bit keys in streaming splits (longer tables) at every
+    head dim (D 80 and 96 pad their halves), the query prepared (2 splits) or rotated in the
+    kernel (4 splits); at D 128 with a prepared query they are multiplied as int8, the PTX's
+    interleaved nibbles against a permuted query."""
     formats = [
         "4bit_nc",
         "tq4_nc",
