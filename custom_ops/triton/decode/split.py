@@ -463,9 +463,9 @@ def split_kernel(
         )
     # 4-bit keys multiplied as int8 (the integer Q K^T's operands, rows back on the first axis)
     # in streaming splits: a one-tile split decodes too few keys to pay for preparing them
-    # (H200, 1 x 4096: 9.3 -> 10.5 us). Only where a GPU has checked the inline PTX against the
-    # plain-Triton path: D 128 with a prepared query (a run over the other head dims and the
-    # query rotated here had one unexplained failure, docs/notes/2026-11-30-int8-keys.md).
+    # (H200, 1 x 4096: 9.3 -> 10.5 us). Only where a GPU has run the inline PTX against float64
+    # attention: D 128 with a prepared query (a run over the other head dims and the query
+    # rotated here had one unexplained failure: docs/design/decode.md, "Integer keys").
     INT8_KEYS: tl.constexpr = (
         K.INT8_UNIT > 0.0 and not ONE_TILE and QUERY == QUERY_PREPARED and D == 128
     )
