@@ -94,12 +94,19 @@ def _byte_tables(magnitudes: Sequence[float]) -> list[int]:
     return words
 
 
+# prmt selectors over (a, b) = (bit 7 of each byte: its low nibble's flag, its high nibble's):
+# nibbles 4 half .. 4 half + 3 of a word (bytes j + 2 half, j + 2 half + 1) in nibble order;
+# | _REPLICATE turns each gathered bit 7 into a 0x00 / 0xFF byte (prmt's sign-replicate mode)
+_NIBBLE_ORDER = (0x5140, 0x7362)
+_REPLICATE = 0x8888
+
+
 def _high_byte_signs(low: str, high: str, half: int) -> list[str]:
     """Set the signs of nibbles ``4 half .. 4 half + 3`` (bytes ``j + 2 half``, ``j + 2 half +
     1``) at bit 7 of ``y``'s bytes, the fp16 high bytes before the pairing: ``low`` / ``high``
     hold the low / high nibbles' signs at bit 7 of each byte, and one ``prmt`` interleaves
     them in nibble order."""
-    selector = (0x5140, 0x7362)[half]
+    selector = _NIBBLE_ORDER[half]
     return [
         f"prmt.b32 k, {low}, {high}, {selector:#06x};",
         f"lop3.b32 y, y, k, 0x80808080, {_A_OR_B_AND_C:#x};",
@@ -162,14 +169,14 @@ def lut4_int8_asm(grid: Sequence[int]) -> str:
         "and.b32 m, $2, 0x77777777;",
         "shl.b32 s, $2, 4;",
     ]
-    # nibbles 0-3 of m (bytes j, j+1), then 4-7 (bytes j+2, j+3); the masks' selectors take
-    # bit 7 of s's byte (low nibble) and of $2's byte (high nibble) in nibble order, replicated
-    for half, (out, mask_selector) in enumerate((("$0", 0xD9C8), ("$1", 0xFBEA))):
+    # nibbles 0-3 of m (bytes j, j+1), then 4-7 (bytes j+2, j+3); the masks take bit 7 of s's
+    # byte (low nibble) and of $2's byte (high nibble) in nibble order, replicated
+    for half, out in enumerate(("$0", "$1")):
         if half:
             lines.append("shr.b32 m, m, 16;")
         lines += [
             "prmt.b32 x, t0, t1, m;",
-            f"prmt.b32 k, s, $2, {mask_selector:#06x};",
+            f"prmt.b32 k, s, $2, {_NIBBLE_ORDER[half] | _REPLICATE:#06x};",
             f"xor.b32 {out}, x, k;",
         ]
     return "\n".join([*lines, "}"])
@@ -206,9 +213,10 @@ def lut5_asm(levels: Sequence[float]) -> str:
         "and.b32 m, $4, 0x77777777;",
         "shl.b32 t, $4, 4;",  # each byte's bit 3 (its low nibble's top bit) at bit 7
     ]
-    # nibbles 0-3 of m: the low / high nibbles of bytes j, j+1 (then j+2, j+3); the mask's
-    # selector takes bit 7 of t's byte (low nibble) and of $4's byte (high nibble) in that order
-    for half, (lo, hi, mask_selector) in enumerate((("$0", "$2", 0xD9C8), ("$1", "$3", 0xFBEA))):
+    # nibbles 0-3 of m: the low / high nibbles of bytes j, j+1 (then j+2, j+3); the mask takes
+    # bit 7 of t's byte (low nibble) and of $4's byte (high nibble) in that order, replicated
+    for half, (lo, hi) in enumerate((("$0", "$2"), ("$1", "$3"))):
+        mask_selector = _NIBBLE_ORDER[half] | _REPLICATE
         if half:
             lines.append("shr.b32 m, m, 16;")
         lines += [
