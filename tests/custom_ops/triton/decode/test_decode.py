@@ -353,23 +353,18 @@ def test_fast_and_portable_paths_agree(seeded):
         "k2v4_nc",
         "int8",
     ]
-    cases = [(name, 128) for name in formats] + [
-        (name, head_dim) for name in ("tqk5v3_nc", "tq3_nc") for head_dim in (64, 80)
-    ]
-    for fmt_name, head_dim in cases:
+    # (format, head dim, streaming splits: a longer table, split counts)
+    cases = [(name, 128, False, (2,)) for name in formats]
+    cases += [(name, d, False, (2,)) for name in ("tqk5v3_nc", "tq3_nc") for d in (64, 80)]
+    cases += [("4bit_nc", d, True, (2, 4)) for d in SUPPORTED_HEAD_DIMS]
+    cases += [(name, 128, True, (2, 4)) for name in ("tq4_nc", "tqk4v2_nc")]
+    for fmt_name, head_dim, streaming, split_counts in cases:
         fmt, consts, cache, table, lens, q = decode_case(fmt_name, head_dim, 4, seeded)
+        if streaming:
+            table = longer_table(table)
         cuda_cache = clone_cache(cache, "cuda")
         args = (fmt, q.cuda(), cuda_cache, table.cuda(), lens.cuda(), *(c.cuda() for c in consts))
-        fast = triton_decode.decode(*args, num_splits=2, scale=0.1)
-        portable = triton_decode.decode(*args, num_splits=2, scale=0.1, fast=False)
-        torch.testing.assert_close(fast, portable, rtol=0, atol=0)
-    int8_cases = [("4bit_nc", head_dim) for head_dim in SUPPORTED_HEAD_DIMS]
-    for fmt_name, head_dim in int8_cases + [("tq4_nc", 128), ("tqk4v2_nc", 128)]:
-        fmt, consts, cache, table, lens, q = decode_case(fmt_name, head_dim, 4, seeded)
-        cuda_cache = clone_cache(cache, "cuda")
-        table = longer_table(table).cuda()
-        args = (fmt, q.cuda(), cuda_cache, table, lens.cuda(), *(c.cuda() for c in consts))
-        for num_splits in (2, 4):
+        for num_splits in split_counts:
             fast = triton_decode.decode(*args, num_splits=num_splits, scale=0.1)
             portable = triton_decode.decode(*args, num_splits=num_splits, scale=0.1, fast=False)
             torch.testing.assert_close(fast, portable, rtol=0, atol=0)
