@@ -9,10 +9,10 @@ Code convention (shared with every kernel): codes are **sign-magnitude**. A b-bi
 ``sign << (b - 1) | magnitude_index`` with magnitudes in ascending order, so the symmetric
 codebook needs a table of 2^(b-1) magnitudes and one sign bit. Levels are rounded to float16
 once, here, because the decode kernels multiply them on fp16 tensor cores: the reference and
-every kernel then use bit-identical levels. 4-bit magnitudes are rounded further, onto the
-grid ``(r + 1/2) * unit`` (``r`` 0..127, ``unit`` a power of two: :func:`int8_key_grid`), so
-that the decode kernel multiplies 4-bit keys on int8 tensor cores: ``r`` or ``~r = -r - 1`` is
-the code's int8, and ``(r + 1/2) * unit`` is still an fp16 value.
+every kernel then use bit-identical levels. 4- and 5-bit magnitudes are rounded further, onto
+the grid ``(r + 1/2) * unit`` (``r`` 0..127, ``unit`` of 3 significant bits:
+:func:`int8_key_grid`), so that the decode kernel multiplies such keys on int8 tensor cores:
+``r`` or ``~r = -r - 1`` is the code's int8, and ``(r + 1/2) * unit`` is still an fp16 value.
 
 Rotation convention: ``R = diag(signs) @ H.T`` is a +-1 matrix (H a Hadamard matrix of order D),
 and the orthogonal rotation is ``Pi = R.T / sqrt(D)``, so for row vectors ``y = x @ R / sqrt(D)``
@@ -83,28 +83,35 @@ def lloyd_max_magnitudes(bits: int, head_dim: int) -> tuple[float, ...]:
 
 
 # Bits whose magnitudes lie on the int8 grid of int8_key_grid.
-INT8_GRID_BITS = 4
+INT8_GRID_BITS = (4, 5)
 
 
 @functools.cache
-def int8_key_grid(head_dim: int) -> tuple[tuple[int, ...], float]:
-    """The int8 grid of the 4-bit magnitudes: ``(r, unit)`` with magnitude ``m`` equal to
-    ``(r[m] + 1/2) * unit``.
+def int8_key_grid(bits: int, head_dim: int) -> tuple[tuple[int, ...], float]:
+    """The int8 grid of the ``bits``-bit magnitudes: ``(r, unit)`` with magnitude ``m`` equal
+    to ``(r[m] + 1/2) * unit``.
 
     ``unit`` is the smallest number of 3 significant bits (``c * 2**k``, ``c`` one of 1, 1.25,
     1.5, 1.75) that keeps ``r`` within 0..127 (an int8 ``r``, or ``~r`` for a negative code),
     so every magnitude is the Lloyd-Max one to within ``unit / 2`` (0.4% of the largest or
     less) and ``(2 r + 1) * unit / 2`` has at most 11 significant bits: exact in fp16 and in
-    float32. Rounding the 4-bit codebook onto it raises its mean-squared error by 0.08% (D 128)
-    to 0.28% (D 256) (a power-of-two unit: up to 0.82%).
+    float32. Rounding onto it raises the codebook's mean-squared error by 0.08% (D 128) to
+    0.28% (D 256) for 4 bits (a power-of-two unit: up to 0.82%), by 0.56% (D 256) to 1.77%
+    (D 96) for 5 bits, whose levels are closer together.
 
     Args:
+        bits: code width, one of :data:`INT8_GRID_BITS`.
         head_dim: the dimension D of the sphere (>= 3).
 
     Returns:
-        The 8 int magnitudes ``r`` in ascending order, and ``unit``.
+        The ``2**(bits - 1)`` int magnitudes ``r`` in ascending order, and ``unit``.
+
+    Raises:
+        ValueError: ``bits`` is not one of :data:`INT8_GRID_BITS`.
     """
-    exact = lloyd_max_magnitudes(INT8_GRID_BITS, head_dim)
+    if bits not in INT8_GRID_BITS:
+        raise ValueError(f"bits must be one of {INT8_GRID_BITS} for an int8 grid, got {bits}")
+    exact = lloyd_max_magnitudes(bits, head_dim)
     largest = exact[-1]
     exponent = math.floor(math.log2(largest / 127.5))  # 2**exponent <= largest / 127.5
     unit = next(
@@ -120,8 +127,8 @@ def int8_key_grid(head_dim: int) -> tuple[tuple[int, ...], float]:
 def signed_level_values(bits: int, head_dim: int) -> tuple[float, ...]:
     """:func:`signed_levels` as Python floats (hashable: the kernels take them as constexprs).
     Computed in numpy: an op traced for compilation may ask first, under a fake-tensor mode."""
-    if bits == INT8_GRID_BITS:
-        grid, unit = int8_key_grid(head_dim)
+    if bits in INT8_GRID_BITS:
+        grid, unit = int8_key_grid(bits, head_dim)
         mags = (np.asarray(grid, dtype=np.float32) + 0.5) * np.float32(unit)
     else:
         mags = np.asarray(lloyd_max_magnitudes(bits, head_dim)).astype(np.float16)
@@ -134,7 +141,7 @@ def signed_levels(bits: int, head_dim: int) -> torch.Tensor:
 
     Returns:
         ``[2^bits] float32``: entry ``s << (bits-1) | m`` is ``(-1)^s * magnitude[m]``, with the
-        magnitudes rounded to float16, 4-bit ones to :func:`int8_key_grid` (exactly what the
+        magnitudes rounded to float16, 4- and 5-bit ones to :func:`int8_key_grid` (exactly what the
         kernels multiply with).
     """
     return torch.tensor(signed_level_values(bits, head_dim), dtype=torch.float32, device="cpu")

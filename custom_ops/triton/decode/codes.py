@@ -18,7 +18,7 @@ import triton.language as tl
 
 from custom_ops.codebook import INT8_GRID_BITS, int8_key_grid
 from custom_ops.formats import Codec, Kind
-from custom_ops.triton.decode.ptx import decode_asm, lut4_int8_asm, parts_of
+from custom_ops.triton.decode.ptx import decode_asm, lut4_int8_asm, lut5_int8_asm, parts_of
 from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX
 from custom_ops.triton.planes import codec_levels, first_meta_column, lloyd_max_levels
 from custom_ops.triton.traced import importable_repr
@@ -40,12 +40,12 @@ class PartParams(NamedTuple):
         PC_PAD: PC rounded up to a power of two.
         ASM: the inline PTX that decodes 4 code bytes (``""``: plain Triton).
         LEVELS: the signed Lloyd-Max levels (``()`` for other codecs).
-        INT8_GRID: for 4-bit Lloyd-Max keys, the magnitudes' ``r`` of
+        INT8_GRID: for 4- and 5-bit Lloyd-Max keys, the magnitudes' ``r`` of
             :func:`custom_ops.codebook.int8_key_grid` (the split kernel's integer ``Q K^T``);
             ``()`` otherwise.
         INT8_UNIT: that grid's unit (0.0 without one).
-        ASM_INT8: the inline PTX that decodes 4 key code bytes to int8 (``""``: plain Triton,
-            or no grid).
+        ASM_INT8: the inline PTX that decodes 4 key code bytes to int8, one string (4 bits) or
+            one per block of the magnitude plane (5 bits); ``()``: plain Triton, or no grid.
     """
 
     KIND: int
@@ -59,7 +59,7 @@ class PartParams(NamedTuple):
     LEVELS: tuple[float, ...]
     INT8_GRID: tuple[int, ...]
     INT8_UNIT: float
-    ASM_INT8: str
+    ASM_INT8: tuple[str, ...]
 
     # inductor writes constexprs into its generated code as their repr
     __repr__ = importable_repr
@@ -71,9 +71,15 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
     planes = codec.planes(head_dim)
     parts = parts_of(codec)
     chunk = head_dim // parts
-    grid, unit = (), 0.0
-    if side == "k" and codec.kind == Kind.LLOYD_MAX and codec.bits == INT8_GRID_BITS:
-        grid, unit = int8_key_grid(head_dim)
+    grid, unit, int8_asm = (), 0.0, ()
+    if side == "k" and codec.kind == Kind.LLOYD_MAX and codec.bits in INT8_GRID_BITS:
+        grid, unit = int8_key_grid(codec.bits, head_dim)
+        if fast:
+            int8_asm = (
+                (lut4_int8_asm(grid),)
+                if codec.bits == 4
+                else (lut5_int8_asm(grid, 0), lut5_int8_asm(grid, 1))
+            )
     return PartParams(
         int(codec.kind),
         codec.bits,
@@ -86,7 +92,7 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
         codec_levels(codec, head_dim),
         grid,
         unit,
-        lut4_int8_asm(grid) if fast and grid else "",
+        int8_asm,
     )
 
 
@@ -100,43 +106,58 @@ def _values(codes, P: tl.constexpr):
 
 @triton.jit
 def _int8_keys(codes, P: tl.constexpr):
-    """4-bit key codes (int) -> their int8 on the grid ``P.INT8_GRID``: ``r`` of the magnitude,
-    ``~r`` for a negative code (a select per magnitude, as :func:`lloyd_max_levels`)."""
-    magnitude = codes & 7
+    """Sign-magnitude key codes (int) -> their int8 on the grid ``P.INT8_GRID``: ``r`` of the
+    magnitude, ``~r`` for a negative code (a select per magnitude, as :func:`lloyd_max_levels`)."""
+    SIGN: tl.constexpr = 1 << (P.BITS - 1)
+    magnitude = codes & (SIGN - 1)
     r = tl.full(codes.shape, P.INT8_GRID[0], tl.int32)
-    for m in tl.static_range(1, 8):
+    for m in tl.static_range(1, SIGN):
         r = tl.where(magnitude == m, tl.full(codes.shape, P.INT8_GRID[m], tl.int32), r)
-    return tl.where((codes & 8) != 0, ~r, r).to(tl.int8)
+    return tl.where((codes & SIGN) != 0, ~r, r).to(tl.int8)
 
 
 @triton.jit
-def decode_int8_keys(codes_ptr, row_offsets, j, mask, P: tl.constexpr):
-    """A tile of 4-bit key code rows as two int8 operands of the integer ``Q K^T``
+def decode_int8_keys(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.constexpr):
+    """A tile of 4- or 5-bit key code rows as the int8 operands of the integer ``Q K^T``
     (``row_offsets [N, 1]``, ``j [1, PC]`` the plane's bytes): level ``(int8 + 1/2) *
-    P.INT8_UNIT``. The inline PTX interleaves the halves (:func:`~custom_ops.triton.decode.ptx.
-    lut4_int8_asm`: the query is permuted to match); plain Triton gives part 0 (low nibbles,
-    elements ``j``) and part 1 (high nibbles, elements ``j + D/2``).
+    P.INT8_UNIT``. Plain Triton gives the parts in order (4 bits: low nibbles, elements ``j``,
+    and high nibbles, ``j + D/2``; 5 bits: the quarters); the inline PTX interleaves the two
+    parts that a byte's nibbles hold (:func:`~custom_ops.triton.decode.ptx.lut4_int8_asm`,
+    :func:`~custom_ops.triton.decode.ptx.lut5_int8_asm`: 4 bits, parts 0 and 1; 5 bits, block
+    ``c``'s quarters ``c`` and ``c + 2``), and the query is permuted to match
+    (:func:`~custom_ops.triton.decode.query.int8_query`).
 
     Args:
-        codes_ptr: the key code plane's base.
+        codes_ptr: the key codes' base (the 4-bit plane; 5 bits: the magnitude plane, the sign
+            plane at ``P.OFF1``).
         row_offsets: byte 0 of each token's row, ``[N, 1]``.
         j: the plane's bytes, ``[1, PC_PAD]``.
         mask: the bytes to load (``j < PC``); others read as code 0.
         P: the keys' :class:`PartParams` (with ``INT8_GRID``).
+        D: the head dim.
 
     Returns:
-        Two ``[N, PC_PAD]`` int8 tiles, the operands of the two halves.
+        Four ``[N, PC_PAD]`` int8 tiles, the operands of parts 0-3 (4 bits: parts 2 and 3
+        repeat part 0).
     """
     plane = tl.load(codes_ptr + row_offsets + j, mask=mask, other=0)
-    if P.ASM_INT8 != "":
-        k0, k1 = tl.inline_asm_elementwise(
-            P.ASM_INT8, "=r,=r,r", [plane], dtype=(tl.int8, tl.int8), is_pure=True, pack=4
-        )
+    if P.BITS == 4:
+        if len(P.ASM_INT8) > 0:
+            k0, k1 = tl.inline_asm_elementwise(
+                P.ASM_INT8[0], "=r,=r,r", [plane], dtype=(tl.int8, tl.int8), is_pure=True, pack=4
+            )
+        else:
+            codes = plane.to(tl.int32)
+            k0 = _int8_keys(codes & 15, P)
+            k1 = _int8_keys(codes >> 4, P)
+        k2 = k0
+        k3 = k0
     else:
-        codes = plane.to(tl.int32)
-        k0 = _int8_keys(codes & 15, P)
-        k1 = _int8_keys(codes >> 4, P)
-    return k0, k1
+        second = tl.load(codes_ptr + row_offsets + j + D // 4, mask=mask, other=0)
+        low, high = _sign_halves(codes_ptr, row_offsets, j, mask, P, D, 1, 1)
+        k0, k2 = _int8_lut5_block(plane, low, high, 0, P)
+        k1, k3 = _int8_lut5_block(second, low, high, 1, P)
+    return k0, k1, k2, k3
 
 
 @triton.jit
@@ -182,6 +203,15 @@ def _sign_halves(
 
 
 @triton.jit
+def _lut5_codes(plane, low, high, BLOCK: tl.constexpr):
+    """The 5-bit codes (int32) of quarters ``BLOCK`` and ``BLOCK + 2`` that block ``BLOCK`` of
+    the 4-bit plane holds, their signs from the sign halves (:func:`_sign_halves`)."""
+    signs = ((low | (high >> 1)) >> (2 * BLOCK)).to(tl.int32)
+    codes = plane.to(tl.int32)
+    return (codes & 15) | ((signs & 1) << 4), (codes >> 4) | (signs & 16)
+
+
+@triton.jit
 def _lut5_block(plane, low, high, BLOCK: tl.constexpr, P: tl.constexpr):
     """The two quarters (``BLOCK`` and ``BLOCK + 2``) of 5-bit codes that block ``BLOCK`` of the
     4-bit plane holds, their signs from the sign halves (:func:`_sign_halves`), fp16 tiles of
@@ -199,10 +229,30 @@ def _lut5_block(plane, low, high, BLOCK: tl.constexpr, P: tl.constexpr):
             pack=4,
         )
     else:
-        signs = (low | (high >> 1)) >> (2 * BLOCK)
-        low_quarter = _values((plane & 15) | ((signs & 1) << 4), P)
-        high_quarter = _values((plane >> 4) | (signs & 16), P)
+        low_codes, high_codes = _lut5_codes(plane, low, high, BLOCK)
+        low_quarter = _values(low_codes, P)
+        high_quarter = _values(high_codes, P)
     return low_quarter, high_quarter
+
+
+@triton.jit
+def _int8_lut5_block(plane, low, high, BLOCK: tl.constexpr, P: tl.constexpr):
+    """:func:`_lut5_block` as int8 keys on the grid ``P.INT8_GRID`` (the inline PTX's two
+    outputs interleave the quarters, see :func:`decode_int8_keys`)."""
+    if len(P.ASM_INT8) > 0:
+        first, second = tl.inline_asm_elementwise(
+            P.ASM_INT8[BLOCK],
+            "=r,=r,r,r,r",
+            [plane, low, high],
+            dtype=(tl.int8, tl.int8),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        low_codes, high_codes = _lut5_codes(plane, low, high, BLOCK)
+        first = _int8_keys(low_codes, P)
+        second = _int8_keys(high_codes, P)
+    return first, second
 
 
 @triton.jit

@@ -85,10 +85,32 @@ def rotate_query(
 
 
 @triton.jit
-def int8_query(q0, q1, INTERLEAVED: tl.constexpr):
-    """The two halves of a group's prepared queries (``q0, q1 [G_PAD, PC_PAD]``, rows: the
-    group's queries) as int8 operands of an exact integer ``Q K^T`` with int8 keys
-    (:func:`~custom_ops.triton.decode.codes.decode_int8_keys`).
+def _int8_pair(x, y, INTERLEAVED: tl.constexpr):
+    """Two parts of the queries in units of ``step`` (``x, y [G_PAD, PC_PAD]`` float32), whose
+    keys one inline-PTX instance decodes together, as ``(hi_x, hi_y, lo_x, lo_y)`` (float32,
+    integral) and the rows' ``sum(254 hi + lo)`` over both; ``INTERLEAVED``: in the PTX's key
+    order (column ``4g + 2b + h`` of operand ``a`` takes column ``4g + 2a + b`` of part ``h``:
+    the nibbles of bytes ``j, j + 1`` low, high, low, high)."""
+    if INTERLEAVED:
+        G_PAD: tl.constexpr = x.shape[0]
+        PC_PAD: tl.constexpr = x.shape[1]
+        parts = tl.join(
+            tl.reshape(x, [G_PAD, PC_PAD // 4, 2, 2]), tl.reshape(y, [G_PAD, PC_PAD // 4, 2, 2])
+        )  # [G_PAD, g, a, b, h]
+        x, y = tl.split(tl.reshape(tl.permute(parts, [0, 1, 3, 4, 2]), [G_PAD, PC_PAD, 2]))
+    hi_x = tl.floor(x + 0.5)
+    hi_y = tl.floor(y + 0.5)
+    lo_x = tl.floor((x - hi_x) * 254.0 + 0.5)
+    lo_y = tl.floor((y - hi_y) * 254.0 + 0.5)
+    total = tl.sum(hi_x * 254.0 + lo_x, axis=1) + tl.sum(hi_y * 254.0 + lo_y, axis=1)
+    return hi_x, hi_y, lo_x, lo_y, total
+
+
+@triton.jit
+def int8_query(q0, q1, q2, q3, PARTS: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The parts of a group's prepared queries (``q0 .. q3 [G_PAD, PC_PAD]``, rows: the
+    group's queries; ``PARTS`` 2 or 4) as int8 operands of an exact integer ``Q K^T`` with int8
+    keys (:func:`~custom_ops.triton.decode.codes.decode_int8_keys`).
 
     Each row is ``(254 hi + lo) * step / 254``: ``step = 2**(E - 5)`` for its largest magnitude
     in ``[2**E, 2**(E + 1))``, ``hi`` the rounded multiples of ``step`` (within -64..64) and
@@ -102,51 +124,61 @@ def int8_query(q0, q1, INTERLEAVED: tl.constexpr):
     the exponent bits; a division would round differently on the GPU and under the
     interpreter), the fp16 queries times ``1 / step`` keep 11 significant bits, so ``(x - hi) *
     254`` is exact; ``half_sum`` is an integer sum below ``2**22``, the integer score is below
-    ``2**30`` (no int32 overflow at D 256), and its conversion to float32 is the one rounding.
-    A row with a NaN or infinite query has a NaN or infinite ``half_sum`` (taken from the float
-    terms, before their int8 conversion), so its scores are not finite, as with fp16 keys.
-    ``INTERLEAVED``: the columns follow the inline PTX's key order (nibbles of bytes ``j, j +
-    1`` low, high, low, high).
+    ``2**30`` (``|k| <= 128``: no int32 overflow at D 256), and its conversion to float32 is the
+    one rounding. A row with a NaN or infinite query has a NaN or infinite ``half_sum`` (taken
+    from the float terms, before their int8 conversion), so its scores are not finite, as with
+    fp16 keys. ``INTERLEAVED``: the columns follow the inline PTX's key order, parts 0 and 1
+    paired for 4-bit keys, 0 and 2, 1 and 3 for 5-bit ones (a block's quarters).
 
     Args:
-        q0: the low half of the head dim (the keys' low nibbles), ``[G_PAD, PC_PAD]``.
-        q1: the high half, the same shape.
+        q0: part 0 of the head dim, ``[G_PAD, PC_PAD]``.
+        q1: part 1, the same shape.
+        q2: part 2 (``PARTS`` 4), else ignored.
+        q3: part 3 (``PARTS`` 4), else ignored.
+        PARTS: the keys' parts, 2 (4-bit) or 4 (5-bit).
         INTERLEAVED: permute the columns for the inline PTX.
 
     Returns:
-        ``(hi0, hi1, lo0, lo1)`` transposed, ``[PC_PAD, G_PAD]`` int8; ``half_sum [G_PAD]`` and
-        ``step [G_PAD]`` float32.
+        ``(hi0, hi1, hi2, hi3)`` and ``(lo0, lo1, lo2, lo3)`` transposed, ``[PC_PAD, G_PAD]``
+        int8 (``PARTS`` 2: parts 2 and 3 repeat part 0); ``half_sum [G_PAD]`` and ``step
+        [G_PAD]`` float32.
     """
+    tl.static_assert(PARTS == 2 or PARTS == 4, "int8 keys have 2 (4-bit) or 4 (5-bit) parts")
     x0 = q0.to(tl.float32)
     x1 = q1.to(tl.float32)
     largest = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+    if PARTS == 4:
+        x2 = q2.to(tl.float32)
+        x3 = q3.to(tl.float32)
+        largest = tl.maximum(largest, tl.max(tl.abs(x2), axis=1))
+        largest = tl.maximum(largest, tl.max(tl.abs(x3), axis=1))
     # the biased exponent of the largest magnitude, at least 6 (zero rows: step 2**-126)
     biased = tl.maximum((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF, 6)
     step = ((biased - 5) << 23).to(tl.float32, bitcast=True)
-    inv_step = ((259 - biased) << 23).to(tl.float32, bitcast=True)
-    x0 = x0 * inv_step[:, None]
-    x1 = x1 * inv_step[:, None]
-    if INTERLEAVED:
-        # column 4g + 2b + h of operand a takes column 4g + 2a + b of half h
-        G_PAD: tl.constexpr = x0.shape[0]
-        PC_PAD: tl.constexpr = x0.shape[1]
-        halves = tl.join(
-            tl.reshape(x0, [G_PAD, PC_PAD // 4, 2, 2]), tl.reshape(x1, [G_PAD, PC_PAD // 4, 2, 2])
-        )  # [G_PAD, g, a, b, h]
-        x0, x1 = tl.split(tl.reshape(tl.permute(halves, [0, 1, 3, 4, 2]), [G_PAD, PC_PAD, 2]))
-    hi0 = tl.floor(x0 + 0.5)
-    hi1 = tl.floor(x1 + 0.5)
-    lo0 = tl.floor((x0 - hi0) * 254.0 + 0.5)
-    lo1 = tl.floor((x1 - hi1) * 254.0 + 0.5)
-    half_sum = 0.5 * (tl.sum(hi0 * 254.0 + lo0, axis=1) + tl.sum(hi1 * 254.0 + lo1, axis=1))
-    return (
+    inv_step = ((259 - biased) << 23).to(tl.float32, bitcast=True)[:, None]
+    if PARTS == 2:
+        hi0, hi1, lo0, lo1, total = _int8_pair(x0 * inv_step, x1 * inv_step, INTERLEAVED)
+        hi2 = hi0
+        hi3 = hi0
+        lo2 = lo0
+        lo3 = lo0
+    else:
+        hi0, hi2, lo0, lo2, total = _int8_pair(x0 * inv_step, x2 * inv_step, INTERLEAVED)
+        hi1, hi3, lo1, lo3, total13 = _int8_pair(x1 * inv_step, x3 * inv_step, INTERLEAVED)
+        total += total13
+    his = (
         tl.trans(hi0.to(tl.int8)),
         tl.trans(hi1.to(tl.int8)),
+        tl.trans(hi2.to(tl.int8)),
+        tl.trans(hi3.to(tl.int8)),
+    )
+    los = (
         tl.trans(lo0.to(tl.int8)),
         tl.trans(lo1.to(tl.int8)),
-        half_sum,
-        step,
+        tl.trans(lo2.to(tl.int8)),
+        tl.trans(lo3.to(tl.int8)),
     )
+    return his, los, 0.5 * total, step
 
 
 @triton.jit

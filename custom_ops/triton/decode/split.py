@@ -461,16 +461,16 @@ def split_kernel(
         q3 = tl.trans(
             tl.load(q_part + 3 * K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 2), other=0.0)
         )
-    # 4-bit keys multiplied as int8 (the integer Q K^T's operands, rows back on the first axis)
+    # 4- and 5-bit keys multiplied as int8 (the integer Q K^T's operands, rows back on the
+    # first axis)
     # in streaming splits: a one-tile split decodes too few keys to pay for preparing them
-    # (H200, 1 x 4096: 9.3 -> 10.5 us). Only where a GPU has run the inline PTX against float64
-    # attention: D 128 with a prepared query (a run over the other head dims and the query
-    # rotated here had one unexplained failure: docs/design/decode.md, "Integer keys").
-    INT8_KEYS: tl.constexpr = (
-        K.INT8_UNIT > 0.0 and not ONE_TILE and QUERY == QUERY_PREPARED and D == 128
-    )
+    # (H200, 1 x 4096: 9.3 -> 10.5 us). Int8 MMAs take k 32: 5-bit keys at D 64 (quarters of
+    # 16) stay fp16.
+    INT8_KEYS: tl.constexpr = K.INT8_UNIT > 0.0 and not ONE_TILE and K.PC_PAD >= 32
     if INT8_KEYS:
-        qs = int8_query(tl.trans(q0), tl.trans(q1), K.ASM_INT8 != "")
+        qs = int8_query(
+            tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), K.PARTS, len(K.ASM_INT8) > 0
+        )
     else:
         qs = (q0, q1, q2, q3)
 

@@ -7,7 +7,7 @@ P^T`` (``[PC_PAD, G_PAD]`` per value part). Argument tuples name the planes a ti
 stride_page, stride_slot)``, ``meta_plane = (meta_ptr, head_offset, stride_page,
 stride_slot)``, ``v_plane = (v_codes_ptr, head_offset, stride_page)`` (value rows token-minor,
 so a slot is a byte offset), ``qs = (q0, q1, q2, q3)`` the query parts, or with ``INT8_KEYS``
-:func:`custom_ops.triton.decode.query.int8_query`'s ``(hi0, hi1, lo0, lo1, half_sum, step)``.
+:func:`custom_ops.triton.decode.query.int8_query`'s ``(his, los, half_sum, step)``.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def compressed_scores(
     at and past ``end``, and below ``SINKS``: the sinks are read from the ring), capped by
     ``SOFTCAP`` and masked (:func:`custom_ops.triton.decode.softmax.mask_scores`): ``(scores
     [BLOCK_N, G_PAD] float32 in log2 units, page, slot, meta row pointers, valid)``.
-    ``INT8_KEYS``: 4-bit keys decoded to int8 against ``qs`` from
+    ``INT8_KEYS``: 4- or 5-bit keys decoded to int8 against ``qs`` from
     :func:`~custom_ops.triton.decode.query.int8_query`, integer products.
 
     Page ids come from the block table, or from ``early`` (entries read before the length was
@@ -127,10 +127,14 @@ def compressed_scores(
     k_rows = (page * stride_kc_page + k_head + slot * stride_kc_slot)[:, None]
     if INT8_KEYS:
         # exact integer products (custom_ops.triton.decode.query.int8_query)
-        hi0, hi1, lo0, lo1, half_sum, q_step = qs
-        k0, k1 = decode_int8_keys(k_codes_ptr, k_rows, k_byte, k_byte < K.PC, K)
-        high = tl.dot(k1, hi1, tl.dot(k0, hi0, out_dtype=tl.int32), out_dtype=tl.int32)
-        low = tl.dot(k1, lo1, tl.dot(k0, lo0, out_dtype=tl.int32), out_dtype=tl.int32)
+        his, los, half_sum, q_step = qs
+        keys = decode_int8_keys(k_codes_ptr, k_rows, k_byte, k_byte < K.PC, K, D)
+        high = tl.dot(keys[0], his[0], out_dtype=tl.int32)
+        low = tl.dot(keys[0], los[0], out_dtype=tl.int32)
+        PARTS: tl.constexpr = K.PARTS
+        for part in tl.static_range(1, PARTS):
+            high = tl.dot(keys[part], his[part], high, out_dtype=tl.int32)
+            low = tl.dot(keys[part], los[part], low, out_dtype=tl.int32)
         scores = ((high * 254 + low).to(tl.float32) + half_sum[None, :]) * (
             q_step * (K.INT8_UNIT / 254.0)
         )[None, :]

@@ -17,6 +17,7 @@ from custom_ops.triton.decode.ptx import (
     lut4_asm,
     lut4_int8_asm,
     lut5_asm,
+    lut5_int8_asm,
     words_asm,
 )
 
@@ -74,7 +75,7 @@ def test_lut4_asm(head_dim, seeded):
 def test_lut4_int8_asm(head_dim, seeded):
     """Each nibble (sign-magnitude) becomes the int8 whose half-integer, times the grid's unit,
     is its Lloyd-Max level; the outputs interleave each byte's low and high nibbles."""
-    grid, unit = int8_key_grid(head_dim)
+    grid, unit = int8_key_grid(4, head_dim)
     levels = signed_levels(4, head_dim)
     asm = lut4_int8_asm(grid)
     for word in _random_words(seeded, [0x76543210, 0xFEDCBA98, 0x01234567, 0x89ABCDEF]):
@@ -112,6 +113,28 @@ def test_lut5_asm(head_dim, block, seeded):
                 for b, s in zip(_bytes(plane_word), signs, strict=True)
             ]
             assert values == [levels[c].item() for c in codes]
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("block", [0, 1])
+def test_lut5_int8_asm(head_dim, block, seeded):
+    """A block's 5-bit codes (as in test_lut5_asm, the block's string instead of the constant
+    2c) become the int8 whose half-integer, times the grid's unit, is their Lloyd-Max level; the
+    outputs interleave each byte's low-quarter and high-quarter codes."""
+    grid, unit = int8_key_grid(5, head_dim)
+    levels = signed_levels(5, head_dim)
+    asm = lut5_int8_asm(grid, block)
+    for plane_word, low_word, high_word in _sign_cases(seeded):
+        regs = run(asm, {2: plane_word, 3: low_word, 4: high_word})
+        signs = [lo | hi >> 1 for lo, hi in zip(_bytes(low_word), _bytes(high_word), strict=True)]
+        codes = [
+            ((b >> (4 * half)) & 15) | (((s >> (2 * block + 4 * half)) & 1) << 4)
+            for b, s in zip(_bytes(plane_word), signs, strict=True)
+            for half in (0, 1)
+        ]
+        out = _bytes(regs[0]) + _bytes(regs[1])
+        decoded = torch.tensor(out, dtype=torch.uint8).view(torch.int8).double()
+        assert ((decoded + 0.5) * unit).tolist() == [levels[c].item() for c in codes]
 
 
 def _codes3(plane_word: int, low_word: int, high_word: int, quarter: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The split kernel's int8 query (``int8_query``) against the int8 key string it pairs with."""
+"""The split kernel's int8 query (``int8_query``) against the int8 key strings it pairs with."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from ptx_emulator import run
 
 from custom_ops.codebook import int8_key_grid
 from custom_ops.formats import SUPPORTED_HEAD_DIMS
-from custom_ops.triton.decode.ptx import lut4_int8_asm
+from custom_ops.triton.decode.ptx import lut4_int8_asm, lut5_int8_asm
 from custom_ops.triton.decode.query import int8_query
 
 GROUP = 4  # query rows of a program (G_PAD)
 TOKENS = 8
+# the parts that one inline-PTX instance decodes together (its outputs $0, $1), per key bits
+PAIRS = {4: ((0, 1),), 5: ((0, 2), (1, 3))}
 
 
 @triton.jit
@@ -25,78 +27,109 @@ def _int8_query_kernel(
     step_ptr,
     G: tl.constexpr,
     PC: tl.constexpr,
+    PARTS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
 ):
-    """``q [G, 2, PC]`` (the halves, padded) -> ``terms [4, PC, G]`` (hi0, hi1, lo0, lo1),
+    """``q [G, PARTS, PC]`` (the parts, padded) -> ``terms [2, PARTS, PC, G]`` (hi, lo),
     ``half_sum [G]``, ``step [G]``."""
     g = tl.arange(0, G)
     c = tl.arange(0, PC)
-    rows = q_ptr + g[:, None] * 2 * PC + c[None, :]
-    hi0, hi1, lo0, lo1, half_sum, step = int8_query(tl.load(rows), tl.load(rows + PC), INTERLEAVED)
+    rows = q_ptr + g[:, None] * PARTS * PC + c[None, :]
+    q0 = tl.load(rows)
+    q1 = tl.load(rows + PC)
+    q2 = q0
+    q3 = q0
+    if PARTS == 4:
+        q2 = tl.load(rows + 2 * PC)
+        q3 = tl.load(rows + 3 * PC)
+    his, los, half_sum, step = int8_query(q0, q1, q2, q3, PARTS, INTERLEAVED)
     out = terms_ptr + c[:, None] * G + g[None, :]
-    tl.store(out, hi0)
-    tl.store(out + PC * G, hi1)
-    tl.store(out + 2 * PC * G, lo0)
-    tl.store(out + 3 * PC * G, lo1)
+    for part in tl.static_range(PARTS):
+        tl.store(out + part * PC * G, his[part])
+        tl.store(out + (PARTS + part) * PC * G, los[part])
     tl.store(half_sum_ptr + g, half_sum)
     tl.store(step_ptr + g, step)
 
 
 def _int8_query(q: torch.Tensor, interleaved: bool):
-    """Run ``int8_query`` on ``q [G, 2, PC_PAD]`` fp16 where the kernels run."""
-    group, _, pc_pad = q.shape
-    terms = torch.empty(4, pc_pad, group, dtype=torch.int8, device=q.device)
+    """Run ``int8_query`` on ``q [G, PARTS, PC_PAD]`` fp16 where the kernels run: ``terms [2,
+    PARTS, PC_PAD, G]``, ``half_sum [G]``, ``step [G]``."""
+    group, parts, pc_pad = q.shape
+    terms = torch.empty(2, parts, pc_pad, group, dtype=torch.int8, device=q.device)
     half_sum = torch.empty(group, dtype=torch.float32, device=q.device)
     step = torch.empty_like(half_sum)
-    _int8_query_kernel[(1,)](q, terms, half_sum, step, group, pc_pad, interleaved)
+    _int8_query_kernel[(1,)](q, terms, half_sum, step, group, pc_pad, parts, interleaved)
     return terms.cpu(), half_sum.cpu(), step.cpu()
 
 
-def _ptx_keys(codes: torch.Tensor, grid) -> torch.Tensor:
-    """The inline PTX's int8 key operands of code bytes ``[N, PC_PAD]``: ``[2, N, PC_PAD]``, each
-    4-byte group decoded by the emulator as the kernel's ``pack=4`` asm decodes it."""
-    asm = lut4_int8_asm(grid)
-    out = torch.empty(2, *codes.shape, dtype=torch.int8)
-    words = codes.to(torch.int64).reshape(codes.shape[0], -1, 4)
-    for n in range(words.shape[0]):
-        for w in range(words.shape[1]):
-            word = sum(int(b) << (8 * i) for i, b in enumerate(words[n, w]))
-            regs = run(asm, {2: word})
-            for half in range(2):
-                lanes = [(regs[half] >> (8 * i)) & 0xFF for i in range(4)]
-                out[half, n, 4 * w : 4 * w + 4] = torch.tensor(lanes, dtype=torch.uint8).view(
-                    torch.int8
-                )
-    return out
+def _bytes_of(regs: int) -> torch.Tensor:
+    return torch.tensor([(regs >> (8 * i)) & 0xFF for i in range(4)], dtype=torch.uint8)
 
 
+def _keys(bits: int, plane: torch.Tensor, signs: torch.Tensor, block: int, grid):
+    """One PTX instance's two parts of int8 keys, from code bytes ``plane [N, PC_PAD]`` (and,
+    for 5 bits, sign bytes ``signs``: bit ``2 block`` / ``2 block + 4`` the low / high nibble's
+    sign, as the sign halves give them): ``(plain [2, N, PC_PAD], ptx [2, N, PC_PAD])`` int64,
+    the plain order's parts and the emulated string's interleaved outputs."""
+    if bits == 4:
+        codes = [plane & 15, plane >> 4]
+        asm = lut4_int8_asm(grid)
+    else:
+        codes = [
+            (plane & 15) | (((signs >> (2 * block)) & 1) << 4),
+            (plane >> 4) | (((signs >> (2 * block + 4)) & 1) << 4),
+        ]
+        asm = lut5_int8_asm(grid, block)
+    sign = 1 << (bits - 1)
+    table = torch.tensor(grid, dtype=torch.int64)
+    codes = torch.stack(codes).to(torch.int64)
+    magnitude = table[codes & (sign - 1)]
+    plain = torch.where(codes >= sign, -magnitude - 1, magnitude)
+    ptx = torch.empty(2, *plane.shape, dtype=torch.uint8)
+    for n in range(plane.shape[0]):
+        for w in range(plane.shape[1] // 4):
+            word = sum(int(b) << (8 * i) for i, b in enumerate(plane[n, 4 * w : 4 * w + 4]))
+            sign_word = sum(int(b) << (8 * i) for i, b in enumerate(signs[n, 4 * w : 4 * w + 4]))
+            # the sign bytes as the low sign half, the high half zero (a valid split of them)
+            inputs = {2: word, 3: sign_word, 4: 0}
+            regs = run(asm, inputs)
+            for out in range(2):
+                ptx[out, n, 4 * w : 4 * w + 4] = _bytes_of(regs[out])
+    return plain, ptx.view(torch.int8).to(torch.int64)
+
+
+@pytest.mark.parametrize("bits", [4, 5])
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
-def test_interleaved_keys_and_query_give_the_plain_products(head_dim, kernel_device, seeded):
-    """Against the PTX's interleaved int8 keys (each byte's low and high nibble side by side),
-    the permuted query gives the plain order's integer products, hi and lo terms alike, with the
-    same ``half_sum`` and ``step``; padded columns (D 80, 96: halves of 40 and 48 in 64) stay
-    zero. The plain query is each row to within ``step / 508``."""
-    half = head_dim // 2
-    pc_pad = triton.next_power_of_2(half)
-    q = torch.zeros(GROUP, 2, pc_pad, dtype=torch.float16)
-    q[:, :, :half] = torch.randn(GROUP, 2, half, generator=seeded).to(torch.float16) * 3
+def test_interleaved_keys_and_query_give_the_plain_products(bits, head_dim, kernel_device, seeded):
+    """Against the PTX's interleaved int8 keys (each byte's low and high nibble side by side:
+    4-bit parts 0 and 1, or a 5-bit block's quarters), the permuted query gives the plain
+    order's integer products, hi and lo terms alike, with the same ``half_sum`` and ``step``;
+    padded columns (D 80, 96: parts of 40 and 48 in 64, quarters of 20 and 24 in 32) stay zero.
+    The plain query is each row to within ``step / 508``."""
+    parts = len(PAIRS[bits]) * 2
+    pc = head_dim // parts
+    pc_pad = triton.next_power_of_2(pc)
+    q = torch.zeros(GROUP, parts, pc_pad, dtype=torch.float16)
+    q[:, :, :pc] = torch.randn(GROUP, parts, pc, generator=seeded).to(torch.float16) * 3
     plain, plain_half_sum, plain_step = _int8_query(q.to(kernel_device), False)
     mixed, mixed_half_sum, mixed_step = _int8_query(q.to(kernel_device), True)
     assert torch.equal(mixed_half_sum, plain_half_sum) and torch.equal(mixed_step, plain_step)
-    assert not plain[:, half:].any() and not mixed[:, half:].any()
-    kept = (254 * plain[:2].double() + plain[2:].double()) * (plain_step.double() / 254)
+    assert not plain[:, :, pc:].any() and not mixed[:, :, pc:].any()
+    kept = (254 * plain[0].double() + plain[1].double()) * (plain_step.double() / 254)
     error = (kept - q.permute(1, 2, 0).double()).abs()
     assert bool((error <= plain_step.double() / 508 * (1 + 1e-9)).all())
 
-    grid, _ = int8_key_grid(head_dim)
-    codes = torch.zeros(TOKENS, pc_pad, dtype=torch.uint8)  # masked-off bytes load as 0
-    codes[:, :half] = torch.randint(0, 256, (TOKENS, half), generator=seeded, dtype=torch.uint8)
-    table = torch.tensor(grid, dtype=torch.int64)
-    nibbles = torch.stack([codes & 15, codes >> 4]).to(torch.int64)  # [2, N, PC_PAD]
-    magnitude = table[nibbles & 7]
-    plain_keys = torch.where(nibbles >= 8, -magnitude - 1, magnitude)
-    ptx_keys = _ptx_keys(codes, grid).to(torch.int64)
-    for term in (0, 2):  # hi, then lo
-        expected = plain_keys[0] @ plain[term].long() + plain_keys[1] @ plain[term + 1].long()
-        actual = ptx_keys[0] @ mixed[term].long() + ptx_keys[1] @ mixed[term + 1].long()
-        assert torch.equal(actual, expected)
+    grid, _ = int8_key_grid(bits, head_dim)
+    expected = torch.zeros(2, TOKENS, GROUP, dtype=torch.int64)
+    actual = torch.zeros_like(expected)
+    for block, pair in enumerate(PAIRS[bits]):
+        # masked-off bytes load as 0
+        plane = torch.zeros(TOKENS, pc_pad, dtype=torch.uint8)
+        plane[:, :pc] = torch.randint(0, 256, (TOKENS, pc), generator=seeded, dtype=torch.uint8)
+        signs = torch.randint(0, 256, (TOKENS, pc_pad), generator=seeded, dtype=torch.uint8)
+        plain_keys, ptx_keys = _keys(bits, plane, signs, block, grid)
+        for term in (0, 1):  # hi, then lo
+            for out, part in enumerate(pair):
+                expected[term] += plain_keys[out] @ plain[term, part].long()
+                actual[term] += ptx_keys[out] @ mixed[term, part].long()
+    assert torch.equal(actual, expected)
