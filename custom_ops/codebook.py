@@ -9,8 +9,8 @@ Code convention (shared with every kernel): codes are **sign-magnitude**. A b-bi
 ``sign << (b - 1) | magnitude_index`` with magnitudes in ascending order, so the symmetric
 codebook needs a table of 2^(b-1) magnitudes and one sign bit. Levels are rounded to float16
 once, here, because the decode kernels multiply them on fp16 tensor cores: the reference and
-every kernel then use bit-identical levels. 4- and 5-bit magnitudes are rounded further, onto
-the grid ``(r + 1/2) * unit`` (``r`` 0..127, ``unit`` of 3 significant bits:
+every kernel then use bit-identical levels. 3-, 4- and 5-bit magnitudes are rounded further,
+onto the grid ``(r + 1/2) * unit`` (``r`` 0..127, ``unit`` of 3 significant bits:
 :func:`int8_key_grid`), so that the decode kernel multiplies such keys on int8 tensor cores:
 ``r`` or ``~r = -r - 1`` is the code's int8, and ``(r + 1/2) * unit`` is still an fp16 value.
 
@@ -83,7 +83,7 @@ def lloyd_max_magnitudes(bits: int, head_dim: int) -> tuple[float, ...]:
 
 
 # Bits whose magnitudes lie on the int8 grid of int8_key_grid.
-INT8_GRID_BITS = (4, 5)
+INT8_GRID_BITS = (3, 4, 5)
 
 
 @functools.cache
@@ -95,9 +95,9 @@ def int8_key_grid(bits: int, head_dim: int) -> tuple[tuple[int, ...], float]:
     1.5, 1.75) that keeps ``r`` within 0..127 (an int8 ``r``, or ``~r`` for a negative code),
     so every magnitude is the Lloyd-Max one to within ``unit / 2`` (0.4% of the largest or
     less) and ``(2 r + 1) * unit / 2`` has at most 11 significant bits: exact in fp16 and in
-    float32. Rounding onto it raises the codebook's mean-squared error by 0.08% (D 128) to
-    0.28% (D 256) for 4 bits (a power-of-two unit: up to 0.82%), by 0.56% (D 256) to 1.77%
-    (D 96) for 5 bits, whose levels are closer together.
+    float32. Rounding onto it raises the codebook's mean-squared error by at most 0.12% for
+    3 bits, 0.08% (D 128) to 0.28% (D 256) for 4 bits (a power-of-two unit: up to 0.82%), and
+    0.56% (D 256) to 1.77% (D 96) for 5 bits, whose levels are closer together.
 
     Args:
         bits: code width, one of :data:`INT8_GRID_BITS`.
@@ -141,8 +141,8 @@ def signed_levels(bits: int, head_dim: int) -> torch.Tensor:
 
     Returns:
         ``[2^bits] float32``: entry ``s << (bits-1) | m`` is ``(-1)^s * magnitude[m]``, with the
-        magnitudes rounded to float16, 4- and 5-bit ones to :func:`int8_key_grid` (exactly what the
-        kernels multiply with).
+        magnitudes rounded to float16, 3-, 4- and 5-bit ones to :func:`int8_key_grid` (exactly
+        what the kernels multiply with).
     """
     return torch.tensor(signed_level_values(bits, head_dim), dtype=torch.float32, device="cpu")
 

@@ -60,17 +60,22 @@ def test_levels_are_fp16_sign_magnitude():
     assert bool((levels[1:8] > levels[:7]).all()) and bool((levels[:8] > 0).all())
 
 
-@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("bits", [3, 4, 5])
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 def test_int8_key_grid(bits, head_dim):
-    """4- and 5-bit magnitudes are ``(r + 1/2) * unit``: ``r`` ascending within 0..127 and at
-    least 110 at the top (the unit as fine as 3 significant bits allow), ``unit`` of 3
-    significant bits, each level the Lloyd-Max one to within ``unit / 2`` and exact in fp16."""
+    """3-, 4- and 5-bit magnitudes are ``(r + 1/2) * unit``: ``r`` ascending within 0..127,
+    ``unit`` of 3 significant bits and as fine as they allow (the next smaller such number
+    would take the top ``r`` past 127), each level the Lloyd-Max one to within ``unit / 2`` and
+    exact in fp16."""
     grid, unit = int8_key_grid(bits, head_dim)
     mags = signed_levels(bits, head_dim)[: 1 << (bits - 1)].double()
     r = torch.tensor(grid, dtype=torch.float64)
-    assert bool((r[1:] > r[:-1]).all()) and grid[0] >= 0 and 110 <= grid[-1] <= 127
-    assert (unit / 2.0 ** math.floor(math.log2(unit))) in (1.0, 1.25, 1.5, 1.75)
+    assert bool((r[1:] > r[:-1]).all()) and grid[0] >= 0 and grid[-1] <= 127
+    exponent = math.floor(math.log2(unit))
+    significands = (0.875, 1.0, 1.25, 1.5, 1.75)  # 0.875: 1.75 of the exponent below
+    index = significands.index(unit / 2.0**exponent)
+    smaller = significands[index - 1] * 2.0**exponent
+    assert round(lloyd_max_magnitudes(bits, head_dim)[-1] / smaller - 0.5) > 127
     assert torch.equal(mags, (r + 0.5) * unit)
     assert torch.equal(mags, mags.half().double())
     exact = torch.tensor(lloyd_max_magnitudes(bits, head_dim), dtype=torch.float64)
@@ -79,7 +84,7 @@ def test_int8_key_grid(bits, head_dim):
 
 def test_int8_key_grid_rejects_other_bits():
     with pytest.raises(ValueError, match="bits must be one of"):
-        int8_key_grid(3, 128)
+        int8_key_grid(2, 128)
 
 
 @pytest.mark.parametrize("order", sorted({*SUPPORTED_HEAD_DIMS, 12, 20, 48}))

@@ -18,7 +18,13 @@ import triton.language as tl
 
 from custom_ops.codebook import INT8_GRID_BITS, int8_key_grid
 from custom_ops.formats import Codec, Kind
-from custom_ops.triton.decode.ptx import decode_asm, lut4_int8_asm, lut5_int8_asm, parts_of
+from custom_ops.triton.decode.ptx import (
+    decode_asm,
+    lut3_int8_asm,
+    lut4_int8_asm,
+    lut5_int8_asm,
+    parts_of,
+)
 from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX
 from custom_ops.triton.planes import codec_levels, first_meta_column, lloyd_max_levels
 from custom_ops.triton.traced import importable_repr
@@ -40,12 +46,13 @@ class PartParams(NamedTuple):
         PC_PAD: PC rounded up to a power of two.
         ASM: the inline PTX that decodes 4 code bytes (``""``: plain Triton).
         LEVELS: the signed Lloyd-Max levels (``()`` for other codecs).
-        INT8_GRID: for 4- and 5-bit Lloyd-Max keys, the magnitudes' ``r`` of
+        INT8_GRID: for 3-, 4- and 5-bit Lloyd-Max keys, the magnitudes' ``r`` of
             :func:`custom_ops.codebook.int8_key_grid` (the split kernel's integer ``Q K^T``);
             ``()`` otherwise.
         INT8_UNIT: that grid's unit (0.0 without one).
-        ASM_INT8: the inline PTX that decodes 4 key code bytes to int8, one string (4 bits) or
-            one per block of the magnitude plane (5 bits); ``()``: plain Triton, or no grid.
+        ASM_INT8: the inline PTX that decodes 4 key code bytes to int8, one string (3 and 4
+            bits) or one per block of the magnitude plane (5 bits); ``()``: plain Triton, or no
+            grid.
     """
 
     KIND: int
@@ -75,11 +82,11 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
     if side == "k" and codec.kind == Kind.LLOYD_MAX and codec.bits in INT8_GRID_BITS:
         grid, unit = int8_key_grid(codec.bits, head_dim)
         if fast:
-            int8_asm = (
-                (lut4_int8_asm(grid),)
-                if codec.bits == 4
-                else (lut5_int8_asm(grid, 0), lut5_int8_asm(grid, 1))
-            )
+            int8_asm = {
+                3: (lut3_int8_asm(grid),),
+                4: (lut4_int8_asm(grid),),
+                5: (lut5_int8_asm(grid, 0), lut5_int8_asm(grid, 1)),
+            }[codec.bits]
     return PartParams(
         int(codec.kind),
         codec.bits,
@@ -118,18 +125,18 @@ def _int8_keys(codes, P: tl.constexpr):
 
 @triton.jit
 def decode_int8_keys(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.constexpr):
-    """A tile of 4- or 5-bit key code rows as the int8 operands of the integer ``Q K^T``
+    """A tile of 3-, 4- or 5-bit key code rows as the int8 operands of the integer ``Q K^T``
     (``row_offsets [N, 1]``, ``j [1, PC]`` the plane's bytes): level ``(int8 + 1/2) *
     P.INT8_UNIT``. Plain Triton gives the parts in order (4 bits: low nibbles, elements ``j``,
-    and high nibbles, ``j + D/2``; 5 bits: the quarters); the inline PTX interleaves the two
-    parts that a byte's nibbles hold (:func:`~custom_ops.triton.decode.ptx.lut4_int8_asm`,
-    :func:`~custom_ops.triton.decode.ptx.lut5_int8_asm`: 4 bits, parts 0 and 1; 5 bits, block
-    ``c``'s quarters ``c`` and ``c + 2``), and the query is permuted to match
+    and high nibbles, ``j + D/2``; 3 and 5 bits: the quarters); the inline PTX interleaves the
+    two parts that one string's nibbles hold (:mod:`~custom_ops.triton.decode.ptx`'s int8
+    strings: 4 bits, parts 0 and 1; 3 bits, quarters 0 and 2, 1 and 3; 5 bits, block ``c``'s
+    quarters ``c`` and ``c + 2``), and the query is permuted to match
     (:func:`~custom_ops.triton.decode.query.int8_query`).
 
     Args:
-        codes_ptr: the key codes' base (the 4-bit plane; 5 bits: the magnitude plane, the sign
-            plane at ``P.OFF1``).
+        codes_ptr: the key codes' base (the 4-bit plane; 3 and 5 bits: the 2-bit or the
+            magnitude plane, the sign plane at ``P.OFF1``).
         row_offsets: byte 0 of each token's row, ``[N, 1]``.
         j: the plane's bytes, ``[1, PC_PAD]``.
         mask: the bytes to load (``j < PC``); others read as code 0.
@@ -152,6 +159,23 @@ def decode_int8_keys(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.con
             k1 = _int8_keys(codes >> 4, P)
         k2 = k0
         k3 = k0
+    elif P.BITS == 3:
+        low, high = _sign_halves(codes_ptr, row_offsets, j, mask, P, D, 1, 1)
+        if len(P.ASM_INT8) > 0:
+            k0, k2, k1, k3 = tl.inline_asm_elementwise(
+                P.ASM_INT8[0],
+                "=r,=r,=r,=r,r,r,r",
+                [plane, low, high],
+                dtype=(tl.int8,) * 4,
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            c0, c1, c2, c3 = _lut3_codes(plane, low, high)
+            k0 = _int8_keys(c0, P)
+            k1 = _int8_keys(c1, P)
+            k2 = _int8_keys(c2, P)
+            k3 = _int8_keys(c3, P)
     else:
         second = tl.load(codes_ptr + row_offsets + j + D // 4, mask=mask, other=0)
         low, high = _sign_halves(codes_ptr, row_offsets, j, mask, P, D, 1, 1)
@@ -200,6 +224,21 @@ def _sign_halves(
     low = tl.load(sign_ptrs, mask=mask & (j < D8), other=0)
     high = tl.load(sign_ptrs, mask=mask & (j >= D8), other=0)
     return low, high
+
+
+@triton.jit
+def _lut3_codes(plane, low, high):
+    """The 3-bit codes (int32) of the four quarters of a tile of the 2-bit plane: byte ``j``
+    holds element ``j + q D/4``'s low bits at bits ``2q``, its top bit is bit ``2q`` of ``low |
+    high >> 1`` (see :func:`_sign_halves`)."""
+    codes = plane.to(tl.int32)
+    signs = (low | (high >> 1)).to(tl.int32)
+    return (
+        (codes & 3) | ((signs & 1) << 2),
+        ((codes >> 2) & 3) | (signs & 4),
+        ((codes >> 4) & 3) | ((signs >> 2) & 4),
+        ((codes >> 6) & 3) | ((signs >> 4) & 4),
+    )
 
 
 @triton.jit
@@ -316,11 +355,11 @@ def decode_tile(
                 pack=4,
             )
         else:
-            signs = low | (high >> 1)
-            p0 = _values((plane & 3) | ((signs & 1) << 2), P)
-            p1 = _values(((plane >> 2) & 3) | (signs & 4), P)
-            p2 = _values(((plane >> 4) & 3) | ((signs >> 2) & 4), P)
-            p3 = _values(((plane >> 6) & 3) | ((signs >> 4) & 4), P)
+            c0, c1, c2, c3 = _lut3_codes(plane, low, high)
+            p0 = _values(c0, P)
+            p1 = _values(c1, P)
+            p2 = _values(c2, P)
+            p3 = _values(c3, P)
     elif P.BITS == 2:
         # byte j holds element j + q*D/4 at bits 2q
         if ASM != "":

@@ -199,11 +199,11 @@ def test_query_rotated_in_split_or_prepared(fmt_name, kernel_device, seeded):
 
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 def test_int8_keys_at_every_head_dim(head_dim, kernel_device, seeded):
-    """4- and 5-bit keys in streaming splits (a longer table) at every head dim (80 and 96 pad
-    their parts), multiplied as int8 (the query in two int8 terms; 5-bit keys at D 64, quarters
-    of 16, as fp16), the query prepared (2 splits) or, at powers of two, rotated in the kernel
-    (4 splits), against float64 attention."""
-    for fmt_name in ("4bit_nc", "tqk5v3_nc"):
+    """3-, 4- and 5-bit keys in streaming splits (a longer table) at every head dim (80 and 96
+    pad their parts), multiplied as int8 (the query in two int8 terms; 3- and 5-bit keys at D
+    64, quarters of 16, as fp16), the query prepared (2 splits) or, at powers of two, rotated
+    in the kernel (4 splits), against float64 attention."""
+    for fmt_name in ("4bit_nc", "tqk5v3_nc", "3bit_nc"):
         fmt, consts, cache, table, lens, q = decode_case(fmt_name, head_dim, 4, seeded)
         expected = reference.decode(
             fmt, q, cache, table, lens, *consts, head_dim**-0.5, torch.float64
@@ -347,10 +347,10 @@ an infinite softcap: ValueError: tq.decode: softcap must be 0 (no cap) or a posi
 def test_fast_and_portable_paths_agree(seeded):
     """On the GPU, the inline-PTX decoding of the codes (5, 4, 3, 2 bits, int8) equals the
     plain-Triton decoding; sign planes also at D = 80 (a key's 4-byte group straddles D/8, the
-    sign halves' boundary) and D = 64. 4- and 5-bit keys in streaming splits (longer tables) at
-    every head dim (D 80 and 96 pad their halves), the query prepared (2 splits) or rotated in the
-    kernel (4 splits), multiplied as int8: the PTX's interleaved nibbles against a permuted
-    query."""
+    sign halves' boundary) and D = 64. 3-, 4- and 5-bit keys in streaming splits (longer
+    tables) at every head dim (D 80 and 96 pad their parts), the query prepared (2 splits) or
+    rotated in the kernel (4 splits), multiplied as int8: the PTX's interleaved nibbles against
+    a permuted query."""
     formats = [
         "4bit_nc",
         "tq4_nc",
@@ -367,7 +367,9 @@ def test_fast_and_portable_paths_agree(seeded):
     cases = [(name, 128, False, (2,)) for name in formats]
     cases += [(name, d, False, (2,)) for name in ("tqk5v3_nc", "tq3_nc") for d in (64, 80)]
     cases += [
-        (name, d, True, (2, 4)) for name in ("4bit_nc", "tqk5v3_nc") for d in SUPPORTED_HEAD_DIMS
+        (name, d, True, (2, 4))
+        for name in ("4bit_nc", "tqk5v3_nc", "3bit_nc")
+        for d in SUPPORTED_HEAD_DIMS
     ]
     cases += [(name, 128, True, (2, 4)) for name in ("tq4_nc", "tqk4v2_nc")]
     for fmt_name, head_dim, streaming, split_counts in cases:

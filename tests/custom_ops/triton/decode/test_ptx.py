@@ -14,6 +14,7 @@ from custom_ops.triton.decode.ptx import (
     UINT4_ASM,
     decode_asm,
     lut3_asm,
+    lut3_int8_asm,
     lut4_asm,
     lut4_int8_asm,
     lut5_asm,
@@ -157,6 +158,24 @@ def _sign_cases(gen):
         yield plane_word, 0, sign_word
         yield plane_word, sign_word & byte_mask, sign_word & ~byte_mask & 0xFFFFFFFF
         yield plane_word, sign_word, planes[-1 - i]
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_lut3_int8_asm(head_dim, seeded):
+    """Each quarter's 3-bit code (as in test_lut3_asm) becomes the int8 whose half-integer,
+    times the grid's unit, is its Lloyd-Max level; outputs 0 and 1 interleave quarters 0 and 2
+    of each byte, outputs 2 and 3 quarters 1 and 3."""
+    grid, unit = int8_key_grid(3, head_dim)
+    levels = signed_levels(3, head_dim)
+    asm = lut3_int8_asm(grid)
+    for plane_word, low_word, high_word in _sign_cases(seeded):
+        regs = run(asm, {4: plane_word, 5: low_word, 6: high_word})
+        quarters = [_codes3(plane_word, low_word, high_word, q) for q in range(4)]
+        for first, (a, b) in ((0, (0, 2)), (2, (1, 3))):
+            codes = [c for pair in zip(quarters[a], quarters[b], strict=True) for c in pair]
+            out = _bytes(regs[first]) + _bytes(regs[first + 1])
+            decoded = torch.tensor(out, dtype=torch.uint8).view(torch.int8).double()
+            assert ((decoded + 0.5) * unit).tolist() == [levels[c].item() for c in codes]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -10,13 +10,13 @@ from ptx_emulator import run
 
 from custom_ops.codebook import int8_key_grid
 from custom_ops.formats import SUPPORTED_HEAD_DIMS
-from custom_ops.triton.decode.ptx import lut4_int8_asm, lut5_int8_asm
+from custom_ops.triton.decode.ptx import lut3_int8_asm, lut4_int8_asm, lut5_int8_asm
 from custom_ops.triton.decode.query import int8_query
 
 GROUP = 4  # query rows of a program (G_PAD)
 TOKENS = 8
 # the parts that one inline-PTX instance decodes together (its outputs $0, $1), per key bits
-PAIRS = {4: ((0, 1),), 5: ((0, 2), (1, 3))}
+PAIRS = {3: ((0, 2), (1, 3)), 4: ((0, 1),), 5: ((0, 2), (1, 3))}
 
 
 @triton.jit
@@ -67,13 +67,20 @@ def _bytes_of(regs: int) -> torch.Tensor:
 
 
 def _keys(bits: int, plane: torch.Tensor, signs: torch.Tensor, block: int, grid):
-    """One PTX instance's two parts of int8 keys, from code bytes ``plane [N, PC_PAD]`` (and,
-    for 5 bits, sign bytes ``signs``: bit ``2 block`` / ``2 block + 4`` the low / high nibble's
-    sign, as the sign halves give them): ``(plain [2, N, PC_PAD], ptx [2, N, PC_PAD])`` int64,
-    the plain order's parts and the emulated string's interleaved outputs."""
+    """The int8 keys of the parts ``PAIRS[bits][block]``, from code bytes ``plane [N, PC_PAD]``
+    (and, for 3 and 5 bits, sign bytes ``signs`` as the sign halves give them: bit ``2q`` the
+    sign of 3-bit quarter ``q``; bit ``2 block`` / ``2 block + 4`` that of a 5-bit block's low
+    / high nibble): ``(plain [2, N, PC_PAD], ptx [2, N, PC_PAD])`` int64, the plain order's
+    parts and the emulated string's interleaved outputs (3 bits: outputs ``2 block``, ``2 block
+    + 1``)."""
+    outputs = (0, 1)
     if bits == 4:
         codes = [plane & 15, plane >> 4]
         asm = lut4_int8_asm(grid)
+    elif bits == 3:
+        codes = [((plane >> 2 * q) & 3) | (((signs >> 2 * q) & 1) << 2) for q in PAIRS[3][block]]
+        asm = lut3_int8_asm(grid)
+        outputs = (2 * block, 2 * block + 1)
     else:
         codes = [
             (plane & 15) | (((signs >> (2 * block)) & 1) << 4),
@@ -91,18 +98,22 @@ def _keys(bits: int, plane: torch.Tensor, signs: torch.Tensor, block: int, grid)
             word = sum(int(b) << (8 * i) for i, b in enumerate(plane[n, 4 * w : 4 * w + 4]))
             sign_word = sum(int(b) << (8 * i) for i, b in enumerate(signs[n, 4 * w : 4 * w + 4]))
             # the sign bytes as the low sign half, the high half zero (a valid split of them)
-            inputs = {2: word, 3: sign_word, 4: 0}
+            if bits == 3:
+                inputs = {4: word, 5: sign_word, 6: 0}
+            else:
+                inputs = {2: word, 3: sign_word, 4: 0}
             regs = run(asm, inputs)
-            for out in range(2):
-                ptx[out, n, 4 * w : 4 * w + 4] = _bytes_of(regs[out])
+            for out, reg in enumerate(outputs):
+                ptx[out, n, 4 * w : 4 * w + 4] = _bytes_of(regs[reg])
     return plain, ptx.view(torch.int8).to(torch.int64)
 
 
-@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("bits", [3, 4, 5])
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 def test_interleaved_keys_and_query_give_the_plain_products(bits, head_dim, kernel_device, seeded):
     """Against the PTX's interleaved int8 keys (each byte's low and high nibble side by side:
-    4-bit parts 0 and 1, or a 5-bit block's quarters), the permuted query gives the plain
+    4-bit parts 0 and 1, 3-bit quarters 0 and 2, 1 and 3, or a 5-bit block's quarters), the
+    permuted query gives the plain
     order's integer products, hi and lo terms alike, with the same ``half_sum`` and ``step``;
     padded columns (D 80, 96: parts of 40 and 48 in 64, quarters of 20 and 24 in 32) stay zero.
     The plain query is each row to within ``step / 508``."""
