@@ -205,7 +205,7 @@ def tq_calls(fmt, inputs, rings, num_splits: int, **kernel_args) -> list:
 # counts x 1/2, x 2 and x 4 around the default at the default configuration.
 SWEEP = [
     (32, 1, 2, 1),
-    (32, 1, 3, 1),
+    (32, 1, 3, 1),  # the default tile with the block-table entries loaded two tiles ahead
     (32, 1, 2, 2),
     (32, 1, 3, 2),
     (64, 1, 2, 1),

@@ -93,8 +93,8 @@ def int8_key_grid(bits: int, head_dim: int) -> tuple[tuple[int, ...], float]:
 
     ``unit`` is the smallest number of 3 significant bits (``c * 2**k``, ``c`` one of 1, 1.25,
     1.5, 1.75) that keeps ``r`` within 0..127 (an int8 ``r``, or ``~r`` for a negative code),
-    so every magnitude is the Lloyd-Max one to within ``unit / 2`` (0.4% of the largest or
-    less) and ``(2 r + 1) * unit / 2`` has at most 11 significant bits: exact in fp16 and in
+    so every magnitude is the Lloyd-Max one to within ``unit / 2`` (under 0.5% of the
+    largest) and ``(2 r + 1) * unit / 2`` has at most 11 significant bits: exact in fp16 and in
     float32. Rounding onto it raises the codebook's mean-squared error by at most 0.12% for
     3 bits, 0.08% (D 128) to 0.28% (D 256) for 4 bits (a power-of-two unit: up to 0.82%), and
     0.56% (D 256) to 1.77% (D 96) for 5 bits, whose levels are closer together.

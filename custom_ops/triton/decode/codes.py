@@ -29,7 +29,7 @@ from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX
 from custom_ops.triton.planes import codec_levels, first_meta_column, lloyd_max_levels
 from custom_ops.triton.traced import importable_repr
 
-__all__ = ["PartParams", "part_params", "decode_tile", "decode_int8_keys"]
+__all__ = ["PartParams", "part_params", "decode_tile", "decode_int8_keys", "int8_keys"]
 
 
 class PartParams(NamedTuple):
@@ -81,12 +81,12 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
     grid, unit, int8_asm = (), 0.0, ()
     if side == "k" and codec.kind == Kind.LLOYD_MAX and codec.bits in INT8_GRID_BITS:
         grid, unit = int8_key_grid(codec.bits, head_dim)
-        if fast:
-            int8_asm = {
-                3: (lut3_int8_asm(grid),),
-                4: (lut4_int8_asm(grid),),
-                5: (lut5_int8_asm(grid, 0), lut5_int8_asm(grid, 1)),
-            }[codec.bits]
+        if fast and codec.bits == 3:
+            int8_asm = (lut3_int8_asm(grid),)
+        elif fast and codec.bits == 4:
+            int8_asm = (lut4_int8_asm(grid),)
+        elif fast:
+            int8_asm = (lut5_int8_asm(grid, 0), lut5_int8_asm(grid, 1))
     return PartParams(
         int(codec.kind),
         codec.bits,
@@ -101,6 +101,16 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
         unit,
         int8_asm,
     )
+
+
+@triton.constexpr_function
+def int8_keys(int8_unit: float, part_pad: int, one_tile: bool) -> bool:
+    """Whether the split kernel multiplies keys of :class:`PartParams` ``INT8_UNIT`` and
+    ``PC_PAD`` as int8 (in the kernel and on the host alike): Lloyd-Max keys on an int8 grid,
+    in streaming splits (a one-tile split decodes too few keys to pay for preparing the query:
+    H200, 1 x 4096, 9.3 -> 10.5 us), with parts of at least 32 elements (int8 MMAs take k 32:
+    3- and 5-bit keys at D 64, quarters of 16, stay fp16)."""
+    return int8_unit > 0.0 and not one_tile and part_pad >= 32
 
 
 @triton.jit

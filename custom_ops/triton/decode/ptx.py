@@ -33,6 +33,9 @@ following the strided bit planes of :mod:`custom_ops.formats`:
   D/2``, ``j + 1``, ``j + 1 + D/2``), ``$1`` those of bytes ``j + 2`` and ``j + 3``: the order
   ``prmt`` looks nibbles up in. The query operand is permuted to match
   (:func:`custom_ops.triton.decode.query.int8_query`).
+* 3 bits to int8 (:func:`lut3_int8_asm`): inputs ``$4`` (2-bit plane bytes), ``$5``
+  (``low``), ``$6`` (``high``); outputs ``$0 $1`` quarters 0 and 2, ``$2 $3`` quarters 1 and 3,
+  each pair interleaved as the 4-bit int8 string's.
 * 5 bits to int8 (:func:`lut5_int8_asm`, one string per block): a block of the 5-bit codes
   (above), inputs ``$2`` (plane bytes), ``$3`` (``low``), ``$4`` (``high``); outputs ``$0`` and
   ``$1`` interleaved as the 4-bit int8 string's: block ``c``'s quarters ``c`` and ``c + 2`` side
@@ -162,7 +165,8 @@ def lut4_asm(levels: Sequence[float]) -> str:
 
 
 def _int8_tables(grid: Sequence[int]) -> list[int]:
-    """The ``prmt`` tables of an int8 lookup: the magnitudes' ``r`` (0..127), 4 to a word."""
+    """The ``prmt`` tables of an int8 lookup: the table's bytes (``r``, or ``~r`` for a signed
+    table), 4 to a word."""
     return [
         sum(r << (8 * i) for i, r in enumerate(grid[w : w + 4])) for w in range(0, len(grid), 4)
     ]
@@ -176,7 +180,8 @@ def lut4_int8_asm(grid: Sequence[int]) -> str:
     One ``prmt`` looks 4 magnitudes up in the 8-byte table; one ``prmt`` in sign-replicate mode
     turns their 4 sign bits (bit 3 of each nibble: bit 7 of the bytes of ``$2 << 4`` for low
     nibbles, of ``$2`` for high ones) into 0x00 / 0xFF bytes, and one ``xor`` applies them:
-    9 instructions per 8 codes, against 15 for two fp16 outputs (:func:`lut4_asm`).
+    9 instructions per 8 codes besides the 2 table moves, against 15 besides 4 for two fp16
+    outputs (:func:`lut4_asm`).
 
     Args:
         grid: the 8 magnitudes' ``r`` (0..127), ascending.

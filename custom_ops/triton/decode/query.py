@@ -128,14 +128,15 @@ def int8_query(q0, q1, q2, q3, PARTS: tl.constexpr, INTERLEAVED: tl.constexpr):
     one rounding. A row with a NaN or infinite query has a NaN or infinite ``half_sum`` (taken
     from the float terms, before their int8 conversion), so its scores are not finite, as with
     fp16 keys. ``INTERLEAVED``: the columns follow the inline PTX's key order, parts 0 and 1
-    paired for 4-bit keys, 0 and 2, 1 and 3 for 5-bit ones (a block's quarters).
+    paired for 4-bit keys, 0 and 2, 1 and 3 for 3- and 5-bit ones (the quarters one string
+    decodes together).
 
     Args:
         q0: part 0 of the head dim, ``[G_PAD, PC_PAD]``.
         q1: part 1, the same shape.
         q2: part 2 (``PARTS`` 4), else ignored.
         q3: part 3 (``PARTS`` 4), else ignored.
-        PARTS: the keys' parts, 2 (4-bit) or 4 (5-bit).
+        PARTS: the keys' parts, 2 (4-bit) or 4 (3- and 5-bit).
         INTERLEAVED: permute the columns for the inline PTX.
 
     Returns:
@@ -143,7 +144,9 @@ def int8_query(q0, q1, q2, q3, PARTS: tl.constexpr, INTERLEAVED: tl.constexpr):
         int8 (``PARTS`` 2: parts 2 and 3 repeat part 0); ``half_sum [G_PAD]`` and ``step
         [G_PAD]`` float32.
     """
-    tl.static_assert(PARTS == 2 or PARTS == 4, "int8 keys have 2 (4-bit) or 4 (5-bit) parts")
+    tl.static_assert(
+        PARTS == 2 or PARTS == 4, "int8 keys have 2 (4-bit) or 4 (3- and 5-bit) parts"
+    )
     x0 = q0.to(tl.float32)
     x1 = q1.to(tl.float32)
     largest = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))

@@ -40,6 +40,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from custom_ops.formats import PagedKVCache, RecentWindow
+from custom_ops.triton.decode.codes import int8_keys
 from custom_ops.triton.decode.query import int8_query, query_part, ring_query, rotate_query
 from custom_ops.triton.decode.softmax import (
     RESCALE_SLACK,
@@ -461,12 +462,8 @@ def split_kernel(
         q3 = tl.trans(
             tl.load(q_part + 3 * K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 2), other=0.0)
         )
-    # 4- and 5-bit keys multiplied as int8 (the integer Q K^T's operands, rows back on the
-    # first axis)
-    # in streaming splits: a one-tile split decodes too few keys to pay for preparing them
-    # (H200, 1 x 4096: 9.3 -> 10.5 us). Int8 MMAs take k 32: 5-bit keys at D 64 (quarters of
-    # 16) stay fp16.
-    INT8_KEYS: tl.constexpr = K.INT8_UNIT > 0.0 and not ONE_TILE and K.PC_PAD >= 32
+    # the integer Q K^T's operands (rows back on the first axis)
+    INT8_KEYS: tl.constexpr = int8_keys(K.INT8_UNIT, K.PC_PAD, ONE_TILE)
     if INT8_KEYS:
         qs = int8_query(
             tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), K.PARTS, len(K.ASM_INT8) > 0

@@ -93,7 +93,7 @@ def compressed_scores(
     at and past ``end``, and below ``SINKS``: the sinks are read from the ring), capped by
     ``SOFTCAP`` and masked (:func:`custom_ops.triton.decode.softmax.mask_scores`): ``(scores
     [BLOCK_N, G_PAD] float32 in log2 units, page, slot, meta row pointers, valid)``.
-    ``INT8_KEYS``: 4- or 5-bit keys decoded to int8 against ``qs`` from
+    ``INT8_KEYS``: 3-, 4- or 5-bit keys decoded to int8 against ``qs`` from
     :func:`~custom_ops.triton.decode.query.int8_query`, integer products.
 
     Page ids come from the block table, or from ``early`` (entries read before the length was

@@ -33,9 +33,10 @@ from window_sequences import (
 )
 
 from custom_ops import api, reference
-from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, RecentWindow, get_format
+from custom_ops.formats import FORMATS, SUPPORTED_HEAD_DIMS, Kind, RecentWindow, get_format
 from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode import MergeConfig, SplitConfig
+from custom_ops.triton.decode.codes import int8_keys, part_params
 from custom_ops.triton.decode.softmax import LOG2E
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: exp2(-inf)
@@ -222,11 +223,31 @@ def test_int8_keys_at_every_head_dim(head_dim, kernel_device, seeded):
             assert rel_error(actual, expected) < 1e-3, (fmt_name, num_splits)
 
 
-def test_int8_keys_keep_a_nan_query(kernel_device, seeded):
+def test_which_keys_are_multiplied_as_int8():
+    """The split kernel's gate (``int8_keys``, the same function on the host): 3-, 4- and 5-bit
+    Lloyd-Max keys in streaming splits at every head dim but D 64 for 3 and 5 bits (quarters of
+    16, below the int8 MMA's k 32); never in one-tile splits, values, or other codecs."""
+    for name, fmt in FORMATS.items():
+        for head_dim in SUPPORTED_HEAD_DIMS:
+            keys = part_params(fmt, "k", head_dim, True)
+            lloyd_max = fmt.key.kind == Kind.LLOYD_MAX and fmt.key.bits in (3, 4, 5)
+            expected = lloyd_max and not (fmt.key.bits != 4 and head_dim == 64)
+            assert int8_keys(keys.INT8_UNIT, keys.PC_PAD, False) == expected, (name, head_dim)
+            assert not int8_keys(keys.INT8_UNIT, keys.PC_PAD, True)
+            values = part_params(fmt, "v", head_dim, True)
+            assert not int8_keys(values.INT8_UNIT, values.PC_PAD, False)
+            assert (len(keys.ASM_INT8) > 0) == lloyd_max
+
+
+@pytest.mark.parametrize(
+    "fmt_name, element", [("4bit_nc", 7), ("4bit_nc", 100), ("3bit_nc", 40), ("tqk5v3_nc", 104)]
+)
+def test_int8_keys_keep_a_nan_query(fmt_name, element, kernel_device, seeded):
     """A query row holding a NaN gives NaN outputs through the int8 keys too (its int8 terms
-    are finite garbage, its ``half_sum`` NaN), and only that row."""
-    fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 128, 4, seeded)
-    q[0, 1, 7] = float("nan")
+    are finite garbage, its ``half_sum`` NaN), and only that row: in either part of 4-bit keys,
+    and in the second pair of quarters (1 and 3) of 3- and 5-bit ones."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 128, 4, seeded)
+    q[0, 1, element] = float("nan")
     actual = _kernel_decode(fmt, q, cache, longer_table(table), lens, consts, kernel_device)
     assert actual[0, 1].isnan().all()
     actual[0, 1] = 0.0
@@ -349,8 +370,8 @@ def test_fast_and_portable_paths_agree(seeded):
     plain-Triton decoding; sign planes also at D = 80 (a key's 4-byte group straddles D/8, the
     sign halves' boundary) and D = 64. 3-, 4- and 5-bit keys in streaming splits (longer
     tables) at every head dim (D 80 and 96 pad their parts), the query prepared (2 splits) or
-    rotated in the kernel (4 splits), multiplied as int8: the PTX's interleaved nibbles against
-    a permuted query."""
+    rotated in the kernel (4 splits), multiplied as int8 (3- and 5-bit keys at D 64 as fp16):
+    the PTX's interleaved nibbles against a permuted query."""
     formats = [
         "4bit_nc",
         "tq4_nc",

@@ -113,10 +113,10 @@ def _keys(bits: int, plane: torch.Tensor, signs: torch.Tensor, block: int, grid)
 def test_interleaved_keys_and_query_give_the_plain_products(bits, head_dim, kernel_device, seeded):
     """Against the PTX's interleaved int8 keys (each byte's low and high nibble side by side:
     4-bit parts 0 and 1, 3-bit quarters 0 and 2, 1 and 3, or a 5-bit block's quarters), the
-    permuted query gives the plain
-    order's integer products, hi and lo terms alike, with the same ``half_sum`` and ``step``;
-    padded columns (D 80, 96: parts of 40 and 48 in 64, quarters of 20 and 24 in 32) stay zero.
-    The plain query is each row to within ``step / 508``."""
+    permuted query gives the plain order's integer products, hi and lo terms alike, with the
+    same ``half_sum`` (half the sum of ``254 hi + lo`` over every part) and ``step``; padded
+    columns (D 80, 96: parts of 40 and 48 in 64, quarters of 20 and 24 in 32) stay zero. The
+    plain query is each row to within ``step / 508``."""
     parts = len(PAIRS[bits]) * 2
     pc = head_dim // parts
     pc_pad = triton.next_power_of_2(pc)
@@ -125,6 +125,8 @@ def test_interleaved_keys_and_query_give_the_plain_products(bits, head_dim, kern
     plain, plain_half_sum, plain_step = _int8_query(q.to(kernel_device), False)
     mixed, mixed_half_sum, mixed_step = _int8_query(q.to(kernel_device), True)
     assert torch.equal(mixed_half_sum, plain_half_sum) and torch.equal(mixed_step, plain_step)
+    every_part = (254 * plain[0].double() + plain[1].double()).sum(dim=(0, 1))
+    assert torch.equal(plain_half_sum.double(), every_part / 2)
     assert not plain[:, :, pc:].any() and not mixed[:, :, pc:].any()
     kept = (254 * plain[0].double() + plain[1].double()) * (plain_step.double() / 254)
     error = (kept - q.permute(1, 2, 0).double()).abs()
