@@ -577,30 +577,32 @@ length below the chunk: ValueError: tq.prefill: seq_lens must be at least T = 6 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_fast_and_portable_paths_agree(seeded):
+# one test per format: each compiles the kernel twice (about 15 s each), and the workers share
+# them out
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "tqk5v3_nc", "3bit_nc", "k8v4", "int8"])
+def test_fast_and_portable_paths_agree(fmt_name, seeded):
     """On the GPU, the prefill kernel with the inline-PTX decoding of the codes and with the
     plain-Triton decoding both equal the oracle (rotated keys and values, sign planes, fp8 and
     int8 codes)."""
-    for fmt_name in ("4bit_nc", "tqk5v3_nc", "3bit_nc", "k8v4", "int8"):
-        case = Case(fmt_name, seeded, head_dim=128, prefix=200, tokens=70)
-        mask = case.causal_mask()
-        expected = case.run("cuda", torch.float64, mask=mask)
-        args = (
-            case.fmt,
-            case.q.cuda(),
-            case.key.cuda(),
-            case.value.cuda(),
-            type(case.cache)(*(p.cuda() for p in case.cache)),
-            case.block_table.cuda(),
-            case.seq_lens.cuda(),
-            case.consts.rotation.cuda(),
-            case.q.shape[-1] ** -0.5,
-            False,
-            10**6,
-            mask.cuda(),
-            window_on(case.recent, "cuda"),
-        )
-        for fast in (True, False):
-            with triton_prefill.fused_prefix():
-                actual = triton_prefill.prefill(*args, fast=fast).cpu()
-            assert rel_error(actual, expected) < TOLERANCE, (fmt_name, fast)
+    case = Case(fmt_name, seeded, head_dim=128, prefix=200, tokens=70)
+    mask = case.causal_mask()
+    expected = case.run("cuda", torch.float64, mask=mask)
+    args = (
+        case.fmt,
+        case.q.cuda(),
+        case.key.cuda(),
+        case.value.cuda(),
+        type(case.cache)(*(p.cuda() for p in case.cache)),
+        case.block_table.cuda(),
+        case.seq_lens.cuda(),
+        case.consts.rotation.cuda(),
+        case.q.shape[-1] ** -0.5,
+        False,
+        10**6,
+        mask.cuda(),
+        window_on(case.recent, "cuda"),
+    )
+    for fast in (True, False):
+        with triton_prefill.fused_prefix():
+            actual = triton_prefill.prefill(*args, fast=fast).cpu()
+        assert rel_error(actual, expected) < TOLERANCE, (fmt_name, fast)

@@ -363,16 +363,11 @@ an infinite softcap: ValueError: tq.decode: softcap must be 0 (no cap) or a posi
         )
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_fast_and_portable_paths_agree(seeded):
-    """On the GPU, the inline-PTX decoding of the codes (5, 4, 3, 2 bits, int8) equals the
-    plain-Triton decoding; sign planes also at D = 80 (a key's 4-byte group straddles D/8, the
-    sign halves' boundary) and D = 64. 3-, 4- and 5-bit keys in streaming splits (longer
-    tables) at every head dim (D 80 and 96 pad their parts), the query prepared (2 splits) or
-    rotated in the kernel (4 splits), multiplied as int8 (3- and 5-bit keys at D 64 as fp16):
-    the PTX's interleaved nibbles against a permuted query."""
-    formats = [
+# (format, head dim, streaming splits: a longer table, split counts) of
+# test_fast_and_portable_paths_agree
+_FAST_PORTABLE_CASES = [
+    (name, 128, False, (2,))
+    for name in (
         "4bit_nc",
         "tq4_nc",
         "tq3_nc",
@@ -383,18 +378,34 @@ def test_fast_and_portable_paths_agree(seeded):
         "k2v2_nc",
         "k2v4_nc",
         "int8",
-    ]
-    # (format, head dim, streaming splits: a longer table, split counts)
-    cases = [(name, 128, False, (2,)) for name in formats]
-    cases += [(name, d, False, (2,)) for name in ("tqk5v3_nc", "tq3_nc") for d in (64, 80)]
-    cases += [
-        (name, d, True, (2, 4))
-        for name in ("4bit_nc", "tqk5v3_nc", "3bit_nc")
-        for d in SUPPORTED_HEAD_DIMS
-    ]
-    cases += [(name, 128, True, (2, 4)) for name in ("tq4_nc", "tqk4v2_nc")]
-    for fmt_name, head_dim, streaming, split_counts in cases:
-        fmt, consts, cache, table, lens, q = decode_case(fmt_name, head_dim, 4, seeded)
+    )
+]
+_FAST_PORTABLE_CASES += [
+    (name, d, False, (2,)) for name in ("tqk5v3_nc", "tq3_nc") for d in (64, 80)
+]
+_FAST_PORTABLE_CASES += [
+    (name, d, True, (2, 4))
+    for name in ("4bit_nc", "tqk5v3_nc", "3bit_nc")
+    for d in SUPPORTED_HEAD_DIMS
+]
+_FAST_PORTABLE_CASES += [(name, 128, True, (2, 4)) for name in ("tq4_nc", "tqk4v2_nc")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+# one test per format: each case compiles its kernels twice, and the workers share them out
+@pytest.mark.parametrize("fmt_name", sorted({case[0] for case in _FAST_PORTABLE_CASES}))
+def test_fast_and_portable_paths_agree(fmt_name, seeded):
+    """On the GPU, the inline-PTX decoding of the codes (5, 4, 3, 2 bits, int8) equals the
+    plain-Triton decoding; sign planes also at D = 80 (a key's 4-byte group straddles D/8, the
+    sign halves' boundary) and D = 64. 3-, 4- and 5-bit keys in streaming splits (longer
+    tables) at every head dim (D 80 and 96 pad their parts), the query prepared (2 splits) or
+    rotated in the kernel (4 splits), multiplied as int8 (3- and 5-bit keys at D 64 as fp16):
+    the PTX's interleaved nibbles against a permuted query."""
+    for name, head_dim, streaming, split_counts in _FAST_PORTABLE_CASES:
+        if name != fmt_name:
+            continue
+        fmt, consts, cache, table, lens, q = decode_case(name, head_dim, 4, seeded)
         if streaming:
             table = longer_table(table)
         cuda_cache = clone_cache(cache, "cuda")
