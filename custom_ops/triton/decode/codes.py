@@ -11,6 +11,7 @@ the GPU the parts are decoded by inline PTX (:mod:`custom_ops.triton.decode.ptx`
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import triton
@@ -21,6 +22,7 @@ from custom_ops.formats import Codec, Kind
 from custom_ops.triton.decode.ptx import (
     decode_asm,
     lut3_int8_asm,
+    lut3_integer_values_asm,
     lut4_int8_asm,
     lut5_int8_asm,
     parts_of,
@@ -46,13 +48,18 @@ class PartParams(NamedTuple):
         PC_PAD: PC rounded up to a power of two.
         ASM: the inline PTX that decodes 4 code bytes (``""``: plain Triton).
         LEVELS: the signed Lloyd-Max levels (``()`` for other codecs).
-        INT8_GRID: for 3-, 4- and 5-bit Lloyd-Max keys, the magnitudes' ``r`` of
-            :func:`custom_ops.codebook.int8_key_grid` (the split kernel's integer ``Q K^T``);
-            ``()`` otherwise.
+        INT8_GRID: for 3-, 4- and 5-bit Lloyd-Max keys and 3-bit Lloyd-Max values, the
+            magnitudes' ``r`` of :func:`custom_ops.codebook.int8_key_grid` (the split kernel's
+            integer ``Q K^T``, and its values as integers); ``()`` otherwise.
         INT8_UNIT: that grid's unit (0.0 without one).
         ASM_INT8: the inline PTX that decodes 4 key code bytes to int8, one string (3 and 4
             bits) or one per block of the magnitude plane (5 bits); ``()``: plain Triton, or no
             grid.
+        INTEGER_SCALE: for 3-bit Lloyd-Max values, the power of two ``S`` the split kernel's
+            values are decoded in units of: the grid's integer ``k`` as ``k / S``
+            (:func:`decode_tile` with ``INTEGERS``), ``S * INT8_UNIT`` between 1 and 2; 0.0
+            otherwise.
+        ASM_INTEGERS: the inline PTX of that decoding (``""``: plain Triton, or none).
     """
 
     KIND: int
@@ -67,6 +74,8 @@ class PartParams(NamedTuple):
     INT8_GRID: tuple[int, ...]
     INT8_UNIT: float
     ASM_INT8: tuple[str, ...]
+    INTEGER_SCALE: float
+    ASM_INTEGERS: str
 
     # inductor writes constexprs into its generated code as their repr
     __repr__ = importable_repr
@@ -78,7 +87,7 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
     planes = codec.planes(head_dim)
     parts = parts_of(codec)
     chunk = head_dim // parts
-    grid, unit, int8_asm = (), 0.0, ()
+    grid, unit, int8_asm, scale, integers_asm = (), 0.0, (), 0.0, ""
     if side == "k" and codec.kind == Kind.LLOYD_MAX and codec.bits in INT8_GRID_BITS:
         grid, unit = int8_key_grid(codec.bits, head_dim)
         if fast and codec.bits == 3:
@@ -87,6 +96,12 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
             int8_asm = (lut4_int8_asm(grid),)
         elif fast:
             int8_asm = (lut5_int8_asm(grid, 0), lut5_int8_asm(grid, 1))
+    if side == "v" and codec.kind == Kind.LLOYD_MAX and codec.bits == 3:
+        grid, unit = int8_key_grid(codec.bits, head_dim)
+        # the unit's power of two (unit = c * 2**e, 1 <= c < 2): S = 2**-e
+        scale = 2.0 ** (1 - math.frexp(unit)[1])
+        if fast:
+            integers_asm = lut3_integer_values_asm(grid, scale)
     return PartParams(
         int(codec.kind),
         codec.bits,
@@ -100,6 +115,8 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
         grid,
         unit,
         int8_asm,
+        scale,
+        integers_asm,
     )
 
 
@@ -131,6 +148,13 @@ def _int8_keys(codes, P: tl.constexpr):
     for m in tl.static_range(1, SIGN):
         r = tl.where(magnitude == m, tl.full(codes.shape, P.INT8_GRID[m], tl.int32), r)
     return tl.where((codes & SIGN) != 0, ~r, r).to(tl.int8)
+
+
+@triton.jit
+def _grid_integers(codes, P: tl.constexpr):
+    """Sign-magnitude codes (int) -> fp16 ``k / P.INTEGER_SCALE``, ``k`` their int8 on the grid
+    (:func:`_int8_keys`; exact: an integer below 2**8 in a power of two's units)."""
+    return (_int8_keys(codes, P).to(tl.float32) * (1.0 / P.INTEGER_SCALE)).to(tl.float16)
 
 
 @triton.jit
@@ -315,9 +339,12 @@ def decode_tile(
     BYTE_STRIDE: tl.constexpr,
     TOKEN_RUN: tl.constexpr,
     FINITE: tl.constexpr = False,
+    INTEGERS: tl.constexpr = False,
 ):
     """Decode a tile of code rows of the codec ``P`` into up to four parts (fp16, the tile's
-    shape, *before* the per-token scalars; unused parts repeat part 0).
+    shape, *before* the per-token scalars; unused parts repeat part 0). ``INTEGERS`` (3-bit
+    Lloyd-Max codes with ``P.INTEGER_SCALE``): the grid's integers ``k / P.INTEGER_SCALE``
+    instead of the levels ``(k + 1/2) * P.INT8_UNIT``.
 
     ``row_offsets`` (offsets of byte 0 of each token's row) and ``j`` (byte of a plane part)
     broadcast to the tile: ``[N, 1]`` and ``[1, PC]`` for keys (token-major, ``BYTE_STRIDE`` 1),
@@ -355,9 +382,10 @@ def decode_tile(
         # 2-bit plane byte j holds element j + q*D/4 at bits 2q; element j + q*D/4's top bit is
         # bit 2q of low | high >> 1 (see _sign_halves)
         low, high = _sign_halves(codes_ptr, row_offsets, j, mask, P, D, BYTE_STRIDE, TOKEN_RUN)
-        if ASM != "":
+        LUT3: tl.constexpr = P.ASM_INTEGERS if INTEGERS else ASM
+        if LUT3 != "":
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                ASM,
+                LUT3,
                 "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
                 [plane, low, high],
                 dtype=(tl.float16,) * 4,
@@ -366,10 +394,16 @@ def decode_tile(
             )
         else:
             c0, c1, c2, c3 = _lut3_codes(plane, low, high)
-            p0 = _values(c0, P)
-            p1 = _values(c1, P)
-            p2 = _values(c2, P)
-            p3 = _values(c3, P)
+            if INTEGERS:
+                p0 = _grid_integers(c0, P)
+                p1 = _grid_integers(c1, P)
+                p2 = _grid_integers(c2, P)
+                p3 = _grid_integers(c3, P)
+            else:
+                p0 = _values(c0, P)
+                p1 = _values(c1, P)
+                p2 = _values(c2, P)
+                p3 = _values(c3, P)
     elif P.BITS == 2:
         # byte j holds element j + q*D/4 at bits 2q
         if ASM != "":

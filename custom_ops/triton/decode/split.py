@@ -163,6 +163,11 @@ def _compressed_pass(
     acc3 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
     zero_acc = tl.zeros([G_PAD], tl.float32)
     v_seen = tl.zeros([BLOCK_N], tl.float32)  # per lane: no cross-lane step in the loop
+    # 3-bit Lloyd-Max values as the grid's integers in streaming splits (H200: 5-8% at long
+    # contexts); a one-tile split keeps their levels, where the zero term's reduction would
+    # lengthen the short chain it waits for
+    # (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program)
+    INTEGER_VALUES: tl.constexpr = (V.INTEGER_SCALE > 0.0) and (not ONE_TILE)
     # Each iteration streams SUBTILES tiles of BLOCK_N tokens that share one softmax update
     # (running max, rescale of the accumulators), which amortizes its cross-lane reductions
     # while the codes are still decoded BLOCK_N tokens at a time.
@@ -234,7 +239,8 @@ def _compressed_pass(
         v_seen = tl.maximum(v_seen, v_mul_a)
         acc0, acc1, acc2, acc3, zero_acc = compressed_values(
             p_a,
-            v_mul_a * inv_unit,
+            v_mul_a,
+            inv_unit,
             page_a,
             slot_a,
             m_row_a,
@@ -249,13 +255,15 @@ def _compressed_pass(
             TOKEN_RUN,
             D,
             V,
+            INTEGER_VALUES,
         )
         if SUBTILES == 2:
             v_mul_b = value_multipliers(m_row_b, valid_b, V)
             v_seen = tl.maximum(v_seen, v_mul_b)
             acc0, acc1, acc2, acc3, zero_acc = compressed_values(
                 p_b,
-                v_mul_b * inv_unit,
+                v_mul_b,
+                inv_unit,
                 page_b,
                 slot_b,
                 m_row_b,
@@ -270,6 +278,7 @@ def _compressed_pass(
                 TOKEN_RUN,
                 D,
                 V,
+                INTEGER_VALUES,
             )
     return m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, tl.max(v_seen, axis=0)
 

@@ -164,7 +164,8 @@ def value_multipliers(m_row, valid, V: tl.constexpr):
 @triton.jit
 def compressed_values(
     p,
-    v_rel,
+    v_mul,
+    inv_unit,
     page,
     slot,
     m_row,
@@ -179,12 +180,19 @@ def compressed_values(
     TOKEN_RUN: tl.constexpr,
     D: tl.constexpr,
     V: tl.constexpr,
+    INTEGERS: tl.constexpr = False,
 ):
     """Add one tile's ``O^T += V^T @ (p * v_rel)^T`` per value part (``p [BLOCK_N, G_PAD]``;
-    ``v_rel [BLOCK_N]`` the tokens' value multipliers relative to the accumulators' unit, which
-    the split kernel keeps within ``[2**-10, 2**11]`` (``p <= 2**4``), so that the fp16 products
-    neither overflow nor flush to zero whatever the values' magnitude), and ``sum(p *
-    v_zero)`` (absolute) to ``zero_acc`` for uniform values.
+    ``v_rel = v_mul * inv_unit``, the tokens' value multipliers ``v_mul [BLOCK_N]`` relative to
+    the accumulators' unit, which the split kernel keeps within ``[2**-10, 2**11]`` (``p <=
+    2**4``), so that the fp16 products neither overflow nor flush to zero whatever the values'
+    magnitude), and ``sum(p * v_zero)`` (absolute) to ``zero_acc`` for uniform values.
+
+    ``INTEGERS`` (3-bit Lloyd-Max values, ``V.INTEGER_SCALE``): the values enter as the grid's
+    integers ``k / S`` (:func:`~custom_ops.triton.decode.codes.decode_tile`'s ``INTEGERS``:
+    fewer instructions than their levels), the multipliers take ``unit * S`` (between 1 and 2,
+    so the products stay within fp16's range) and each level's ``unit / 2`` goes to
+    ``zero_acc`` as ``v_zero = v_mul * unit / 2``.
 
     Value codes of tokens past the end enter the product with zero probability, which is only
     safe for codes that decode to finite numbers: fp8 bytes there (stale or never written) can
@@ -202,10 +210,15 @@ def compressed_values(
         PAGE_SIZE,
         TOKEN_RUN,
         FINITE=True,
+        INTEGERS=INTEGERS,
     )
+    v_rel = v_mul * inv_unit
     if V.KIND == UNIFORM:
         v_zero = tl.load(m_row + V.META + 1, mask=valid, other=0.0).to(tl.float32)
         zero_acc += tl.sum(p * v_zero[:, None], axis=0)
+    if INTEGERS:
+        zero_acc += tl.sum(p * (v_mul * (V.INT8_UNIT * 0.5))[:, None], axis=0)
+        v_rel = v_rel * (V.INT8_UNIT * V.INTEGER_SCALE)
     pv = (p * v_rel[:, None]).to(tl.float16)
     acc0 = tl.dot(v0, pv, acc0)
     if V.PARTS > 1:

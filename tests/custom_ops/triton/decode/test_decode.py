@@ -4,6 +4,8 @@ opcheck; bad input."""
 
 from __future__ import annotations
 
+import math
+
 import expecttest
 import pytest
 import torch
@@ -223,10 +225,12 @@ def test_int8_keys_at_every_head_dim(head_dim, kernel_device, seeded):
             assert rel_error(actual, expected) < 1e-3, (fmt_name, num_splits)
 
 
-def test_which_keys_are_multiplied_as_int8():
+def test_which_codes_are_decoded_to_integers():
     """The split kernel's gate (``int8_keys``, the same function on the host): 3-, 4- and 5-bit
     Lloyd-Max keys in streaming splits at every head dim but D 64 for 3 and 5 bits (quarters of
-    16, below the int8 MMA's k 32); never in one-tile splits, values, or other codecs."""
+    16, below the int8 MMA's k 32); never in one-tile splits or other codecs. Its values as the
+    grid's integers: 3-bit Lloyd-Max ones at every head dim, in units of a power of two ``S``
+    with ``S * unit`` in [1, 2) (the value multipliers' factor); keys never."""
     for name, fmt in FORMATS.items():
         for head_dim in SUPPORTED_HEAD_DIMS:
             keys = part_params(fmt, "k", head_dim, True)
@@ -234,9 +238,17 @@ def test_which_keys_are_multiplied_as_int8():
             expected = lloyd_max and not (fmt.key.bits != 4 and head_dim == 64)
             assert int8_keys(keys.INT8_UNIT, keys.PC_PAD, False) == expected, (name, head_dim)
             assert not int8_keys(keys.INT8_UNIT, keys.PC_PAD, True)
-            values = part_params(fmt, "v", head_dim, True)
-            assert not int8_keys(values.INT8_UNIT, values.PC_PAD, False)
             assert (len(keys.ASM_INT8) > 0) == lloyd_max
+            assert keys.INTEGER_SCALE == 0.0 and keys.ASM_INTEGERS == ""
+            values = part_params(fmt, "v", head_dim, True)
+            integers = fmt.value.kind == Kind.LLOYD_MAX and fmt.value.bits == 3
+            assert (values.INTEGER_SCALE > 0) == integers, (name, head_dim)
+            assert (values.ASM_INTEGERS != "") == integers
+            assert part_params(fmt, "v", head_dim, False).ASM_INTEGERS == ""
+            if integers:
+                scale = values.INTEGER_SCALE
+                assert scale == 2.0 ** round(math.log2(scale))
+                assert 1.0 <= scale * values.INT8_UNIT < 2.0, (name, head_dim)
 
 
 @pytest.mark.parametrize(
@@ -388,7 +400,7 @@ _FAST_PORTABLE_CASES += [
     for name in ("4bit_nc", "tqk5v3_nc", "3bit_nc")
     for d in SUPPORTED_HEAD_DIMS
 ]
-_FAST_PORTABLE_CASES += [(name, 128, True, (2, 4)) for name in ("tq4_nc", "tqk4v2_nc")]
+_FAST_PORTABLE_CASES += [(name, 128, True, (2, 4)) for name in ("tq4_nc", "tqk4v2_nc", "tq3_nc")]
 
 
 @pytest.mark.gpu
@@ -401,7 +413,8 @@ def test_fast_and_portable_paths_agree(fmt_name, seeded):
     sign halves' boundary) and D = 64. 3-, 4- and 5-bit keys in streaming splits (longer
     tables) at every head dim (D 80 and 96 pad their parts), the query prepared (2 splits) or
     rotated in the kernel (4 splits), multiplied as int8 (3- and 5-bit keys at D 64 as fp16):
-    the PTX's interleaved nibbles against a permuted query."""
+    the PTX's interleaved nibbles against a permuted query; there, 3-bit Lloyd-Max values as
+    the grid's integers (tqk5v3_nc, tq3_nc)."""
     for name, head_dim, streaming, split_counts in _FAST_PORTABLE_CASES:
         if name != fmt_name:
             continue

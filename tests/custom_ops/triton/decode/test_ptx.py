@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from ptx_emulator import run
@@ -15,6 +17,7 @@ from custom_ops.triton.decode.ptx import (
     decode_asm,
     lut3_asm,
     lut3_int8_asm,
+    lut3_integer_values_asm,
     lut4_asm,
     lut4_int8_asm,
     lut5_asm,
@@ -176,6 +179,24 @@ def test_lut3_int8_asm(head_dim, seeded):
             out = _bytes(regs[first]) + _bytes(regs[first + 1])
             decoded = torch.tensor(out, dtype=torch.uint8).view(torch.int8).double()
             assert ((decoded + 0.5) * unit).tolist() == [levels[c].item() for c in codes]
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_lut3_integer_values_asm(head_dim, seeded):
+    """Every quarter's 3-bit code (as in test_lut3_asm, bytes in order) becomes the fp16 ``k /
+    scale`` whose ``(k + 1/2) * unit`` is its Lloyd-Max level: exact, at each head dim's unit
+    (D 64: a unit of 2**-9 and a factor, D 256: 2**-11)."""
+    grid, unit = int8_key_grid(3, head_dim)
+    levels = signed_levels(3, head_dim)
+    scale = 2.0 ** -math.floor(math.log2(unit))
+    asm = lut3_integer_values_asm(grid, scale)
+    for plane_word, low_word, high_word in _sign_cases(seeded):
+        outputs = _outputs(asm, {8: plane_word, 9: low_word, 10: high_word}, 4)
+        for quarter, values in enumerate(outputs):
+            codes = _codes3(plane_word, low_word, high_word, quarter)
+            integers = [v * scale for v in values]
+            assert all(k == round(k) for k in integers), integers
+            assert [(k + 0.5) * unit for k in integers] == [levels[c].item() for c in codes]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
