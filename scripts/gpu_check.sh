@@ -7,9 +7,12 @@
 #   verify - decode of several query tokens (a verify step): its sweep, then T = 1, 4, 8
 #   e2e    - benchmarks/e2e.py with $E2E_ARGS
 #   hf     - benchmarks/hf_generate.py with $HF_ARGS (carry the transformers 5.23 wheel)
-#   quality - benchmarks/quality.py with $QUALITY_ARGS (trains the byte model once per machine)
+#   gguf    - keep the carried first part of SmolLM2's GGUF (scripts/smollm2_parts.sh) in /tmp
+#   quality - benchmarks/quality.py with $QUALITY_ARGS (trains the byte model once per machine;
+#             with .gguf/part2 carried, joins SmolLM2's GGUF for --model smollm2)
 #   compare - benchmarks/compare_decode.py: this tree's decode vs the tree at $COMPARE_BASE
 #             (default .ab/base, a carried export of the base commit) with $COMPARE_ARGS
+#   profile - Nsight Compute on the split kernel at 1 x 131072, per $PROFILE_FORMATS
 # Logs and JSON/PNG results go to $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -45,7 +48,20 @@ for stage in "${@:-tests bench}"; do
     hf)
       python3 benchmarks/hf_generate.py ${HF_ARGS:-} 2>&1 | tee "$OUT/hf.log" | tail -30
       ;;
+    gguf)
+      # the first part of SmolLM2's GGUF (scripts/smollm2_parts.sh), kept for the next call
+      mkdir -p /tmp/tq-gguf && cp .gguf/part1/gguf /tmp/tq-gguf/part1 || exit 1
+      ;;
     quality)
+      if [[ -f .gguf/part2/gguf ]]; then
+        # join the parts (the first from an earlier `gguf` call to this machine)
+        mkdir -p /tmp/tq-cache
+        joined="/tmp/tq-cache/$(cat .gguf/part2/name)"
+        cat /tmp/tq-gguf/part1 .gguf/part2/gguf >"$joined" || exit 1
+        [[ "$(sha256sum "$joined" | cut -d' ' -f1)" == "$(cat .gguf/part2/sha256)" ]] \
+          || { echo "gpu_check: the joined GGUF's SHA-256 differs"; exit 1; }
+        export TQ_CACHE_DIR=/tmp/tq-cache
+      fi
       python3 benchmarks/quality.py ${QUALITY_ARGS:-} 2>&1 | tee "$OUT/quality.log" | tail -40
       ;;
     compare)
@@ -63,6 +79,20 @@ for stage in "${@:-tests bench}"; do
     sweep)
       python3 benchmarks/decode.py --formats 4bit_nc k8v4 3bit_nc int8 --shapes 1x131072 \
         --sweep --out sweep.json 2>&1 | tee "$OUT/sweep.log" | tail -60
+      ;;
+    profile)
+      # Nsight Compute on one split kernel per format ($PROFILE_FORMATS, default 4bit_nc and
+      # tq3_nc) at 1 x 131072: where the streaming loop's warps stall (WarpStateStats, and
+      # SourceCounters' top stall locations), its issue rate and occupancy
+      for fmt in ${PROFILE_FORMATS:-4bit_nc tq3_nc}; do
+        ncu --clock-control none -k regex:split_kernel --launch-skip 3 --launch-count 1 \
+          --section SpeedOfLight --section Occupancy --section WarpStateStats \
+          --section SchedulerStats --section SourceCounters \
+          python3 benchmarks/profile_decode.py --format "$fmt" --batch 1 --seq 131072 \
+          >"$OUT/ncu_$fmt.txt" 2>&1
+        grep -E "Duration|DRAM Throughput|Issued Warp|Active Warps|Eligible Warps|Stall" \
+          "$OUT/ncu_$fmt.txt" | head -30
+      done
       ;;
   esac
 done
