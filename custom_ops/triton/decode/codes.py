@@ -57,8 +57,8 @@ class PartParams(NamedTuple):
             grid.
         INTEGER_SCALE: for 3-bit Lloyd-Max values, the power of two ``S`` the split kernel's
             values are decoded in units of: the grid's integer ``k`` as ``k / S``
-            (:func:`decode_tile` with ``INTEGERS``), ``S * INT8_UNIT`` between 1 and 2; 0.0
-            otherwise.
+            (:func:`decode_tile` with ``INTEGERS``), ``S * INT8_UNIT`` the grid unit's 3
+            significant bits, 1 to 1.75; 0.0 otherwise.
         ASM_INTEGERS: the inline PTX of that decoding (``""``: plain Triton, or none).
     """
 
@@ -140,8 +140,9 @@ def _values(codes, P: tl.constexpr):
 
 @triton.jit
 def _int8_keys(codes, P: tl.constexpr):
-    """Sign-magnitude key codes (int) -> their int8 on the grid ``P.INT8_GRID``: ``r`` of the
-    magnitude, ``~r`` for a negative code (a select per magnitude, as :func:`lloyd_max_levels`)."""
+    """Sign-magnitude codes (int; keys, or 3-bit values) -> their int8 on the grid
+    ``P.INT8_GRID``: ``r`` of the magnitude, ``~r`` for a negative code (a select per magnitude,
+    as :func:`lloyd_max_levels`)."""
     SIGN: tl.constexpr = 1 << (P.BITS - 1)
     magnitude = codes & (SIGN - 1)
     r = tl.full(codes.shape, P.INT8_GRID[0], tl.int32)
@@ -354,6 +355,8 @@ def decode_tile(
     column of 4 tokens of values. ``FINITE`` maps the fp8 NaN codes to finite numbers.
     """
     ASM: tl.constexpr = P.ASM
+    if INTEGERS:
+        tl.static_assert(P.BITS == 3 and P.INTEGER_SCALE > 0.0, "integers: 3-bit Lloyd-Max only")
     offsets = row_offsets + j * BYTE_STRIDE
     if TOKEN_RUN > 1:
         offsets = tl.max_contiguous(tl.multiple_of(offsets, [1, TOKEN_RUN]), [1, TOKEN_RUN])

@@ -40,6 +40,8 @@ following the strided bit planes of :mod:`custom_ops.formats`:
   (above), inputs ``$2`` (plane bytes), ``$3`` (``low``), ``$4`` (``high``); outputs ``$0`` and
   ``$1`` interleaved as the 4-bit int8 string's: block ``c``'s quarters ``c`` and ``c + 2`` side
   by side.
+* 3 bits to the grid's integers (:func:`lut3_integer_values_asm`, the split kernel's values):
+  the contract of the 3-bit string above, the outputs ``k / S`` instead of the levels.
 * 2 bits, one plane: bits ``2q`` of byte ``j`` = element ``j + q D/4``. Input ``$8``; outputs
   ``$2q $2q+1`` for quarter ``q``. A 4-entry fp16 table covers every code, so Lloyd-Max and
   uniform codes share one string (``lut2_asm``) with different tables.
@@ -277,7 +279,7 @@ def lut3_integer_values_asm(grid: Sequence[int], scale: float) -> str:
     of two's units. :func:`lut3_int8_asm`'s lookup, with the table biased by 128, gives 4 bytes
     ``k + 128`` per ``prmt``; one ``prmt`` puts two of them under the exponent of 1024
     (``0x64``: 1024 + k + 128, de-interleaving the quarters), and one ``fma.f16x2`` by ``1 /
-    scale`` less ``1152 / scale`` gives ``k / scale`` exactly (``scale`` a power of two): 35
+    scale`` less ``1152 / scale`` gives ``k / scale`` exactly (``scale`` a power of two): 34
     instructions per 16 codes with the 4 constant moves, against 46 for :func:`lut3_asm`.
 
     Args:

@@ -9,9 +9,10 @@ not to 16 rows). A program is one warp, so the softmax reduces over tokens insid
 feeds the next product without leaving it; where the grid leaves SMs idle (short contexts) it
 is two warps, each decoding half of a tile. The codecs' scalars are folded in: the key
 norm/scale multiplies the scores, the value scale multiplies the probabilities before ``V^T @
-P^T`` and the value zero enters through a running ``sum(p * zero)``. Values whose scales would
-overflow fp16 in ``p * scale`` (or lose its precision) are redone in units of the largest scale,
-so values of any magnitude come out right. Value codes are stored token-minor
+P^T`` and the value zero enters through a running ``sum(p * zero)`` (so does the half unit of
+3-bit Lloyd-Max values, which streaming splits decode as the grid's integers). Values whose
+scales would overflow fp16 in ``p * scale`` (or lose its precision) are redone in units of the
+largest scale, so values of any magnitude come out right. Value codes are stored token-minor
 (:mod:`custom_ops.formats`), so the A operand ``V^T`` (4 consecutive tokens of one byte column
 per register) is one aligned 32-bit load.
 
@@ -105,7 +106,8 @@ STEP_APPEND = tl.constexpr(1)
 
 
 # The largest value scale (or norm) whose products p * v_scale the split pass takes as they are
-# (p <= 2**RESCALE_SLACK: the products stay below 2**15, fp16's largest power of two).
+# (p <= 2**RESCALE_SLACK: the products stay below 2**15, fp16's largest power of two, and below
+# 1.75 * 2**15 with the factor of 3-bit values decoded as integers, tiles.compressed_values).
 UNIT_MAX = tl.constexpr(2.0 ** (15 - RESCALE_SLACK.value))
 UNIT_MIN = tl.constexpr(2.0**-10)
 

@@ -190,9 +190,10 @@ def compressed_values(
 
     ``INTEGERS`` (3-bit Lloyd-Max values, ``V.INTEGER_SCALE``): the values enter as the grid's
     integers ``k / S`` (:func:`~custom_ops.triton.decode.codes.decode_tile`'s ``INTEGERS``:
-    fewer instructions than their levels), the multipliers take ``unit * S`` (between 1 and 2,
-    so the products stay within fp16's range) and each level's ``unit / 2`` goes to
-    ``zero_acc`` as ``v_zero = v_mul * unit / 2``.
+    fewer instructions than their levels), the multipliers take ``unit * S`` (1 to 1.75, the
+    unit's 3 significant bits: ``p * v_rel`` times it stays below 1.75 * 2**15, within fp16's
+    range) and each level's ``unit / 2`` goes to ``zero_acc`` as ``v_zero = v_mul * unit /
+    2``.
 
     Value codes of tokens past the end enter the product with zero probability, which is only
     safe for codes that decode to finite numbers: fp8 bytes there (stale or never written) can

@@ -185,7 +185,7 @@ def test_lut3_int8_asm(head_dim, seeded):
 def test_lut3_integer_values_asm(head_dim, seeded):
     """Every quarter's 3-bit code (as in test_lut3_asm, bytes in order) becomes the fp16 ``k /
     scale`` whose ``(k + 1/2) * unit`` is its Lloyd-Max level: exact, at each head dim's unit
-    (D 64: a unit of 2**-9 and a factor, D 256: 2**-11)."""
+    and scale."""
     grid, unit = int8_key_grid(3, head_dim)
     levels = signed_levels(3, head_dim)
     scale = 2.0 ** -math.floor(math.log2(unit))
