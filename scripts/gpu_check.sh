@@ -12,6 +12,8 @@
 #             with .gguf/part2 carried, joins SmolLM2's GGUF for --model smollm2)
 #   compare - benchmarks/compare_decode.py: this tree's decode vs the tree at $COMPARE_BASE
 #             (default .ab/base, a carried export of the base commit) with $COMPARE_ARGS
+#   stages  - compare_decode of the split kernel with $STAGES (default 5) pipeline stages
+#             against this tree's default, with $COMPARE_ARGS
 #   profile - Nsight Compute on the split kernel at 1 x 131072, per $PROFILE_FORMATS
 # Logs and JSON/PNG results go to $OUT.
 set -uo pipefail
@@ -79,6 +81,16 @@ for stage in "${@:-tests bench}"; do
     sweep)
       python3 benchmarks/decode.py --formats 4bit_nc k8v4 3bit_nc int8 --shapes 1x131072 \
         --sweep --out sweep.json 2>&1 | tee "$OUT/sweep.log" | tail -60
+      ;;
+    stages)
+      # the split kernel with $STAGES pipeline stages (default 5: the codes double-buffered,
+      # docs/design/decode.md) against this tree's default, by compare_decode ($COMPARE_ARGS)
+      rm -rf /tmp/tq-stages && mkdir -p /tmp/tq-stages
+      cp -r custom_ops benchmarks tq_compile /tmp/tq-stages/
+      sed -i "s/^DEFAULT_STAGES = .*/DEFAULT_STAGES = ${STAGES:-5}/" \
+        /tmp/tq-stages/custom_ops/triton/decode/plan.py
+      python3 benchmarks/compare_decode.py --head /tmp/tq-stages --base . ${COMPARE_ARGS:-} \
+        2>&1 | tee "$OUT/stages.log" | tail -40
       ;;
     profile)
       # Nsight Compute on one split kernel per format ($PROFILE_FORMATS, default 4bit_nc and
