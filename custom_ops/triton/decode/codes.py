@@ -131,8 +131,11 @@ def int8_keys(int8_unit: float, part_pad: int, one_tile: bool) -> bool:
 
 
 @triton.jit
-def _values(codes, P: tl.constexpr):
-    """Codes -> fp16 values before the per-token scalars (Lloyd-Max levels or integers)."""
+def _values(codes, P: tl.constexpr, INTEGERS: tl.constexpr = False):
+    """Codes -> fp16 values before the per-token scalars (Lloyd-Max levels or integers;
+    ``INTEGERS``: Lloyd-Max codes as the grid's integers, :func:`_grid_integers`)."""
+    if INTEGERS:
+        return _grid_integers(codes, P)
     if P.KIND == LLOYD_MAX:
         return lloyd_max_levels(codes.to(tl.int32), P).to(tl.float16)
     return codes.to(tl.float16)
@@ -397,16 +400,10 @@ def decode_tile(
             )
         else:
             c0, c1, c2, c3 = _lut3_codes(plane, low, high)
-            if INTEGERS:
-                p0 = _grid_integers(c0, P)
-                p1 = _grid_integers(c1, P)
-                p2 = _grid_integers(c2, P)
-                p3 = _grid_integers(c3, P)
-            else:
-                p0 = _values(c0, P)
-                p1 = _values(c1, P)
-                p2 = _values(c2, P)
-                p3 = _values(c3, P)
+            p0 = _values(c0, P, INTEGERS)
+            p1 = _values(c1, P, INTEGERS)
+            p2 = _values(c2, P, INTEGERS)
+            p3 = _values(c3, P, INTEGERS)
     elif P.BITS == 2:
         # byte j holds element j + q*D/4 at bits 2q
         if ASM != "":
