@@ -24,15 +24,19 @@ class DecodeTuning:
         subtiles_long: the same for longer splits. Two independent 16-token tiles keep more
             loads in flight, which pays where the kernel waits on memory and the format's
             registers allow it (``docs/design/decode.md``: tiles, ring tiles).
+        scalars_ahead: streaming splits of one tile per step load each tile's key and value
+            scalars during the tile before (``docs/design/decode.md``: tiles), which pays
+            where the registers they hold across a tile do not spill.
     """
 
     subtiles_short: int = 1
     subtiles_long: int = 1
+    scalars_ahead: bool = False
 
 
 DECODE_TUNING: dict[str, DecodeTuning] = {
     "k8v4": DecodeTuning(subtiles_long=2),
-    "4bit_nc": DecodeTuning(),
+    "4bit_nc": DecodeTuning(scalars_ahead=True),
     "k3v4_nc": DecodeTuning(subtiles_long=2),
     "3bit_nc": DecodeTuning(),
     "int8": DecodeTuning(subtiles_short=2, subtiles_long=2),
@@ -40,7 +44,7 @@ DECODE_TUNING: dict[str, DecodeTuning] = {
     "tq4_nc": DecodeTuning(),
     "tq3_nc": DecodeTuning(),
     "tq2_nc": DecodeTuning(),
-    "tqk4v2_nc": DecodeTuning(),
+    "tqk4v2_nc": DecodeTuning(scalars_ahead=True),
     # one 32-token tile: two 16-token tiles spill (2623 SASS instructions per 32 tokens, 172
     # STL; one: 1440); H200 1 x 131072: 109 us, two 32-token tiles on two warps 114 (both
     # measured at 1510 and 2684 instructions, before the signs went into the high bytes)

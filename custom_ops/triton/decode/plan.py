@@ -290,6 +290,12 @@ def plan_decode(
     )
     block_n = split_config.block_n or TOKENS_PER_STEP // subtiles
     one_tile = capacity <= num_splits * subtiles * block_n
+    token_run = _token_run(page_size, block_n)
+    # each page's value codes a tile of their own where a tile is two pages and the values
+    # have at most two parts (more spill); the scalars a tile ahead where the format's tuning
+    # says it pays (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program)
+    value_pages = values.PARTS <= 2 and block_n == 2 * page_size == 2 * token_run
+    scalars_ahead = tuning.scalars_ahead and subtiles == 1 and not one_tile and not many_rows
     query = _query_mode(fmt, keys, head_dim, capacity, num_splits, g_pad)
     # the verify kernel where it serves (docs/design/decode.md#the-verify-kernel-in-gluon);
     # sweeps and tests
@@ -369,7 +375,7 @@ def plan_decode(
                     MASK=mask_kind,
                     Q_TOKENS=q_tokens,
                     PAGE_SIZE=page_size,
-                    TOKEN_RUN=_token_run(page_size, block_n),
+                    TOKEN_RUN=token_run,
                     D=head_dim,
                     D_PAD=d_pad,
                     LOG2_D=d_pad.bit_length() - 1,
@@ -377,6 +383,8 @@ def plan_decode(
                     G_PAD=g_pad,
                     BLOCK_N=block_n,
                     SUBTILES=subtiles,
+                    SCALARS_AHEAD=scalars_ahead,
+                    VALUE_PAGES=value_pages,
                     NUM_SPLITS=num_splits,
                     NUM_PARTIALS=num_partials,
                     ONE_TILE=one_tile,

@@ -58,6 +58,7 @@ from custom_ops.triton.decode.tiles import (
     ring_scores,
     ring_values,
     table_entries,
+    tile_scalars,
     value_multipliers,
 )
 from custom_ops.triton.paged import (
@@ -130,10 +131,15 @@ def _compressed_pass(
     SINKS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     INT8_KEYS: tl.constexpr,
+    SCALARS_AHEAD: tl.constexpr,
+    VALUE_PAGES: tl.constexpr,
 ):
     """The online softmax over the compressed tokens ``[start, end)`` of ``tiles``: ``(m, l,
     acc0..3, zero_acc, v_top)``, the value products accumulated in units of ``1 / inv_unit``
-    and ``v_top`` the largest value scale seen.
+    and ``v_top`` the largest value scale seen. ``SCALARS_AHEAD`` (one tile per step, streaming
+    splits): each tile's key and value scalars are loaded during the tile before
+    (:func:`~custom_ops.triton.decode.tiles.tile_scalars`); ``VALUE_PAGES``: see
+    :func:`~custom_ops.triton.decode.tiles.compressed_values`.
 
     ``m`` is the maximum the probabilities are taken against, not always the scores' running
     maximum: it moves (and the accumulators are rescaled) only when a tile's scores rise above
@@ -173,8 +179,22 @@ def _compressed_pass(
     # Each iteration streams SUBTILES tiles of BLOCK_N tokens that share one softmax update
     # (running max, rescale of the accumulators), which amortizes its cross-lane reductions
     # while the codes are still decoded BLOCK_N tokens at a time.
+    tl.static_assert(not SCALARS_AHEAD or (SUBTILES == 1 and not ONE_TILE))
+    if SCALARS_AHEAD:
+        k_next, v_next, zero_next = tile_scalars(
+            start + tl.arange(0, BLOCK_N), end, b, table, meta_plane, PAGE_SIZE, SINKS, K, V
+        )
     for tile_start in range(start, end, SUBTILES * BLOCK_N):
         n_a = tile_start + tl.arange(0, BLOCK_N)
+        k_mul_a = None
+        v_zero_a = None
+        if SCALARS_AHEAD:
+            k_mul_a = k_next
+            v_mul_a = v_next
+            v_zero_a = zero_next
+            k_next, v_next, zero_next = tile_scalars(
+                n_a + BLOCK_N, end, b, table, meta_plane, PAGE_SIZE, SINKS, K, V
+            )
         scores_a, page_a, slot_a, m_row_a, valid_a = compressed_scores(
             n_a,
             end,
@@ -196,6 +216,7 @@ def _compressed_pass(
             SINKS,
             SOFTCAP,
             INT8_KEYS,
+            k_mul_a,
         )
         tile_max = scores_a
         if SUBTILES == 2:
@@ -237,7 +258,8 @@ def _compressed_pass(
             p_b = tl.math.exp2(scores_b - m_sub[None, :])
             p_sum = p_a + p_b
         l_i += tl.sum(p_sum, axis=0)
-        v_mul_a = value_multipliers(m_row_a, valid_a, V)
+        if not SCALARS_AHEAD:
+            v_mul_a = value_multipliers(m_row_a, valid_a, V)
         v_seen = tl.maximum(v_seen, v_mul_a)
         acc0, acc1, acc2, acc3, zero_acc = compressed_values(
             p_a,
@@ -258,6 +280,8 @@ def _compressed_pass(
             D,
             V,
             INTEGER_VALUES,
+            v_zero_a,
+            VALUE_PAGES,
         )
         if SUBTILES == 2:
             v_mul_b = value_multipliers(m_row_b, valid_b, V)
@@ -281,6 +305,8 @@ def _compressed_pass(
                 D,
                 V,
                 INTEGER_VALUES,
+                None,
+                VALUE_PAGES,
             )
     return m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, tl.max(v_seen, axis=0)
 
@@ -341,6 +367,8 @@ def split_kernel(
     G_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SUBTILES: tl.constexpr,
+    SCALARS_AHEAD: tl.constexpr,
+    VALUE_PAGES: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NUM_PARTIALS: tl.constexpr,
     ONE_TILE: tl.constexpr,
@@ -521,6 +549,8 @@ def split_kernel(
         SINKS,
         SOFTCAP,
         INT8_KEYS,
+        SCALARS_AHEAD,
+        VALUE_PAGES,
     )
     unit = tl.full([], 1.0, tl.float32)
     if ((v_top > UNIT_MAX) | (v_top < UNIT_MIN)) & (v_top > 0):
@@ -542,6 +572,8 @@ def split_kernel(
             SINKS,
             SOFTCAP,
             INT8_KEYS,
+            SCALARS_AHEAD,
+            VALUE_PAGES,
         )
     acc0 *= unit
     acc1 *= unit

@@ -22,6 +22,8 @@ from custom_ops.triton.kinds import UNIFORM
 __all__ = [
     "head_planes",
     "table_entries",
+    "compressed_valid",
+    "tile_scalars",
     "compressed_scores",
     "value_multipliers",
     "compressed_values",
@@ -67,6 +69,54 @@ def table_entries(n, ok, b, table, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def compressed_valid(n, end, ONE_TILE: tl.constexpr, SINKS: tl.constexpr):
+    """Which positions ``n [BLOCK_N]`` are compressed tokens of the sequence: below ``end`` and
+    not sinks (those are read from the ring)."""
+    valid = n < end
+    if SINKS > 0:
+        if ONE_TILE:
+            valid = valid & (n >= SINKS)
+        else:
+            # SINKS <= n < end as one unsigned compare (n - SINKS wraps below the sinks):
+            # streaming splits then pay 0-3% for 4 sinks instead of up to 5%, a one-tile split
+            # pays more that way (docs/design/decode.md#sinks-in-the-split-kernel)
+            limit = (tl.maximum(end, SINKS) - SINKS).to(tl.uint32, bitcast=True)
+            valid = (n - SINKS).to(tl.uint32, bitcast=True) < limit
+    return valid
+
+
+@triton.jit
+def tile_scalars(
+    n,
+    end,
+    b,
+    table,
+    meta_plane,
+    PAGE_SIZE: tl.constexpr,
+    SINKS: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+):
+    """``(k_mul, v_mul, v_zero)``, the key and value scalars (float32 ``[BLOCK_N]``, 0 where not
+    valid; ``v_zero`` 0 for values that are not uniform) of the compressed tokens at positions
+    ``n`` of a streaming split, for the split kernel to load a tile before it uses them: 2-byte
+    loads cannot go through ``cp.async``, so read in their own tile each is a DRAM round trip
+    on that tile's chain (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program). The
+    block-table entries are read again (the pipeliner's copy of them addresses the codes)."""
+    valid = compressed_valid(n, end, False, SINKS)
+    page = table_entries(n, n < end, b, table, PAGE_SIZE).to(tl.int64)
+    meta_ptr, m_head, stride_m_page, stride_m_slot = meta_plane
+    m_row = meta_ptr + page * stride_m_page + m_head + (n % PAGE_SIZE).to(tl.int64) * stride_m_slot
+    k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
+    v_mul = value_multipliers(m_row, valid, V)
+    if V.KIND == UNIFORM:
+        v_zero = tl.load(m_row + V.META + 1, mask=valid, other=0.0).to(tl.float32)
+    else:
+        v_zero = tl.zeros_like(v_mul)
+    return k_mul, v_mul, v_zero
+
+
+@triton.jit
 def compressed_scores(
     n,
     end,
@@ -88,6 +138,7 @@ def compressed_scores(
     SINKS: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
     INT8_KEYS: tl.constexpr = False,
+    k_mul=None,
 ):
     """Scores ``S^T = K @ Q^T`` of the compressed tokens at positions ``n [BLOCK_N]`` (``-inf``
     at and past ``end``, and below ``SINKS``: the sinks are read from the ring), capped by
@@ -102,23 +153,15 @@ def compressed_scores(
     vectorized along the tokens: tokens past the end read their page (or page 0) and get zero
     probability (see :func:`compressed_values`). The sinks' entries are followed like any other
     (the table holds their pages, never written): a run of value codes is loaded from its first
-    token's page, which may be a sink's.
+    token's page, which may be a sink's. ``k_mul``: the key scalars if loaded ahead
+    (:func:`tile_scalars`), else None (loaded here).
     """
     in_pages = n < end
     if ONE_TILE:
         entries = tl.where(in_pages, early, 0)
     else:
         entries = table_entries(n, in_pages, b, table, PAGE_SIZE)
-    valid = in_pages
-    if SINKS > 0:
-        if ONE_TILE:
-            valid = in_pages & (n >= SINKS)
-        else:
-            # SINKS <= n < end as one unsigned compare (n - SINKS wraps below the sinks):
-            # streaming splits then pay 0-3% for 4 sinks instead of up to 5%, a one-tile split
-            # pays more that way (docs/design/decode.md#sinks-in-the-split-kernel)
-            limit = (tl.maximum(end, SINKS) - SINKS).to(tl.uint32, bitcast=True)
-            valid = (n - SINKS).to(tl.uint32, bitcast=True) < limit
+    valid = compressed_valid(n, end, ONE_TILE, SINKS)
     k_codes_ptr, k_head, stride_kc_page, stride_kc_slot = k_plane
     meta_ptr, m_head, stride_m_page, stride_m_slot = meta_plane
     page = entries.to(tl.int64)
@@ -148,7 +191,8 @@ def compressed_scores(
             scores = tl.dot(k2, q2, scores)
             scores = tl.dot(k3, q3, scores)
     m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
-    k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
+    if k_mul is None:
+        k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
     scores = scores * k_mul[:, None]
     scores = mask_scores(scores, n, masking, b, q_head, row_ok, MASK, Q_TOKENS, SOFTCAP)
     return tl.where(valid[:, None], scores, float("-inf")), page, slot, m_row, valid
@@ -159,6 +203,54 @@ def value_multipliers(m_row, valid, V: tl.constexpr):
     """The value scale (or norm) of each token of a tile, ``[BLOCK_N] float32`` (0 where not
     ``valid``)."""
     return tl.load(m_row + V.META, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _value_codes(
+    v_codes_ptr,
+    rows,
+    PAGE_SIZE: tl.constexpr,
+    TOKEN_RUN: tl.constexpr,
+    D: tl.constexpr,
+    V: tl.constexpr,
+    INTEGERS: tl.constexpr,
+):
+    """The value parts (fp16 ``[PC_PAD, N]``, before the scalars) of the code rows starting at
+    ``rows [1, N]``."""
+    v_byte = tl.arange(0, V.PC_PAD)[:, None]
+    return decode_tile(
+        v_codes_ptr,
+        rows,
+        v_byte,
+        v_byte < V.PC,
+        V,
+        D,
+        PAGE_SIZE,
+        TOKEN_RUN,
+        FINITE=True,
+        INTEGERS=INTEGERS,
+    )
+
+
+@triton.jit
+def _value_products(parts, pv, acc0, acc1, acc2, acc3, V: tl.constexpr):
+    """``acc_i += parts[i] @ pv`` for the value parts in use (``pv [N, G_PAD]`` fp16)."""
+    v0, v1, v2, v3 = parts
+    acc0 = tl.dot(v0, pv, acc0)
+    if V.PARTS > 1:
+        acc1 = tl.dot(v1, pv, acc1)
+    if V.PARTS > 2:
+        acc2 = tl.dot(v2, pv, acc2)
+        acc3 = tl.dot(v3, pv, acc3)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _page_halves(x, PAGE_SIZE: tl.constexpr):
+    """The first and the second page's rows of ``x [2 * PAGE_SIZE, C]``: two ``[PAGE_SIZE,
+    C]``."""
+    C: tl.constexpr = x.shape[1]
+    return tl.split(tl.permute(tl.reshape(x, [2, PAGE_SIZE, C]), (1, 2, 0)))
 
 
 @triton.jit
@@ -181,12 +273,15 @@ def compressed_values(
     D: tl.constexpr,
     V: tl.constexpr,
     INTEGERS: tl.constexpr = False,
+    v_zero=None,
+    VALUE_PAGES: tl.constexpr = False,
 ):
     """Add one tile's ``O^T += V^T @ (p * v_rel)^T`` per value part (``p [BLOCK_N, G_PAD]``;
     ``v_rel = v_mul * inv_unit``, the tokens' value multipliers ``v_mul [BLOCK_N]`` relative to
     the accumulators' unit, which the split kernel keeps within ``[2**-10, 2**11]`` (``p <=
     2**4``), so that the fp16 products neither overflow nor flush to zero whatever the values'
-    magnitude), and ``sum(p * v_zero)`` (absolute) to ``zero_acc`` for uniform values.
+    magnitude), and ``sum(p * v_zero)`` (absolute) to ``zero_acc`` for uniform values
+    (``v_zero``: their zeros if loaded ahead, :func:`tile_scalars`; None: loaded here).
 
     ``INTEGERS`` (3-bit Lloyd-Max values, ``V.INTEGER_SCALE``): the values enter as the grid's
     integers ``k / S`` (:func:`~custom_ops.triton.decode.codes.decode_tile`'s ``INTEGERS``:
@@ -195,38 +290,46 @@ def compressed_values(
     range) and each level's ``unit / 2`` goes to ``zero_acc`` as ``v_zero = v_mul * unit /
     2``.
 
+    ``VALUE_PAGES`` (a tile of two whole pages, ``BLOCK_N == 2 * PAGE_SIZE == 2 * TOKEN_RUN``):
+    each page's value codes are loaded and multiplied as a tile of their own, so that the
+    ``cp.async`` of 32 lanes reads 32 consecutive 16-byte rows of one page; a two-page tile has
+    each lane's neighbour in the other page, and every lane's 16 bytes then cost a sector and
+    a shared-memory wavefront of their own
+    (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program).
+
     Value codes of tokens past the end enter the product with zero probability, which is only
     safe for codes that decode to finite numbers: fp8 bytes there (stale or never written) can
     be NaN, so fp8 values are decoded ``FINITE``.
     """
     v_codes_ptr, v_head, stride_vc_page = v_plane
-    v_byte = tl.arange(0, V.PC_PAD)[:, None]
-    v0, v1, v2, v3 = decode_tile(
-        v_codes_ptr,
-        (page * stride_vc_page + v_head + slot)[None, :],
-        v_byte,
-        v_byte < V.PC,
-        V,
-        D,
-        PAGE_SIZE,
-        TOKEN_RUN,
-        FINITE=True,
-        INTEGERS=INTEGERS,
-    )
+    rows = page * stride_vc_page + v_head + slot
+    if not VALUE_PAGES:
+        parts = _value_codes(v_codes_ptr, rows[None, :], PAGE_SIZE, TOKEN_RUN, D, V, INTEGERS)
     v_rel = v_mul * inv_unit
     if V.KIND == UNIFORM:
-        v_zero = tl.load(m_row + V.META + 1, mask=valid, other=0.0).to(tl.float32)
+        if v_zero is None:
+            v_zero = tl.load(m_row + V.META + 1, mask=valid, other=0.0).to(tl.float32)
         zero_acc += tl.sum(p * v_zero[:, None], axis=0)
     if INTEGERS:
         zero_acc += tl.sum(p * (v_mul * (V.INT8_UNIT * 0.5))[:, None], axis=0)
         v_rel = v_rel * (V.INT8_UNIT * V.INTEGER_SCALE)
     pv = (p * v_rel[:, None]).to(tl.float16)
-    acc0 = tl.dot(v0, pv, acc0)
-    if V.PARTS > 1:
-        acc1 = tl.dot(v1, pv, acc1)
-    if V.PARTS > 2:
-        acc2 = tl.dot(v2, pv, acc2)
-        acc3 = tl.dot(v3, pv, acc3)
+    if VALUE_PAGES:
+        tl.static_assert(p.shape[0] == 2 * PAGE_SIZE and TOKEN_RUN == PAGE_SIZE)
+        rows_a, rows_b = _page_halves(rows[:, None], PAGE_SIZE)
+        pv_a, pv_b = _page_halves(pv, PAGE_SIZE)
+        # the first page's products before the second page's codes are decoded (tq4_nc's
+        # loop: 893 SASS instructions and no spills, against 928 and 136 bytes of stack)
+        parts = _value_codes(
+            v_codes_ptr, tl.reshape(rows_a, [1, PAGE_SIZE]), PAGE_SIZE, TOKEN_RUN, D, V, INTEGERS
+        )
+        acc0, acc1, acc2, acc3 = _value_products(parts, pv_a, acc0, acc1, acc2, acc3, V)
+        parts = _value_codes(
+            v_codes_ptr, tl.reshape(rows_b, [1, PAGE_SIZE]), PAGE_SIZE, TOKEN_RUN, D, V, INTEGERS
+        )
+        acc0, acc1, acc2, acc3 = _value_products(parts, pv_b, acc0, acc1, acc2, acc3, V)
+    else:
+        acc0, acc1, acc2, acc3 = _value_products(parts, pv, acc0, acc1, acc2, acc3, V)
     return acc0, acc1, acc2, acc3, zero_acc
 
 

@@ -606,6 +606,85 @@ def test_decode_reads_sinks_exactly(fmt_name, window, sinks, kernel_device, seed
         assert rel < 1e-3, (n_new, starts, tokens, float(rel))
 
 
+def _stored_pages(fmt, lens, pages_per_seq, page, head_dim, window, sinks, consts, device, gen):
+    """``len(lens)`` sequences of ``pages_per_seq`` shuffled pages filled through ``tq.store``
+    with random tokens, and rings of ``window + sinks`` slots (random bf16, positions as
+    appended up to ``lens``; None without slots): ``(cache, table, recent, k, v)``, ``k, v`` the
+    float64 keys and values decode attends (the dequantized pages, the exact ring)."""
+    batch = len(lens)
+    num_pages = batch * pages_per_seq
+    key, value = (
+        torch.randn(num_pages * page, NUM_KV_HEADS, head_dim, generator=gen) for _ in range(2)
+    )
+    table = torch.randperm(num_pages, generator=gen).to(torch.int32).reshape(batch, -1)
+    shape = (batch, NUM_KV_HEADS, window + sinks, head_dim)
+    rings = [torch.randn(shape, generator=gen).bfloat16().to(device) for _ in range(2)]
+    recent = None
+    if window + sinks:
+        window_pos = api.appended_window_positions(lens.to(device), NUM_KV_HEADS, window, sinks)
+        recent = RecentWindow(*rings, window_pos, sinks)
+    with triton_kernels(device):
+        cache = fmt.allocate(num_pages, NUM_KV_HEADS, page, head_dim, device)
+        slots = torch.arange(num_pages * page, dtype=torch.int32, device=device)
+        api.store(
+            fmt, cache, key.bfloat16().to(device), value.bfloat16().to(device), slots, consts
+        )
+    k, v = reference.dequantize(
+        fmt,
+        clone_cache(cache),
+        table,
+        lens,
+        *(c.cpu() for c in consts),
+        page * pages_per_seq,
+        torch.float64,
+        None if recent is None else window_on(recent, "cpu"),
+    )
+    return cache, table, recent, k, v
+
+
+# (VALUE_PAGES, SCALARS_AHEAD) of the split kernel in streaming and in one-tile splits of
+# 32-token tiles over 16-token pages
+TWO_PAGE_TILES = {
+    "4bit_nc": ((True, True), (True, False)),
+    "tq4_nc": ((True, False), (True, False)),
+    "tqk4v2_nc": ((False, True), (False, False)),
+    "k8v4": ((False, False), (True, False)),  # streaming: two 16-token tiles per step
+}
+
+
+@pytest.mark.parametrize("fmt_name", list(TWO_PAGE_TILES))
+@pytest.mark.parametrize("window, sinks", [(0, 0), (16, 4)])
+def test_two_page_tiles_and_scalars_ahead(fmt_name, window, sinks, kernel_device, seeded):
+    """32-token tiles over 16-token pages (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-
+    program): 4-bit values read each page's codes as a tile of their own, and 4bit_nc and
+    tqk4v2_nc load each tile's scalars during the tile before, in streaming splits (2 splits of
+    4 tiles; one-tile splits, 8, never load ahead). Over a shuffled block table, lengths at the
+    capacity, inside a tile's second page, inside its first and below one page, with and
+    without a 16-slot window and 4 sinks (read from the ring, their page slots masked), decode
+    equals float64 attention over the dequantized pages and the exact ring (1e-3)."""
+    device = kernel_device
+    fmt = get_format(fmt_name)
+    page, pages_per_seq, head_dim = 16, 16, 64
+    capacity = page * pages_per_seq
+    lens = torch.tensor([capacity, capacity - 5, capacity - 23, 11], dtype=torch.int32)
+    batch = len(lens)
+    consts = api.make_constants(fmt, head_dim, seed=3, device=device)
+    cache, table, recent, k, v = _stored_pages(
+        fmt, lens, pages_per_seq, page, head_dim, window, sinks, consts, device, seeded
+    )
+    q = torch.randn(batch, NUM_KV_HEADS * 4, head_dim, generator=seeded).half()
+    expected = reference.attention(q, k, v, lens, head_dim**-0.5)
+    with triton_kernels(device):
+        for splits, flags in zip((2, 8), TWO_PAGE_TILES[fmt_name], strict=True):
+            args = (fmt, q.to(device), cache, table.to(device))
+            plan = triton_decode.plan_for(*args, splits, None, recent)
+            launch = plan.split.kwargs
+            assert (launch["VALUE_PAGES"], launch["SCALARS_AHEAD"]) == flags, splits
+            assert plan.one_tile == (splits == 8)
+            actual = api.decode(*args, lens.to(device), consts, num_splits=splits, window=recent)
+            assert rel_error(actual.cpu(), expected) < 1e-3, splits
+
+
 @pytest.mark.parametrize("window, sinks", [(72, 3), (48, 70)])
 def test_ring_kernel_parts_and_sink_tiles(window, sinks, kernel_device, seeded):
     """Rotated values (tq4_nc) read the ring in a kernel of its own, in parts of whole 64-place
@@ -642,33 +721,10 @@ def test_sinks_in_a_ring_part_of_their_own_or_the_last(sinks, kernel_device, see
     capacity = page * pages_per_seq
     consts = api.make_constants(fmt, HEAD_DIM, seed=3, device=device)
     for batch, own_part in ((1, CUDA), (full_batch, False)):
-        num_pages = batch * pages_per_seq
-        key, value = (
-            torch.randn(num_pages * page, NUM_KV_HEADS, HEAD_DIM, generator=seeded)
-            for _ in range(2)
-        )
-        table = torch.randperm(num_pages, generator=seeded).to(torch.int32).reshape(batch, -1)
         lens = torch.randint(3, capacity + 1, (batch,), generator=seeded, dtype=torch.int32)
         lens[:2] = torch.tensor([capacity, 3])[:batch]
-        shape = (batch, NUM_KV_HEADS, window + sinks, HEAD_DIM)
-        rings = [torch.randn(shape, generator=seeded).bfloat16().to(device) for _ in range(2)]
-        window_pos = api.appended_window_positions(lens.to(device), NUM_KV_HEADS, window, sinks)
-        recent = RecentWindow(*rings, window_pos, sinks)
-        with triton_kernels(device):
-            cache = fmt.allocate(num_pages, NUM_KV_HEADS, page, HEAD_DIM, device)
-            slots = torch.arange(num_pages * page, dtype=torch.int32, device=device)
-            api.store(
-                fmt, cache, key.bfloat16().to(device), value.bfloat16().to(device), slots, consts
-            )
-        k, v = reference.dequantize(
-            fmt,
-            clone_cache(cache),
-            table,
-            lens,
-            *(c.cpu() for c in consts),
-            capacity,
-            torch.float64,
-            window_on(recent, "cpu"),
+        cache, table, recent, k, v = _stored_pages(
+            fmt, lens, pages_per_seq, page, HEAD_DIM, window, sinks, consts, device, seeded
         )
         with triton_kernels(device):
             for q in (
