@@ -643,28 +643,32 @@ def _stored_pages(fmt, lens, pages_per_seq, page, head_dim, window, sinks, const
 
 
 # (VALUE_PAGES, SCALARS_AHEAD) of the split kernel in streaming and in one-tile splits of
-# 32-token tiles over 16-token pages
+# 32-token tiles over 16-token pages, per format and head dim
 TWO_PAGE_TILES = {
-    "4bit_nc": ((True, True), (True, False)),
-    "tq4_nc": ((True, False), (True, False)),
-    "tqk4v2_nc": ((False, True), (False, False)),
-    "k8v4": ((False, False), (True, False)),  # streaming: two 16-token tiles per step
+    ("4bit_nc", 128): ((True, True), (True, False)),
+    ("4bit_nc", 64): ((False, True), (False, False)),  # value rows of 32 bytes
+    ("tq4_nc", 96): ((True, False), (True, False)),  # rows of 48 bytes
+    ("tqk4v2_nc", 64): ((False, True), (False, False)),  # four value parts
+    ("k8v4", 80): ((False, False), (True, False)),  # streaming: 16-token tiles
 }
 
 
-@pytest.mark.parametrize("fmt_name", list(TWO_PAGE_TILES))
+@pytest.mark.parametrize("fmt_name, head_dim", list(TWO_PAGE_TILES))
 @pytest.mark.parametrize("window, sinks", [(0, 0), (16, 4)])
-def test_two_page_tiles_and_scalars_ahead(fmt_name, window, sinks, kernel_device, seeded):
+def test_two_page_tiles_and_scalars_ahead(
+    fmt_name, head_dim, window, sinks, kernel_device, seeded
+):
     """32-token tiles over 16-token pages (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-
     program): 4-bit values read each page's codes as a tile of their own, and 4bit_nc and
     tqk4v2_nc load each tile's scalars during the tile before, in streaming splits (2 splits of
-    4 tiles; one-tile splits, 8, never load ahead). Over a shuffled block table, lengths at the
-    capacity, inside a tile's second page, inside its first and below one page, with and
-    without a 16-slot window and 4 sinks (read from the ring, their page slots masked), decode
-    equals float64 attention over the dequantized pages and the exact ring (1e-3)."""
+    4 tiles; one-tile splits, 8, never load ahead); value rows of 32 bytes (4-bit values at D 64)
+    keep two-page tiles. Over a shuffled block table, lengths at the capacity, inside a tile's
+    second page, inside its first and below one page, with and without a 16-slot window and 4
+    sinks (read from the ring, their page slots masked), decode equals float64 attention over
+    the dequantized pages and the exact ring (1e-3)."""
     device = kernel_device
     fmt = get_format(fmt_name)
-    page, pages_per_seq, head_dim = 16, 16, 64
+    page, pages_per_seq = 16, 16
     capacity = page * pages_per_seq
     lens = torch.tensor([capacity, capacity - 5, capacity - 23, 11], dtype=torch.int32)
     batch = len(lens)
@@ -675,7 +679,7 @@ def test_two_page_tiles_and_scalars_ahead(fmt_name, window, sinks, kernel_device
     q = torch.randn(batch, NUM_KV_HEADS * 4, head_dim, generator=seeded).half()
     expected = reference.attention(q, k, v, lens, head_dim**-0.5)
     with triton_kernels(device):
-        for splits, flags in zip((2, 8), TWO_PAGE_TILES[fmt_name], strict=True):
+        for splits, flags in zip((2, 8), TWO_PAGE_TILES[fmt_name, head_dim], strict=True):
             args = (fmt, q.to(device), cache, table.to(device))
             plan = triton_decode.plan_for(*args, splits, None, recent)
             launch = plan.split.kwargs
