@@ -24,9 +24,10 @@ class DecodeTuning:
         subtiles_long: the same for longer splits. Two independent 16-token tiles keep more
             loads in flight, which pays where the kernel waits on memory and the format's
             registers allow it (``docs/design/decode.md``: tiles, ring tiles).
-        scalars_ahead: streaming splits of one tile per step load each tile's key and value
-            scalars during the tile before (``docs/design/decode.md``: tiles), which pays
-            where the registers they hold across a tile do not spill.
+        scalars_ahead: streaming splits of one tile per step and few query rows (not verify
+            steps or wide GQA groups) load each tile's key and value scalars during the tile
+            before (``docs/design/decode.md``: tiles), which pays where the registers they
+            hold across a tile do not spill.
     """
 
     subtiles_short: int = 1

@@ -187,6 +187,7 @@ def _compressed_pass(
     for tile_start in range(start, end, SUBTILES * BLOCK_N):
         n_a = tile_start + tl.arange(0, BLOCK_N)
         k_mul_a = None
+        v_mul_a = None
         v_zero_a = None
         if SCALARS_AHEAD:
             k_mul_a = k_next
@@ -258,7 +259,7 @@ def _compressed_pass(
             p_b = tl.math.exp2(scores_b - m_sub[None, :])
             p_sum = p_a + p_b
         l_i += tl.sum(p_sum, axis=0)
-        if not SCALARS_AHEAD:
+        if v_mul_a is None:
             v_mul_a = value_multipliers(m_row_a, valid_a, V)
         v_seen = tl.maximum(v_seen, v_mul_a)
         acc0, acc1, acc2, acc3, zero_acc = compressed_values(

@@ -105,15 +105,10 @@ def tile_scalars(
     block-table entries are read again (the pipeliner's copy of them addresses the codes)."""
     valid = compressed_valid(n, end, False, SINKS)
     page = table_entries(n, n < end, b, table, PAGE_SIZE).to(tl.int64)
-    meta_ptr, m_head, stride_m_page, stride_m_slot = meta_plane
-    m_row = meta_ptr + page * stride_m_page + m_head + (n % PAGE_SIZE).to(tl.int64) * stride_m_slot
+    m_row = meta_rows(meta_plane, page, (n % PAGE_SIZE).to(tl.int64))
     k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
     v_mul = value_multipliers(m_row, valid, V)
-    if V.KIND == UNIFORM:
-        v_zero = tl.load(m_row + V.META + 1, mask=valid, other=0.0).to(tl.float32)
-    else:
-        v_zero = tl.zeros_like(v_mul)
-    return k_mul, v_mul, v_zero
+    return k_mul, v_mul, value_zeros(m_row, valid, V)
 
 
 @triton.jit
@@ -163,7 +158,6 @@ def compressed_scores(
         entries = table_entries(n, in_pages, b, table, PAGE_SIZE)
     valid = compressed_valid(n, end, ONE_TILE, SINKS)
     k_codes_ptr, k_head, stride_kc_page, stride_kc_slot = k_plane
-    meta_ptr, m_head, stride_m_page, stride_m_slot = meta_plane
     page = entries.to(tl.int64)
     slot = (n % PAGE_SIZE).to(tl.int64)
     k_byte = tl.arange(0, K.PC_PAD)[None, :]
@@ -190,12 +184,29 @@ def compressed_scores(
         if K.PARTS > 2:
             scores = tl.dot(k2, q2, scores)
             scores = tl.dot(k3, q3, scores)
-    m_row = meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
+    m_row = meta_rows(meta_plane, page, slot)
     if k_mul is None:
         k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
     scores = scores * k_mul[:, None]
     scores = mask_scores(scores, n, masking, b, q_head, row_ok, MASK, Q_TOKENS, SOFTCAP)
     return tl.where(valid[:, None], scores, float("-inf")), page, slot, m_row, valid
+
+
+@triton.jit
+def meta_rows(meta_plane, page, slot):
+    """Pointers to the meta records of the tokens in page slots ``slot`` of pages ``page``
+    (int64, ``[BLOCK_N]``)."""
+    meta_ptr, m_head, stride_m_page, stride_m_slot = meta_plane
+    return meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
+
+
+@triton.jit
+def value_zeros(m_row, valid, V: tl.constexpr):
+    """The zero of each token's uniform values, ``[BLOCK_N] float32`` (0 where not ``valid``, and
+    for values that are not uniform)."""
+    if V.KIND == UNIFORM:
+        return tl.load(m_row + V.META + 1, mask=valid, other=0.0).to(tl.float32)
+    return tl.zeros(valid.shape, tl.float32)
 
 
 @triton.jit
@@ -308,14 +319,17 @@ def compressed_values(
     v_rel = v_mul * inv_unit
     if V.KIND == UNIFORM:
         if v_zero is None:
-            v_zero = tl.load(m_row + V.META + 1, mask=valid, other=0.0).to(tl.float32)
+            v_zero = value_zeros(m_row, valid, V)
         zero_acc += tl.sum(p * v_zero[:, None], axis=0)
     if INTEGERS:
         zero_acc += tl.sum(p * (v_mul * (V.INT8_UNIT * 0.5))[:, None], axis=0)
         v_rel = v_rel * (V.INT8_UNIT * V.INTEGER_SCALE)
     pv = (p * v_rel[:, None]).to(tl.float16)
     if VALUE_PAGES:
-        tl.static_assert(p.shape[0] == 2 * PAGE_SIZE and TOKEN_RUN == PAGE_SIZE)
+        tl.static_assert(
+            p.shape[0] == 2 * PAGE_SIZE and TOKEN_RUN == PAGE_SIZE and PAGE_SIZE >= 16,
+            "value pages: a tile of two whole pages of at least 16 tokens (K >= 16)",
+        )
         rows_a, rows_b = _page_halves(rows[:, None], PAGE_SIZE)
         pv_a, pv_b = _page_halves(pv, PAGE_SIZE)
         # the first page's products before the second page's codes are decoded (tq4_nc's

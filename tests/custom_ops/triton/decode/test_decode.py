@@ -102,6 +102,8 @@ def test_kernel_matches_float64_attention(fmt_name, group, kernel_device, seeded
         ("4bit_nc", 8, 1.0, 128),
         ("4bit_nc", 8, 2.0**13, 128),
         ("tqk5v3_nc", 1, 2.0**13, 128),
+        ("4bit_nc", 1, 2.0**13, 128),
+        ("tqk4v2_nc", 1, 2.0**13, 64),
     ],
 )
 def test_scores_rising_along_the_sequence(
@@ -117,7 +119,8 @@ def test_scores_rising_along_the_sequence(
     times the norms overflow fp16, through the pass in units of the largest. At
     T = 8 and D = 128 (32 query rows per kv-head of 4bit_nc) a Hopper GPU runs the verify
     kernel (the same slack, and its own second pass: uniform value scales there, the values'
-    range / 15, pass 2**11)."""
+    range / 15, pass 2**11). At T = 1, 4bit_nc (D 128) and tqk4v2_nc load each tile's scalars
+    a tile ahead, and 4bit_nc's value pages, through both passes."""
     fmt = get_format(fmt_name)
     num_kv_heads, group, page_size = 2, 4, 16
     n_tokens = 10 * 32 - 5

@@ -43,6 +43,25 @@ def test_one_tile_splits(fmt_name, kernel_device, seeded):
     assert one_tile == [True, False]
 
 
+@pytest.mark.parametrize(
+    "fmt_name, page_size, value_pages",
+    [("4bit_nc", 16, True), ("4bit_nc", 8, False), ("4bit_nc", 32, False), ("k8v4", 8, False)],
+)
+def test_value_pages_only_for_two_pages_of_16_tokens(
+    fmt_name, page_size, value_pages, kernel_device, seeded
+):
+    """Each page's value codes are a tile of their own only where a 32-token tile is two pages:
+    not one page of 32, nor pages of 8 (four per tile; k8v4's 16-token tiles, two per tile,
+    would multiply with K = 8, below the tensor cores' 16)."""
+    fmt = get_format(fmt_name)
+    cache = fmt.allocate(2 * 1024 // page_size, 2, page_size, 128)
+    table = torch.arange(2 * 1024 // page_size, dtype=torch.int32).reshape(2, -1)
+    q = torch.randn(2, 8, 128, generator=seeded).half().to(kernel_device)
+    plan = triton_decode.plan_for(fmt, q, cache, table.to(kernel_device), 2)
+    assert not plan.one_tile
+    assert plan.split.kwargs["VALUE_PAGES"] == value_pages
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "tq4_nc", "int8"])
