@@ -106,9 +106,11 @@ def tile_scalars(
     valid = compressed_valid(n, end, False, SINKS)
     page = table_entries(n, n < end, b, table, PAGE_SIZE).to(tl.int64)
     m_row = meta_rows(meta_plane, page, (n % PAGE_SIZE).to(tl.int64))
-    k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
-    v_mul = value_multipliers(m_row, valid, V)
-    return k_mul, v_mul, value_zeros(m_row, valid, V)
+    return (
+        key_multipliers(m_row, valid, K),
+        value_multipliers(m_row, valid, V),
+        value_zeros(m_row, valid, V),
+    )
 
 
 @triton.jit
@@ -186,7 +188,7 @@ def compressed_scores(
             scores = tl.dot(k3, q3, scores)
     m_row = meta_rows(meta_plane, page, slot)
     if k_mul is None:
-        k_mul = tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
+        k_mul = key_multipliers(m_row, valid, K)
     scores = scores * k_mul[:, None]
     scores = mask_scores(scores, n, masking, b, q_head, row_ok, MASK, Q_TOKENS, SOFTCAP)
     return tl.where(valid[:, None], scores, float("-inf")), page, slot, m_row, valid
@@ -198,6 +200,13 @@ def meta_rows(meta_plane, page, slot):
     (int64, ``[BLOCK_N]``)."""
     meta_ptr, m_head, stride_m_page, stride_m_slot = meta_plane
     return meta_ptr + page * stride_m_page + m_head + slot * stride_m_slot
+
+
+@triton.jit
+def key_multipliers(m_row, valid, K: tl.constexpr):
+    """The key norm (or scale) of each token of a tile, ``[BLOCK_N] float32`` (0 where not
+    ``valid``)."""
+    return tl.load(m_row + K.META, mask=valid, other=0.0).to(tl.float32)
 
 
 @triton.jit
