@@ -44,6 +44,7 @@ def worker(tree: Path) -> None:
         if request["op"] == "prepare":
             fmt = get_format(request["format"])
             batch, seq = request["batch"], request["seq"]
+            bench.HEAD_DIM = request["head_dim"]  # read by decode.py's helpers when called
             # the same random caches, queries and page order on both sides
             torch.manual_seed(request["seed"])
             inputs = bench.tq_inputs(fmt, batch, seq)
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", help="BxS, e.g. 1x131072 (default: decode.py's)")
     parser.add_argument("--windows", nargs="*", type=int, default=[0, 128])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -117,6 +119,7 @@ def main() -> None:
                     batch=batch,
                     seq=seq,
                     windows=args.windows,
+                    head_dim=args.head_dim,
                     seed=len(rows),
                 )
             best = {}
@@ -154,7 +157,13 @@ def main() -> None:
     print(f"head / base speed: min {min(speeds):.3f}, max {max(speeds):.3f} over {len(rows)}")
     path = write_json(
         "compare_decode.json",
-        dict(gpu=gpu_name(), base=str(args.base), head=str(args.head), rows=rows),
+        dict(
+            gpu=gpu_name(),
+            base=str(args.base),
+            head=str(args.head),
+            head_dim=args.head_dim,
+            rows=rows,
+        ),
     )
     print(f"wrote {path}")
 

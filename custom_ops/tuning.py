@@ -28,11 +28,14 @@ class DecodeTuning:
             steps or wide GQA groups) load each tile's key and value scalars during the tile
             before (``docs/design/decode.md``: tiles), which pays where the registers they
             hold across a tile do not spill.
+        value_pages: tiles of two pages read each page's value codes as a tile of their own
+            (``docs/design/decode.md``: tiles), where the plan's conditions allow it.
     """
 
     subtiles_short: int = 1
     subtiles_long: int = 1
     scalars_ahead: bool = False
+    value_pages: bool = True
 
 
 DECODE_TUNING: dict[str, DecodeTuning] = {
@@ -44,7 +47,9 @@ DECODE_TUNING: dict[str, DecodeTuning] = {
     "fp8": DecodeTuning(subtiles_short=2, subtiles_long=2),
     "tq4_nc": DecodeTuning(),
     "tq3_nc": DecodeTuning(),
-    "tq2_nc": DecodeTuning(),
+    # H200 against two-page value tiles, 1 x 131072 / 16 x 8192 / 1 x 4096: 0.99x / 0.96x /
+    # 0.93x (tqk4v2_nc's 2-bit values gained 1.03x / 1.02x / 1.01x)
+    "tq2_nc": DecodeTuning(value_pages=False),
     "tqk4v2_nc": DecodeTuning(scalars_ahead=True),
     # one 32-token tile: two 16-token tiles spill (2623 SASS instructions per 32 tokens, 172
     # STL; one: 1440); H200 1 x 131072: 109 us, two 32-token tiles on two warps 114 (both

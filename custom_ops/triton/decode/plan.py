@@ -291,16 +291,17 @@ def plan_decode(
     block_n = split_config.block_n or TOKENS_PER_STEP // subtiles
     one_tile = capacity <= num_splits * subtiles * block_n
     token_run = _token_run(page_size, block_n)
-    # each page's value codes a tile of their own where a tile is two pages of at least 16
-    # tokens (the products' K) and the values have at most two parts of at least 64 bytes
-    # (Triton neither pipelines a [32, 16] page tile nor decodes it in the dot operand's
-    # layout); the scalars a tile ahead where the format's tuning says it pays, in streaming
-    # splits of one query token (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program)
+    # each page's value codes a tile of their own where the format's tuning allows it, a tile
+    # is two pages of at least 16 tokens (the products' K) and the value rows are 32 bytes
+    # (loaded as two halves) or at least 64 (rows of 16 lost 2-3% at D 64, rows padded to 32
+    # went through shared memory); the scalars a tile ahead where the format's tuning says it
+    # pays, in streaming splits of one query token
+    # (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program)
     value_pages = (
-        values.PARTS <= 2
-        and values.PC_PAD >= 64
+        tuning.value_pages
         and page_size >= 16
         and block_n == 2 * page_size == 2 * token_run
+        and (values.PC == 32 or values.PC_PAD >= 64)
     )
     scalars_ahead = tuning.scalars_ahead and subtiles == 1 and not one_tile and not many_rows
     query = _query_mode(fmt, keys, head_dim, capacity, num_splits, g_pad)

@@ -649,9 +649,11 @@ def _stored_pages(fmt, lens, pages_per_seq, page, head_dim, window, sinks, const
 # 32-token tiles over 16-token pages, per format and head dim
 TWO_PAGE_TILES = {
     ("4bit_nc", 128): ((True, True), (True, False)),
-    ("4bit_nc", 64): ((False, True), (False, False)),  # value rows of 32 bytes
-    ("tq4_nc", 96): ((True, False), (True, False)),  # rows of 48 bytes
-    ("tqk4v2_nc", 64): ((False, True), (False, False)),  # four value parts
+    ("4bit_nc", 64): ((True, True), (True, False)),  # rows of 32 bytes: two halves
+    ("tq4_nc", 96): ((True, False), (True, False)),  # rows of 48 bytes, padded to 64
+    ("tqk4v2_nc", 64): ((False, True), (False, False)),  # four parts of 16 bytes
+    ("3bit_nc", 128): ((True, False), (True, False)),  # four parts of 32: halves, signs
+    ("tq3_nc", 96): ((False, False), (False, False)),  # parts of 24 bytes, padded to 32
     ("k8v4", 80): ((False, False), (True, False)),  # streaming: 16-token tiles
 }
 
@@ -662,11 +664,13 @@ def test_two_page_tiles_and_scalars_ahead(
     fmt_name, head_dim, window, sinks, kernel_device, seeded
 ):
     """32-token tiles over 16-token pages (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-
-    program): 4-bit values read each page's codes as a tile of their own, and 4bit_nc and
-    tqk4v2_nc load each tile's scalars during the tile before, in streaming splits (2 splits of
-    4 tiles; one-tile splits, 8, never load ahead); value rows of 32 bytes (4-bit values at D 64)
-    keep two-page tiles. Over a shuffled block table, lengths at the capacity, inside a tile's
-    second page, inside its first and below one page, with and without a 16-slot window and 4
+    program): values read each page's codes as a tile of their own (rows of 32 bytes as a
+    [2, 16, 16] tile: 4-bit values at D 64, 3-bit values' quarters and signs at D 128), and
+    4bit_nc and tqk4v2_nc load each tile's scalars during the tile before, in streaming splits
+    (2 splits of 4 tiles; one-tile splits, 8, never load ahead); rows of 16 bytes, or padded to
+    32, keep two-page tiles. Over a shuffled block table, lengths at the capacity, inside a
+    tile's second page, inside its first and below one page, with and without a 16-slot window
+    and 4
     sinks (read from the ring, their page slots masked), decode equals float64 attention over
     the dequantized pages and the exact ring (1e-3)."""
     device = kernel_device
