@@ -6,6 +6,7 @@ random caches, shuffled pages and CUDA-graph timing); the controller then replay
 in alternating order for ``--rounds`` rounds and keeps each side's fastest round, so a slow
 spell of the GPU lands on both sides. Prints one row per (shape, format, window) with both times
 and ``head / base`` speed (> 1: the head tree is faster), and writes ``compare_decode.json``.
+``--head-dim`` sets ``decode.py``'s head dim on both sides (default 128).
 
     git worktree add /tmp/base <commit>
     python benchmarks/compare_decode.py --base /tmp/base          # the head is this tree

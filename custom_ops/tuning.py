@@ -47,8 +47,9 @@ DECODE_TUNING: dict[str, DecodeTuning] = {
     "fp8": DecodeTuning(subtiles_short=2, subtiles_long=2),
     "tq4_nc": DecodeTuning(),
     "tq3_nc": DecodeTuning(),
-    # H200 against two-page value tiles, 1 x 131072 / 16 x 8192 / 1 x 4096: 0.99x / 0.96x /
-    # 0.93x (tqk4v2_nc's 2-bit values gained 1.03x / 1.02x / 1.01x)
+    # value pages against two-page value tiles, H200, 1 x 131072 / 16 x 8192 / 1 x 4096:
+    # 0.99x / 0.96x / 0.93x (not understood: tqk4v2_nc's 2-bit values gained 1.03x / 1.02x /
+    # 1.01x, k2v2_nc's 1.00x / 1.00x / 1.06x)
     "tq2_nc": DecodeTuning(value_pages=False),
     "tqk4v2_nc": DecodeTuning(scalars_ahead=True),
     # one 32-token tile: two 16-token tiles spill (2623 SASS instructions per 32 tokens, 172

@@ -233,11 +233,11 @@ def _sign_offsets(
 ):
     """Offsets of the 1-bit sign plane's byte ``j mod D/8`` of each row, the tile's shape."""
     D8: tl.constexpr = D // 8
-    return _tile_offsets(row_offsets, (P.OFF1 + j % D8) * BYTE_STRIDE, TOKEN_RUN)
+    return _hinted_offsets(row_offsets, (P.OFF1 + j % D8) * BYTE_STRIDE, TOKEN_RUN)
 
 
 @triton.jit
-def _tile_offsets(row_offsets, byte_offsets, TOKEN_RUN: tl.constexpr):
+def _hinted_offsets(row_offsets, byte_offsets, TOKEN_RUN: tl.constexpr):
     """``row_offsets + byte_offsets``, a tile (2-D, or 3-D: see :func:`decode_tile`) whose last
     axis comes in runs of ``TOKEN_RUN`` adjacent bytes (1: no runs), told to Triton (the sum
     is formed here: a hint on a function's argument is lost)."""
@@ -367,14 +367,14 @@ def decode_tile(
     broadcast to the tile: ``[N, 1]`` and ``[1, PC]`` for keys (token-major, ``BYTE_STRIDE`` 1),
     ``[1, N]`` and ``[PC, 1]`` for values (token-minor, ``BYTE_STRIDE = page_size``), whose
     tokens come in runs of ``TOKEN_RUN`` adjacent bytes (page-aligned; 1: no hint), or for
-    values ``[1, 1, N]`` and ``[2, PC / 2, 1]``: the rows as two halves. The inline
+    values ``[1, 1, N]`` and ``[2, PC_PAD / 2, 1]``: the bytes in two halves. The inline
     asm packs 4 consecutive bytes of the tile's last axis: 4 elements of a key, or one byte
     column of 4 tokens of values. ``FINITE`` maps the fp8 NaN codes to finite numbers.
     """
     ASM: tl.constexpr = P.ASM
     if INTEGERS:
         tl.static_assert(P.BITS == 3 and P.INTEGER_SCALE > 0.0, "integers: 3-bit Lloyd-Max only")
-    offsets = _tile_offsets(row_offsets, j * BYTE_STRIDE, TOKEN_RUN)
+    offsets = _hinted_offsets(row_offsets, j * BYTE_STRIDE, TOKEN_RUN)
     plane = tl.load(codes_ptr + offsets, mask=mask, other=0)
     if P.BITS == 4:
         # byte j: element j in the low nibble, element j + D/2 in the high nibble

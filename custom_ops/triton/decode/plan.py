@@ -292,10 +292,10 @@ def plan_decode(
     one_tile = capacity <= num_splits * subtiles * block_n
     token_run = _token_run(page_size, block_n)
     # each page's value codes a tile of their own where the format's tuning allows it, a tile
-    # is two pages of at least 16 tokens (the products' K) and the value rows are 32 bytes
-    # (loaded as two halves) or at least 64 (rows of 16 lost 2-3% at D 64, rows padded to 32
-    # went through shared memory); the scalars a tile ahead where the format's tuning says it
-    # pays, in streaming splits of one query token
+    # is two pages of at least 16 tokens (the products' K) and a token's value part is 32
+    # bytes (loaded in two halves) or padded to at least 64 (parts of 16 bytes lost up to 3%
+    # at D 64, parts padded to 32 went through shared memory); the scalars a tile ahead where
+    # the format's tuning says it pays, in streaming splits of one query token
     # (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program)
     value_pages = (
         tuning.value_pages

@@ -234,38 +234,24 @@ def _value_codes(
     D: tl.constexpr,
     V: tl.constexpr,
     INTEGERS: tl.constexpr,
-    ROW_HALVES: tl.constexpr = False,
+    BYTE_HALVES: tl.constexpr = False,
 ):
     """The value parts (fp16 ``[PC_PAD, N]``, before the scalars) of the code rows starting at
-    ``rows [1, N]``. ``ROW_HALVES``: loaded and decoded as a ``[2, PC_PAD / 2, N]`` tile, then
-    reshaped (see :func:`compressed_values`; stacking two ``[PC_PAD / 2, N]`` tiles with
-    ``tl.join`` compiled to wrong values on the H200 with Triton 3.6, right in the
-    interpreter)."""
-    if ROW_HALVES:
-        # [2, PC_PAD / 2, N]: half h's row r is row h * PC_PAD / 2 + r
-        H: tl.constexpr = V.PC_PAD // 2
-        j = tl.arange(0, 2)[:, None, None] * H + tl.arange(0, H)[None, :, None]
-        parts = decode_tile(
-            v_codes_ptr,
-            rows[None, :, :],
-            j,
-            j < V.PC,
-            V,
-            D,
-            PAGE_SIZE,
-            TOKEN_RUN,
-            FINITE=True,
-            INTEGERS=INTEGERS,
+    ``rows [1, N]``. ``BYTE_HALVES``: the plane's bytes loaded and decoded as a ``[2, PC_PAD /
+    2, N]`` tile (half ``h``'s byte ``b`` is byte ``h * PC_PAD / 2 + b``), then reshaped (see
+    :func:`compressed_values`; stacking two ``[PC_PAD / 2, N]`` tiles with ``tl.join``
+    compiled to wrong values on the H200 with Triton 3.6, right in the interpreter)."""
+    N: tl.constexpr = rows.shape[1]
+    if BYTE_HALVES:
+        tl.static_assert(V.PC == V.PC_PAD, "byte halves: parts of a power of two")
+        HALF_BYTES: tl.constexpr = V.PC_PAD // 2
+        v_byte = (
+            tl.arange(0, 2)[:, None, None] * HALF_BYTES + tl.arange(0, HALF_BYTES)[None, :, None]
         )
-        N: tl.constexpr = rows.shape[1]
-        return (
-            tl.reshape(parts[0], [V.PC_PAD, N]),
-            tl.reshape(parts[1], [V.PC_PAD, N]),
-            tl.reshape(parts[2], [V.PC_PAD, N]),
-            tl.reshape(parts[3], [V.PC_PAD, N]),
-        )
-    v_byte = tl.arange(0, V.PC_PAD)[:, None]
-    return decode_tile(
+        rows = rows[None, :, :]
+    else:
+        v_byte = tl.arange(0, V.PC_PAD)[:, None]
+    parts = decode_tile(
         v_codes_ptr,
         rows,
         v_byte,
@@ -277,6 +263,14 @@ def _value_codes(
         FINITE=True,
         INTEGERS=INTEGERS,
     )
+    if BYTE_HALVES:
+        parts = (
+            tl.reshape(parts[0], [V.PC_PAD, N]),
+            tl.reshape(parts[1], [V.PC_PAD, N]),
+            tl.reshape(parts[2], [V.PC_PAD, N]),
+            tl.reshape(parts[3], [V.PC_PAD, N]),
+        )
+    return parts
 
 
 @triton.jit
@@ -341,9 +335,10 @@ def compressed_values(
     each page's value codes are loaded and multiplied as a tile of their own, so that the
     ``cp.async`` of 32 lanes reads 32 consecutive 16-byte rows of one page; a two-page tile has
     each lane's neighbour in the other page, and every lane's 16 bytes then cost a sector and
-    a shared-memory wavefront of their own. Rows of 32 bytes load as a ``[2, 16, 16]`` tile
-    (two halves of a page), which Triton pipelines and decodes in the dot operand's layout
-    where it does neither for a ``[32, 16]`` tile in one warp
+    a shared-memory wavefront of their own. Where a token's part is 32 bytes, a page's
+    ``[32, PAGE_SIZE]`` codes load as a ``[2, 16, PAGE_SIZE]`` tile (the bytes in two halves),
+    which Triton pipelines and decodes in the dot operand's layout where it does neither for a
+    ``[32, 16]`` tile in one warp
     (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program).
 
     Value codes of tokens past the end enter the product with zero probability, which is only
@@ -372,7 +367,8 @@ def compressed_values(
         pv_a, pv_b = _page_halves(pv, PAGE_SIZE)
         # the first page's products before the second page's codes are decoded (tq4_nc's
         # loop: 893 SASS instructions and no spills, against 928 and 136 bytes of stack)
-        ROW_HALVES: tl.constexpr = V.PC_PAD == 32
+        # Triton 3.6 would send a [32, 16] tile of one warp through registers and shared memory
+        BYTE_HALVES: tl.constexpr = V.PC_PAD == 32
         parts = _value_codes(
             v_codes_ptr,
             tl.reshape(rows_a, [1, PAGE_SIZE]),
@@ -381,7 +377,7 @@ def compressed_values(
             D,
             V,
             INTEGERS,
-            ROW_HALVES,
+            BYTE_HALVES,
         )
         acc0, acc1, acc2, acc3 = _value_products(parts, pv_a, acc0, acc1, acc2, acc3, V)
         parts = _value_codes(
@@ -392,7 +388,7 @@ def compressed_values(
             D,
             V,
             INTEGERS,
-            ROW_HALVES,
+            BYTE_HALVES,
         )
         acc0, acc1, acc2, acc3 = _value_products(parts, pv_b, acc0, acc1, acc2, acc3, V)
     else:

@@ -120,7 +120,8 @@ def test_scores_rising_along_the_sequence(
     T = 8 and D = 128 (32 query rows per kv-head of 4bit_nc) a Hopper GPU runs the verify
     kernel (the same slack, and its own second pass: uniform value scales there, the values'
     range / 15, pass 2**11). At T = 1, 4bit_nc (D 128) and tqk4v2_nc load each tile's scalars
-    a tile ahead, and 4bit_nc's value pages, through both passes."""
+    a tile ahead, and the value pages (4bit_nc and tq4_nc at D 64 in byte halves, tqk5v3_nc's
+    integer values at D 128 too), through both passes."""
     fmt = get_format(fmt_name)
     num_kv_heads, group, page_size = 2, 4, 16
     n_tokens = 10 * 32 - 5
@@ -653,6 +654,8 @@ TWO_PAGE_TILES = {
     ("tq4_nc", 96): ((True, False), (True, False)),  # rows of 48 bytes, padded to 64
     ("tqk4v2_nc", 64): ((False, True), (False, False)),  # four parts of 16 bytes
     ("3bit_nc", 128): ((True, False), (True, False)),  # four parts of 32: halves, signs
+    ("tqk4v2_nc", 128): ((True, True), (True, False)),  # 2-bit parts of 32 bytes
+    ("tq2_nc", 128): ((False, False), (False, False)),  # its tuning
     ("tq3_nc", 96): ((False, False), (False, False)),  # parts of 24 bytes, padded to 32
     ("k8v4", 80): ((False, False), (True, False)),  # streaming: 16-token tiles
 }
@@ -664,15 +667,15 @@ def test_two_page_tiles_and_scalars_ahead(
     fmt_name, head_dim, window, sinks, kernel_device, seeded
 ):
     """32-token tiles over 16-token pages (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-
-    program): values read each page's codes as a tile of their own (rows of 32 bytes as a
-    [2, 16, 16] tile: 4-bit values at D 64, 3-bit values' quarters and signs at D 128), and
-    4bit_nc and tqk4v2_nc load each tile's scalars during the tile before, in streaming splits
-    (2 splits of 4 tiles; one-tile splits, 8, never load ahead); rows of 16 bytes, or padded to
-    32, keep two-page tiles. Over a shuffled block table, lengths at the capacity, inside a
-    tile's second page, inside its first and below one page, with and without a 16-slot window
-    and 4
-    sinks (read from the ring, their page slots masked), decode equals float64 attention over
-    the dequantized pages and the exact ring (1e-3)."""
+    program): values read each page's codes as a tile of their own (parts of 32 bytes as a
+    [2, 16, 16] tile: 4-bit values at D 64, 3- and 2-bit values' quarters and the signs at D
+    128), and 4bit_nc and tqk4v2_nc load each tile's scalars during the tile before, in
+    streaming splits (2 splits of 4 tiles; one-tile splits, 8, never load ahead); parts of 16
+    bytes, or padded to 32, and tq2_nc (its tuning) keep two-page tiles. Over a shuffled block
+    table, lengths at the capacity, inside a tile's second page, inside its first and below
+    one page, with and without a 16-slot window and 4 sinks (read from the ring, their page
+    slots masked), decode equals float64 attention over the dequantized pages and the exact
+    ring (1e-3)."""
     device = kernel_device
     fmt = get_format(fmt_name)
     page, pages_per_seq = 16, 16
