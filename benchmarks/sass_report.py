@@ -7,6 +7,7 @@ bundled nvdisasm, finds the innermost loop and reports its instruction mix divid
 tokens one iteration handles. Registers and spills come from the cubin's resource usage.
 
     python benchmarks/sass_report.py --format 4bit_nc --block-n 64
+    python benchmarks/sass_report.py --format tqk5v3_nc --source-lines 12
 """
 
 from __future__ import annotations
@@ -56,19 +57,27 @@ _BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_(\d+)\)|0x([0-9a-f]+))")
 _LABEL = re.compile(r"^\.L_x_(\d+):")
 
 
-def loops(lines: list[str]) -> list[list[str]]:
-    """Opcodes of each loop closed by a predicated backward branch, largest first (the
-    streaming loop; with a ring read by the split kernel, the ring's loop is the second). Triton's
-    loops end in their exit test; an unpredicated jump back comes from the out-of-line code of a
-    divergent branch (``BRA.DIV``) and would span unrelated code."""
-    instrs, labels = [], {}
+_SOURCE = re.compile(r'//## File "([^"]+)", line (\d+)')
+
+
+def loops(lines: list[str]) -> list[list[tuple[str, str]]]:
+    """``(opcode, source line)`` of each instruction of each loop closed by a predicated
+    backward branch, largest first (the streaming loop; with a ring read by the split kernel,
+    the ring's loop is the second). Triton's loops end in their exit test; an unpredicated jump
+    back comes from the out-of-line code of a divergent branch (``BRA.DIV``) and would span
+    unrelated code. The source line (``file:line``, from ``nvdisasm -g``) is the innermost
+    one Triton records: inlined helpers keep their own lines."""
+    instrs, labels, source = [], {}, "?"
     for line in lines:
+        if m := _SOURCE.search(line):
+            source = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+            continue
         if m := _LABEL.match(line.strip()):
             labels[m.group(1)] = len(instrs)
         if m := _INSTR.search(line):
-            instrs.append((m.group(3), bool(m.group(2)), line))
+            instrs.append((m.group(3), bool(m.group(2)), line, source))
     found = []
-    for end, (op, predicated, line) in enumerate(instrs):
+    for end, (op, predicated, line, _) in enumerate(instrs):
         if (
             op.startswith("BRA")
             and predicated
@@ -77,14 +86,14 @@ def loops(lines: list[str]) -> list[list[str]]:
         ):
             start = labels[m.group(1)]
             if start < end:
-                found.append([op for op, _, _ in instrs[start : end + 1]])
+                found.append([(op, where) for op, _, _, where in instrs[start : end + 1]])
     return sorted(found, key=len, reverse=True) or [[]]
 
 
-def report(compiled, tokens_per_iteration: int, title: str) -> dict:
+def report(compiled, tokens_per_iteration: int, title: str, source_lines: int = 0) -> dict:
     lines = disassemble(compiled.asm["cubin"])
     body, *others = loops(lines)
-    mix = collections.Counter(op.split(".")[0] for op in body)
+    mix = collections.Counter(op.split(".")[0] for op, _ in body)
     per_token = len(body) / tokens_per_iteration
     print(f"{title}: {resource_usage(compiled.asm['cubin'])}")
     print(f"  shared memory: {compiled.metadata.shared} bytes")
@@ -96,6 +105,16 @@ def report(compiled, tokens_per_iteration: int, title: str) -> dict:
     print(f"  mix: {top}")
     if others:
         print(f"  other loops (instructions): {[len(loop) for loop in others]}")
+    if source_lines:
+        # where the loop's instructions come from: the decode strings, the products, the softmax
+        by_source = collections.defaultdict(collections.Counter)
+        for op, where in body:
+            by_source[where][op.split(".")[0]] += 1
+        ranked = sorted(by_source.items(), key=lambda item: -item[1].total())
+        print(f"  by source line (top {source_lines}):")
+        for where, ops in ranked[:source_lines]:
+            top_ops = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
+            print(f"    {ops.total():5d}  {where}: {top_ops}")
     return {"loop_instructions": len(body), "per_token": per_token, "mix": dict(mix)}
 
 
@@ -132,6 +151,12 @@ def main() -> None:
     )
     parser.add_argument("--sinks", type=int, default=0, help="sink slots of the rings")
     parser.add_argument("--dump", help="write the SASS here")
+    parser.add_argument(
+        "--source-lines",
+        type=int,
+        default=0,
+        help="also list the streaming loop's instructions per source line, this many lines",
+    )
     args = parser.parse_args()
 
     fmt = get_format(args.format)
@@ -169,6 +194,7 @@ def main() -> None:
         f"{args.format} D={args.head_dim} group={args.group} T={args.tokens} "
         f"BLOCK_N={block_n} x {subtiles}, "
         f"{kwargs['num_warps']} warps, maxnreg {kwargs.get('maxnreg')}",
+        args.source_lines,
     )
 
 
