@@ -287,6 +287,37 @@ def _value_products(parts, pv, acc0, acc1, acc2, acc3, V: tl.constexpr):
 
 
 @triton.jit
+def _page_value_products(
+    v_codes_ptr,
+    page_rows,
+    pv,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    PAGE_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    V: tl.constexpr,
+    INTEGERS: tl.constexpr,
+):
+    """:func:`_value_products` of one page's value codes, a tile of their own (code rows
+    ``page_rows [PAGE_SIZE, 1]``, ``pv [PAGE_SIZE, G_PAD]``; see :func:`compressed_values`)."""
+    # Triton 3.6 would send a [32, 16] tile of one warp through registers and shared memory
+    BYTE_HALVES: tl.constexpr = V.PC_PAD == 32
+    parts = _value_codes(
+        v_codes_ptr,
+        tl.reshape(page_rows, [1, PAGE_SIZE]),
+        PAGE_SIZE,
+        PAGE_SIZE,
+        D,
+        V,
+        INTEGERS,
+        BYTE_HALVES,
+    )
+    return _value_products(parts, pv, acc0, acc1, acc2, acc3, V)
+
+
+@triton.jit
 def _page_halves(x, PAGE_SIZE: tl.constexpr):
     """The first and the second page's rows of ``x [2 * PAGE_SIZE, C]``: two ``[PAGE_SIZE,
     C]``."""
@@ -367,30 +398,12 @@ def compressed_values(
         pv_a, pv_b = _page_halves(pv, PAGE_SIZE)
         # the first page's products before the second page's codes are decoded (tq4_nc's
         # loop: 893 SASS instructions and no spills, against 928 and 136 bytes of stack)
-        # Triton 3.6 would send a [32, 16] tile of one warp through registers and shared memory
-        BYTE_HALVES: tl.constexpr = V.PC_PAD == 32
-        parts = _value_codes(
-            v_codes_ptr,
-            tl.reshape(rows_a, [1, PAGE_SIZE]),
-            PAGE_SIZE,
-            TOKEN_RUN,
-            D,
-            V,
-            INTEGERS,
-            BYTE_HALVES,
+        acc0, acc1, acc2, acc3 = _page_value_products(
+            v_codes_ptr, rows_a, pv_a, acc0, acc1, acc2, acc3, PAGE_SIZE, D, V, INTEGERS
         )
-        acc0, acc1, acc2, acc3 = _value_products(parts, pv_a, acc0, acc1, acc2, acc3, V)
-        parts = _value_codes(
-            v_codes_ptr,
-            tl.reshape(rows_b, [1, PAGE_SIZE]),
-            PAGE_SIZE,
-            TOKEN_RUN,
-            D,
-            V,
-            INTEGERS,
-            BYTE_HALVES,
+        acc0, acc1, acc2, acc3 = _page_value_products(
+            v_codes_ptr, rows_b, pv_b, acc0, acc1, acc2, acc3, PAGE_SIZE, D, V, INTEGERS
         )
-        acc0, acc1, acc2, acc3 = _value_products(parts, pv_b, acc0, acc1, acc2, acc3, V)
     else:
         acc0, acc1, acc2, acc3 = _value_products(parts, pv, acc0, acc1, acc2, acc3, V)
     return acc0, acc1, acc2, acc3, zero_acc
