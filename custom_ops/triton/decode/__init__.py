@@ -284,6 +284,7 @@ def decode_step(
     mask: torch.Tensor | None = None,
     softcap: float = 0.0,
     launch_key: Hashable | None = None,
+    merge_config: MergeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch a decode step with its own token (inputs validated; see
     ``torch.ops.tq.decode_step``): ``q [B, Hq, D]`` attends the cache as it was before the step,
@@ -305,6 +306,7 @@ def decode_step(
             window, mask, softcap: as ``torch.ops.tq.decode_step`` takes them (``cache`` the
             planes, ``window`` the rings), validated.
         launch_key: the op arguments' metadata key (see :func:`decode`).
+        merge_config: override of the merge's configuration (tests).
 
     Returns:
         ``(out, new_lens)``: q's shape and dtype, and ``[B] int32``.
@@ -325,6 +327,7 @@ def decode_step(
         mask,
         window,
         softcap,
+        merge_config=merge_config,
         launch_key=launch_key,
         step=step,
     )

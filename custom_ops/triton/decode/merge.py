@@ -1,6 +1,7 @@
 """Log-sum-exp merge of the split (and ring) partials into the attention output.
 
-Grid ``ceil(B * Hq / BLOCK_M)``. Rotated values go back to the original space here: a
+Grid ``(ceil(B * Hq / BLOCK_M), D_PAD / BLOCK_D)``: rows, and for few rows of values that are not
+rotated, column blocks of them. Rotated values go back to the original space here: a
 Walsh-Hadamard butterfly for power-of-two head dims, products with R otherwise. A decode step's
 merge, which also fills the ring, is :mod:`custom_ops.triton.decode.merge_fill`'s kernel around
 the same :func:`merge_rows`.
@@ -33,22 +34,40 @@ NUM_WARPS = 4
 LANE_FLOATS = 128
 
 
+# Fewest columns of a program that merges a block of columns (a float32 row of 32 is 128 bytes:
+# whole sectors).
+MIN_BLOCK_D = 32
+
+
 class MergeConfig(NamedTuple):
     """How the merge runs: ``block_m`` rows per program, partials read ``split_chunk`` at a
-    time, ``num_warps`` per program."""
+    time, ``num_warps`` per program, ``block_d`` columns per program (None: the whole padded
+    head dim; a divisor of it only for values that are not rotated, whose rows need no
+    butterfly over all their columns)."""
 
     block_m: int
     split_chunk: int
     num_warps: int
+    block_d: int | None = None
 
 
 def merge_config(
-    num_rows: int, num_splits: int, d_pad: int, rotate_by_product: bool, sm_count: int | None
+    num_rows: int,
+    num_splits: int,
+    d_pad: int,
+    rotated_values: bool,
+    rotate_by_product: bool,
+    sm_count: int | None,
 ) -> MergeConfig:
     """As many rows per program as keep two programs per SM busy (up to 16, so a rotation is
-    read once per 16 rows), and as many partials at a time as the rows' ``[block_m, chunk,
-    d_pad]`` float32 tile holds at ``LANE_FLOATS`` per thread (``sm_count`` None: not a GPU, 16
-    rows).
+    read once per 16 rows); where even one row per program leaves SMs idle and the values are
+    not rotated, each row's columns in blocks (down to :data:`MIN_BLOCK_D`) until they do; and
+    as many partials at a time as the rows' ``[block_m, chunk, block_d]`` float32 tile holds
+    at ``LANE_FLOATS`` per thread (``sm_count`` None: not a GPU, 16 rows).
+
+    Column blocks are for one sequence: its 32 query rows read 4 MB of partials at 1 x 32768
+    (256 splits), and 32 programs, one per row, took 5.9 us of a 22.6 us decode (H200, Nsight
+    Compute with warm caches): the reads of the few SMs in use wait on latency, not bandwidth.
 
     A program of one row whose partials fit one warp's registers (``LANE_FLOATS`` per lane)
     gets one warp and one chunk: with more warps, Triton lays them along the splits (the row's
@@ -58,17 +77,22 @@ def merge_config(
     (``rotate_by_product``: rotated values, head dim not a power of two), whose ``[D_PAD, 64]``
     blocks of R would spill in one warp."""
     block_m = 16
+    block_d = d_pad
     if sm_count is not None:
         while block_m > 1 and num_rows < 2 * sm_count * block_m:
             block_m //= 2
-    fits_one_warp = num_splits * d_pad <= 32 * LANE_FLOATS and not rotate_by_product
+        if block_m == 1 and not rotated_values:
+            while block_d > MIN_BLOCK_D and num_rows * (d_pad // block_d) < 2 * sm_count:
+                block_d //= 2
+    columns = None if block_d == d_pad else block_d
+    fits_one_warp = num_splits * block_d <= 32 * LANE_FLOATS and not rotate_by_product
     if block_m == 1 and fits_one_warp:
-        return MergeConfig(1, num_splits, 1)
+        return MergeConfig(1, num_splits, 1, columns)
     # (256 partials of D = 128 at a time, one row, spilled 80 bytes at the 255-register cap;
     # 128 take 161 registers: offline SASS, docs/design/decode.md#lengths-and-integers-compiled-in)
     tile_floats = 32 * NUM_WARPS * LANE_FLOATS
     return MergeConfig(
-        block_m, min(num_splits, max(1, tile_floats // (block_m * d_pad))), NUM_WARPS
+        block_m, min(num_splits, max(1, tile_floats // (block_m * block_d))), NUM_WARPS, columns
     )
 
 
@@ -114,6 +138,7 @@ def merge_kernel(
     WINDOW_PARTS_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     ROTATE_BACK: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -121,7 +146,8 @@ def merge_kernel(
     INV_SQRT_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """:func:`merge_rows` of this program's rows, once the kernels before it have finished."""
+    """:func:`merge_rows` of this program's rows and columns, once the kernels before it have
+    finished."""
     if PDL:
         gdc_wait()  # for every partial
     merge_rows(
@@ -135,6 +161,7 @@ def merge_kernel(
         WINDOW_PARTS_PAD,
         SPLIT_CHUNK,
         BLOCK_M,
+        BLOCK_D,
         ROTATE_BACK,
         D,
         D_PAD,
@@ -155,6 +182,7 @@ def merge_rows(
     WINDOW_PARTS_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     ROTATE_BACK: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -162,7 +190,8 @@ def merge_rows(
     INV_SQRT_D: tl.constexpr,
 ):
     """``out[row] = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max lse)`` for the
-    ``BLOCK_M`` rows ``b * Hq + h`` of this program, ``SPLIT_CHUNK`` splits at a time. Rotated
+    ``BLOCK_M`` rows ``b * Hq + h`` of this program (grid axis 0) and its ``BLOCK_D`` columns
+    (axis 1; every program of a row reads the row's lse), ``SPLIT_CHUNK`` splits at a time. Rotated
     values go back by a Walsh-Hadamard butterfly for power-of-two head dims (only R's first
     column is read), otherwise by ``[BLOCK_M, D] @ R^T`` products (R read once per ``BLOCK_M``
     rows); the window's ``WINDOW_PARTS`` partials (after the splits') are in the original space
@@ -186,8 +215,10 @@ def merge_rows(
     total = tl.sum(
         tl.where(split_lse > float("-inf"), tl.math.exp2(split_lse - m[:, None]), 0.0), axis=1
     )
-    d = tl.arange(0, D_PAD)[None, None, :]
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    tl.static_assert(BLOCK_D == D_PAD or not ROTATE_BACK, "rotated values: whole rows")
+    columns = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d = columns[None, None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for s0 in range(0, NUM_SPLITS, SPLIT_CHUNK):
         part_rows = rows[:, None] * NUM_PARTIALS + s0 + tl.arange(0, SPLIT_CHUNK)[None, :]
         lse = tl.load(part_lse_ptr + part_rows, mask=row_ok, other=float("-inf"))
@@ -249,7 +280,7 @@ def merge_rows(
     else:
         _merge_store(
             acc,
-            tl.arange(0, D_PAD),
+            columns,
             rows,
             row_ok,
             window_rows,

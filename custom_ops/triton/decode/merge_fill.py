@@ -58,6 +58,7 @@ def merge_fill_kernel(
     WINDOW_PARTS_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     ROTATE_BACK: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -70,14 +71,14 @@ def merge_fill_kernel(
     """Write the step's token (``tokens``, ``[B, Hk, 1, D]``) of sequence-heads ``[pid *
     FILL_ROWS, (pid + 1) * FILL_ROWS)`` (of ``sequence_heads``, row ``b * Hk + head``) into the
     ring (``rings``, ``window`` slots and ``SINKS``), its position and the new lengths
-    ``new_lens_ptr [B]``, at the positions ``start_pos_ptr``; then :func:`merge_rows` of this
-    program's rows."""
+    ``new_lens_ptr [B]``, at the positions ``start_pos_ptr``, in the first column block
+    (grid axis 1); then :func:`merge_rows` of this program's rows and columns."""
     if PDL:
         gdc_wait()  # for every partial, and for the split kernel's reads of the ring
     fill_rows = tl.program_id(0) * FILL_ROWS + tl.arange(0, FILL_ROWS)
     append_rows(
         fill_rows,
-        fill_rows < sequence_heads,
+        (fill_rows < sequence_heads) & (tl.program_id(1) == 0),
         tokens,
         rings,
         0,  # (the planes, the rotation, the page size and the codecs: the eviction's)
@@ -115,6 +116,7 @@ def merge_fill_kernel(
         WINDOW_PARTS_PAD,
         SPLIT_CHUNK,
         BLOCK_M,
+        BLOCK_D,
         ROTATE_BACK,
         D,
         D_PAD,

@@ -465,7 +465,9 @@ def plan_decode(
         )
     if merge_config is None:
         rotate_by_product = fmt.value.rotated and head_dim != d_pad
-        merge_config = merge.merge_config(num_rows, num_splits, d_pad, rotate_by_product, sm_count)
+        merge_config = merge.merge_config(
+            num_rows, num_splits, d_pad, fmt.value.rotated, rotate_by_product, sm_count
+        )
     elif num_splits % merge_config.split_chunk:
         # the merge reads whole chunks of partials: a chunk past the splits would read the
         # ring's partials or the next row's
@@ -473,7 +475,14 @@ def plan_decode(
             f"merge_config.split_chunk must divide the plan's split count {num_splits}, got "
             f"{merge_config.split_chunk}"
         )
-    merge_grid = (triton.cdiv(num_rows, merge_config.block_m),)
+    block_d = merge_config.block_d or d_pad
+    if block_d != d_pad and (fmt.value.rotated or block_d > d_pad or d_pad % block_d):
+        raise ValueError(
+            f"merge_config.block_d must divide the padded head dim {d_pad} (or be None), and "
+            f"be None for rotated values ({fmt.name}: {fmt.value.rotated}), got "
+            f"{merge_config.block_d}"
+        )
+    merge_grid = (triton.cdiv(num_rows, merge_config.block_m), d_pad // block_d)
     merge_kernel, fill_options = merge.merge_kernel, {}
     if step == StepMode.APPEND:
         # the step's token goes into the ring in the merge (custom_ops.triton.decode.merge_fill)
@@ -492,6 +501,7 @@ def plan_decode(
                 WINDOW_PARTS_PAD=triton.next_power_of_2(max(1, window_parts)),
                 SPLIT_CHUNK=merge_config.split_chunk,
                 BLOCK_M=merge_config.block_m,
+                BLOCK_D=block_d,
                 ROTATE_BACK=fmt.value.rotated,
                 LOG2_D=d_pad.bit_length() - 1,
                 num_warps=merge_config.num_warps,

@@ -449,6 +449,8 @@ def test_warp_counts(fmt_name, seeded):
     args += tuple(c.cuda() for c in consts)
     expected = reference.decode(fmt, q, cache, table, lens, *consts, 128**-0.5, torch.float64)
     merges = {"one warp": MergeConfig(1, 32, 1), "four warps, chunks of 8": MergeConfig(1, 8, 4)}
+    if not fmt.value.rotated:
+        merges["four warps, columns in blocks of 32"] = MergeConfig(1, 32, 4, 32)
     for merge_label, merge_config in merges.items():
         for num_warps in (1, 2):
             actual = triton_decode.decode(
@@ -608,6 +610,40 @@ def test_decode_reads_sinks_exactly(fmt_name, window, sinks, kernel_device, seed
         expected = _expected_verify(q, *_expected_kv(seqs), seqs.lens)
         rel = rel_error(seqs.decode(q, num_splits=4), expected)
         assert rel < 1e-3, (n_new, starts, tokens, float(rel))
+
+
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc"])
+def test_merge_in_column_blocks(fmt_name, kernel_device, seeded):
+    """Merges whose programs take a block of 32 of a row's 64 columns (values not rotated: one
+    program per row and block, or two rows per program, chunks of one split or of all) equal
+    float64 attention (1e-3) over a cache with a window and sinks, and the whole-row merge to
+    an fp16 rounding (the sums over splits go in another order); rotated values' rows stay
+    whole (``test_plan.py``)."""
+    seqs = Sequences(fmt_name, seeded, kernel_device, window=WINDOW, sinks=3)
+    for n_new, starts in REWRITE_STEPS[:4]:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+    q = torch.randn(BATCH, NUM_KV_HEADS * 4, HEAD_DIM, generator=seeded).half()
+    expected = _expected_attention(seqs, q)
+    d = seqs.device
+    outputs = []
+    for merge_config in (None, MergeConfig(1, 1, 1, 32), MergeConfig(2, 4, 4, 32)):
+        with triton_kernels(d):
+            out = triton_decode.decode(
+                seqs.fmt,
+                q.to(d),
+                seqs.cache,
+                seqs.block_table,
+                seqs.lens.to(d),
+                seqs.consts.rotation,
+                4,
+                HEAD_DIM**-0.5,
+                window=seqs.recent,
+                merge_config=merge_config,
+            ).cpu()
+        assert rel_error(out, expected) < 1e-3, merge_config
+        outputs.append(out.float())
+    for out in outputs[1:]:
+        torch.testing.assert_close(out, outputs[0], rtol=2**-10, atol=2**-14)
 
 
 def _stored_pages(fmt, lens, pages_per_seq, page, head_dim, window, sinks, consts, device, gen):

@@ -55,7 +55,7 @@ def _expected(seqs, q, key, value, starts):
     return reference.attention(q.double(), k, v, lens, HEAD_DIM**-0.5)
 
 
-def _checked_step(seqs, starts, gen, num_splits):
+def _checked_step(seqs, starts, gen, num_splits, merge_config=None):
     """One step through the Triton kernels on ``seqs``' device at ``starts``, checked: within
     1e-3 of float64 attention over the cache as it was and the step's token, the cache
     afterwards byte-equal to the window store's and the new lengths the store's. Returns the
@@ -81,6 +81,7 @@ def _checked_step(seqs, starts, gen, num_splits):
             num_splits,
             HEAD_DIM**-0.5,
             seqs.recent,
+            merge_config=merge_config,
         )
     live = torch.tensor([s >= 0 for s in starts])
     assert rel_error(out.cpu()[live], expected.float()[live]) < 1e-3, starts
@@ -110,6 +111,19 @@ def test_decode_step_attends_then_appends(fmt_name, sinks, steps, kernel_device,
         else:  # sequence 1 skipped after single tokens
             starts = tuple(lens) if n_new > 1 else (lens[0], -1)
         seqs = _checked_step(seqs, starts, seeded, num_splits=4)
+
+
+@pytest.mark.parametrize("block_m", [1, 2])
+def test_decode_step_merges_in_column_blocks(block_m, kernel_device, seeded):
+    """A step whose merge takes blocks of 32 of a row's 64 columns (so two programs per rows:
+    only the first block's fills the ring) attends and appends as the whole-row merge does."""
+    seqs = Sequences("4bit_nc", seeded, kernel_device, sinks=3)
+    for n_new, starts in STEPS[:4]:
+        seqs.append(n_new, starts, seeded, use_triton=False)
+        lens = [int(x) for x in seqs.lens]
+        starts = tuple(lens) if n_new > 1 else (lens[0], -1)
+        merge_config = triton_decode.MergeConfig(block_m, 2, 1, 32)
+        seqs = _checked_step(seqs, starts, seeded, num_splits=4, merge_config=merge_config)
 
 
 @pytest.mark.gpu

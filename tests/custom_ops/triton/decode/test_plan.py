@@ -68,7 +68,8 @@ def test_value_pages_only_for_two_pages_of_16_tokens(
 def test_split_warps_and_merge_configs(fmt_name, seeded):
     """Grids of at most two programs per SM get two-warp split programs, larger ones one warp;
     merges of one row whose partials fit one warp get one warp, the others four warps and
-    chunks of splits."""
+    chunks of splits; a few rows of values that are not rotated are merged in blocks of
+    columns."""
     sm_count = torch.cuda.get_device_properties("cuda").multi_processor_count
     fmt, consts, cache, table, lens, q = decode_case(fmt_name, 128, 4, seeded)
     args = (fmt, q.cuda(), clone_cache(cache, "cuda"), table.cuda(), lens.cuda())
@@ -78,7 +79,10 @@ def test_split_warps_and_merge_configs(fmt_name, seeded):
     one_row = [
         triton_decode.plan_for(fmt, q[:1].cuda(), *args[2:4], n).merge_config for n in (32, 64)
     ]
-    assert one_row == [MergeConfig(1, 32, 1), MergeConfig(1, 64, 4)]
+    if fmt.value.rotated:
+        assert one_row == [MergeConfig(1, 32, 1), MergeConfig(1, 64, 4)]
+    else:  # 8 rows, far fewer than the SMs: columns in blocks of 32, which one warp holds
+        assert one_row == [MergeConfig(1, 32, 1, 32), MergeConfig(1, 64, 1, 32)]
 
 
 @pytest.mark.parametrize("tokens", [4, 8, 16])
@@ -145,6 +149,21 @@ def test_verify_step_takes_one_wave_of_splits(tokens, seeded):
         fmt, q.cuda(), gpu_cache, table.cuda(), lens.cuda(), gpu_consts, num_splits=requested
     )
     assert rel_error(actual.cpu(), expected) < 1e-3
+
+
+@pytest.mark.parametrize("fmt_name, block_d", [("tq4_nc", 32), ("4bit_nc", 48), ("4bit_nc", 128)])
+def test_merge_columns_are_checked(fmt_name, block_d, kernel_device, seeded):
+    """A merge configuration's column block must divide the padded head dim (64 here), and
+    rotated values (a butterfly over each whole row) take none."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
+    with pytest.raises(ValueError) as error:
+        triton_decode.plan_for(
+            fmt, q.to(kernel_device), cache, table, 2, merge_config=MergeConfig(1, 2, 1, block_d)
+        )
+    assert str(error.value) == (
+        "merge_config.block_d must divide the padded head dim 64 (or be None), and be None for "
+        f"rotated values ({fmt_name}: {fmt.value.rotated}), got {block_d}"
+    )
 
 
 def test_merge_chunk_must_divide_the_split_count(kernel_device, seeded):
