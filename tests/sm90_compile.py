@@ -17,7 +17,7 @@ from custom_ops.formats import RecentWindow, get_format
 from custom_ops.triton import center, decode, dequant, prefill, store, store_window
 from custom_ops.triton.decode import verify
 from custom_ops.triton.decode.codes import part_params
-from custom_ops.triton.decode.merge import merge_arguments
+from custom_ops.triton.decode.merge import MergeConfig, merge_arguments
 from custom_ops.triton.decode.merge_fill import merge_fill_arguments
 from custom_ops.triton.decode.plan import StepMode, step_supported
 from custom_ops.triton.decode.softmax import LOG2E
@@ -168,8 +168,19 @@ def kernels(name: str) -> dict:
             if step_supported(fmt, WINDOW, 1) and fast and label == "long":
                 # tq.decode_step: the split kernel's eviction programs, the merge's fill (one
                 # configuration: the step's code is the same in the others)
+                # (its merge in column blocks, as one sequence's merge on a GPU: the CPU plan's
+                # takes whole rows)
                 step_plan = decode.plan_for(
-                    fmt, q, cache, block_table, 2, None, window, fast, step=StepMode.APPEND
+                    fmt,
+                    q,
+                    cache,
+                    block_table,
+                    2,
+                    None,
+                    window,
+                    fast,
+                    merge_config=MergeConfig(1, 2, 1, 32),
+                    step=StepMode.APPEND,
                 )
                 step = DecodeStep(new, new, lens, lens)
                 launches["step split"] = (step_plan.split, split_arguments(*split_inputs, step))

@@ -6,9 +6,11 @@ The split kernel before it has attended the ring and moved the token leaving it 
 under programmatic dependent launch, stream order otherwise) before it reads a partial, so it
 can also write the step's token into the ring slot the leaving token held:
 :func:`custom_ops.triton.store_window.append_rows`' ``FILL`` phase, ``FILL_ROWS``
-sequence-heads per program. An earlier version had the last split program of each
-sequence-head fill, found by an atomic count; at B1 4k that count and fill at the end of the
-split kernel cost 4-5 us per layer (docs/notes/2026-11-29-first-graph.md).
+sequence-heads per program of the first column block (grid axis 1:
+:class:`~custom_ops.triton.decode.merge.MergeConfig`'s ``block_d``). An earlier version had
+the last split program of each sequence-head fill, found by an atomic count; at B1 4k that
+count and fill at the end of the split kernel cost 4-5 us per layer
+(docs/notes/2026-11-29-first-graph.md).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ __all__ = [
 
 def fill_rows_per_program(sequence_heads: int, num_programs: int) -> int:
     """``FILL_ROWS``: the sequence-heads whose step token each of the merge's ``num_programs``
-    programs writes into the ring (a power of two), so that they cover ``sequence_heads``."""
+    programs along grid axis 0 (those of the first column block) writes into the ring (a power
+    of two), so that they cover ``sequence_heads``."""
     return triton.next_power_of_2(triton.cdiv(sequence_heads, max(num_programs, 1)))
 
 

@@ -475,14 +475,16 @@ def plan_decode(
             f"merge_config.split_chunk must divide the plan's split count {num_splits}, got "
             f"{merge_config.split_chunk}"
         )
-    block_d = merge_config.block_d or d_pad
-    if block_d != d_pad and (fmt.value.rotated or block_d > d_pad or d_pad % block_d):
+    block_d = merge_config.block_d
+    if block_d is not None and (fmt.value.rotated or block_d <= 0 or d_pad % block_d):
         raise ValueError(
-            f"merge_config.block_d must divide the padded head dim {d_pad} (or be None), and "
-            f"be None for rotated values ({fmt.name}: {fmt.value.rotated}), got "
-            f"{merge_config.block_d}"
+            f"merge_config.block_d must be None or a positive divisor of the padded head dim "
+            f"{d_pad}, and None for rotated values ({fmt.name}: {fmt.value.rotated}), got "
+            f"{block_d}"
         )
-    merge_grid = (triton.cdiv(num_rows, merge_config.block_m), d_pad // block_d)
+    block_d = block_d or d_pad
+    # (blocks past the head dim of a padded one would merge nothing)
+    merge_grid = (triton.cdiv(num_rows, merge_config.block_m), triton.cdiv(head_dim, block_d))
     merge_kernel, fill_options = merge.merge_kernel, {}
     if step == StepMode.APPEND:
         # the step's token goes into the ring in the merge (custom_ops.triton.decode.merge_fill)

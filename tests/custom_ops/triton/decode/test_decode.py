@@ -615,10 +615,10 @@ def test_decode_reads_sinks_exactly(fmt_name, window, sinks, kernel_device, seed
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc"])
 def test_merge_in_column_blocks(fmt_name, kernel_device, seeded):
     """Merges whose programs take a block of 32 of a row's 64 columns (values not rotated: one
-    program per row and block, or two rows per program, chunks of one split or of all) equal
-    float64 attention (1e-3) over a cache with a window and sinks, and the whole-row merge to
-    an fp16 rounding (the sums over splits go in another order); rotated values' rows stay
-    whole (``test_plan.py``)."""
+    program per row and block, or two rows per program, chunks of one split or of all; and the
+    plan's own choice, blocks on a GPU) equal float64 attention (1e-3) over a cache with a
+    window and sinks, and a whole-row merge to an fp16 rounding (the sums over splits go in
+    another order); rotated values' rows stay whole (``test_plan.py``)."""
     seqs = Sequences(fmt_name, seeded, kernel_device, window=WINDOW, sinks=3)
     for n_new, starts in REWRITE_STEPS[:4]:
         seqs.append(n_new, starts, seeded, use_triton=False)
@@ -626,7 +626,8 @@ def test_merge_in_column_blocks(fmt_name, kernel_device, seeded):
     expected = _expected_attention(seqs, q)
     d = seqs.device
     outputs = []
-    for merge_config in (None, MergeConfig(1, 1, 1, 32), MergeConfig(2, 4, 4, 32)):
+    whole_rows = MergeConfig(1, 4, 1)
+    for merge_config in (whole_rows, MergeConfig(1, 1, 1, 32), MergeConfig(2, 4, 4, 32), None):
         with triton_kernels(d):
             out = triton_decode.decode(
                 seqs.fmt,

@@ -151,18 +151,20 @@ def test_verify_step_takes_one_wave_of_splits(tokens, seeded):
     assert rel_error(actual.cpu(), expected) < 1e-3
 
 
-@pytest.mark.parametrize("fmt_name, block_d", [("tq4_nc", 32), ("4bit_nc", 48), ("4bit_nc", 128)])
+@pytest.mark.parametrize(
+    "fmt_name, block_d", [("tq4_nc", 32), ("4bit_nc", 48), ("4bit_nc", 128), ("4bit_nc", -32)]
+)
 def test_merge_columns_are_checked(fmt_name, block_d, kernel_device, seeded):
-    """A merge configuration's column block must divide the padded head dim (64 here), and
-    rotated values (a butterfly over each whole row) take none."""
+    """A merge configuration's column block must be a positive divisor of the padded head dim
+    (64 here), and rotated values (a butterfly over each whole row) take none."""
     fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
     with pytest.raises(ValueError) as error:
         triton_decode.plan_for(
             fmt, q.to(kernel_device), cache, table, 2, merge_config=MergeConfig(1, 2, 1, block_d)
         )
     assert str(error.value) == (
-        "merge_config.block_d must divide the padded head dim 64 (or be None), and be None for "
-        f"rotated values ({fmt_name}: {fmt.value.rotated}), got {block_d}"
+        "merge_config.block_d must be None or a positive divisor of the padded head dim 64, and "
+        f"None for rotated values ({fmt_name}: {fmt.value.rotated}), got {block_d}"
     )
 
 
