@@ -647,6 +647,30 @@ def test_merge_in_column_blocks(fmt_name, kernel_device, seeded):
         torch.testing.assert_close(out, outputs[0], rtol=2**-10, atol=2**-14)
 
 
+@pytest.mark.parametrize("fmt_name", ["k8v4", "3bit_nc"])
+def test_merge_in_column_blocks_of_a_padded_head_dim(fmt_name, kernel_device, seeded):
+    """At head dim 96 (padded to 128) a merge in blocks of 32 columns takes three blocks, the
+    last one ending at the head dim, and equals float64 attention (1e-3)."""
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 96, 4, seeded)
+    expected = reference.decode(fmt, q, cache, table, lens, *consts, 96**-0.5, torch.float64)
+    plan = triton_decode.plan_for(fmt, q, cache, table, 2, merge_config=MergeConfig(1, 2, 1, 32))
+    assert plan.merge.grid[1] == 3
+    d = kernel_device
+    with triton_kernels(d):
+        out = triton_decode.decode(
+            fmt,
+            q.to(d),
+            clone_cache(cache, d),
+            table.to(d),
+            lens.to(d),
+            consts.rotation.to(d),
+            2,
+            96**-0.5,
+            merge_config=MergeConfig(1, 2, 1, 32),
+        )
+    assert rel_error(out.cpu(), expected) < 1e-3
+
+
 def _stored_pages(fmt, lens, pages_per_seq, page, head_dim, window, sinks, consts, device, gen):
     """``len(lens)`` sequences of ``pages_per_seq`` shuffled pages filled through ``tq.store``
     with random tokens, and rings of ``window + sinks`` slots (random bf16, positions as
