@@ -115,7 +115,7 @@ def test_decode_step_attends_then_appends(fmt_name, sinks, steps, kernel_device,
 
 @pytest.mark.parametrize("block_m", [1, 2])
 def test_decode_step_merges_in_column_blocks(block_m, kernel_device, seeded):
-    """A step whose merge takes blocks of 32 of a row's 64 columns (so two programs per rows:
+    """A step whose merge takes blocks of 32 of a row's 64 columns (so two programs per row:
     only the first block's fills the ring) attends and appends as the whole-row merge does."""
     seqs = Sequences("4bit_nc", seeded, kernel_device, sinks=3)
     for n_new, starts in STEPS[:4]:
