@@ -18,6 +18,7 @@ __all__ = [
     "choose_num_splits",
     "num_splits_for",
     "splits_in_one_wave",
+    "resident_programs",
 ]
 
 MAX_SPLITS = 512
@@ -89,8 +90,19 @@ def splits_in_one_wave(
         num_warps, max_registers: each program's warps and register cap per thread.
         sm_count: the GPU's streaming multiprocessors.
     """
-    warp_registers = -(-32 * max_registers // WARP_REGISTER_UNIT) * WARP_REGISTER_UNIT
-    warps_per_sm = REGISTERS_PER_SUB_PARTITION // warp_registers * SUB_PARTITIONS
-    resident = max(1, warps_per_sm // num_warps) * sm_count
+    resident = resident_programs(num_warps, max_registers, sm_count)
     fitting = max(1, resident // max(1, programs_per_split))
     return min(num_splits, 1 << (fitting.bit_length() - 1))
+
+
+def resident_programs(num_warps: int, max_registers: int, sm_count: int) -> int:
+    """How many programs of ``num_warps`` warps at ``max_registers`` registers per thread the
+    GPU holds at once, by registers (at least one per SM).
+
+    Args:
+        num_warps, max_registers: each program's warps and register cap per thread.
+        sm_count: the GPU's streaming multiprocessors.
+    """
+    warp_registers = -(-32 * max_registers // WARP_REGISTER_UNIT) * WARP_REGISTER_UNIT
+    warps_per_sm = REGISTERS_PER_SUB_PARTITION // warp_registers * SUB_PARTITIONS
+    return max(1, warps_per_sm // num_warps) * sm_count

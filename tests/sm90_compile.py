@@ -19,7 +19,7 @@ from custom_ops.triton.decode import verify
 from custom_ops.triton.decode.codes import part_params
 from custom_ops.triton.decode.merge import MergeConfig, merge_arguments
 from custom_ops.triton.decode.merge_fill import merge_fill_arguments
-from custom_ops.triton.decode.plan import StepMode, step_supported
+from custom_ops.triton.decode.plan import SplitConfig, StepMode, step_supported
 from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.decode.split import DecodeStep, split_arguments
 from custom_ops.triton.offline import compile_offline
@@ -166,24 +166,30 @@ def kernels(name: str) -> dict:
                 "merge": (plan.merge, merge_arguments(part_out, part_lse, rot, q)),
             }
             if step_supported(fmt, WINDOW, 1) and fast and label == "long":
-                # tq.decode_step: the split kernel's eviction programs, the merge's fill (one
-                # configuration: the step's code is the same in the others)
-                # (its merge in column blocks, as one sequence's merge on a GPU: the CPU plan's
-                # takes whole rows)
-                step_plan = decode.plan_for(
-                    fmt,
-                    q,
-                    cache,
-                    block_table,
-                    2,
-                    None,
-                    window,
-                    fast,
-                    merge_config=MergeConfig(1, 2, 1, 32),
-                    step=StepMode.APPEND,
-                )
+                # tq.decode_step: the split kernel's eviction programs (or the eviction first
+                # in the last split, for grids past one wave), the merge's fill (one
+                # configuration: the step's code is the same in the others; its merge in
+                # column blocks, as one sequence's merge on a GPU: the CPU plan's takes whole
+                # rows)
                 step = DecodeStep(new, new, lens, lens)
-                launches["step split"] = (step_plan.split, split_arguments(*split_inputs, step))
+                for suffix, evict_in_split in (("", False), (", eviction in a split", True)):
+                    step_plan = decode.plan_for(
+                        fmt,
+                        q,
+                        cache,
+                        block_table,
+                        2,
+                        None,
+                        window,
+                        fast,
+                        split_config=SplitConfig(evict_in_split=evict_in_split),
+                        merge_config=MergeConfig(1, 2, 1, 32),
+                        step=StepMode.APPEND,
+                    )
+                    launches[f"step split{suffix}"] = (
+                        step_plan.split,
+                        split_arguments(*split_inputs, step),
+                    )
                 launches["step merge"] = (
                     step_plan.merge,
                     merge_fill_arguments(part_out, part_lse, rot, q, step, window, block_table),

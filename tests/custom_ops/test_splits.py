@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from custom_ops.splits import splits_in_one_wave
+from custom_ops.splits import resident_programs, splits_in_one_wave
 
 
 @pytest.mark.parametrize(
@@ -33,3 +33,12 @@ def test_splits_in_one_wave(num_splits, programs_per_split, num_warps, max_regis
         splits_in_one_wave(num_splits, programs_per_split, num_warps, max_registers, 132)
         == expected
     )
+
+
+@pytest.mark.parametrize(
+    "num_warps, max_registers, expected",
+    [(1, 128, 16 * 132), (2, 128, 8 * 132), (1, 255, 8 * 132), (1, 192, 8 * 132), (8, 255, 132)],
+)
+def test_resident_programs(num_warps, max_registers, expected):
+    """Programs resident at once on 132 SMs, by registers (at least one per SM)."""
+    assert resident_programs(num_warps, max_registers, 132) == expected

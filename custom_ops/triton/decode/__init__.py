@@ -284,6 +284,7 @@ def decode_step(
     mask: torch.Tensor | None = None,
     softcap: float = 0.0,
     launch_key: Hashable | None = None,
+    split_config: SplitConfig | None = None,
     merge_config: MergeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch a decode step with its own token (inputs validated; see
@@ -293,9 +294,10 @@ def decode_step(
     (q's shape and dtype) and the new lengths ``[B] int32``.
 
     Two launches, the split kernel and the merge (three with the query preparation: rotated
-    keys at long splits). The split grid has one more program per sequence-head, which
-    quantizes the token leaving the ring into its page while the splits attend (no split
-    attends that page slot). The merge, which runs once every split has read the ring, writes
+    keys at long splits). One more program per sequence-head in the split grid (or, where
+    those would take it past one wave of resident programs, the last split first) quantizes
+    the token leaving the ring into its page while the splits attend (no split attends that
+    page slot). The merge, which runs once every split has read the ring, writes
     the step's token into it. In a graph traced for inductor the same two kernels run
     (programmatic dependent launch off: :mod:`custom_ops.triton.traced`); PyTorch's mutation
     analysis of their launches finds what each writes (the split kernel: the partials and the
@@ -306,7 +308,8 @@ def decode_step(
             window, mask, softcap: as ``torch.ops.tq.decode_step`` takes them (``cache`` the
             planes, ``window`` the rings), validated.
         launch_key: the op arguments' metadata key (see :func:`decode`).
-        merge_config: override of the merge's configuration (tests).
+        split_config, merge_config: overrides of the split kernel's and the merge's
+            configurations (tests).
 
     Returns:
         ``(out, new_lens)``: q's shape and dtype, and ``[B] int32``.
@@ -327,6 +330,7 @@ def decode_step(
         mask,
         window,
         softcap,
+        split_config=split_config,
         merge_config=merge_config,
         launch_key=launch_key,
         step=step,

@@ -22,7 +22,7 @@ import torch
 import triton
 
 from custom_ops.formats import KVFormat
-from custom_ops.splits import splits_in_one_wave
+from custom_ops.splits import resident_programs, splits_in_one_wave
 from custom_ops.triton.decode import merge, merge_fill, prep, ring, verify
 from custom_ops.triton.decode.codes import PartParams, part_params
 from custom_ops.triton.decode.softmax import LOG2E
@@ -36,6 +36,7 @@ __all__ = [
     "SplitConfig",
     "DecodePlan",
     "plan_decode",
+    "evicts_in_last_split",
     "step_pays",
     "step_supported",
     "STEP_MAX_SEQUENCE_HEADS",
@@ -99,6 +100,9 @@ class SplitConfig(NamedTuple):
         num_warps: warps per program.
         num_stages: software pipeline stages.
         max_registers: register cap per thread passed to ptxas (``maxnreg``).
+        evict_in_split: a decode step's eviction (the token leaving the ring, into its page)
+            in the last split's program rather than in a program of its own per sequence-head
+            (decode steps only; see :func:`evicts_in_last_split`).
     """
 
     block_n: int | None = None
@@ -106,6 +110,7 @@ class SplitConfig(NamedTuple):
     num_warps: int | None = None
     num_stages: int | None = None
     max_registers: int | None = None
+    evict_in_split: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -183,10 +188,34 @@ def step_supported(fmt: KVFormat, window: int, q_tokens: int) -> bool:
 
 
 # The most sequence-heads (B * Hk) of a decode step whose append the split kernel and the merge
-# take over (tq.decode_step) in the caches. H200, 1b-shape model (Hk 8), each cell in its own
-# process: at B1 the step is 1.01x bf16 against 0.94-0.96x with the window store launched before
-# the decode; at B16 it is slower (4bit_nc 1.06x against 1.10x, k8v4 1.00x against 1.14x).
-STEP_MAX_SEQUENCE_HEADS = 32
+# take over (tq.decode_step) in the caches. H200, benchmarks/decode_step.py (16 layers of the 1b
+# shape's cache work at 4096 tokens, Hk 8), store + decode over the step, 4bit_nc / k8v4: B1
+# 1.52x / 1.40x, B8 1.17x / 1.19x, B16 1.13x / 1.08x (eviction in the last split), B32 1.05x /
+# 1.05x, B64 1.01x / 1.01x, B128 0.98x / 0.98x. The model at B16 4k, each cell in its own process:
+# 1.18x / 1.13x bf16 with the step, 1.17x / 1.12x with the store.
+STEP_MAX_SEQUENCE_HEADS = 512
+
+
+def evicts_in_last_split(
+    num_splits: int, sequence_heads: int, num_warps: int, max_registers: int, sm_count: int
+) -> bool:
+    """Whether a decode step's split kernel evicts in its last split's program (before that
+    split's tokens, usually the fewest) rather than in one more program per sequence-head:
+    where those programs would take the grid past one wave of resident programs. H200,
+    ``benchmarks/decode_step.py`` (16 layers of the 1b shape's cache work, us per layer): at 16
+    x 4096 (16 splits: 2,048 programs of the 2,112 resident, 2,176 with the eviction's) the
+    step took 38.2 / 50.6 us (4bit_nc / k8v4) with programs of its own and 35.9 / 40.6 in the
+    last split; at 1-4 x 4096 (one wave either way) the last split's eviction lengthened the
+    chain (4bit_nc 9.7 -> 12.2 us at B1).
+
+    Args:
+        num_splits: the split count.
+        sequence_heads: ``B * Hk``.
+        num_warps, max_registers: each split program's warps and register cap per thread.
+        sm_count: the GPU's streaming multiprocessors.
+    """
+    grid = (num_splits + 1) * sequence_heads
+    return grid > resident_programs(num_warps, max_registers, sm_count)
 
 
 def step_pays(batch: int, num_kv_heads: int) -> bool:
@@ -330,9 +359,30 @@ def plan_decode(
         else ring.window_parts(window, sinks, batch * num_kv_heads, sm_count)
     )
     num_partials = num_splits + window_parts
-    # a step that appends in the split kernel has one more program per sequence-head: the
-    # eviction of the token leaving the ring (custom_ops.triton.decode.split)
-    split_grid = (num_splits + (step == StepMode.APPEND), num_kv_heads, batch)
+    if max_registers is None and not one_tile:
+        # The rarely taken second pass (values beyond fp16's range) would otherwise raise the
+        # loop's registers past 128. Splits of one tile keep theirs (unless many rows set a
+        # cap): occupancy does not matter there, and capped, tq4_nc's query rotation spills.
+        max_registers = SPLIT_MAX_REGISTERS
+    # a step that appends in the split kernel evicts the token leaving the ring
+    # (custom_ops.triton.decode.split) in one more program per sequence-head, or in the last
+    # split where those would take the grid past one wave
+    evict_in_split = split_config.evict_in_split
+    if evict_in_split is not None and step == StepMode.NONE:
+        raise ValueError(
+            f"split_config.evict_in_split is for decode steps (tq.decode_step) only, got "
+            f"{evict_in_split} for a decode without a step"
+        )
+    if step == StepMode.APPEND and evict_in_split is None:
+        evict_in_split = cuda and evicts_in_last_split(
+            num_splits,
+            batch * num_kv_heads,
+            num_warps or DEFAULT_WARPS,
+            max_registers or SPLIT_MAX_REGISTERS,
+            sm_count,
+        )
+    own_evictions = step == StepMode.APPEND and not evict_in_split
+    split_grid = (num_splits + own_evictions, num_kv_heads, batch)
     if num_warps is None:
         # two warps where the grid leaves SMs idle (at most two programs per SM): each decodes
         # half of its tile, shortening the chain short contexts wait for
@@ -340,11 +390,6 @@ def plan_decode(
         num_warps = 2 if cuda and math.prod(split_grid) <= 2 * sm_count else DEFAULT_WARPS
     num_stages = split_config.num_stages or DEFAULT_STAGES
     launch_options = dict(num_warps=num_warps, num_stages=num_stages)
-    if max_registers is None and not one_tile:
-        # The rarely taken second pass (values beyond fp16's range) would otherwise raise the
-        # loop's registers past 128. Splits of one tile keep theirs (unless many rows set a
-        # cap): occupancy does not matter there, and capped, tq4_nc's query rotation spills.
-        max_registers = SPLIT_MAX_REGISTERS
     if max_registers is not None:
         launch_options["maxnreg"] = max_registers
     if pdl and query == QueryMode.PREPARED:
@@ -408,6 +453,7 @@ def plan_decode(
                     SOFTCAP=softcap * LOG2E,
                     PDL=pdl,
                     STEP=int(step),
+                    EVICT_SPLIT=num_splits - 1 + own_evictions,
                     STORE_K=store_params[0] if step == StepMode.APPEND else None,
                     STORE_V=store_params[1] if step == StepMode.APPEND else None,
                     **launch_options,

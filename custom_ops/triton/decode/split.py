@@ -24,7 +24,8 @@ and enter the same softmax state and accumulators.
 
 A decode step with its own token (``STEP``, ``tq.decode_step``) reads the lengths from the
 step's positions: the splits attend the cache as it was, the last split also the step's key
-and value, exactly. With ``STEP_APPEND`` the grid has one more program per sequence-head, which
+and value, exactly. With ``STEP_APPEND`` one program per sequence-head (``EVICT_SPLIT``: one
+more than the splits, or the last split where those would take the grid past one wave)
 quantizes the token leaving the ring into its page at once (past every split's compressed
 tokens: :func:`custom_ops.triton.store_window.append_rows`' ``EVICT`` phase); the merge, once
 every split has read the ring, writes the step's token into it (the ``FILL`` phase).
@@ -385,6 +386,7 @@ def split_kernel(
     SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,
     STEP: tl.constexpr = 0,
+    EVICT_SPLIT: tl.constexpr = 0,
     STORE_K: tl.constexpr = None,
     STORE_V: tl.constexpr = None,
 ):
@@ -398,11 +400,13 @@ def split_kernel(
         gdc_launch_dependents()
     query = (q_orig_ptr, stride_qb, stride_qh)
     if STEP == STEP_APPEND:
-        if split == NUM_SPLITS:
-            # The eviction program: the token leaving the ring goes into its page now, beside
-            # the splits (no split attends that page slot: it is past their compressed tokens;
-            # a tile may load its bytes, which then get zero probability). The merge, after
-            # every program of this kernel, writes the step's token into the ring.
+        if split == EVICT_SPLIT:
+            # The eviction: the token leaving the ring goes into its page now, beside the
+            # splits (no split attends that page slot: it is past their compressed tokens; a
+            # tile may load its bytes, which then get zero probability), in a program of its
+            # own (EVICT_SPLIT == NUM_SPLITS) or, where those would take the grid past one
+            # wave, first in the last split. The merge, after every program of this kernel,
+            # writes the step's token into the ring.
             row = b * num_kv_heads + head + tl.zeros([1], tl.int32)
             append_rows(
                 row,
@@ -433,7 +437,8 @@ def split_kernel(
                 False,
                 EVICT,
             )
-            return
+            if EVICT_SPLIT == NUM_SPLITS:
+                return
 
     # This split's token range of the compressed positions [0, ring start), from the
     # device-side length and ring positions: [start, end) (the sinks' positions masked). The

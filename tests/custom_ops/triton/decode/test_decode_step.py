@@ -1,6 +1,6 @@
 """A decode step with its own token (``custom_ops.triton.decode.decode_step``): attention over the
 cache as it was and the token itself, exact, then the token appended (the token leaving the ring
-by the split kernel's eviction programs, the step's own into the ring by the merge), byte for
+by the split kernel's eviction, the step's own into the ring by the merge), byte for
 byte as ``tq.store_window`` appends it."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _expected(seqs, q, key, value, starts):
     return reference.attention(q.double(), k, v, lens, HEAD_DIM**-0.5)
 
 
-def _checked_step(seqs, starts, gen, num_splits, merge_config=None):
+def _checked_step(seqs, starts, gen, num_splits, split_config=None, merge_config=None):
     """One step through the Triton kernels on ``seqs``' device at ``starts``, checked: within
     1e-3 of float64 attention over the cache as it was and the step's token, the cache
     afterwards byte-equal to the window store's and the new lengths the store's. Returns the
@@ -81,6 +81,7 @@ def _checked_step(seqs, starts, gen, num_splits, merge_config=None):
             num_splits,
             HEAD_DIM**-0.5,
             seqs.recent,
+            split_config=split_config,
             merge_config=merge_config,
         )
     live = torch.tensor([s >= 0 for s in starts])
@@ -113,6 +114,24 @@ def test_decode_step_attends_then_appends(fmt_name, sinks, steps, kernel_device,
         seqs = _checked_step(seqs, starts, seeded, num_splits=4)
 
 
+@pytest.mark.parametrize("steps", ["appends", "rewrites"])
+def test_decode_step_evicts_in_the_last_split(steps, kernel_device, seeded):
+    """With the eviction done first by the last split's program (the grid of a step whose own
+    eviction programs would not fit one wave) instead of a program of its own, each step
+    attends and appends as above, a rollback's stale ring included."""
+    seqs = Sequences("4bit_nc", seeded, kernel_device, sinks=3)
+    schedule = STEPS if steps == "appends" else REWRITE_STEPS
+    config = triton_decode.SplitConfig(evict_in_split=True)
+    for i, (n_new, starts) in enumerate(schedule[:5]):
+        seqs.append(n_new, starts, seeded, use_triton=False)
+        lens = [int(x) for x in seqs.lens]
+        if steps == "rewrites" and i == 4:
+            starts = (max(lens[0] - 3, 0), lens[1])
+        else:
+            starts = tuple(lens) if n_new > 1 else (lens[0], -1)
+        seqs = _checked_step(seqs, starts, seeded, num_splits=4, split_config=config)
+
+
 @pytest.mark.parametrize("block_m", [1, 2])
 def test_decode_step_merges_in_column_blocks(block_m, kernel_device, seeded):
     """A step whose merge takes blocks of 32 of a row's 64 columns (so two programs per row:
@@ -127,19 +146,21 @@ def test_decode_step_merges_in_column_blocks(block_m, kernel_device, seeded):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("evict_in_split", [False, True])
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4"])
-def test_many_steps_interleave_the_eviction_and_the_splits(fmt_name, seeded):
-    """On a GPU, where the eviction programs run beside the splits and the merge may start
-    before the split kernel ends (programmatic dependent launch): 55 one-token steps (one
-    sequence skipping every fifth) through a ring of 40 slots and 4 sinks read by both splits,
-    several ring tiles each, past the point where every step sends a token to its page; each
-    step checked as above."""
+def test_many_steps_interleave_the_eviction_and_the_splits(fmt_name, evict_in_split, seeded):
+    """On a GPU, where the eviction runs beside the splits (in programs of its own, or first in
+    the last split) and the merge may start before the split kernel ends (programmatic
+    dependent launch): 55 one-token steps (one sequence skipping every fifth) through a ring of
+    40 slots and 4 sinks read by both splits, several ring tiles each, past the point where
+    every step sends a token to its page; each step checked as above."""
     seqs = Sequences(fmt_name, seeded, "cuda", window=40, sinks=4)
     seqs.append(11, (0, 0), seeded, use_triton=False)
+    config = triton_decode.SplitConfig(evict_in_split=evict_in_split)
     for step in range(55):
         lens = [int(x) for x in seqs.lens]
         starts = (lens[0], -1 if step % 5 == 4 else lens[1])
-        seqs = _checked_step(seqs, starts, seeded, num_splits=2)
+        seqs = _checked_step(seqs, starts, seeded, num_splits=2, split_config=config)
 
 
 @pytest.mark.gpu

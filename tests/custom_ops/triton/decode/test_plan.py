@@ -10,11 +10,11 @@ from conftest import CUDA
 from helpers import clone_cache, decode_case, filled_cache, longer_table, rel_error, stale_tables
 
 from custom_ops import api, reference
-from custom_ops.formats import get_format
+from custom_ops.formats import RecentWindow, get_format
 from custom_ops.splits import splits_in_one_wave
 from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode import MergeConfig, QueryMode
-from custom_ops.triton.decode.plan import TOKENS_PER_STEP
+from custom_ops.triton.decode.plan import TOKENS_PER_STEP, StepMode, evicts_in_last_split
 
 
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k2v4_nc", "tq4_nc"])
@@ -179,3 +179,46 @@ def test_merge_chunk_must_divide_the_split_count(kernel_device, seeded):
     assert str(error.value) == (
         "merge_config.split_chunk must divide the plan's split count 2, got 4"
     )
+
+
+@pytest.mark.parametrize(
+    "num_splits, sequence_heads, expected",
+    [
+        (16, 128, True),  # 16 x 4096 at Hk 8: 2,176 programs with the evictions' > 2,112
+        (32, 64, False),  # 8 x 4096: 2,112, exactly one wave
+        (64, 32, False),  # 4 x 4096: 2,080
+        (128, 8, False),  # one sequence: 1,032
+    ],
+)
+def test_step_evicts_in_the_last_split_past_one_wave(num_splits, sequence_heads, expected):
+    """On 132 SMs (an H200) at one warp of 128 registers (16 programs per SM, 2,112 at once) a
+    step's eviction has programs of its own unless they take the grid past one wave."""
+    assert evicts_in_last_split(num_splits, sequence_heads, 1, 128, 132) == expected
+
+
+@pytest.mark.parametrize("evict_in_split", [None, False, True])
+def test_step_grid_has_the_eviction_programs_or_not(evict_in_split, kernel_device, seeded):
+    """A decode step's split grid has one more program per sequence-head for the eviction
+    (``EVICT_SPLIT`` past the splits) or, in the last split, none more; off a GPU and on one
+    at this small grid the plan's choice is programs of their own. A plain decode refuses the
+    override."""
+    fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 64, 4, seeded)
+    d = kernel_device
+    rings = torch.zeros(3, 2, 8, 64, dtype=torch.float16, device=d)
+    window = RecentWindow(rings, rings, torch.full((3, 2, 8), -1, dtype=torch.int32, device=d))
+    config = triton_decode.SplitConfig(evict_in_split=evict_in_split)
+    plan = triton_decode.plan_for(
+        fmt, q.to(d), cache, table, 2, None, window, split_config=config, step=StepMode.APPEND
+    )
+    in_split = bool(evict_in_split)
+    assert plan.split.grid == (2 + (not in_split), 2, 3)
+    assert plan.split.kwargs["EVICT_SPLIT"] == 2 - in_split
+    if evict_in_split is not None:
+        with pytest.raises(ValueError) as error:
+            triton_decode.plan_for(
+                fmt, q.to(d), cache, table, 2, None, window, split_config=config
+            )
+        assert str(error.value) == (
+            "split_config.evict_in_split is for decode steps (tq.decode_step) only, got "
+            f"{evict_in_split} for a decode without a step"
+        )
