@@ -220,8 +220,9 @@ def evicts_in_last_split(
 
 def step_pays(batch: int, num_kv_heads: int) -> bool:
     """Whether a cache's decode step of ``batch`` sequences appends its token inside the decode
-    (``tq.decode_step``) rather than with the window store before it: where the store's launch
-    is a large part of the step (few sequence-heads, :data:`STEP_MAX_SEQUENCE_HEADS`)."""
+    (``tq.decode_step``) rather than with the window store before it: up to
+    :data:`STEP_MAX_SEQUENCE_HEADS` sequence-heads, past which the two chains take the same time
+    (the store's launch is then a small part of the step)."""
     return batch * num_kv_heads <= STEP_MAX_SEQUENCE_HEADS
 
 
