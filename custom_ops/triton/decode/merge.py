@@ -52,12 +52,7 @@ class MergeConfig(NamedTuple):
 
 
 def merge_config(
-    num_rows: int,
-    num_splits: int,
-    d_pad: int,
-    rotated_values: bool,
-    rotate_by_product: bool,
-    sm_count: int | None,
+    num_rows: int, num_splits: int, head_dim: int, rotated_values: bool, sm_count: int | None
 ) -> MergeConfig:
     """As many rows per program as keep two programs per SM busy (up to 16, so a rotation is
     read once per 16 rows); where even one row per program leaves SMs idle and the values are
@@ -74,8 +69,10 @@ def merge_config(
     ``D`` fills a warp's lanes) and sums over them through shared memory
     (``docs/design/decode.md#two-warp-splits-and-the-one-warp-merge``).
     Rows of more partials keep four warps, and so does a rotation back by products with R
-    (``rotate_by_product``: rotated values, head dim not a power of two), whose ``[D_PAD, 64]``
-    blocks of R would spill in one warp."""
+    (rotated values, head dim not a power of two), whose ``[D_PAD, 64]`` blocks of R would
+    spill in one warp."""
+    d_pad = triton.next_power_of_2(head_dim)
+    rotate_by_product = rotated_values and head_dim != d_pad
     block_m = 16
     block_d = d_pad
     if sm_count is not None:

@@ -511,9 +511,8 @@ def plan_decode(
             ),
         )
     if merge_config is None:
-        rotate_by_product = fmt.value.rotated and head_dim != d_pad
         merge_config = merge.merge_config(
-            num_rows, num_splits, d_pad, fmt.value.rotated, rotate_by_product, sm_count
+            num_rows, num_splits, head_dim, fmt.value.rotated, sm_count
         )
     elif num_splits % merge_config.split_chunk:
         # the merge reads whole chunks of partials: a chunk past the splits would read the
