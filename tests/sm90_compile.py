@@ -172,8 +172,9 @@ def kernels(name: str) -> dict:
                 # column blocks, as one sequence's merge on a GPU: the CPU plan's takes whole
                 # rows)
                 step = DecodeStep(new, new, lens, lens)
+                step_plans = {}
                 for suffix, evict_in_split in (("", False), (", eviction in a split", True)):
-                    step_plan = decode.plan_for(
+                    step_plans[suffix] = step_plan = decode.plan_for(
                         fmt,
                         q,
                         cache,
@@ -190,8 +191,8 @@ def kernels(name: str) -> dict:
                         step_plan.split,
                         split_arguments(*split_inputs, step),
                     )
-                launches["step merge"] = (
-                    step_plan.merge,
+                launches["step merge"] = (  # (the same merge whoever evicts)
+                    step_plans[""].merge,
                     merge_fill_arguments(part_out, part_lse, rot, q, step, window, block_table),
                 )
             if plan.prep is not None:

@@ -94,7 +94,7 @@ def test_compiled_update_then_attend_sees_the_new_token(backend, stored_first, m
     views must see it. A query aligned with the new key attends almost only to it, so a stale
     read (the pre-write cache) would give a different output. Both traced routes: the token
     pending in the views (tq.decode_step stores it), and stored by update() first (the route
-    past 32 sequence-heads)."""
+    past 512 sequence-heads)."""
     if stored_first:
         monkeypatch.setattr(plan, "STEP_MAX_SEQUENCE_HEADS", 0)
     cache_e, _, _ = filled_tq_cache(length=10, seed=5)

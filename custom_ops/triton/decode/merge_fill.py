@@ -2,11 +2,11 @@
 :mod:`custom_ops.triton.decode.merge`, and the step's token written into the ring.
 
 The split kernel before it has attended the ring and moved the token leaving it into its page
-(its eviction programs). The merge waits for that whole kernel anyway (``griddepcontrol.wait``
-under programmatic dependent launch, stream order otherwise) before it reads a partial, so it
-can also write the step's token into the ring slot the leaving token held:
-:func:`custom_ops.triton.store_window.append_rows`' ``FILL`` phase, ``FILL_ROWS``
-sequence-heads per program of the first column block (grid axis 1:
+(its eviction: programs of their own, or the last split's). The merge waits for that whole
+kernel anyway (``griddepcontrol.wait`` under programmatic dependent launch, stream order
+otherwise) before it reads a partial, so it can also write the step's token into the ring
+slot the leaving token held: :func:`custom_ops.triton.store_window.append_rows`' ``FILL``
+phase, ``FILL_ROWS`` sequence-heads per program of the first column block (grid axis 1:
 :class:`~custom_ops.triton.decode.merge.MergeConfig`'s ``block_d``). An earlier version had
 the last split program of each sequence-head fill, found by an atomic count; at B1 4k that
 count and fill at the end of the split kernel cost 4-5 us per layer

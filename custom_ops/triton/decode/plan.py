@@ -88,7 +88,8 @@ class StepMode(enum.IntEnum):
     ``tq.decode_step``)."""
 
     NONE = 0  # tq.decode: no step's token
-    APPEND = 1  # attends it and appends it: an eviction program, the merge fills the ring
+    APPEND = 1  # attends it and appends it: an eviction (own programs or the last split's),
+    # the merge fills the ring
 
 
 class SplitConfig(NamedTuple):
@@ -190,9 +191,9 @@ def step_supported(fmt: KVFormat, window: int, q_tokens: int) -> bool:
 # The most sequence-heads (B * Hk) of a decode step whose append the split kernel and the merge
 # take over (tq.decode_step) in the caches. H200, benchmarks/decode_step.py (16 layers of the 1b
 # shape's cache work at 4096 tokens, Hk 8), store + decode over the step, 4bit_nc / k8v4: B1
-# 1.52x / 1.40x, B8 1.17x / 1.19x, B16 1.13x / 1.08x (eviction in the last split), B32 1.05x /
-# 1.05x, B64 1.01x / 1.01x, B128 0.98x / 0.98x. The model at B16 4k, each cell in its own process:
-# 1.18x / 1.13x bf16 with the step, 1.17x / 1.12x with the store.
+# 1.52x / 1.40x, B8 1.17x / 1.19x, B16 (on: eviction in the last split) 1.13x / 1.08x, B32
+# 1.05x / 1.05x, B64 1.01x / 1.01x, B128 0.98x / 0.98x. The model at B16 4k, each cell in its
+# own process: 1.18x / 1.13x bf16 with the step, 1.17x / 1.12x with the store.
 STEP_MAX_SEQUENCE_HEADS = 512
 
 
@@ -221,8 +222,8 @@ def evicts_in_last_split(
 def step_pays(batch: int, num_kv_heads: int) -> bool:
     """Whether a cache's decode step of ``batch`` sequences appends its token inside the decode
     (``tq.decode_step``) rather than with the window store before it: up to
-    :data:`STEP_MAX_SEQUENCE_HEADS` sequence-heads, past which the two chains take the same time
-    (the store's launch is then a small part of the step)."""
+    :data:`STEP_MAX_SEQUENCE_HEADS` sequence-heads, past which the step no longer pays (the
+    store's launch is then a small part of the step, and the step was 0.98x at 1,024)."""
     return batch * num_kv_heads <= STEP_MAX_SEQUENCE_HEADS
 
 
@@ -284,7 +285,8 @@ def plan_decode(
             (:func:`custom_ops.triton.store.side_params`), for the append.
 
     Raises:
-        ValueError: a ``step`` this decode cannot take.
+        ValueError: a ``step`` this decode cannot take, or ``split_config.evict_in_split`` set
+            for a decode without a step.
     """
     cuda = device.type == "cuda"
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if cuda else None
@@ -375,6 +377,8 @@ def plan_decode(
             f"{evict_in_split} for a decode without a step"
         )
     if step == StepMode.APPEND and evict_in_split is None:
+        # (an uncapped launch, splits of one tile, counted at the cap: they hold about as many,
+        # and their grids are small)
         evict_in_split = cuda and evicts_in_last_split(
             num_splits,
             batch * num_kv_heads,

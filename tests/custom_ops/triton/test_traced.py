@@ -100,7 +100,7 @@ def test_inductor_builds_every_traced_kernel():
     step; a decode token's step (window, unrotated values: 4-bit and fp8) in the split kernel and
     the merge. From PyTorch 2.13 on, whose mutation analysis sees through pure inline PTX, each
     launch counts as written exactly what its kernel writes (2.11 counts every argument): the
-    step's split kernel the planes too (its eviction programs), its merge the rings and the
+    step's split kernel the planes too (its eviction), its merge the rings and the
     lengths (the fill)."""
     cases = ["4bit_nc:16:2:1", "4bit_nc:0:1:1", "tq3_nc:16:2:1", "fp8:16:1:1", "k8v4:16:1:4"]
     result = run_compiler_script("inductor_trace.py", *cases)

@@ -14,6 +14,7 @@ from custom_ops.formats import RecentWindow, get_format
 from custom_ops.splits import splits_in_one_wave
 from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode import MergeConfig, QueryMode
+from custom_ops.triton.decode import plan as plan_module
 from custom_ops.triton.decode.plan import TOKENS_PER_STEP, StepMode, evicts_in_last_split
 
 
@@ -196,28 +197,48 @@ def test_step_evicts_in_the_last_split_past_one_wave(num_splits, sequence_heads,
     assert evicts_in_last_split(num_splits, sequence_heads, 1, 128, 132) == expected
 
 
+def _step_case(device, seeded):
+    """A decode case (2 splits, 3 sequences x 2 kv-heads) with rings on ``device``: its step's
+    plan arguments."""
+    fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 64, 4, seeded)
+    rings = torch.zeros(3, 2, 8, 64, dtype=torch.float16, device=device)
+    positions = torch.full((3, 2, 8), -1, dtype=torch.int32, device=device)
+    return fmt, q.to(device), cache, table, 2, None, RecentWindow(rings, rings, positions)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident, in_split", [(17, True), (18, False)])
+def test_step_plan_evicts_in_the_last_split_past_the_resident_programs(
+    resident, in_split, monkeypatch, seeded
+):
+    """On a GPU the plan decides by the resident programs it counts: (2 + 1) x 6 = 18 programs
+    fit 18, not 17, so there the eviction moves into the last split (the GPU's count patched:
+    this small grid fits any GPU)."""
+    monkeypatch.setattr(plan_module, "resident_programs", lambda *args: resident)
+    plan_module.plan_decode.cache_clear()
+    try:
+        plan = triton_decode.plan_for(*_step_case("cuda", seeded), step=StepMode.APPEND)
+    finally:
+        plan_module.plan_decode.cache_clear()
+    assert plan.split.grid == (2 + (not in_split), 2, 3)
+    assert plan.split.kwargs["EVICT_SPLIT"] == 2 - in_split
+
+
 @pytest.mark.parametrize("evict_in_split", [None, False, True])
 def test_step_grid_has_the_eviction_programs_or_not(evict_in_split, kernel_device, seeded):
     """A decode step's split grid has one more program per sequence-head for the eviction
     (``EVICT_SPLIT`` past the splits) or, in the last split, none more; off a GPU and on one
     at this small grid the plan's choice is programs of their own. A plain decode refuses the
     override."""
-    fmt, consts, cache, table, lens, q = decode_case("4bit_nc", 64, 4, seeded)
-    d = kernel_device
-    rings = torch.zeros(3, 2, 8, 64, dtype=torch.float16, device=d)
-    window = RecentWindow(rings, rings, torch.full((3, 2, 8), -1, dtype=torch.int32, device=d))
+    case = _step_case(kernel_device, seeded)
     config = triton_decode.SplitConfig(evict_in_split=evict_in_split)
-    plan = triton_decode.plan_for(
-        fmt, q.to(d), cache, table, 2, None, window, split_config=config, step=StepMode.APPEND
-    )
+    plan = triton_decode.plan_for(*case, split_config=config, step=StepMode.APPEND)
     in_split = bool(evict_in_split)
     assert plan.split.grid == (2 + (not in_split), 2, 3)
     assert plan.split.kwargs["EVICT_SPLIT"] == 2 - in_split
     if evict_in_split is not None:
         with pytest.raises(ValueError) as error:
-            triton_decode.plan_for(
-                fmt, q.to(d), cache, table, 2, None, window, split_config=config
-            )
+            triton_decode.plan_for(*case, split_config=config)
         assert str(error.value) == (
             "split_config.evict_in_split is for decode steps (tq.decode_step) only, got "
             f"{evict_in_split} for a decode without a step"
