@@ -20,7 +20,6 @@ import triton.language as tl
 from custom_ops.codebook import INT8_GRID_BITS, int8_key_grid
 from custom_ops.formats import Codec, Kind
 from custom_ops.triton.decode.ptx import (
-    INTEGER_VALUE_BIAS,
     decode_asm,
     lut3_int8_asm,
     lut3_integer_values_asm,
@@ -32,14 +31,7 @@ from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX
 from custom_ops.triton.planes import codec_levels, first_meta_column, lloyd_max_levels
 from custom_ops.triton.traced import importable_repr
 
-__all__ = [
-    "INTEGER_BIAS",
-    "PartParams",
-    "part_params",
-    "decode_tile",
-    "decode_int8_keys",
-    "int8_keys",
-]
+__all__ = ["PartParams", "part_params", "decode_tile", "decode_int8_keys", "int8_keys"]
 
 
 class PartParams(NamedTuple):
@@ -64,8 +56,8 @@ class PartParams(NamedTuple):
             bits) or one per block of the magnitude plane (5 bits); ``()``: plain Triton, or no
             grid.
         INTEGER_SCALE: for 3-bit Lloyd-Max values, the power of two ``S`` the split kernel's
-            values are decoded in units of: the grid's integer ``k`` as ``(INTEGER_BIAS + k) /
-            S`` (:func:`decode_tile` with ``INTEGERS``), ``S * INT8_UNIT`` the grid unit's 3
+            values are decoded in units of: the grid's integer ``k`` as ``k / S``
+            (:func:`decode_tile` with ``INTEGERS``), ``S * INT8_UNIT`` the grid unit's 3
             significant bits, 1 to 1.75; 0.0 otherwise.
         ASM_INTEGERS: the inline PTX of that decoding (``""``: plain Triton, or none).
     """
@@ -162,18 +154,11 @@ def _int8_keys(codes, P: tl.constexpr):
     return tl.where((codes & SIGN) != 0, ~r, r).to(tl.int8)
 
 
-# (a constexpr for the kernels)
-INTEGER_BIAS = tl.constexpr(INTEGER_VALUE_BIAS)
-
-
 @triton.jit
 def _grid_integers(codes, P: tl.constexpr):
-    """Sign-magnitude codes (int) -> fp16 ``(INTEGER_BIAS + k) / P.INTEGER_SCALE``, ``k`` their
-    int8 on the grid (:func:`_int8_keys`; exact: an integer in ``[1024, 2048)`` in a power of
-    two's units), as :func:`~custom_ops.triton.decode.ptx.lut3_integer_values_asm` decodes
-    them."""
-    k = _int8_keys(codes, P).to(tl.float32)
-    return ((k + INTEGER_BIAS) * (1.0 / P.INTEGER_SCALE)).to(tl.float16)
+    """Sign-magnitude codes (int) -> fp16 ``k / P.INTEGER_SCALE``, ``k`` their int8 on the grid
+    (:func:`_int8_keys`; exact: an integer below 2**8 in a power of two's units)."""
+    return (_int8_keys(codes, P).to(tl.float32) * (1.0 / P.INTEGER_SCALE)).to(tl.float16)
 
 
 @triton.jit
@@ -375,8 +360,8 @@ def decode_tile(
 ):
     """Decode a tile of code rows of the codec ``P`` into up to four parts (fp16, the tile's
     shape, *before* the per-token scalars; unused parts repeat part 0). ``INTEGERS`` (3-bit
-    Lloyd-Max codes with ``P.INTEGER_SCALE``): the grid's integers ``(INTEGER_BIAS + k) /
-    P.INTEGER_SCALE`` instead of the levels ``(k + 1/2) * P.INT8_UNIT``.
+    Lloyd-Max codes with ``P.INTEGER_SCALE``): the grid's integers ``k / P.INTEGER_SCALE``
+    instead of the levels ``(k + 1/2) * P.INT8_UNIT``.
 
     ``row_offsets`` (offsets of byte 0 of each token's row) and ``j`` (byte of a plane part)
     broadcast to the tile: ``[N, 1]`` and ``[1, PC]`` for keys (token-major, ``BYTE_STRIDE`` 1),

@@ -41,8 +41,7 @@ following the strided bit planes of :mod:`custom_ops.formats`:
   ``$1`` interleaved as the 4-bit int8 string's: block ``c``'s quarters ``c`` and ``c + 2`` side
   by side.
 * 3 bits to the grid's integers (:func:`lut3_integer_values_asm`, the split kernel's values):
-  the contract of the 3-bit string above, the outputs ``(INTEGER_VALUE_BIAS + k) / S`` instead
-  of the levels.
+  the contract of the 3-bit string above, the outputs ``k / S`` instead of the levels.
 * 2 bits, one plane: bits ``2q`` of byte ``j`` = element ``j + q D/4``. Input ``$8``; outputs
   ``$2q $2q+1`` for quarter ``q``. A 4-entry fp16 table covers every code, so Lloyd-Max and
   uniform codes share one string (``lut2_asm``) with different tables.
@@ -56,7 +55,6 @@ emulator.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 
@@ -70,7 +68,6 @@ __all__ = [
     "lut4_asm",
     "lut3_int8_asm",
     "lut3_integer_values_asm",
-    "INTEGER_VALUE_BIAS",
     "lut4_int8_asm",
     "lut5_int8_asm",
     "lut5_asm",
@@ -82,10 +79,6 @@ __all__ = [
     "parts_of",
     "words_asm",
 ]
-
-# The bias of lut3_integer_values_asm's integers: the 1024 of the fp16 exponent their bytes sit
-# under, and the 128 that makes the int8 k a byte k + 128.
-INTEGER_VALUE_BIAS = 1152
 
 # lop3 truth tables, from F(a=0xF0, b=0xCC, c=0xAA)
 _A_OR_B_AND_C = 0xF8  # a | (b & c)
@@ -276,19 +269,18 @@ def lut3_int8_asm(grid: Sequence[int]) -> str:
 
 
 def lut3_integer_values_asm(grid: Sequence[int], scale: float) -> str:
-    """3-bit sign-magnitude Lloyd-Max codes -> the fp16 ``(INTEGER_VALUE_BIAS + k) / scale``,
-    ``k`` the code's integer on the grid (``r`` or ``~r``, :func:`lut3_int8_asm`), whose level
-    is ``(k + 1/2) * unit``: the contract of :func:`lut3_asm` (inputs ``$8`` plane bytes,
-    ``$9`` ``low``, ``$10`` ``high``; outputs ``$2q $2q+1`` quarter ``q``, in the bytes' order).
+    """3-bit sign-magnitude Lloyd-Max codes -> the fp16 ``k / scale``, ``k`` the code's integer
+    on the grid (``r`` or ``~r``, :func:`lut3_int8_asm`), whose level is ``(k + 1/2) * unit``:
+    the same contract as :func:`lut3_asm` (inputs ``$8`` plane bytes, ``$9`` ``low``, ``$10``
+    ``high``; outputs ``$2q $2q+1`` quarter ``q``, in the bytes' order).
 
-    The split kernel's values: the level's ``1/2`` less the bias goes through the accumulators'
-    zero term and ``unit * scale`` into the value multipliers, so the operand is an integer in
-    a power of two's units. :func:`lut3_int8_asm`'s lookup, with the table biased by 128, gives
-    4 bytes ``k + 128`` per ``prmt``; one ``prmt`` puts two of them as the low mantissa bytes
-    under the high byte of ``1024 / scale`` (de-interleaving the quarters): ``(1024 + 128 + k)
-    / scale``, exact (``scale`` a power of two). 24 instructions per 16 codes with the 2 table
-    moves, against 46 for :func:`lut3_asm` (34 with a ``fma.f16x2`` that took the bias off:
-    the zero term takes it for free).
+    The split kernel's values: the level's ``1/2`` goes through the accumulators' zero term
+    and ``unit * scale`` into the value multipliers, so the operand is an integer in a power
+    of two's units. :func:`lut3_int8_asm`'s lookup, with the table biased by 128, gives 4 bytes
+    ``k + 128`` per ``prmt``; one ``prmt`` puts two of them under the exponent of 1024
+    (``0x64``: 1024 + k + 128, de-interleaving the quarters), and one ``fma.f16x2`` by ``1 /
+    scale`` less ``1152 / scale`` gives ``k / scale`` exactly (``scale`` a power of two): 34
+    instructions per 16 codes with the 4 constant moves, against 46 for :func:`lut3_asm`.
 
     Args:
         grid: the 4 magnitudes' ``r`` (0..127), ascending.
@@ -298,19 +290,15 @@ def lut3_integer_values_asm(grid: Sequence[int], scale: float) -> str:
         The PTX string.
     """
     biased = [*((r + 128) & 0xFF for r in grid), *((~r + 128) & 0xFF for r in grid)]
-    # the fp16 high byte of 1024 / scale (sign 0, exponent 25 - log2(scale), mantissa bits 8
-    # and 9 clear): the low byte k + 128 then adds (128 + k) / scale
-    log2_scale = math.log2(scale)
-    exponent = 25 - int(log2_scale)
-    if log2_scale != int(log2_scale) or not 1 <= exponent <= 30:
-        raise ValueError(f"scale must be a power of two in [2**-5, 2**24], got {scale}")
-    high = exponent << 2
+    inverse, offset = _fp16_bits([1.0 / scale, -1152.0 / scale])
     # the 4 lookups' bytes a (quarters 0 and 2 of bytes j, j + 1), b (of bytes j + 2, j + 3),
-    # c and d (quarters 1 and 3); each prmt's high bytes pair with the even or odd bytes
+    # c and d (quarters 1 and 3); each prmt's 0x64 pairs take the even or odd bytes
     lines = [
         "{",
-        ".reg .b32 t0, t1, u, m, x, n, a, b, c, d;",
+        ".reg .b32 t0, t1, u, m, x, n, a, b, c, d, inv, off;",
         *_lut3_int8_lines(biased, ("$8", "$9", "$10"), ("a", "b", "c", "d")),
+        f"mov.b32 inv, {inverse | inverse << 16:#010x};",
+        f"mov.b32 off, {offset | offset << 16:#010x};",
     ]
     for out, source, selector in (
         ("$0", "a", 0x4240),
@@ -322,7 +310,10 @@ def lut3_integer_values_asm(grid: Sequence[int], scale: float) -> str:
         ("$6", "c", 0x4341),
         ("$7", "d", 0x4341),
     ):
-        lines.append(f"prmt.b32 {out}, {source}, {high * 0x01010101:#010x}, {selector:#06x};")
+        lines += [
+            f"prmt.b32 {out}, {source}, 0x64646464, {selector:#06x};",
+            f"fma.rn.f16x2 {out}, {out}, inv, off;",
+        ]
     return "\n".join([*lines, "}"])
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from custom_ops.triton.decode.codes import INTEGER_BIAS, decode_int8_keys, decode_tile
+from custom_ops.triton.decode.codes import decode_int8_keys, decode_tile
 from custom_ops.triton.decode.softmax import mask_scores
 from custom_ops.triton.kinds import UNIFORM
 
@@ -356,16 +356,11 @@ def compressed_values(
     (``v_zero``: their zeros if loaded ahead, :func:`tile_scalars`; None: loaded here).
 
     ``INTEGERS`` (3-bit Lloyd-Max values, ``V.INTEGER_SCALE``): the values enter as the grid's
-    integers biased, ``(INTEGER_BIAS + k) / S``
-    (:func:`~custom_ops.triton.decode.codes.decode_tile`'s ``INTEGERS``: fewer instructions
-    than their levels, and no subtraction), the multipliers take ``unit * S`` (1 to 1.75, the
+    integers ``k / S`` (:func:`~custom_ops.triton.decode.codes.decode_tile`'s ``INTEGERS``:
+    fewer instructions than their levels), the multipliers take ``unit * S`` (1 to 1.75, the
     unit's 3 significant bits: ``p * v_rel`` times it stays below 1.75 * 2**15, within fp16's
-    range); each level's ``unit / 2`` goes to ``zero_acc`` as ``v_zero = v_mul * unit / 2``,
-    and the bias comes off it as the products add it, from the same fp16 ``p * v_rel`` (taken
-    from the exact ones, each token's bias would carry the fp16 rounding of its product: about
-    0.4% of the output at the test's largest values). The bias is about 10-80 times a code's
-    integer, so the float32 accumulators keep about 5 of their 24 bits fewer: far below fp16's
-    11.
+    range) and each level's ``unit / 2`` goes to ``zero_acc`` as ``v_zero = v_mul * unit /
+    2``.
 
     ``VALUE_PAGES`` (a tile of two whole pages, ``BLOCK_N == 2 * PAGE_SIZE == 2 * TOKEN_RUN``):
     each page's value codes are loaded and multiplied as a tile of their own, so that the
@@ -391,14 +386,9 @@ def compressed_values(
             v_zero = value_zeros(m_row, valid, V)
         zero_acc += tl.sum(p * v_zero[:, None], axis=0)
     if INTEGERS:
+        zero_acc += tl.sum(p * (v_mul * (V.INT8_UNIT * 0.5))[:, None], axis=0)
         v_rel = v_rel * (V.INT8_UNIT * V.INTEGER_SCALE)
     pv = (p * v_rel[:, None]).to(tl.float16)
-    if INTEGERS:
-        # the levels' halves, and the bias the operands carry taken off as the products add it:
-        # (INTEGER_BIAS / S) * pv in the accumulators' unit, pv rounded to fp16 as theirs is
-        half_level = v_mul * (V.INT8_UNIT * 0.5)
-        bias = INTEGER_BIAS / (V.INTEGER_SCALE * inv_unit)
-        zero_acc += tl.sum(p * half_level[:, None] - pv.to(tl.float32) * bias, axis=0)
     if VALUE_PAGES:
         tl.static_assert(
             p.shape[0] == 2 * PAGE_SIZE and TOKEN_RUN == PAGE_SIZE and PAGE_SIZE >= 16,

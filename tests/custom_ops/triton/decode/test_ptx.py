@@ -12,7 +12,6 @@ from custom_ops.codebook import int8_key_grid, signed_levels
 from custom_ops.formats import Codec, Kind
 from custom_ops.triton.decode.ptx import (
     INT8_ASM,
-    INTEGER_VALUE_BIAS,
     UINT3_ASM,
     UINT4_ASM,
     decode_asm,
@@ -184,9 +183,9 @@ def test_lut3_int8_asm(head_dim, seeded):
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_lut3_integer_values_asm(head_dim, seeded):
-    """Every quarter's 3-bit code (as in test_lut3_asm, bytes in order) becomes the fp16 ``(bias
-    + k) / scale`` whose ``(k + 1/2) * unit`` is its Lloyd-Max level: exact, at each head dim's
-    unit and scale."""
+    """Every quarter's 3-bit code (as in test_lut3_asm, bytes in order) becomes the fp16 ``k /
+    scale`` whose ``(k + 1/2) * unit`` is its Lloyd-Max level: exact, at each head dim's unit
+    and scale."""
     grid, unit = int8_key_grid(3, head_dim)
     levels = signed_levels(3, head_dim)
     scale = 2.0 ** -math.floor(math.log2(unit))
@@ -195,19 +194,9 @@ def test_lut3_integer_values_asm(head_dim, seeded):
         outputs = _outputs(asm, {8: plane_word, 9: low_word, 10: high_word}, 4)
         for quarter, values in enumerate(outputs):
             codes = _codes3(plane_word, low_word, high_word, quarter)
-            integers = [v * scale - INTEGER_VALUE_BIAS for v in values]
+            integers = [v * scale for v in values]
             assert all(k == round(k) for k in integers), integers
             assert [(k + 0.5) * unit for k in integers] == [levels[c].item() for c in codes]
-
-
-@pytest.mark.parametrize("scale", [3.0, 2.0**25])
-def test_lut3_integer_values_asm_needs_a_power_of_two_it_can_encode(scale):
-    """The operands' fp16 exponent is 1024's less log2(scale): a scale that is no power of two,
-    or one past the exponent's range, is refused."""
-    grid, _ = int8_key_grid(3, 128)
-    with pytest.raises(ValueError) as error:
-        lut3_integer_values_asm(grid, scale)
-    assert str(error.value) == f"scale must be a power of two in [2**-5, 2**24], got {scale}"
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
