@@ -20,6 +20,8 @@ import triton.language as tl
 from custom_ops.codebook import INT8_GRID_BITS, int8_key_grid
 from custom_ops.formats import Codec, Kind
 from custom_ops.triton.decode.ptx import (
+    UINT3_SUBNORMAL_ASM,
+    UINT4_SUBNORMAL_ASM,
     decode_asm,
     lut3_int8_asm,
     lut3_integer_values_asm,
@@ -27,7 +29,7 @@ from custom_ops.triton.decode.ptx import (
     lut5_int8_asm,
     parts_of,
 )
-from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX
+from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX, UNIFORM
 from custom_ops.triton.planes import codec_levels, first_meta_column, lloyd_max_levels
 from custom_ops.triton.traced import importable_repr
 
@@ -60,6 +62,9 @@ class PartParams(NamedTuple):
             (:func:`decode_tile` with ``INTEGERS``), ``S * INT8_UNIT`` the grid unit's 3
             significant bits, 1 to 1.75; 0.0 otherwise.
         ASM_INTEGERS: the inline PTX of that decoding (``""``: plain Triton, or none).
+        ASM_SUBNORMAL: for 3- and 4-bit uniform codes, the inline PTX that decodes them to
+            fp16 subnormals (:func:`decode_tile` with ``SUBNORMAL``); ``""``: plain Triton, or
+            none.
     """
 
     KIND: int
@@ -76,6 +81,7 @@ class PartParams(NamedTuple):
     ASM_INT8: tuple[str, ...]
     INTEGER_SCALE: float
     ASM_INTEGERS: str
+    ASM_SUBNORMAL: str
 
     # inductor writes constexprs into its generated code as their repr
     __repr__ = importable_repr
@@ -117,7 +123,30 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
         int8_asm,
         scale,
         integers_asm,
+        {4: UINT4_SUBNORMAL_ASM, 3: UINT3_SUBNORMAL_ASM}.get(codec.bits, "")
+        if fast and codec.kind == Kind.UNIFORM
+        else "",
     )
+
+
+@triton.constexpr_function
+def subnormal_values(kind: int, bits: int) -> bool:
+    """Whether the split kernel decodes values of this ``kind`` and ``bits`` as fp16 subnormals
+    (:func:`decode_tile` with ``SUBNORMAL``): 3- and 4-bit uniform codes, whose integers are
+    then masked in place, with no conversion at all; its part accumulators are multiplied by
+    :func:`subnormal_part_scale` once the codes are read
+    (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program)."""
+    return kind == UNIFORM and (bits == 4 or bits == 3)
+
+
+@triton.constexpr_function
+def subnormal_part_scale(bits: int, part: int) -> float:
+    """``1 / the unit`` of value part ``part``'s subnormals: 4 bits, ``c * 2**-24`` (low
+    nibbles, part 0) and ``16 c * 2**-24`` (high nibbles, part 1, masked in place); 3 bits,
+    quarter ``q`` at bits ``2q`` of its 16-bit lane, ``c * 2**(2q - 24)``."""
+    if bits == 4:
+        return 2.0**24 if part == 0 else 2.0**20
+    return 2.0 ** (24 - 2 * part)
 
 
 @triton.constexpr_function
@@ -357,11 +386,15 @@ def decode_tile(
     TOKEN_RUN: tl.constexpr,
     FINITE: tl.constexpr = False,
     INTEGERS: tl.constexpr = False,
+    SUBNORMAL: tl.constexpr = False,
 ):
     """Decode a tile of code rows of the codec ``P`` into up to four parts (fp16, the tile's
     shape, *before* the per-token scalars; unused parts repeat part 0). ``INTEGERS`` (3-bit
     Lloyd-Max codes with ``P.INTEGER_SCALE``): the grid's integers ``k / P.INTEGER_SCALE``
-    instead of the levels ``(k + 1/2) * P.INT8_UNIT``.
+    instead of the levels ``(k + 1/2) * P.INT8_UNIT``. ``SUBNORMAL`` (3- and 4-bit uniform
+    codes): the integers as fp16 subnormals in units of ``1 /``
+    :func:`subnormal_part_scale` per part, masked in place (the products' accumulators are
+    scaled back; Hopper's tensor cores take subnormal operands).
 
     ``row_offsets`` (offsets of byte 0 of each token's row) and ``j`` (byte of a plane part)
     broadcast to the tile: ``[N, 1]`` and ``[1, PC]`` for keys (token-major, ``BYTE_STRIDE`` 1),
@@ -374,9 +407,26 @@ def decode_tile(
     ASM: tl.constexpr = P.ASM
     if INTEGERS:
         tl.static_assert(P.BITS == 3 and P.INTEGER_SCALE > 0.0, "integers: 3-bit Lloyd-Max only")
+    if SUBNORMAL:
+        tl.static_assert(subnormal_values(P.KIND, P.BITS), "subnormals: 3- and 4-bit uniform")
     offsets = _hinted_offsets(row_offsets, j * BYTE_STRIDE, TOKEN_RUN)
     plane = tl.load(codes_ptr + offsets, mask=mask, other=0)
-    if P.BITS == 4:
+    if P.BITS == 4 and SUBNORMAL:
+        if P.ASM_SUBNORMAL != "":
+            p0, p1 = tl.inline_asm_elementwise(
+                P.ASM_SUBNORMAL,
+                "=r,=r,=r,=r,r",
+                [plane],
+                dtype=(tl.float16,) * 2,
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            p0 = ((plane & 15).to(tl.float32) * (1.0 / subnormal_part_scale(4, 0))).to(tl.float16)
+            p1 = ((plane >> 4).to(tl.float32) * (1.0 / subnormal_part_scale(4, 1))).to(tl.float16)
+        p2 = p0
+        p3 = p0
+    elif P.BITS == 4:
         # byte j: element j in the low nibble, element j + D/2 in the high nibble
         if ASM != "":
             p0, p1 = tl.inline_asm_elementwise(
@@ -400,8 +450,16 @@ def decode_tile(
         # 2-bit plane byte j holds element j + q*D/4 at bits 2q; element j + q*D/4's top bit is
         # bit 2q of low | high >> 1 (see _sign_halves)
         low, high = _sign_halves(codes_ptr, row_offsets, j, mask, P, D, BYTE_STRIDE, TOKEN_RUN)
-        LUT3: tl.constexpr = P.ASM_INTEGERS if INTEGERS else ASM
-        if LUT3 != "":
+        LUT3: tl.constexpr = (
+            P.ASM_INTEGERS if INTEGERS else (P.ASM_SUBNORMAL if SUBNORMAL else ASM)
+        )
+        if SUBNORMAL and LUT3 == "":
+            c0, c1, c2, c3 = _lut3_codes(plane, low, high)
+            p0 = (c0.to(tl.float32) * (1.0 / subnormal_part_scale(3, 0))).to(tl.float16)
+            p1 = (c1.to(tl.float32) * (1.0 / subnormal_part_scale(3, 1))).to(tl.float16)
+            p2 = (c2.to(tl.float32) * (1.0 / subnormal_part_scale(3, 2))).to(tl.float16)
+            p3 = (c3.to(tl.float32) * (1.0 / subnormal_part_scale(3, 3))).to(tl.float16)
+        elif LUT3 != "":
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 LUT3,
                 "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",

@@ -74,6 +74,8 @@ __all__ = [
     "lut3_asm",
     "lut2_asm",
     "UINT4_ASM",
+    "UINT4_SUBNORMAL_ASM",
+    "UINT3_SUBNORMAL_ASM",
     "UINT3_ASM",
     "INT8_ASM",
     "parts_of",
@@ -442,6 +444,20 @@ fma.rn.f16x2 $3, $3, sixteenth, minus64;
 }}"""
 
 
+# 4-bit uniform codes -> fp16 subnormals, for products whose accumulators are scaled back
+# afterwards: low nibbles c * 2**-24, high nibbles masked in place 16 c * 2**-24 (exact: a
+# subnormal's mantissa is the integer), no arithmetic at all.
+UINT4_SUBNORMAL_ASM = """{
+.reg .b32 t;
+prmt.b32 t, $4, 0, 0x4140;
+and.b32 $0, t, 0x000F000F;
+and.b32 $2, t, 0x00F000F0;
+prmt.b32 t, $4, 0, 0x4342;
+and.b32 $1, t, 0x000F000F;
+and.b32 $3, t, 0x00F000F0;
+}"""
+
+
 def _shift(dst: str, src: str, left: int) -> str:
     if left > 0:
         return f"shl.b32 {dst}, {src}, {left};"
@@ -498,6 +514,24 @@ def lut3_asm(levels: Sequence[float]) -> str:
     return "\n".join([*lines, "}"])
 
 
+# 3-bit uniform codes: the 2-bit plane's bytes j, j+1 (tl) and j+2, j+3 (th) in the two 16-bit
+# lanes, and the sign lanes shifted left by 2 (vl, vh), whose bit 2q + 2 is quarter q's top bit
+_UINT3_LANES = (
+    "prmt.b32 tl, $8, 0, 0x4140;",
+    "prmt.b32 th, $8, 0, 0x4342;",
+    *_SIGN_HALVES,
+    "prmt.b32 sl, t, 0, 0x4140;",
+    "prmt.b32 sh, t, 0, 0x4342;",
+    "shl.b32 vl, sl, 2;",
+    "shl.b32 vh, sh, 2;",
+)
+
+
+def _uint3_words(q: int) -> tuple[tuple[str, str, str], ...]:
+    """Quarter ``q``'s (plane lanes, top-bit lanes, output) of bytes j, j+1 and j+2, j+3."""
+    return (("tl", "vl", f"${2 * q}"), ("th", "vh", f"${2 * q + 1}"))
+
+
 def _uint3_asm() -> str:
     """3-bit uniform codes -> exact fp16 integers (same contract as :func:`lut3_asm`).
 
@@ -509,17 +543,11 @@ def _uint3_asm() -> str:
         "{",
         ".reg .b32 magic, tl, th, sl, sh, vl, vh, x, t;",
         "mov.b32 magic, 0x64006400;",
-        "prmt.b32 tl, $8, 0, 0x4140;",  # bytes j, j+1 into the two 16-bit lanes
-        "prmt.b32 th, $8, 0, 0x4342;",  # bytes j+2, j+3
-        *_SIGN_HALVES,
-        "prmt.b32 sl, t, 0, 0x4140;",
-        "prmt.b32 sh, t, 0, 0x4342;",
-        "shl.b32 vl, sl, 2;",
-        "shl.b32 vh, sh, 2;",
+        *_UINT3_LANES,
     ]
     for q in range(4):
         plane_bits = 0x00030003 << (2 * q)
-        for low_bits, top_bits, out in (("tl", "vl", f"${2 * q}"), ("th", "vh", f"${2 * q + 1}")):
+        for low_bits, top_bits, out in _uint3_words(q):
             lines.append(
                 f"lop3.b32 x, {top_bits}, {low_bits}, {plane_bits:#010x}, "
                 f"{_C_SELECTS_B_OVER_A:#x};"
@@ -534,6 +562,26 @@ def _uint3_asm() -> str:
 
 
 UINT3_ASM = _uint3_asm()
+
+
+def _uint3_subnormal_asm() -> str:
+    """3-bit uniform codes -> fp16 subnormals ``c * 2**(2q - 24)`` for quarter ``q`` (the
+    contract of :func:`_uint3_asm` otherwise): each code selected in place by one ``lop3`` and
+    masked by one ``and``, no shift and no subtraction."""
+    lines = ["{", ".reg .b32 tl, th, sl, sh, vl, vh, t;", *_UINT3_LANES]
+    for q in range(4):
+        plane_bits = 0x00030003 << (2 * q)
+        code_bits = 0x00070007 << (2 * q)
+        for low_bits, top_bits, out in _uint3_words(q):
+            lines += [
+                f"lop3.b32 {out}, {top_bits}, {low_bits}, {plane_bits:#010x}, "
+                f"{_C_SELECTS_B_OVER_A:#x};",
+                f"and.b32 {out}, {out}, {code_bits:#010x};",
+            ]
+    return "\n".join([*lines, "}"])
+
+
+UINT3_SUBNORMAL_ASM = _uint3_subnormal_asm()
 
 
 def lut2_asm(table: Sequence[float]) -> str:

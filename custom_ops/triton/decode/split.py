@@ -42,7 +42,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from custom_ops.formats import PagedKVCache, RecentWindow
-from custom_ops.triton.decode.codes import int8_keys
+from custom_ops.triton.decode.codes import int8_keys, subnormal_part_scale, subnormal_values
 from custom_ops.triton.decode.query import int8_query, query_part, ring_query, rotate_query
 from custom_ops.triton.decode.softmax import (
     RESCALE_SLACK,
@@ -581,10 +581,18 @@ def split_kernel(
             SCALARS_AHEAD,
             VALUE_PAGES,
         )
-    acc0 *= unit
-    acc1 *= unit
-    acc2 *= unit
-    acc3 *= unit
+    if subnormal_values(V.KIND, V.BITS):
+        # the value parts went into the products as subnormals (codes.decode_tile): back to
+        # the codes' integers before the ring's exact values join the accumulators
+        acc0 *= unit * subnormal_part_scale(V.BITS, 0)
+        acc1 *= unit * subnormal_part_scale(V.BITS, 1)
+        acc2 *= unit * subnormal_part_scale(V.BITS, 2)
+        acc3 *= unit * subnormal_part_scale(V.BITS, 3)
+    else:
+        acc0 *= unit
+        acc1 *= unit
+        acc2 *= unit
+        acc3 *= unit
 
     if RING:
         # The ring run's RING_BLOCK-token tiles, round robin over the splits from the last one

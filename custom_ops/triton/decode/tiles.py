@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from custom_ops.triton.decode.codes import decode_int8_keys, decode_tile
+from custom_ops.triton.decode.codes import decode_int8_keys, decode_tile, subnormal_values
 from custom_ops.triton.decode.softmax import mask_scores
 from custom_ops.triton.kinds import UNIFORM
 
@@ -262,6 +262,7 @@ def _value_codes(
         TOKEN_RUN,
         FINITE=True,
         INTEGERS=INTEGERS,
+        SUBNORMAL=subnormal_values(V.KIND, V.BITS),
     )
     if BYTE_HALVES:
         parts = (

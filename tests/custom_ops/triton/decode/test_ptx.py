@@ -13,7 +13,9 @@ from custom_ops.formats import Codec, Kind
 from custom_ops.triton.decode.ptx import (
     INT8_ASM,
     UINT3_ASM,
+    UINT3_SUBNORMAL_ASM,
     UINT4_ASM,
+    UINT4_SUBNORMAL_ASM,
     decode_asm,
     lut3_asm,
     lut3_int8_asm,
@@ -96,6 +98,15 @@ def test_uint4_asm(seeded):
         low, high = _outputs(UINT4_ASM, {4: word}, 2)
         assert low == [float(b & 15) for b in _bytes(word)]
         assert high == [float(b >> 4) for b in _bytes(word)]
+
+
+def test_uint4_subnormal_asm(seeded):
+    """Each low nibble becomes the fp16 subnormal ``c * 2**-24``, each high nibble ``c *
+    2**-20``: exact, and what the split kernel's part accumulators are scaled back from."""
+    for word in _random_words(seeded, [0xFFFFFFFF, 0x0F0F0F0F, 0xF0F0F0F0, 0]):
+        low, high = _outputs(UINT4_SUBNORMAL_ASM, {4: word}, 2)
+        assert low == [math.ldexp(b & 15, -24) for b in _bytes(word)]
+        assert high == [math.ldexp(b >> 4, -20) for b in _bytes(word)]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -219,6 +230,16 @@ def test_uint3_asm(seeded):
         for quarter, values in enumerate(outputs):
             codes = _codes3(plane_word, low_word, high_word, quarter)
             assert values == [float(c) for c in codes]
+
+
+def test_uint3_subnormal_asm(seeded):
+    """Every quarter ``q``'s 3-bit uniform code becomes the fp16 subnormal ``c * 2**(2q -
+    24)``, exactly."""
+    for plane_word, low_word, high_word in _sign_cases(seeded):
+        outputs = _outputs(UINT3_SUBNORMAL_ASM, {8: plane_word, 9: low_word, 10: high_word}, 4)
+        for quarter, values in enumerate(outputs):
+            codes = _codes3(plane_word, low_word, high_word, quarter)
+            assert values == [math.ldexp(c, 2 * quarter - 24) for c in codes]
 
 
 @pytest.mark.parametrize("kind", [Kind.LLOYD_MAX, Kind.UNIFORM])
