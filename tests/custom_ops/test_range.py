@@ -104,6 +104,31 @@ def test_every_magnitude_is_represented(fmt_name, impl, kernel_device, seeded):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k8v4", "tq4_nc"])
+def test_values_near_bf16_max_decode(fmt_name, impl, kernel_device, seeded):
+    """Values of ~1e35 per element (their scales past 2**104, the split kernel's second pass in
+    units of the largest) decode to float64 attention over the stored values: scaling the
+    accumulators back must not overflow float32 on the way (3- and 4-bit uniform values enter
+    the products as subnormals, 2**-24 and less, and are scaled back by the inverse)."""
+    fmt = get_format(fmt_name)
+    device = impl_device(impl, kernel_device)
+    key, value = random_kv(T, HK, D, torch.float32, seeded)
+    key = key.transpose(0, 1)[None].to(torch.bfloat16)
+    value = (value * 1e35).transpose(0, 1)[None].to(torch.bfloat16)
+    q = torch.randn(1, HK * GROUP, D, generator=seeded).to(torch.bfloat16)
+    lens = torch.tensor([T], dtype=torch.int32)
+    with impl_context(impl, device):
+        consts, cache, window, table = _store(fmt, key, value, device)
+        out = api.decode(
+            fmt, q.to(device), cache, table, lens.to(device), consts, num_splits=2, window=window
+        ).cpu()
+    assert out.isfinite().all(), f"{fmt_name}: non-finite decode output at values of 1e35"
+    _, v64, expected = _oracle(fmt, cache, window, table, lens, q, consts)
+    error = ((out.double() - expected).abs().amax() / v64.abs().amax()).item()
+    assert error < 8e-3, f"{fmt_name}: decode error {error:.2e} of max |v| at values of 1e35"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "tq4_nc", "k8v4"])
 def test_norms_up_to_bf16_max(fmt_name, impl, kernel_device, seeded):
     """Rows whose norm approaches bf16's maximum (elements ~1e37 at D = 64) store finite

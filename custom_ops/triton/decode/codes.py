@@ -33,7 +33,15 @@ from custom_ops.triton.kinds import INT8_ABSMAX, LLOYD_MAX, UNIFORM
 from custom_ops.triton.planes import codec_levels, first_meta_column, lloyd_max_levels
 from custom_ops.triton.traced import importable_repr
 
-__all__ = ["PartParams", "part_params", "decode_tile", "decode_int8_keys", "int8_keys"]
+__all__ = [
+    "PartParams",
+    "part_params",
+    "decode_tile",
+    "decode_int8_keys",
+    "int8_keys",
+    "subnormal_values",
+    "subnormal_part_scale",
+]
 
 
 class PartParams(NamedTuple):
@@ -123,30 +131,38 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
         int8_asm,
         scale,
         integers_asm,
-        {4: UINT4_SUBNORMAL_ASM, 3: UINT3_SUBNORMAL_ASM}.get(codec.bits, "")
-        if fast and codec.kind == Kind.UNIFORM
+        {4: UINT4_SUBNORMAL_ASM, 3: UINT3_SUBNORMAL_ASM}[codec.bits]
+        if fast and side == "v" and subnormal_values(codec)
         else "",
     )
 
 
-@triton.constexpr_function
-def subnormal_values(kind: int, bits: int) -> bool:
-    """Whether the split kernel decodes values of this ``kind`` and ``bits`` as fp16 subnormals
-    (:func:`decode_tile` with ``SUBNORMAL``): 3- and 4-bit uniform codes, whose integers are
-    then masked in place, with no conversion at all; its part accumulators are multiplied by
-    :func:`subnormal_part_scale` once the codes are read
-    (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program)."""
-    return kind == UNIFORM and (bits == 4 or bits == 3)
+def subnormal_values(codec: Codec) -> bool:
+    """Whether value codes of ``codec`` can enter the split kernel's products as fp16
+    subnormals (:func:`decode_tile` with ``SUBNORMAL``): 3- and 4-bit uniform codes, whose
+    integers are then masked in place with no conversion at all, the part accumulators
+    multiplied by :func:`subnormal_part_scale` once the codes are read
+    (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program). The launch plan decides
+    where they do (the GPUs they were measured on)."""
+    return codec.kind == Kind.UNIFORM and codec.bits in (3, 4)
 
 
 @triton.constexpr_function
 def subnormal_part_scale(bits: int, part: int) -> float:
     """``1 / the unit`` of value part ``part``'s subnormals: 4 bits, ``c * 2**-24`` (low
-    nibbles, part 0) and ``16 c * 2**-24`` (high nibbles, part 1, masked in place); 3 bits,
-    quarter ``q`` at bits ``2q`` of its 16-bit lane, ``c * 2**(2q - 24)``."""
+    nibbles, part 0) and ``16 c * 2**-24`` (high nibbles, part 1, masked in place; parts 2 and
+    3 repeat part 0 and stay unused); 3 bits, quarter ``q`` at bits ``2q`` of its 16-bit lane,
+    ``c * 2**(2q - 24)``."""
     if bits == 4:
-        return 2.0**24 if part == 0 else 2.0**20
+        return 2.0**24 if part % 2 == 0 else 2.0**20
+    assert bits == 3, f"subnormal values are 3- or 4-bit, got {bits}"
     return 2.0 ** (24 - 2 * part)
+
+
+@triton.jit
+def _subnormals(codes, BITS: tl.constexpr, PART: tl.constexpr):
+    """Integer codes -> the fp16 subnormals of value part ``PART`` (plain Triton)."""
+    return (codes.to(tl.float32) * (1.0 / subnormal_part_scale(BITS, PART))).to(tl.float16)
 
 
 @triton.constexpr_function
@@ -408,7 +424,9 @@ def decode_tile(
     if INTEGERS:
         tl.static_assert(P.BITS == 3 and P.INTEGER_SCALE > 0.0, "integers: 3-bit Lloyd-Max only")
     if SUBNORMAL:
-        tl.static_assert(subnormal_values(P.KIND, P.BITS), "subnormals: 3- and 4-bit uniform")
+        tl.static_assert(
+            P.KIND == UNIFORM and (P.BITS == 3 or P.BITS == 4), "subnormals: 3- and 4-bit uniform"
+        )
     offsets = _hinted_offsets(row_offsets, j * BYTE_STRIDE, TOKEN_RUN)
     plane = tl.load(codes_ptr + offsets, mask=mask, other=0)
     if P.BITS == 4 and SUBNORMAL:
@@ -422,8 +440,8 @@ def decode_tile(
                 pack=4,
             )
         else:
-            p0 = ((plane & 15).to(tl.float32) * (1.0 / subnormal_part_scale(4, 0))).to(tl.float16)
-            p1 = ((plane >> 4).to(tl.float32) * (1.0 / subnormal_part_scale(4, 1))).to(tl.float16)
+            p0 = _subnormals(plane & 15, 4, 0)
+            p1 = _subnormals(plane >> 4, 4, 1)
         p2 = p0
         p3 = p0
     elif P.BITS == 4:
@@ -455,10 +473,10 @@ def decode_tile(
         )
         if SUBNORMAL and LUT3 == "":
             c0, c1, c2, c3 = _lut3_codes(plane, low, high)
-            p0 = (c0.to(tl.float32) * (1.0 / subnormal_part_scale(3, 0))).to(tl.float16)
-            p1 = (c1.to(tl.float32) * (1.0 / subnormal_part_scale(3, 1))).to(tl.float16)
-            p2 = (c2.to(tl.float32) * (1.0 / subnormal_part_scale(3, 2))).to(tl.float16)
-            p3 = (c3.to(tl.float32) * (1.0 / subnormal_part_scale(3, 3))).to(tl.float16)
+            p0 = _subnormals(c0, 3, 0)
+            p1 = _subnormals(c1, 3, 1)
+            p2 = _subnormals(c2, 3, 2)
+            p3 = _subnormals(c3, 3, 3)
         elif LUT3 != "":
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 LUT3,

@@ -24,7 +24,7 @@ import triton
 from custom_ops.formats import KVFormat
 from custom_ops.splits import resident_programs, splits_in_one_wave
 from custom_ops.triton.decode import merge, merge_fill, prep, ring, verify
-from custom_ops.triton.decode.codes import PartParams, part_params
+from custom_ops.triton.decode.codes import PartParams, part_params, subnormal_values
 from custom_ops.triton.decode.softmax import LOG2E
 from custom_ops.triton.decode.split import split_kernel
 from custom_ops.triton.launch import KernelLaunch, Launcher
@@ -290,7 +290,8 @@ def plan_decode(
     """
     cuda = device.type == "cuda"
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if cuda else None
-    pdl = fast and cuda and torch.cuda.get_device_capability(device)[0] >= 9
+    hopper = cuda and torch.cuda.get_device_capability(device)[0] >= 9
+    pdl = fast and hopper
     group = num_q_heads // num_kv_heads
     d_pad = triton.next_power_of_2(head_dim)
     common = dict(D=head_dim, D_PAD=d_pad, INV_SQRT_D=1.0 / math.sqrt(head_dim), PDL=pdl)
@@ -336,6 +337,10 @@ def plan_decode(
         and (values.PC == 32 or values.PC_PAD >= 64)
     )
     scalars_ahead = tuning.scalars_ahead and subtiles == 1 and not one_tile and not many_rows
+    # 3- and 4-bit uniform values as fp16 subnormals where measured: Hopper's tensor cores (and
+    # the interpreter, which checks the same arithmetic on the CPU)
+    # (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program)
+    subnormals = subnormal_values(fmt.value) and (hopper or not cuda)
     query = _query_mode(fmt, keys, head_dim, capacity, num_splits, g_pad)
     # the verify kernel where it serves (docs/design/decode.md#the-verify-kernel-in-gluon);
     # sweeps and tests
@@ -443,6 +448,7 @@ def plan_decode(
                     SUBTILES=subtiles,
                     SCALARS_AHEAD=scalars_ahead,
                     VALUE_PAGES=value_pages,
+                    SUBNORMAL_VALUES=subnormals,
                     NUM_SPLITS=num_splits,
                     NUM_PARTIALS=num_partials,
                     ONE_TILE=one_tile,

@@ -42,7 +42,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from custom_ops.formats import PagedKVCache, RecentWindow
-from custom_ops.triton.decode.codes import int8_keys, subnormal_part_scale, subnormal_values
+from custom_ops.triton.decode.codes import int8_keys, subnormal_part_scale
 from custom_ops.triton.decode.query import int8_query, query_part, ring_query, rotate_query
 from custom_ops.triton.decode.softmax import (
     RESCALE_SLACK,
@@ -134,10 +134,13 @@ def _compressed_pass(
     INT8_KEYS: tl.constexpr,
     SCALARS_AHEAD: tl.constexpr,
     VALUE_PAGES: tl.constexpr,
+    SUBNORMAL_VALUES: tl.constexpr,
 ):
     """The online softmax over the compressed tokens ``[start, end)`` of ``tiles``: ``(m, l,
     acc0..3, zero_acc, v_top)``, the value products accumulated in units of ``1 / inv_unit``
-    and ``v_top`` the largest value scale seen. ``SCALARS_AHEAD`` (one tile per step, streaming
+    (``SUBNORMAL_VALUES``: times each part's subnormal unit, ``1 /``
+    :func:`~custom_ops.triton.decode.codes.subnormal_part_scale`) and ``v_top`` the largest
+    value scale seen. ``SCALARS_AHEAD`` (one tile per step, streaming
     splits): each tile's key and value scalars are loaded during the tile before
     (:func:`~custom_ops.triton.decode.tiles.tile_scalars`); ``VALUE_PAGES``: see
     :func:`~custom_ops.triton.decode.tiles.compressed_values`.
@@ -284,6 +287,7 @@ def _compressed_pass(
             INTEGER_VALUES,
             v_zero_a,
             VALUE_PAGES,
+            SUBNORMAL_VALUES,
         )
         if SUBTILES == 2:
             v_mul_b = value_multipliers(m_row_b, valid_b, V)
@@ -309,6 +313,7 @@ def _compressed_pass(
                 INTEGER_VALUES,
                 None,
                 VALUE_PAGES,
+                SUBNORMAL_VALUES,
             )
     return m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, tl.max(v_seen, axis=0)
 
@@ -371,6 +376,7 @@ def split_kernel(
     SUBTILES: tl.constexpr,
     SCALARS_AHEAD: tl.constexpr,
     VALUE_PAGES: tl.constexpr,
+    SUBNORMAL_VALUES: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NUM_PARTIALS: tl.constexpr,
     ONE_TILE: tl.constexpr,
@@ -557,6 +563,7 @@ def split_kernel(
         INT8_KEYS,
         SCALARS_AHEAD,
         VALUE_PAGES,
+        SUBNORMAL_VALUES,
     )
     unit = tl.full([], 1.0, tl.float32)
     if ((v_top > UNIT_MAX) | (v_top < UNIT_MIN)) & (v_top > 0):
@@ -580,14 +587,16 @@ def split_kernel(
             INT8_KEYS,
             SCALARS_AHEAD,
             VALUE_PAGES,
+            SUBNORMAL_VALUES,
         )
-    if subnormal_values(V.KIND, V.BITS):
+    if SUBNORMAL_VALUES:
         # the value parts went into the products as subnormals (codes.decode_tile): back to
-        # the codes' integers before the ring's exact values join the accumulators
-        acc0 *= unit * subnormal_part_scale(V.BITS, 0)
-        acc1 *= unit * subnormal_part_scale(V.BITS, 1)
-        acc2 *= unit * subnormal_part_scale(V.BITS, 2)
-        acc3 *= unit * subnormal_part_scale(V.BITS, 3)
+        # the codes' integers before the ring's exact values join the accumulators (the power
+        # of two first: unit * 2**24 overflows float32 for value scales past 2**104)
+        acc0 = acc0 * subnormal_part_scale(V.BITS, 0) * unit
+        acc1 = acc1 * subnormal_part_scale(V.BITS, 1) * unit
+        acc2 = acc2 * subnormal_part_scale(V.BITS, 2) * unit
+        acc3 = acc3 * subnormal_part_scale(V.BITS, 3) * unit
     else:
         acc0 *= unit
         acc1 *= unit

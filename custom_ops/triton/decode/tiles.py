@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from custom_ops.triton.decode.codes import decode_int8_keys, decode_tile, subnormal_values
+from custom_ops.triton.decode.codes import decode_int8_keys, decode_tile
 from custom_ops.triton.decode.softmax import mask_scores
 from custom_ops.triton.kinds import UNIFORM
 
@@ -235,9 +235,11 @@ def _value_codes(
     V: tl.constexpr,
     INTEGERS: tl.constexpr,
     BYTE_HALVES: tl.constexpr = False,
+    SUBNORMAL: tl.constexpr = False,
 ):
-    """The value parts (fp16 ``[PC_PAD, N]``, before the scalars) of the code rows starting at
-    ``rows [1, N]``. ``BYTE_HALVES``: the plane's bytes loaded and decoded as a ``[2, PC_PAD /
+    """The value parts (fp16 ``[PC_PAD, N]``, before the scalars; ``SUBNORMAL``: in the units
+    of :func:`~custom_ops.triton.decode.codes.subnormal_part_scale`) of the code rows starting
+    at ``rows [1, N]``. ``BYTE_HALVES``: the plane's bytes loaded and decoded as a ``[2, PC_PAD /
     2, N]`` tile (half ``h``'s byte ``b`` is byte ``h * PC_PAD / 2 + b``), then reshaped (see
     :func:`compressed_values`; stacking two ``[PC_PAD / 2, N]`` tiles with ``tl.join``
     compiled to wrong values on the H200 with Triton 3.6, right in the interpreter)."""
@@ -262,7 +264,7 @@ def _value_codes(
         TOKEN_RUN,
         FINITE=True,
         INTEGERS=INTEGERS,
-        SUBNORMAL=subnormal_values(V.KIND, V.BITS),
+        SUBNORMAL=SUBNORMAL,
     )
     if BYTE_HALVES:
         parts = (
@@ -300,6 +302,7 @@ def _page_value_products(
     D: tl.constexpr,
     V: tl.constexpr,
     INTEGERS: tl.constexpr,
+    SUBNORMAL: tl.constexpr,
 ):
     """:func:`_value_products` of one page's value codes, a tile of their own (code rows
     ``page_rows [PAGE_SIZE, 1]``, ``pv [PAGE_SIZE, G_PAD]``; see :func:`compressed_values`)."""
@@ -314,6 +317,7 @@ def _page_value_products(
         V,
         INTEGERS,
         BYTE_HALVES,
+        SUBNORMAL,
     )
     return _value_products(parts, pv, acc0, acc1, acc2, acc3, V)
 
@@ -348,6 +352,7 @@ def compressed_values(
     INTEGERS: tl.constexpr = False,
     v_zero=None,
     VALUE_PAGES: tl.constexpr = False,
+    SUBNORMAL: tl.constexpr = False,
 ):
     """Add one tile's ``O^T += V^T @ (p * v_rel)^T`` per value part (``p [BLOCK_N, G_PAD]``;
     ``v_rel = v_mul * inv_unit``, the tokens' value multipliers ``v_mul [BLOCK_N]`` relative to
@@ -361,7 +366,10 @@ def compressed_values(
     fewer instructions than their levels), the multipliers take ``unit * S`` (1 to 1.75, the
     unit's 3 significant bits: ``p * v_rel`` times it stays below 1.75 * 2**15, within fp16's
     range) and each level's ``unit / 2`` goes to ``zero_acc`` as ``v_zero = v_mul * unit /
-    2``.
+    2``. ``SUBNORMAL`` (3- and 4-bit uniform values): the codes enter as fp16 subnormals, and
+    part ``i``'s accumulator is in units of ``1 /`` its
+    :func:`~custom_ops.triton.decode.codes.subnormal_part_scale` until the caller scales it
+    back (``zero_acc`` stays absolute).
 
     ``VALUE_PAGES`` (a tile of two whole pages, ``BLOCK_N == 2 * PAGE_SIZE == 2 * TOKEN_RUN``):
     each page's value codes are loaded and multiplied as a tile of their own, so that the
@@ -380,7 +388,9 @@ def compressed_values(
     v_codes_ptr, v_head, stride_vc_page = v_plane
     rows = page * stride_vc_page + v_head + slot
     if not VALUE_PAGES:
-        parts = _value_codes(v_codes_ptr, rows[None, :], PAGE_SIZE, TOKEN_RUN, D, V, INTEGERS)
+        parts = _value_codes(
+            v_codes_ptr, rows[None, :], PAGE_SIZE, TOKEN_RUN, D, V, INTEGERS, False, SUBNORMAL
+        )
     v_rel = v_mul * inv_unit
     if V.KIND == UNIFORM:
         if v_zero is None:
@@ -400,10 +410,10 @@ def compressed_values(
         # the first page's products before the second page's codes are decoded (tq4_nc's
         # loop: 893 SASS instructions and no spills, against 928 and 136 bytes of stack)
         acc0, acc1, acc2, acc3 = _page_value_products(
-            v_codes_ptr, rows_a, pv_a, acc0, acc1, acc2, acc3, PAGE_SIZE, D, V, INTEGERS
+            v_codes_ptr, rows_a, pv_a, acc0, acc1, acc2, acc3, PAGE_SIZE, D, V, INTEGERS, SUBNORMAL
         )
         acc0, acc1, acc2, acc3 = _page_value_products(
-            v_codes_ptr, rows_b, pv_b, acc0, acc1, acc2, acc3, PAGE_SIZE, D, V, INTEGERS
+            v_codes_ptr, rows_b, pv_b, acc0, acc1, acc2, acc3, PAGE_SIZE, D, V, INTEGERS, SUBNORMAL
         )
     else:
         acc0, acc1, acc2, acc3 = _value_products(parts, pv, acc0, acc1, acc2, acc3, V)

@@ -10,6 +10,7 @@ from ptx_emulator import run
 
 from custom_ops.codebook import int8_key_grid, signed_levels
 from custom_ops.formats import Codec, Kind
+from custom_ops.triton.decode.codes import subnormal_part_scale
 from custom_ops.triton.decode.ptx import (
     INT8_ASM,
     UINT3_ASM,
@@ -102,11 +103,14 @@ def test_uint4_asm(seeded):
 
 def test_uint4_subnormal_asm(seeded):
     """Each low nibble becomes the fp16 subnormal ``c * 2**-24``, each high nibble ``c *
-    2**-20``: exact, and what the split kernel's part accumulators are scaled back from."""
+    2**-20``: exact, and in the units the split kernel scales its part accumulators back from
+    (``subnormal_part_scale``)."""
     for word in _random_words(seeded, [0xFFFFFFFF, 0x0F0F0F0F, 0xF0F0F0F0, 0]):
         low, high = _outputs(UINT4_SUBNORMAL_ASM, {4: word}, 2)
         assert low == [math.ldexp(b & 15, -24) for b in _bytes(word)]
         assert high == [math.ldexp(b >> 4, -20) for b in _bytes(word)]
+        assert [v * subnormal_part_scale(4, 0) for v in low] == [b & 15 for b in _bytes(word)]
+        assert [v * subnormal_part_scale(4, 1) for v in high] == [b >> 4 for b in _bytes(word)]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -240,6 +244,7 @@ def test_uint3_subnormal_asm(seeded):
         for quarter, values in enumerate(outputs):
             codes = _codes3(plane_word, low_word, high_word, quarter)
             assert values == [math.ldexp(c, 2 * quarter - 24) for c in codes]
+            assert [v * subnormal_part_scale(3, quarter) for v in values] == codes
 
 
 @pytest.mark.parametrize("kind", [Kind.LLOYD_MAX, Kind.UNIFORM])
