@@ -429,27 +429,16 @@ def decode_tile(
         )
     offsets = _hinted_offsets(row_offsets, j * BYTE_STRIDE, TOKEN_RUN)
     plane = tl.load(codes_ptr + offsets, mask=mask, other=0)
-    if P.BITS == 4 and SUBNORMAL:
-        if P.ASM_SUBNORMAL != "":
+    if P.BITS == 4:
+        # byte j: element j in the low nibble, element j + D/2 in the high nibble
+        LUT4: tl.constexpr = P.ASM_SUBNORMAL if SUBNORMAL else ASM
+        if LUT4 != "":
             p0, p1 = tl.inline_asm_elementwise(
-                P.ASM_SUBNORMAL,
-                "=r,=r,=r,=r,r",
-                [plane],
-                dtype=(tl.float16,) * 2,
-                is_pure=True,
-                pack=4,
+                LUT4, "=r,=r,=r,=r,r", [plane], dtype=(tl.float16,) * 2, is_pure=True, pack=4
             )
-        else:
+        elif SUBNORMAL:
             p0 = _subnormals(plane & 15, 4, 0)
             p1 = _subnormals(plane >> 4, 4, 1)
-        p2 = p0
-        p3 = p0
-    elif P.BITS == 4:
-        # byte j: element j in the low nibble, element j + D/2 in the high nibble
-        if ASM != "":
-            p0, p1 = tl.inline_asm_elementwise(
-                ASM, "=r,=r,=r,=r,r", [plane], dtype=(tl.float16,) * 2, is_pure=True, pack=4
-            )
         else:
             p0 = _values(plane & 15, P)
             p1 = _values(plane >> 4, P)
@@ -471,13 +460,7 @@ def decode_tile(
         LUT3: tl.constexpr = (
             P.ASM_INTEGERS if INTEGERS else (P.ASM_SUBNORMAL if SUBNORMAL else ASM)
         )
-        if SUBNORMAL and LUT3 == "":
-            c0, c1, c2, c3 = _lut3_codes(plane, low, high)
-            p0 = _subnormals(c0, 3, 0)
-            p1 = _subnormals(c1, 3, 1)
-            p2 = _subnormals(c2, 3, 2)
-            p3 = _subnormals(c3, 3, 3)
-        elif LUT3 != "":
+        if LUT3 != "":
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 LUT3,
                 "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
@@ -488,10 +471,16 @@ def decode_tile(
             )
         else:
             c0, c1, c2, c3 = _lut3_codes(plane, low, high)
-            p0 = _values(c0, P, INTEGERS)
-            p1 = _values(c1, P, INTEGERS)
-            p2 = _values(c2, P, INTEGERS)
-            p3 = _values(c3, P, INTEGERS)
+            if SUBNORMAL:
+                p0 = _subnormals(c0, 3, 0)
+                p1 = _subnormals(c1, 3, 1)
+                p2 = _subnormals(c2, 3, 2)
+                p3 = _subnormals(c3, 3, 3)
+            else:
+                p0 = _values(c0, P, INTEGERS)
+                p1 = _values(c1, P, INTEGERS)
+                p2 = _values(c2, P, INTEGERS)
+                p3 = _values(c3, P, INTEGERS)
     elif P.BITS == 2:
         # byte j holds element j + q*D/4 at bits 2q
         if ASM != "":
