@@ -341,6 +341,9 @@ def plan_decode(
     # the interpreter, which checks the same arithmetic on the CPU)
     # (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program)
     subnormals = subnormal_values(fmt.value) and (hopper or not cuda)
+    # streaming tiles within one page or of two whole pages read their page ids as scalars
+    # (custom_ops.triton.decode.tiles.tile_pages); splits start at multiples of the tile
+    scalar_pages = not one_tile and (page_size % block_n == 0 or block_n == 2 * page_size)
     query = _query_mode(fmt, keys, head_dim, capacity, num_splits, g_pad)
     # the verify kernel where it serves (docs/design/decode.md#the-verify-kernel-in-gluon);
     # sweeps and tests
@@ -449,6 +452,7 @@ def plan_decode(
                     SCALARS_AHEAD=scalars_ahead,
                     VALUE_PAGES=value_pages,
                     SUBNORMAL_VALUES=subnormals,
+                    SCALAR_PAGES=scalar_pages,
                     NUM_SPLITS=num_splits,
                     NUM_PARTIALS=num_partials,
                     ONE_TILE=one_tile,

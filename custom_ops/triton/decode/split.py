@@ -59,6 +59,7 @@ from custom_ops.triton.decode.tiles import (
     ring_scores,
     ring_values,
     table_entries,
+    tile_pages,
     tile_scalars,
     value_multipliers,
 )
@@ -135,6 +136,7 @@ def _compressed_pass(
     SCALARS_AHEAD: tl.constexpr,
     VALUE_PAGES: tl.constexpr,
     SUBNORMAL_VALUES: tl.constexpr,
+    SCALAR_PAGES: tl.constexpr,
 ):
     """The online softmax over the compressed tokens ``[start, end)`` of ``tiles``: ``(m, l,
     acc0..3, zero_acc, v_top)``, the value products accumulated in units of ``1 / inv_unit``
@@ -143,7 +145,8 @@ def _compressed_pass(
     value scale seen. ``SCALARS_AHEAD`` (one tile per step, streaming
     splits): each tile's key and value scalars are loaded during the tile before
     (:func:`~custom_ops.triton.decode.tiles.tile_scalars`); ``VALUE_PAGES``: see
-    :func:`~custom_ops.triton.decode.tiles.compressed_values`.
+    :func:`~custom_ops.triton.decode.tiles.compressed_values`; ``SCALAR_PAGES``: each tile's
+    page ids are read as scalars (:func:`~custom_ops.triton.decode.tiles.tile_pages`).
 
     ``m`` is the maximum the probabilities are taken against, not always the scores' running
     maximum: it moves (and the accumulators are rescaled) only when a tile's scores rise above
@@ -200,6 +203,12 @@ def _compressed_pass(
             k_next, v_next, zero_next = tile_scalars(
                 n_a + BLOCK_N, end, b, table, meta_plane, PAGE_SIZE, SINKS, K, V
             )
+        pages_a = None
+        pages_b = None
+        if SCALAR_PAGES:
+            pages_a = tile_pages(tile_start, end, b, table, PAGE_SIZE, BLOCK_N)
+            if SUBTILES == 2:
+                pages_b = tile_pages(tile_start + BLOCK_N, end, b, table, PAGE_SIZE, BLOCK_N)
         scores_a, page_a, slot_a, m_row_a, valid_a = compressed_scores(
             n_a,
             end,
@@ -222,6 +231,7 @@ def _compressed_pass(
             SOFTCAP,
             INT8_KEYS,
             k_mul_a,
+            pages_a,
         )
         tile_max = scores_a
         if SUBTILES == 2:
@@ -246,6 +256,8 @@ def _compressed_pass(
                 SINKS,
                 SOFTCAP,
                 INT8_KEYS,
+                None,
+                pages_b,
             )
             tile_max = tl.maximum(scores_a, scores_b)
         tile_max = tl.max(tile_max, axis=0)
@@ -288,6 +300,7 @@ def _compressed_pass(
             v_zero_a,
             VALUE_PAGES,
             SUBNORMAL_VALUES,
+            pages_a,
         )
         if SUBTILES == 2:
             v_mul_b = value_multipliers(m_row_b, valid_b, V)
@@ -314,6 +327,7 @@ def _compressed_pass(
                 None,
                 VALUE_PAGES,
                 SUBNORMAL_VALUES,
+                pages_b,
             )
     return m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, tl.max(v_seen, axis=0)
 
@@ -377,6 +391,7 @@ def split_kernel(
     SCALARS_AHEAD: tl.constexpr,
     VALUE_PAGES: tl.constexpr,
     SUBNORMAL_VALUES: tl.constexpr,
+    SCALAR_PAGES: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NUM_PARTIALS: tl.constexpr,
     ONE_TILE: tl.constexpr,
@@ -564,6 +579,7 @@ def split_kernel(
         SCALARS_AHEAD,
         VALUE_PAGES,
         SUBNORMAL_VALUES,
+        SCALAR_PAGES,
     )
     unit = tl.full([], 1.0, tl.float32)
     if ((v_top > UNIT_MAX) | (v_top < UNIT_MIN)) & (v_top > 0):
@@ -588,6 +604,7 @@ def split_kernel(
             SCALARS_AHEAD,
             VALUE_PAGES,
             SUBNORMAL_VALUES,
+            SCALAR_PAGES,
         )
     if SUBNORMAL_VALUES:
         # the value parts went into the products as subnormals (codes.decode_tile): back to

@@ -69,6 +69,27 @@ def table_entries(n, ok, b, table, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def tile_pages(tile_start, end, b, table, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile of ``BLOCK_N`` positions from ``tile_start`` (a multiple of ``BLOCK_N``) within
+    one page (``PAGE_SIZE`` a multiple of ``BLOCK_N``) or two (``BLOCK_N == 2 * PAGE_SIZE``):
+    ``(first, second, offset)``, its page ids as int64 scalars (``second`` is ``first`` for one
+    page; a page at or past ``end`` reads as 0) and its first slot in the first page (int32). Two
+    scalar loads where the tile's ``[BLOCK_N]`` entries would be relaid through shared memory
+    to the lanes' rows, each row then addressed on its own
+    (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program)."""
+    block_table_ptr, stride_bt_b, stride_bt_p = table
+    entry = block_table_ptr + b * stride_bt_b + (tile_start // PAGE_SIZE) * stride_bt_p
+    first = tl.load(entry, mask=tile_start < end, other=0).to(tl.int64)
+    second = first
+    if BLOCK_N == 2 * PAGE_SIZE:
+        second_ok = tile_start + PAGE_SIZE < end
+        second = tl.load(entry + stride_bt_p, mask=second_ok, other=0).to(tl.int64)
+    else:
+        tl.static_assert(PAGE_SIZE % BLOCK_N == 0, "tile_pages: one page or two per tile")
+    return first, second, tile_start % PAGE_SIZE
+
+
+@triton.jit
 def compressed_valid(n, end, ONE_TILE: tl.constexpr, SINKS: tl.constexpr):
     """Which positions ``n [BLOCK_N]`` are compressed tokens of the sequence: below ``end`` and
     not sinks (those are read from the ring)."""
@@ -136,6 +157,7 @@ def compressed_scores(
     SOFTCAP: tl.constexpr = 0.0,
     INT8_KEYS: tl.constexpr = False,
     k_mul=None,
+    pages=None,
 ):
     """Scores ``S^T = K @ Q^T`` of the compressed tokens at positions ``n [BLOCK_N]`` (``-inf``
     at and past ``end``, and below ``SINKS``: the sinks are read from the ring), capped by
@@ -144,26 +166,37 @@ def compressed_scores(
     ``INT8_KEYS``: 3-, 4- or 5-bit keys decoded to int8 against ``qs`` from
     :func:`~custom_ops.triton.decode.query.int8_query`, integer products.
 
-    Page ids come from the block table, or from ``early`` (entries read before the length was
-    known, ``ONE_TILE``), kept only below ``end``: entries past a sequence's pages may hold
-    anything and are never followed. Code rows are read unmasked, so that the loads stay
+    Page ids come from the block table, from ``early`` (entries read before the length was
+    known, ``ONE_TILE``) or from ``pages`` (:func:`tile_pages`, scalars), kept only below
+    ``end``: entries past a sequence's pages may hold anything and are never followed (with
+    ``pages``, tokens past the end in the tile's first page read that page, the sequence's
+    own). Code rows are read unmasked, so that the loads stay
     vectorized along the tokens: tokens past the end read their page (or page 0) and get zero
     probability (see :func:`compressed_values`). The sinks' entries are followed like any other
     (the table holds their pages, never written): a run of value codes is loaded from its first
     token's page, which may be a sink's. ``k_mul``: the key scalars if loaded ahead
     (:func:`tile_scalars`), else None (loaded here).
     """
-    in_pages = n < end
-    if ONE_TILE:
-        entries = tl.where(in_pages, early, 0)
-    else:
-        entries = table_entries(n, in_pages, b, table, PAGE_SIZE)
-    valid = compressed_valid(n, end, ONE_TILE, SINKS)
     k_codes_ptr, k_head, stride_kc_page, stride_kc_slot = k_plane
-    page = entries.to(tl.int64)
-    slot = (n % PAGE_SIZE).to(tl.int64)
+    if pages is not None:
+        # each row a page's base plus a constant: no per-row 64-bit products
+        first, second, offset = pages
+        rows = tl.arange(0, n.shape[0])
+        in_first = rows < PAGE_SIZE
+        slot = (offset + rows % PAGE_SIZE).to(tl.int64)
+        base = tl.where(in_first, first * stride_kc_page, second * stride_kc_page)
+        k_rows = (base + k_head + slot * stride_kc_slot)[:, None]
+        page = tl.where(in_first, first, second)
+    else:
+        if ONE_TILE:
+            entries = tl.where(n < end, early, 0)
+        else:
+            entries = table_entries(n, n < end, b, table, PAGE_SIZE)
+        page = entries.to(tl.int64)
+        slot = (n % PAGE_SIZE).to(tl.int64)
+        k_rows = (page * stride_kc_page + k_head + slot * stride_kc_slot)[:, None]
+    valid = compressed_valid(n, end, ONE_TILE, SINKS)
     k_byte = tl.arange(0, K.PC_PAD)[None, :]
-    k_rows = (page * stride_kc_page + k_head + slot * stride_kc_slot)[:, None]
     if INT8_KEYS:
         # exact integer products (custom_ops.triton.decode.query.int8_query)
         his, los, half_sum, q_step = qs
@@ -353,6 +386,7 @@ def compressed_values(
     v_zero=None,
     VALUE_PAGES: tl.constexpr = False,
     SUBNORMAL: tl.constexpr = False,
+    pages=None,
 ):
     """Add one tile's ``O^T += V^T @ (p * v_rel)^T`` per value part (``p [BLOCK_N, G_PAD]``;
     ``v_rel = v_mul * inv_unit``, the tokens' value multipliers ``v_mul [BLOCK_N]`` relative to
@@ -379,7 +413,9 @@ def compressed_values(
     ``[32, PAGE_SIZE]`` codes load as a ``[2, 16, PAGE_SIZE]`` tile (the bytes in two halves),
     which Triton pipelines and decodes in the dot operand's layout where it does neither for a
     ``[32, 16]`` tile in one warp
-    (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program).
+    (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program). ``pages``: the tile's page
+    ids as scalars (:func:`tile_pages`), which address each page's rows as a base plus
+    consecutive slots.
 
     Value codes of tokens past the end enter the product with zero probability, which is only
     safe for codes that decode to finite numbers: fp8 bytes there (stale or never written) can
@@ -405,7 +441,13 @@ def compressed_values(
             p.shape[0] == 2 * PAGE_SIZE and TOKEN_RUN == PAGE_SIZE and PAGE_SIZE >= 16,
             "value pages: a tile of two whole pages of at least 16 tokens (K >= 16)",
         )
-        rows_a, rows_b = _page_halves(rows[:, None], PAGE_SIZE)
+        if pages is not None:
+            # each page's rows a base plus consecutive slots (tile_pages)
+            in_page = tl.arange(0, PAGE_SIZE)[:, None]
+            rows_a = pages[0] * stride_vc_page + v_head + in_page
+            rows_b = pages[1] * stride_vc_page + v_head + in_page
+        else:
+            rows_a, rows_b = _page_halves(rows[:, None], PAGE_SIZE)
         pv_a, pv_b = _page_halves(pv, PAGE_SIZE)
         # the first page's products before the second page's codes are decoded (tq4_nc's
         # loop: 893 SASS instructions and no spills, against 928 and 136 bytes of stack)
