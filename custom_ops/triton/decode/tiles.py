@@ -22,6 +22,7 @@ from custom_ops.triton.kinds import UNIFORM
 __all__ = [
     "head_planes",
     "table_entries",
+    "tile_pages",
     "compressed_valid",
     "tile_scalars",
     "compressed_scores",
@@ -123,7 +124,8 @@ def tile_scalars(
     ``n`` of a streaming split, for the split kernel to load a tile before it uses them: 2-byte
     loads cannot go through ``cp.async``, so read in their own tile each is a DRAM round trip
     on that tile's chain (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program). The
-    block-table entries are read again (the pipeliner's copy of them addresses the codes)."""
+    block-table entries are read again, per token (the codes' own come from the tile's own
+    read, or from :func:`tile_pages`)."""
     valid = compressed_valid(n, end, False, SINKS)
     page = table_entries(n, n < end, b, table, PAGE_SIZE).to(tl.int64)
     m_row = meta_rows(meta_plane, page, (n % PAGE_SIZE).to(tl.int64))
@@ -179,7 +181,7 @@ def compressed_scores(
     """
     k_codes_ptr, k_head, stride_kc_page, stride_kc_slot = k_plane
     if pages is not None:
-        # each row a page's base plus a constant: no per-row 64-bit products
+        # each row a page's base (two scalar products) plus a constant per lane
         first, second, offset = pages
         rows = tl.arange(0, n.shape[0])
         in_first = rows < PAGE_SIZE

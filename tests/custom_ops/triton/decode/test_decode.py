@@ -15,6 +15,7 @@ from helpers import (
     IMPLS,
     clone_cache,
     decode_case,
+    filled_cache,
     impl_context,
     impl_device,
     longer_table,
@@ -758,6 +759,78 @@ def test_two_page_tiles_and_scalars_ahead(
             assert plan.one_tile == (splits == 8)
             actual = api.decode(*args, lens.to(device), consts, num_splits=splits, window=recent)
             assert rel_error(actual.cpu(), expected) < 1e-3, splits
+
+
+# (format, page size, split config) -> whether streaming tiles read their page ids as scalars:
+# tiles within one page or of two whole pages, not four pages (64-token tiles of 16-token
+# pages) nor a quarter of one
+SCALAR_PAGE_CASES = {
+    ("4bit_nc", 8, None): False,  # 32-token tiles, four pages
+    ("4bit_nc", 16, None): True,
+    ("4bit_nc", 64, None): True,  # half a page
+    ("4bit_nc", 16, (64, 1)): False,
+    ("k8v4", 8, None): True,  # two 16-token tiles per step, each two whole pages
+    ("k8v4", 16, None): True,
+    ("k8v4", 16, (32, 2)): True,
+    ("k8v4", 64, (64, 1)): True,
+}
+
+
+@pytest.mark.parametrize("fmt_name, page, config", list(SCALAR_PAGE_CASES))
+def test_scalar_pages_read_only_the_sequence(fmt_name, page, config, seeded):
+    """Streaming tiles that read their page ids as scalars (docs/design/decode.md#tiles-tokens-
+    on-m-one-warp-per-program) over lengths at, inside and just past page boundaries, with a
+    16-slot window and 4 sinks, a block table whose entries past each sequence's pages point
+    far outside the cache, and 0xFF bytes in every slot decode must not weigh (past the ring
+    start, the sinks): decode equals float64 attention over the intact cache (1e-3)."""
+    fmt = get_format(fmt_name)
+    split_config = SplitConfig(*config) if config else None
+    head_dim, window, sinks, pages_per_seq = 64, 16, 4, 320 // page
+    capacity = page * pages_per_seq
+    lens = torch.tensor([capacity, 1, page - 1, page, page + 1, 2 * page + 3, capacity - 5])
+    lens = lens.to(torch.int32)
+    batch, num_pages = len(lens), len(lens) * pages_per_seq
+    consts = api.make_constants(fmt, head_dim, seed=3)
+    cache = filled_cache(fmt, num_pages, NUM_KV_HEADS, page, head_dim, consts, seeded)
+    table = torch.randperm(num_pages, generator=seeded).to(torch.int32).reshape(batch, -1)
+    positions = api.appended_window_positions(lens, NUM_KV_HEADS, window, sinks)
+    shape = (batch, NUM_KV_HEADS, window + sinks, head_dim)
+    recent = RecentWindow(
+        *(torch.randn(shape, generator=seeded).bfloat16() for _ in "kv"), positions, sinks
+    )
+    q = torch.randn(batch, NUM_KV_HEADS * 4, head_dim, generator=seeded).half()
+    expected = reference.decode(
+        fmt, q, cache, table, lens, consts.rotation, head_dim**-0.5, torch.float64, window=recent
+    )
+    poisoned = clone_cache(cache)
+    for b, length in enumerate(lens.tolist()):
+        ring_start = max(0, length - window)
+        for position in [*range(sinks), *range(ring_start, capacity)]:
+            page_id, slot = int(table[b, position // page]), position % page
+            poisoned.k_codes[page_id, :, slot] = 0xFF
+            poisoned.v_codes[page_id, :, :, slot] = 0xFF
+            poisoned.meta[page_id, :, slot] = 0xFF
+    stale = table.clone()
+    pages_used = (lens + page - 1) // page
+    stale[torch.arange(pages_per_seq)[None, :] >= pages_used[:, None]] = 2**30
+    plan = triton_decode.plan_for(
+        fmt, q, poisoned, stale, 2, None, recent, split_config=split_config
+    )
+    assert plan.split.kwargs["SCALAR_PAGES"] == SCALAR_PAGE_CASES[fmt_name, page, config]
+    with triton_kernels("cpu"):
+        actual = triton_decode.decode(
+            fmt,
+            q,
+            poisoned,
+            stale,
+            lens,
+            consts.rotation,
+            2,
+            head_dim**-0.5,
+            window=recent,
+            split_config=split_config,
+        )
+    assert rel_error(actual, expected) < 1e-3
 
 
 @pytest.mark.parametrize("window, sinks", [(72, 3), (48, 70)])
