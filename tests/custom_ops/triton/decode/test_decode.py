@@ -777,7 +777,7 @@ SCALAR_PAGE_CASES = {
 
 
 @pytest.mark.parametrize("fmt_name, page, config", list(SCALAR_PAGE_CASES))
-def test_scalar_pages_read_only_the_sequence(fmt_name, page, config, seeded):
+def test_scalar_pages_read_only_the_sequence(fmt_name, page, config, kernel_device, seeded):
     """Streaming tiles that read their page ids as scalars (docs/design/decode.md#tiles-tokens-
     on-m-one-warp-per-program) over lengths at, inside and just past page boundaries, with a
     16-slot window and 4 sinks, a block table whose entries past each sequence's pages point
@@ -813,24 +813,22 @@ def test_scalar_pages_read_only_the_sequence(fmt_name, page, config, seeded):
     stale = table.clone()
     pages_used = (lens + page - 1) // page
     stale[torch.arange(pages_per_seq)[None, :] >= pages_used[:, None]] = 2**30
-    plan = triton_decode.plan_for(
-        fmt, q, poisoned, stale, 2, None, recent, split_config=split_config
-    )
+    device = kernel_device
+    args = (fmt, q.to(device), clone_cache(poisoned, device), stale.to(device))
+    recent = window_on(recent, device)
+    plan = triton_decode.plan_for(*args, 2, None, recent, split_config=split_config)
     assert plan.split.kwargs["SCALAR_PAGES"] == SCALAR_PAGE_CASES[fmt_name, page, config]
-    with triton_kernels("cpu"):
+    with triton_kernels(device):
         actual = triton_decode.decode(
-            fmt,
-            q,
-            poisoned,
-            stale,
-            lens,
-            consts.rotation,
+            *args,
+            lens.to(device),
+            consts.rotation.to(device),
             2,
             head_dim**-0.5,
             window=recent,
             split_config=split_config,
         )
-    assert rel_error(actual, expected) < 1e-3
+    assert rel_error(actual.cpu(), expected) < 1e-3
 
 
 @pytest.mark.parametrize("window, sinks", [(72, 3), (48, 70)])
