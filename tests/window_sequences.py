@@ -59,15 +59,16 @@ class Sequences:
         window=WINDOW,
         sinks=0,
         center=False,
+        pages_per_seq=PAGES_PER_SEQ,
     ):
         self.fmt = get_format(fmt_name)
         self.window, self.sinks = window, sinks
-        self.capacity = PAGE_SIZE * PAGES_PER_SEQ + window
+        self.capacity = PAGE_SIZE * pages_per_seq + window
         self.consts = api.make_constants(self.fmt, HEAD_DIM, seed=5)
-        num_pages = BATCH * PAGES_PER_SEQ + 2
+        num_pages = BATCH * pages_per_seq + 2
         self.cache = poisoned_cache(self.fmt, num_pages, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM, gen)
-        pages = torch.randperm(num_pages, generator=gen)[: BATCH * PAGES_PER_SEQ]
-        self.block_table = pages.to(torch.int32).reshape(BATCH, PAGES_PER_SEQ)
+        pages = torch.randperm(num_pages, generator=gen)[: BATCH * pages_per_seq]
+        self.block_table = pages.to(torch.int32).reshape(BATCH, pages_per_seq)
         shape = (BATCH, NUM_KV_HEADS, window + sinks, HEAD_DIM)
         self.k_window = torch.randn(shape, generator=gen).to(dtype)  # poison: never read
         self.v_window = torch.randn(shape, generator=gen).to(dtype)

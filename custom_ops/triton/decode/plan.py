@@ -72,6 +72,13 @@ SPLIT_MAX_REGISTERS = 128
 # holds at most this many tokens of the capacity: there the preparation launch is on the
 # critical path; at longer splits it is cheaper than one rotation per program.
 ROTATE_HERE_MAX_TOKENS = 128
+# A decode step's (tq.decode_step) bound: there the preparation would be the chain's third
+# launch per layer. H200, the 1b shape at B16 4k (256-token splits), two calls: 1.83 / 1.88 ms
+# per step on two kernels against 1.82 / 1.86 on three, 1.24x / 1.20x bf16 against 1.25x /
+# 1.23x (docs/notes/2026-11-30-scalar-pages.md): one launch fewer (host time without graphs)
+# for about 1% under graphs; a plain decode keeps 128 (its kernel alone lost 1-3% at
+# 256-token splits, tq4_nc up to 9% with a window).
+STEP_ROTATE_HERE_MAX_TOKENS = 256
 ROTATE_HERE_MAX_ROWS = 8  # query rows per program (padded): one token's GQA group
 
 
@@ -167,15 +174,23 @@ def _token_run(page_size: int, block_n: int) -> int:
 
 
 def _query_mode(
-    fmt: KVFormat, keys: PartParams, head_dim: int, capacity: int, num_splits: int, g_pad: int
+    fmt: KVFormat,
+    keys: PartParams,
+    head_dim: int,
+    capacity: int,
+    num_splits: int,
+    g_pad: int,
+    step: StepMode,
 ) -> QueryMode:
     """Rotating in the split kernel needs the Walsh-Hadamard structure of R (a power-of-two head
     dim) and parts of at least 16 elements; every split program rotates its rows, so a verify
-    step's many rows are rotated once, by the preparation kernel."""
+    step's many rows are rotated once, by the preparation kernel. A decode step rotates here
+    in longer splits than a plain decode (:data:`STEP_ROTATE_HERE_MAX_TOKENS`)."""
     if not fmt.key.rotated:
         return QueryMode.SCALED
     power_of_two = head_dim & (head_dim - 1) == 0
-    short = capacity <= ROTATE_HERE_MAX_TOKENS * num_splits
+    max_tokens = ROTATE_HERE_MAX_TOKENS if step == StepMode.NONE else STEP_ROTATE_HERE_MAX_TOKENS
+    short = capacity <= max_tokens * num_splits
     if power_of_two and keys.PC >= 16 and short and g_pad <= ROTATE_HERE_MAX_ROWS:
         return QueryMode.ROTATED_HERE
     return QueryMode.PREPARED
@@ -344,7 +359,7 @@ def plan_decode(
     # streaming tiles within one page or of two whole pages read their page ids as scalars
     # (custom_ops.triton.decode.tiles.tile_pages); splits start at multiples of the tile
     scalar_pages = not one_tile and (page_size % block_n == 0 or block_n == 2 * page_size)
-    query = _query_mode(fmt, keys, head_dim, capacity, num_splits, g_pad)
+    query = _query_mode(fmt, keys, head_dim, capacity, num_splits, g_pad, step)
     # the verify kernel where it serves (docs/design/decode.md#the-verify-kernel-in-gluon);
     # sweeps and tests
     # that configure the split kernel get the split kernel

@@ -16,7 +16,7 @@ from window_sequences import BATCH, HEAD_DIM, NUM_KV_HEADS, REWRITE_STEPS, STEPS
 from custom_ops import api, reference
 from custom_ops.formats import FORMATS
 from custom_ops.triton import decode as triton_decode
-from custom_ops.triton.decode.plan import step_supported
+from custom_ops.triton.decode.plan import QueryMode, StepMode, step_supported
 
 GROUP = 4
 STEP_FORMATS = sorted(name for name, fmt in FORMATS.items() if not fmt.value.rotated)
@@ -143,6 +143,26 @@ def test_decode_step_merges_in_column_blocks(block_m, kernel_device, seeded):
         starts = tuple(lens) if n_new > 1 else (lens[0], -1)
         merge_config = triton_decode.MergeConfig(block_m, 2, 1, 32)
         seqs = _checked_step(seqs, starts, seeded, num_splits=4, merge_config=merge_config)
+
+
+def test_step_rotates_its_query_in_a_streaming_split(kernel_device, seeded):
+    """A step whose one split streams 256 tokens of capacity (8 tiles of 32) rotates its query
+    in the split kernel, where a plain decode has it prepared (the plan's choice,
+    ``STEP_ROTATE_HERE_MAX_TOKENS``): after a 150-token chunk, three steps, each checked as
+    above."""
+    seqs = Sequences("4bit_nc", seeded, kernel_device, pages_per_seq=64)
+    q = torch.zeros(BATCH, NUM_KV_HEADS * GROUP, HEAD_DIM, dtype=torch.float16)
+    args = (seqs.fmt, q.to(kernel_device), seqs.cache, seqs.block_table, 1, None, seqs.recent)
+    plain = triton_decode.plan_for(*args)
+    step = triton_decode.plan_for(*args, step=StepMode.APPEND)
+    assert (plain.query, step.query, step.one_tile) == (
+        QueryMode.PREPARED,
+        QueryMode.ROTATED_HERE,
+        False,
+    )
+    seqs.append(150, (0, 0), seeded, use_triton=False)
+    for _ in range(3):
+        seqs = _checked_step(seqs, tuple(int(x) for x in seqs.lens), seeded, num_splits=1)
 
 
 @pytest.mark.gpu

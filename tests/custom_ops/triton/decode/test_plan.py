@@ -206,6 +206,20 @@ def _step_case(device, seeded):
     return fmt, q.to(device), cache, table, 2, None, RecentWindow(rings, rings, positions)
 
 
+@pytest.mark.parametrize(
+    "columns, step_query", [(128, QueryMode.ROTATED_HERE), (129, QueryMode.PREPARED)]
+)
+def test_step_rotates_its_query_in_longer_splits(columns, step_query, kernel_device, seeded):
+    """A decode step rotates its query in the split kernel up to 256 tokens of capacity per
+    split (its chain then has no preparation launch), a plain decode only up to 128: at 2
+    splits of 4-token pages, 128 block-table columns are 256 tokens per split, 129 more."""
+    fmt, q, cache, table, splits, mask, window = _step_case(kernel_device, seeded)
+    args = (fmt, q, cache, table[:, :1].expand(-1, columns).contiguous(), splits, mask, window)
+    plain = triton_decode.plan_for(*args).query
+    step = triton_decode.plan_for(*args, step=StepMode.APPEND).query
+    assert (plain, step) == (QueryMode.PREPARED, step_query)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("resident, in_split", [(17, True), (18, False)])
 def test_step_plan_evicts_in_the_last_split_past_the_resident_programs(
