@@ -48,7 +48,8 @@ REWRITE_STEPS = [
 class Sequences:
     """Two sequences in a paged cache with a shuffled block table, their rings (``window``
     slots and ``sinks``), with ``center`` their keys' centres (``key_center [B, Hk, D]``,
-    stored centred), and every token appended so far (bf16 ``[B, Hk, S, D]``)."""
+    stored centred), and every token appended so far (bf16 ``[B, Hk, S, D]``); each sequence
+    has ``pages_per_seq`` pages (the module's ``CAPACITY`` assumes the default)."""
 
     def __init__(
         self,

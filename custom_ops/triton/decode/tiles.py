@@ -172,9 +172,9 @@ def compressed_scores(
     known, ``ONE_TILE``) or from ``pages`` (:func:`tile_pages`, scalars), kept only below
     ``end``: entries past a sequence's pages may hold anything and are never followed (with
     ``pages``, tokens past the end in the tile's first page read that page, the sequence's
-    own). Code rows are read unmasked, so that the loads stay
-    vectorized along the tokens: tokens past the end read their page (or page 0) and get zero
-    probability (see :func:`compressed_values`). The sinks' entries are followed like any other
+    own). Code rows are read unmasked, so that the loads stay vectorized along the tokens:
+    tokens past the end read their page (or page 0) and get zero probability (see
+    :func:`compressed_values`). The sinks' entries are followed like any other
     (the table holds their pages, never written): a run of value codes is loaded from its first
     token's page, which may be a sink's. ``k_mul``: the key scalars if loaded ahead
     (:func:`tile_scalars`), else None (loaded here).
@@ -424,7 +424,8 @@ def compressed_values(
     be NaN, so fp8 values are decoded ``FINITE``.
     """
     v_codes_ptr, v_head, stride_vc_page = v_plane
-    rows = page * stride_vc_page + v_head + slot
+    if not (VALUE_PAGES and pages is not None):  # else each page's rows from its id, below
+        rows = page * stride_vc_page + v_head + slot
     if not VALUE_PAGES:
         parts = _value_codes(
             v_codes_ptr, rows[None, :], PAGE_SIZE, TOKEN_RUN, D, V, INTEGERS, False, SUBNORMAL

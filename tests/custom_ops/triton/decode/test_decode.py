@@ -767,12 +767,14 @@ def test_two_page_tiles_and_scalars_ahead(
 SCALAR_PAGE_CASES = {
     ("4bit_nc", 8, None): False,  # 32-token tiles, four pages
     ("4bit_nc", 16, None): True,
+    ("4bit_nc", 32, None): True,  # one page
     ("4bit_nc", 64, None): True,  # half a page
     ("4bit_nc", 16, (64, 1)): False,
     ("k8v4", 8, None): True,  # two 16-token tiles per step, each two whole pages
     ("k8v4", 16, None): True,
     ("k8v4", 16, (32, 2)): True,
     ("k8v4", 64, (64, 1)): True,
+    ("fp8", 16, None): True,  # 16-token tiles, finite values past the end
 }
 
 

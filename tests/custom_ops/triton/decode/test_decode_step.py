@@ -146,10 +146,10 @@ def test_decode_step_merges_in_column_blocks(block_m, kernel_device, seeded):
 
 
 def test_step_rotates_its_query_in_a_streaming_split(kernel_device, seeded):
-    """A step whose one split streams 256 tokens of capacity (8 tiles of 32) rotates its query
-    in the split kernel, where a plain decode has it prepared (the plan's choice,
-    ``STEP_ROTATE_HERE_MAX_TOKENS``): after a 150-token chunk, three steps, each checked as
-    above."""
+    """A step whose one split holds 256 tokens of capacity (8 tiles of 32) rotates its query in
+    the split kernel, where a plain decode has it prepared (the plan's choice,
+    ``STEP_ROTATE_HERE_MAX_TOKENS``): after a 150-token chunk (5 tiles of compressed tokens
+    streamed past the 8-slot window), three steps, each checked as above."""
     seqs = Sequences("4bit_nc", seeded, kernel_device, pages_per_seq=64)
     q = torch.zeros(BATCH, NUM_KV_HEADS * GROUP, HEAD_DIM, dtype=torch.float16)
     args = (seqs.fmt, q.to(kernel_device), seqs.cache, seqs.block_table, 1, None, seqs.recent)
