@@ -158,11 +158,19 @@ def longer_table(table: torch.Tensor) -> torch.Tensor:
     return torch.cat([table, table[:, :1].expand(-1, 80)], dim=1)
 
 
+def stale_table(table: torch.Tensor, lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``table [B, pages]`` with the entries past each sequence's pages (``lens [B]`` tokens in
+    pages of ``page_size``) set to 2**30, a page id far beyond any cache."""
+    stale = table.clone()
+    pages_used = (lens + page_size - 1) // page_size
+    stale[torch.arange(table.shape[1])[None, :] >= pages_used[:, None]] = 2**30
+    return stale
+
+
 def stale_tables(table: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode case's ``[3, 4]`` block table with the entries past each sequence's pages set to
     a page id far beyond the cache, and the same with 80 more such columns (longer splits)."""
-    stale = table.clone()
-    stale[torch.arange(4)[None, :] >= ((lens + 3) // 4)[:, None]] = 2**30
+    stale = stale_table(table, lens, 4)
     long_stale = torch.cat([stale, torch.full((3, 80), 2**30, dtype=torch.int32)], dim=1)
     return stale, long_stale
 

@@ -77,7 +77,8 @@ def tile_pages(tile_start, end, b, table, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.c
     page; a page at or past ``end`` reads as 0) and its first slot in the first page (int32). Two
     scalar loads where the tile's ``[BLOCK_N]`` entries would be relaid through shared memory
     to the lanes' rows, each row then addressed on its own
-    (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program)."""
+    (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program). The verify kernel's
+    ``verify._tile_pages`` reads the same one or two entries, selected per token."""
     block_table_ptr, stride_bt_b, stride_bt_p = table
     entry = block_table_ptr + b * stride_bt_b + (tile_start // PAGE_SIZE) * stride_bt_p
     first = tl.load(entry, mask=tile_start < end, other=0).to(tl.int64)

@@ -21,6 +21,7 @@ from helpers import (
     longer_table,
     random_kv,
     rel_error,
+    stale_table,
     stale_tables,
     window_on,
 )
@@ -812,9 +813,7 @@ def test_scalar_pages_read_only_the_sequence(fmt_name, page, config, kernel_devi
             poisoned.k_codes[page_id, :, slot] = 0xFF
             poisoned.v_codes[page_id, :, :, slot] = 0xFF
             poisoned.meta[page_id, :, slot] = 0xFF
-    stale = table.clone()
-    pages_used = (lens + page - 1) // page
-    stale[torch.arange(pages_per_seq)[None, :] >= pages_used[:, None]] = 2**30
+    stale = stale_table(table, lens, page)
     device = kernel_device
     args = (fmt, q.to(device), clone_cache(poisoned, device), stale.to(device))
     recent = window_on(recent, device)
