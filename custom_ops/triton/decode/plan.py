@@ -332,10 +332,9 @@ def plan_decode(
             num_splits = splits_in_one_wave(
                 num_splits, batch * num_kv_heads, num_warps, max_registers, sm_count
             )
-    short = capacity <= num_splits * TOKENS_PER_STEP
-    subtiles = split_config.subtiles or (
-        1 if many_rows else tuning.subtiles_short if short else tuning.subtiles_long
-    )
+    # one 32-token tile per softmax step for every format; two 16-token tiles only where a
+    # sweep asks (docs/design/decode.md#ring-tiles-and-16-token-tiles)
+    subtiles = split_config.subtiles or 1
     block_n = split_config.block_n or TOKENS_PER_STEP // subtiles
     one_tile = capacity <= num_splits * subtiles * block_n
     token_run = _token_run(page_size, block_n)

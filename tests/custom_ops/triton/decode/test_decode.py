@@ -714,13 +714,13 @@ def _stored_pages(fmt, lens, pages_per_seq, page, head_dim, window, sinks, const
 TWO_PAGE_TILES = {
     ("4bit_nc", 128): ((True, True), (True, False)),
     ("4bit_nc", 64): ((True, True), (True, False)),  # rows of 32 bytes: two halves
-    ("tq4_nc", 96): ((True, False), (True, False)),  # rows of 48 bytes, padded to 64
+    ("tq4_nc", 96): ((True, True), (True, False)),  # rows of 48 bytes, padded to 64
     ("tqk4v2_nc", 64): ((False, True), (False, False)),  # four parts of 16 bytes
-    ("3bit_nc", 128): ((True, False), (True, False)),  # four parts of 32: halves, signs
+    ("3bit_nc", 128): ((True, True), (True, False)),  # four parts of 32: halves, signs
     ("tqk4v2_nc", 128): ((True, True), (True, False)),  # 2-bit parts of 32 bytes
     ("tq2_nc", 128): ((False, False), (False, False)),  # its tuning
-    ("tq3_nc", 96): ((False, False), (False, False)),  # parts of 24 bytes, padded to 32
-    ("k8v4", 80): ((False, False), (True, False)),  # streaming: 16-token tiles
+    ("tq3_nc", 96): ((False, True), (False, False)),  # parts of 24 bytes, padded to 32
+    ("k8v4", 80): ((True, True), (True, False)),
 }
 
 
@@ -732,12 +732,12 @@ def test_two_page_tiles_and_scalars_ahead(
     """32-token tiles over 16-token pages (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-
     program): values read each page's codes as a tile of their own (parts of 32 bytes as a
     [2, 16, 16] tile: 4-bit values at D 64, 3- and 2-bit values' quarters and the signs at D
-    128), and 4bit_nc and tqk4v2_nc load each tile's scalars during the tile before, in
-    streaming splits (2 splits of 4 tiles; one-tile splits, 8, never load ahead); parts of 16
-    bytes, or padded to 32, and tq2_nc (its tuning) keep two-page tiles. Over a shuffled block
-    table, lengths at the capacity, inside a tile's second page, inside its first and below
-    one page, with and without a 16-slot window and 4 sinks (read from the ring, their page
-    slots masked), decode equals float64 attention over the dequantized pages and the exact
+    128), and every format but tq2_nc and k2v2_nc (their tuning) loads each tile's scalars
+    during the tile before, in streaming splits (2 splits of 4 tiles; one-tile splits, 8, never
+    load ahead); parts of 16 bytes, or padded to 32, and tq2_nc keep two-page tiles. Over a
+    shuffled block table, lengths at the capacity, inside a tile's second page, inside its first
+    and below one page, with and without a 16-slot window and 4 sinks (read from the ring, their
+    page slots masked), decode equals float64 attention over the dequantized pages and the exact
     ring (1e-3)."""
     device = kernel_device
     fmt = get_format(fmt_name)
@@ -771,7 +771,8 @@ SCALAR_PAGE_CASES = {
     ("4bit_nc", 32, None): True,  # one page
     ("4bit_nc", 64, None): True,  # half a page
     ("4bit_nc", 16, (64, 1)): False,
-    ("k8v4", 8, None): True,  # two 16-token tiles per step, each two whole pages
+    ("k8v4", 8, None): False,  # 32-token tiles, four pages
+    ("k8v4", 8, (16, 2)): True,  # two 16-token tiles per step, each two whole pages
     ("k8v4", 16, None): True,
     ("k8v4", 16, (32, 2)): True,
     ("k8v4", 64, (64, 1)): True,
