@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from custom_ops.splits import resident_programs, splits_in_one_wave
+from custom_ops.splits import choose_num_splits, resident_programs, splits_in_one_wave
 
 
 @pytest.mark.parametrize(
@@ -42,3 +42,35 @@ def test_splits_in_one_wave(num_splits, programs_per_split, num_warps, max_regis
 def test_resident_programs(num_warps, max_registers, expected):
     """Programs resident at once on 132 SMs, by registers (at least one per SM)."""
     assert resident_programs(num_warps, max_registers, 132) == expected
+
+
+@pytest.mark.parametrize(
+    "batch, capacity, expected",
+    [
+        # issue 50's decode table: 2,048 programs of 512 positions (more, shorter splits lose)
+        (1, 131072, 256),
+        (4, 32768, 64),
+        (16, 8192, 16),
+        (64, 2048, 4),
+        # one sequence and 16 at 4k and 32k with a 128-slot window; generate at B32 8k
+        (1, 4224, 256),
+        (1, 32896, 256),
+        (16, 4224, 16),
+        (16, 32896, 16),
+        (32, 8320, 8),
+        # the capacity batches at 24 GB and 8k: four splits of 2,080 positions, where 8 programs
+        # per SM alone took one (B163: 1304 programs for 2112 slots) or two
+        (112, 8320, 4),
+        (163, 8320, 4),
+        (214, 8320, 4),
+        (64, 32896, 16),  # splits of 2,056 positions
+        (2048, 8320, 1),  # more sequence-heads than two waves: one split
+        (163, 4000, 1),  # splits would be shorter than 2,048 positions
+        (1, 16, 1),  # at least 32 positions per split
+        (1, 1 << 20, 512),  # at most MAX_SPLITS
+    ],
+)
+def test_choose_num_splits(batch, capacity, expected):
+    """The cache's split count on 132 SMs at Hk 8: about 8 programs per SM of at least 32
+    positions, or up to 32 per SM where each split keeps 2,048 positions, a power of two."""
+    assert choose_num_splits(batch, 8, capacity, 132) == expected

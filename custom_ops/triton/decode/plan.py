@@ -66,7 +66,7 @@ MANY_ROWS = 16
 # 32-row time (H200, benchmarks/wide_gqa.py), not tuned yet.
 MANY_ROWS_LAUNCH = {16: (1, 192), 32: (1, 255), 64: (8, None)}
 # Register cap of the long-split kernel: 16 one-warp programs fit per SM, twice what the split
-# count aims at (custom_ops.splits.PROGRAMS_PER_SM).
+# count aims at for few sequence-heads (custom_ops.splits.PROGRAMS_PER_SM).
 SPLIT_MAX_REGISTERS = 128
 # Rotated keys get their queries rotated inside the split kernel (one launch fewer) when a split
 # holds at most this many tokens of the capacity: there the preparation launch is on the
