@@ -26,12 +26,14 @@ MAX_SPLITS = 512
 # split of its own.
 PROGRAMS_PER_SM = 8
 MIN_SPLIT_TOKENS = 32
-# Large batches at long contexts: the count also aims at this many programs per SM (two waves
-# of the 16 that fit) as long as each split keeps LONG_SPLIT_TOKENS positions. One program per
-# sequence-head fills few of an SM's slots (B 163 x 8k, Hk 8: 1304 programs for 2112 slots,
-# 4bit_nc's kernel at 53% of copy bandwidth on an H200); four splits of 2048 positions take it
-# to 78%, while shorter splits cost more than they fill (16 x 8192: 512 positions per split at
-# 64%, 256 at 54%) (docs/design/decode.md#the-launch-plan).
+# Large batches at long contexts: the count also aims at MANY_PROGRAMS_PER_SM programs per SM
+# (at least two waves of the 16 that fit; fewer than 64 after rounding up to a power of two)
+# where each split keeps at least LONG_SPLIT_TOKENS positions. One program per sequence-head
+# fills few of an SM's slots (B 163 x 8k, Hk 8: 1304 programs for 2112 slots, 4bit_nc's kernel
+# at 53% of copy bandwidth on an H200); four splits of 2,080 positions take it to 78%. The floor
+# keeps shorter contexts at the counts measured best there (16 x 8192: 16 splits of 512
+# positions at 64% of copy bandwidth, 32 of 256 at 54%); it is not a measured crossover
+# (docs/design/decode.md#the-launch-plan).
 MANY_PROGRAMS_PER_SM = 32
 LONG_SPLIT_TOKENS = 2048
 # Registers of one SM (every CUDA GPU since compute capability 5.0): 4 sub-partitions of 16384
@@ -52,21 +54,16 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _splits_for(
-    programs_per_sm: int, min_tokens: int, programs: int, capacity: int, sm_count: int
-):
-    """About ``programs_per_sm`` programs per SM, at least ``min_tokens`` positions per split,
-    rounded up to a power of two."""
-    wanted = -(-programs_per_sm * sm_count // programs)
-    by_length = max(1, capacity // min_tokens)
-    return _next_power_of_2(max(1, min(wanted, by_length)))
+def _power_of_2_at_most(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, capacity: int, sm_count: int) -> int:
-    """About :data:`PROGRAMS_PER_SM` programs per SM with at least :data:`MIN_SPLIT_TOKENS`
-    positions per split, or more, up to :data:`MANY_PROGRAMS_PER_SM`, where each split keeps
-    :data:`LONG_SPLIT_TOKENS` (large batches at long contexts); a power of two at most
-    :data:`MAX_SPLITS`.
+    """The larger of two counts, at most :data:`MAX_SPLITS`: about :data:`PROGRAMS_PER_SM`
+    programs per SM of at least :data:`MIN_SPLIT_TOKENS` positions, rounded up to a power of
+    two; and at least :data:`MANY_PROGRAMS_PER_SM` programs per SM (rounded up to a power of
+    two) but no split shorter than :data:`LONG_SPLIT_TOKENS` positions (large batches at long
+    contexts).
 
     Args:
         batch: sequences the cache holds.
@@ -75,8 +72,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, capacity: int, sm_count: in
         sm_count: the GPU's streaming multiprocessors.
     """
     programs = max(1, batch * num_kv_heads)
-    few = _splits_for(PROGRAMS_PER_SM, MIN_SPLIT_TOKENS, programs, capacity, sm_count)
-    many = _splits_for(MANY_PROGRAMS_PER_SM, LONG_SPLIT_TOKENS, programs, capacity, sm_count)
+    wanted = -(-PROGRAMS_PER_SM * sm_count // programs)
+    few = _next_power_of_2(max(1, min(wanted, capacity // MIN_SPLIT_TOKENS)))
+    many = min(
+        _next_power_of_2(-(-MANY_PROGRAMS_PER_SM * sm_count // programs)),
+        _power_of_2_at_most(max(1, capacity // LONG_SPLIT_TOKENS)),
+    )
     return min(MAX_SPLITS, max(few, many))
 
 

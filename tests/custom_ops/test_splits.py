@@ -47,7 +47,7 @@ def test_resident_programs(num_warps, max_registers, expected):
 @pytest.mark.parametrize(
     "batch, capacity, expected",
     [
-        # issue 50's decode table: 2,048 programs of 512 positions (more, shorter splits lose)
+        # issue 50's decode table: 2,048 programs of 512 positions (32 of 256 measured slower)
         (1, 131072, 256),
         (4, 32768, 64),
         (16, 8192, 16),
@@ -63,14 +63,17 @@ def test_resident_programs(num_warps, max_registers, expected):
         (112, 8320, 4),
         (163, 8320, 4),
         (214, 8320, 4),
+        (112, 10368, 4),  # not 8 splits of 1,296: none shorter than 2,048 positions
         (64, 32896, 16),  # splits of 2,056 positions
         (2048, 8320, 1),  # more sequence-heads than two waves: one split
         (163, 4000, 1),  # splits would be shorter than 2,048 positions
         (1, 16, 1),  # at least 32 positions per split
-        (1, 1 << 20, 512),  # at most MAX_SPLITS
+        (1, 1 << 20, 512),  # 512 splits of 2,048 positions (the first count: 256)
+        (1, 1 << 21, 512),  # at most MAX_SPLITS
     ],
 )
 def test_choose_num_splits(batch, capacity, expected):
     """The cache's split count on 132 SMs at Hk 8: about 8 programs per SM of at least 32
-    positions, or up to 32 per SM where each split keeps 2,048 positions, a power of two."""
+    positions, or at least 32 per SM where no split is shorter than 2,048 positions; a power
+    of two at most 512."""
     assert choose_num_splits(batch, 8, capacity, 132) == expected

@@ -314,8 +314,8 @@ def plan_decode(
     values = part_params(fmt, "v", head_dim, fast)
     capacity = max_pages * page_size  # compressed positions a sequence can hold
 
-    # Split kernel: both tile configurations read TOKENS_PER_STEP tokens per step, so whether
-    # splits are one step long does not depend on the format's choice.
+    # Split kernel: TOKENS_PER_STEP tokens per softmax step unless a sweep's split config asks
+    # for other tiles.
     split_config = split_config or SplitConfig()
     tuning = decode_tuning(fmt)
     g_pad = triton.next_power_of_2(group)

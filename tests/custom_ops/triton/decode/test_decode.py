@@ -762,6 +762,42 @@ def test_two_page_tiles_and_scalars_ahead(
             assert rel_error(actual.cpu(), expected) < 1e-3, splits
 
 
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8", "k3v4_nc", "4bit_nc", "tq3_nc"])
+def test_two_16_token_tiles(fmt_name, kernel_device, seeded):
+    """Two 16-token tiles per softmax step (``SplitConfig(16, 2)``: no format's tuning takes
+    them since one 32-token tile needs fewer instructions, docs/design/decode.md#ring-tiles-and-
+    16-token-tiles; kept for sweeps) in streaming splits (2 splits of 4 steps) and one-tile
+    splits (8), over 16-token pages, lengths at the capacity, inside a step's second tile, its
+    first and below one page, a 16-slot window and 4 sinks: decode equals float64 attention over
+    the dequantized pages and the exact ring (1e-3)."""
+    device = kernel_device
+    fmt = get_format(fmt_name)
+    head_dim, page, pages_per_seq = 128, 16, 16
+    lens = torch.tensor([page * pages_per_seq, 251, 233, 11], dtype=torch.int32)
+    consts = api.make_constants(fmt, head_dim, seed=3, device=device)
+    cache, table, recent, k, v = _stored_pages(
+        fmt, lens, pages_per_seq, page, head_dim, 16, 4, consts, device, seeded
+    )
+    q = torch.randn(len(lens), NUM_KV_HEADS * 4, head_dim, generator=seeded).half()
+    expected = reference.attention(q, k, v, lens, head_dim**-0.5)
+    split_config = SplitConfig(16, 2)
+    with triton_kernels(device):
+        for splits in (2, 8):
+            args = (fmt, q.to(device), cache, table.to(device))
+            plan = triton_decode.plan_for(*args, splits, None, recent, split_config=split_config)
+            assert plan.split.kwargs["SUBTILES"] == 2 and plan.one_tile == (splits == 8)
+            actual = triton_decode.decode(
+                *args,
+                lens.to(device),
+                consts.rotation,
+                splits,
+                head_dim**-0.5,
+                window=recent,
+                split_config=split_config,
+            )
+            assert rel_error(actual.cpu(), expected) < 1e-3, splits
+
+
 # (format, page size, split config) -> whether streaming tiles read their page ids as scalars:
 # tiles within one page or of two whole pages, not four pages (64-token tiles of 16-token
 # pages) nor a quarter of one
@@ -776,7 +812,8 @@ SCALAR_PAGE_CASES = {
     ("k8v4", 16, None): True,
     ("k8v4", 16, (32, 2)): True,
     ("k8v4", 64, (64, 1)): True,
-    ("fp8", 16, None): True,  # 16-token tiles, finite values past the end
+    ("fp8", 16, None): True,  # finite values past the end
+    ("fp8", 16, (16, 2)): True,  # 16-token tiles within one page
 }
 
 
