@@ -32,6 +32,9 @@ second over bf16's:
     python benchmarks/e2e.py --modes reduce-overhead --contexts 8192 --capacity-gb 24 \
         --formats k8v4 4bit_nc 3bit_nc tqk5v3_nc --dense
 
+The table's ``splits`` is each TurboQuant cache's decode split count (``--splits N`` forces one):
+at the large batches of a capacity run it decides how much of the GPU the decode fills.
+
 ``--kernels N`` adds, per cell, the GPU time per step of every kernel over ``N`` profiled steps
 (``torch.profiler``; kernels replayed from a CUDA graph included), the largest first: where the
 step's time goes, with ``idle_us``, the time the GPU ran nothing just before that kernel's
@@ -272,8 +275,8 @@ def _time_cell(model: Transformer, args, mode: str, batch: int, context: int, ca
     one cell: its caches set up, filled, the step made for ``mode`` (compiled unless eager) and
     timed, then freed; ``ms`` None where the GPU ran out of memory."""
     try:
-        result = {}
         filled = _filled_caches(model, args, batch, context, cache)
+        result = dict(splits=_splits(model))
         step = step_function(mode)
         result["ms"], result["block_ms"] = time_decode(model, step, batch, filled, args.steps)
         if args.kernels:
@@ -363,7 +366,7 @@ def _time_interleaved(
             held[cache] = [
                 (layer.attention.gqa, layer.attention.kv_cache) for layer in model.layers
             ]
-            results[cache] = dict(kv_gb=kv_cache_nbytes(model) / 1e9)
+            results[cache] = dict(kv_gb=kv_cache_nbytes(model) / 1e9, splits=_splits(model))
         installs = {cache: functools.partial(install, cache) for cache in caches}
         timed = time_decode(model, decode_one_token, batch, filled, args.steps, installs)
         for cache, (ms, blocks) in timed.items():
@@ -392,6 +395,12 @@ def _filled_caches(model: Transformer, args, batch: int, context: int, cache: st
     filled = context - args.steps - 4 - args.kernels
     fill_caches(model, batch, filled, torch.Generator(model.output.weight.device).manual_seed(1))
     return filled
+
+
+def _splits(model: Transformer) -> int | None:
+    """The decode split count of ``model``'s TurboQuant caches (None for a dense cache): at
+    large batches it decides how full the GPU is (``custom_ops/splits.py``)."""
+    return getattr(model.layers[0].attention.kv_cache, "num_splits", None)
 
 
 def _drop_caches(model: Transformer) -> None:
@@ -463,6 +472,7 @@ def _printable(row: dict) -> dict:
         printable["speedup"] = "-"
     attn = row.get("attn_kernels")  # profiled cells only (--kernels)
     printable["attn_kernels"] = "-" if attn is None else f"{attn:.1f}"
+    printable["splits"] = row.get("splits") or "-"  # TurboQuant caches only
     return printable
 
 
@@ -803,6 +813,7 @@ def main() -> None:
             speedup="",
             kv_gb=".2f",
             max_context="d",
+            splits="",
             attn_kernels="",
         )
         if args.capacity_gb:  # the batch comes from the budget: no context to trade for it

@@ -64,6 +64,8 @@ def test_eager_cells_interleave_the_caches_blocks(model, monkeypatch):
     assert kinds == ["KVCache", "TurboQuantKVCache"] * (1 + 5), kinds
     for row in rows:
         assert len(row["block_ms"]) == 5 and all(math.isfinite(b) for b in row["block_ms"])
+    # the TurboQuant cache's decode split count (1 off CUDA), none for bf16
+    assert [e2e._printable(row)["splits"] for row in rows] == ["-", 1]
 
 
 def test_eager_cells_one_by_one_when_holding_every_cache_runs_out(model, monkeypatch):
@@ -91,7 +93,7 @@ def test_a_cell_in_a_process_of_its_own():
     an eager cell of the tiny model on the CPU, through the same plumbing."""
     timed = e2e._time_cell_in_process(_args(), "eager", 1, 48, "4bit_nc", device="cpu")
     assert len(timed["block_ms"]) == STEPS and math.isfinite(timed["ms"]), timed
-    assert timed["kv_gb"] > 0
+    assert timed["kv_gb"] > 0 and timed["splits"] == 1
 
 
 def test_a_cell_process_reports_its_result_or_its_failure(tmp_path):
