@@ -709,6 +709,24 @@ def _stored_pages(fmt, lens, pages_per_seq, page, head_dim, window, sinks, const
     return cache, table, recent, k, v
 
 
+def _sixteen_pages_each(fmt_name, head_dim, window, sinks, device, gen):
+    """Four sequences of 16 shuffled 16-token pages (:func:`_stored_pages`), of lengths at the
+    capacity (256), inside a 32-token tile's second page, inside its first and below one page,
+    4 query rows per kv-head: ``(fmt, q, cache, table, lens, consts, recent, expected)``,
+    ``expected`` float64 attention over the dequantized pages and the exact ring."""
+    fmt = get_format(fmt_name)
+    page, pages_per_seq = 16, 16
+    capacity = page * pages_per_seq
+    lens = torch.tensor([capacity, capacity - 5, capacity - 23, 11], dtype=torch.int32)
+    consts = api.make_constants(fmt, head_dim, seed=3, device=device)
+    cache, table, recent, k, v = _stored_pages(
+        fmt, lens, pages_per_seq, page, head_dim, window, sinks, consts, device, gen
+    )
+    q = torch.randn(len(lens), NUM_KV_HEADS * 4, head_dim, generator=gen).half()
+    expected = reference.attention(q, k, v, lens, head_dim**-0.5)
+    return fmt, q, cache, table, lens, consts, recent, expected
+
+
 # (VALUE_PAGES, SCALARS_AHEAD) of the split kernel in streaming and in one-tile splits of
 # 32-token tiles over 16-token pages, per format and head dim
 TWO_PAGE_TILES = {
@@ -740,17 +758,9 @@ def test_two_page_tiles_and_scalars_ahead(
     page slots masked), decode equals float64 attention over the dequantized pages and the exact
     ring (1e-3)."""
     device = kernel_device
-    fmt = get_format(fmt_name)
-    page, pages_per_seq = 16, 16
-    capacity = page * pages_per_seq
-    lens = torch.tensor([capacity, capacity - 5, capacity - 23, 11], dtype=torch.int32)
-    batch = len(lens)
-    consts = api.make_constants(fmt, head_dim, seed=3, device=device)
-    cache, table, recent, k, v = _stored_pages(
-        fmt, lens, pages_per_seq, page, head_dim, window, sinks, consts, device, seeded
+    fmt, q, cache, table, lens, consts, recent, expected = _sixteen_pages_each(
+        fmt_name, head_dim, window, sinks, device, seeded
     )
-    q = torch.randn(batch, NUM_KV_HEADS * 4, head_dim, generator=seeded).half()
-    expected = reference.attention(q, k, v, lens, head_dim**-0.5)
     with triton_kernels(device):
         for splits, flags in zip((2, 8), TWO_PAGE_TILES[fmt_name, head_dim], strict=True):
             args = (fmt, q.to(device), cache, table.to(device))
@@ -770,16 +780,10 @@ def test_two_16_token_tiles(fmt_name, kernel_device, seeded):
     splits (8), over 16-token pages, lengths at the capacity, inside a step's second tile, its
     first and below one page, a 16-slot window and 4 sinks: decode equals float64 attention over
     the dequantized pages and the exact ring (1e-3)."""
-    device = kernel_device
-    fmt = get_format(fmt_name)
-    head_dim, page, pages_per_seq = 128, 16, 16
-    lens = torch.tensor([page * pages_per_seq, 251, 233, 11], dtype=torch.int32)
-    consts = api.make_constants(fmt, head_dim, seed=3, device=device)
-    cache, table, recent, k, v = _stored_pages(
-        fmt, lens, pages_per_seq, page, head_dim, 16, 4, consts, device, seeded
+    device, head_dim = kernel_device, 128
+    fmt, q, cache, table, lens, consts, recent, expected = _sixteen_pages_each(
+        fmt_name, head_dim, 16, 4, device, seeded
     )
-    q = torch.randn(len(lens), NUM_KV_HEADS * 4, head_dim, generator=seeded).half()
-    expected = reference.attention(q, k, v, lens, head_dim**-0.5)
     split_config = SplitConfig(16, 2)
     with triton_kernels(device):
         for splits in (2, 8):
