@@ -43,7 +43,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from custom_ops.formats import PagedKVCache, RecentWindow
 from custom_ops.triton.decode.codes import int8_keys, subnormal_part_scale
-from custom_ops.triton.decode.query import int8_query, query_part, ring_query, rotate_query
+from custom_ops.triton.decode.query import (
+    int8_query,
+    query_part,
+    ring_query,
+    rotate_query,
+    rotated_int8_query,
+)
 from custom_ops.triton.decode.softmax import (
     RESCALE_SLACK,
     causal_ends,
@@ -502,6 +508,7 @@ def split_kernel(
     # products, so the group is padded to the tensor cores' N = 8, not to M = 16. Unrotated keys
     # scale the query here (one part: 8 bits); rotated keys read q_code (the preparation
     # kernel) or, at short contexts, rotate it here.
+    INT8_KEYS: tl.constexpr = int8_keys(K.INT8_UNIT, K.PC_PAD, ONE_TILE)
     g = tl.arange(0, G_PAD)
     row_ok = g < GROUP
     q_head = head * GROUP + g
@@ -511,11 +518,11 @@ def split_kernel(
         q1 = q0
         q2 = q0
         q3 = q0
-    elif QUERY == QUERY_ROTATED_HERE:
+    elif QUERY == QUERY_ROTATED_HERE and not INT8_KEYS:
         q0, q1, q2, q3 = rotate_query(
             query, rot_ptr, b, q_head, row_ok, q_scale, D, LOG2_D, INV_SQRT_D, K.PARTS, K.PC
         )
-    else:
+    elif QUERY == QUERY_PREPARED:
         q_part = q_ptr + q_rows[:, None] * (K.PARTS * K.PC_PAD)
         q_part += tl.arange(0, K.PC_PAD)[None, :]
         if PDL:
@@ -528,9 +535,23 @@ def split_kernel(
         q3 = tl.trans(
             tl.load(q_part + 3 * K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 2), other=0.0)
         )
-    # the integer Q K^T's operands (rows back on the first axis)
-    INT8_KEYS: tl.constexpr = int8_keys(K.INT8_UNIT, K.PC_PAD, ONE_TILE)
-    if INT8_KEYS:
+    # the integer Q K^T's operands (rows back on the first axis; rotated here: whole rows)
+    if INT8_KEYS and QUERY == QUERY_ROTATED_HERE:
+        qs = rotated_int8_query(
+            query,
+            rot_ptr,
+            b,
+            q_head,
+            row_ok,
+            q_scale,
+            D,
+            LOG2_D,
+            INV_SQRT_D,
+            K.PARTS,
+            K.PC,
+            len(K.ASM_INT8) > 0,
+        )
+    elif INT8_KEYS:
         qs = int8_query(
             tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), K.PARTS, len(K.ASM_INT8) > 0
         )
