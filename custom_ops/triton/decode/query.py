@@ -36,6 +36,27 @@ def query_part(
 
 
 @triton.jit
+def _rotated_rows(
+    query,
+    rot_ptr,
+    b,
+    q_head,
+    row_ok,
+    q_scale,
+    D: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+):
+    """The group's query rows rotated, ``(q @ R / sqrt(D)) * q_scale``: ``[G_PAD, D]`` float32
+    (zero in rows that are not ``row_ok``)."""
+    q_ptr, stride_qb, stride_qh = query
+    d = tl.arange(0, D)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
+    x = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    return rotate_rows(x, rot_ptr, INV_SQRT_D * q_scale, D, LOG2_D)
+
+
+@triton.jit
 def rotate_query(
     query,
     rot_ptr,
@@ -60,11 +81,7 @@ def rotate_query(
     is read. Parts are contiguous ranges of ``PC``
     outputs, split off the transposed rows.
     """
-    q_ptr, stride_qb, stride_qh = query
-    d = tl.arange(0, D)
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
-    x = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    y = rotate_rows(x, rot_ptr, INV_SQRT_D * q_scale, D, LOG2_D)  # [G_PAD, D]
+    y = _rotated_rows(query, rot_ptr, b, q_head, row_ok, q_scale, D, LOG2_D, INV_SQRT_D)
     G_PAD: tl.constexpr = y.shape[0]
     tl.static_assert(PARTS > 1, "rotated keys have 2 (4-bit) or 4 (2-, 3- and 5-bit) parts")
     if PARTS == 2:
@@ -98,8 +115,9 @@ def _int8_steps(largest):
 
 @triton.jit
 def _int8_terms(z):
-    """``(hi, lo)`` of queries ``z`` in units of ``step`` (float32, integral): ``hi`` the
-    rounded multiples of ``step``, ``lo`` the rounded remainder in units of ``step / 254``."""
+    """Queries ``z`` in units of ``step`` (float32, any shape) -> ``(hi, lo)``, float32 and
+    integral: ``hi`` the rounded multiples of ``step``, ``lo`` the rounded remainder in units
+    of ``step / 254``."""
     hi = tl.floor(z + 0.5)
     lo = tl.floor((z - hi) * 254.0 + 0.5)
     return hi, lo
@@ -209,6 +227,9 @@ def _int8_parts(t, PARTS: tl.constexpr, PC: tl.constexpr, INTERLEAVED: tl.conste
     and 3 for 4) trade columns as :func:`_int8_pair` arranges them (column ``4g + 2b + h`` of
     the pair's operand ``a`` takes column ``4g + 2a + b`` of the pair's part ``h``). Unused
     parts (``PARTS`` 2) repeat part 0."""
+    tl.static_assert(PARTS == 2 or PARTS == 4, "int8 keys have 2 or 4 parts")
+    tl.static_assert(PARTS * PC == t.shape[1], "the rows are the parts, unpadded")
+    tl.static_assert(not INTERLEAVED or PC % 4 == 0, "the PTX's order takes 4 columns at a time")
     G_PAD: tl.constexpr = t.shape[0]
     if PARTS == 2:
         if INTERLEAVED:
@@ -230,7 +251,7 @@ def _int8_parts(t, PARTS: tl.constexpr, PC: tl.constexpr, INTERLEAVED: tl.conste
         else:
             # [G_PAD, h, k, c] -> [G_PAD, c, k, h]: split on h, then on k
             pairs = tl.permute(tl.reshape(t, [G_PAD, 2, 2, PC]), [0, 3, 2, 1])
-        first, second = tl.split(pairs)  # a = 0, 1: [G_PAD, PC, k]
+        first, second = tl.split(pairs)  # operand a (h not interleaved): [G_PAD, PC, k] each
         p0, p1 = tl.split(first)
         p2, p3 = tl.split(second)
         p0 = tl.trans(p0)
@@ -256,17 +277,13 @@ def rotated_int8_query(
     INTERLEAVED: tl.constexpr,
 ):
     """:func:`rotate_query` then :func:`int8_query`, the same bits: the rotated rows rounded to
-    fp16 and to their int8 terms whole, ``[G_PAD, D]``, before they are cut into parts. Triton
-    computes the last butterfly stages and the rounding twice either way, in the layouts of
-    the row sums and of the operands; cut first, the parts' float permutations ran twice too
-    (sm_90, 4bit_nc's split kernel: 1,541 SASS instructions before its streaming loop against
-    1,376 here). Returns :func:`int8_query`'s ``(his, los, half_sum, step)``."""
-    q_ptr, stride_qb, stride_qh = query
-    d = tl.arange(0, D)
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
-    x = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    y = rotate_rows(x, rot_ptr, INV_SQRT_D * q_scale, D, LOG2_D)
-    y = y.to(tl.float16).to(tl.float32)  # the prepared query's rounding
+    fp16 and to their int8 terms whole, ``[G_PAD, D]``, then cut into parts. Rounding before
+    the cut moves the parts' permutations onto the int8 terms, out of the float chain that
+    Triton computes twice, in the layout of the row sums and in the operands' (sm_90, 4bit_nc's
+    split kernel: 1,541 SASS instructions before its streaming loop cut first, 1,376 here).
+    Returns :func:`int8_query`'s ``(his, los, half_sum, step)``."""
+    y = _rotated_rows(query, rot_ptr, b, q_head, row_ok, q_scale, D, LOG2_D, INV_SQRT_D)
+    y = y.to(tl.float16).to(tl.float32)  # rotate_query's fp16 parts, which int8_query rounds
     step, inv_step = _int8_steps(tl.max(tl.abs(y), axis=1))
     hi, lo = _int8_terms(y * inv_step[:, None])
     half_sum = 0.5 * tl.sum(hi * 254.0 + lo, axis=1)

@@ -203,24 +203,28 @@ def test_rotated_query_rounded_whole_gives_the_two_steps_bits(
     """``rotated_int8_query`` rounds the rotated rows whole and cuts them into parts after; it
     gives ``rotate_query`` then ``int8_query``'s operands, ``half_sum`` and ``step`` bit for
     bit, in both column orders, with padded rows (zero), a row of zeros, rows of very
-    different sizes, and a row with a NaN (its ``half_sum`` NaN in both)."""
+    different sizes, a row with a NaN and one that overflows fp16 once rotated (their
+    ``half_sum`` not finite in both)."""
     q = torch.randn(group, head_dim, generator=seeded, dtype=torch.float64)
     q *= torch.logspace(-3, 3, group, dtype=torch.float64)[:, None]
     q[1] = 0.0
     q[2, 5] = float("nan")
+    q[3, 0] = 3e6  # times 0.75 / sqrt(D) > 65504 at every head dim
     q = q.to(torch.bfloat16).to(kernel_device)
     rotation = api.make_constants(get_format("4bit_nc"), head_dim).rotation.to(kernel_device)
     log2_d = head_dim.bit_length() - 1
     results = []
     for whole in (False, True):
-        terms = torch.full((8, head_dim // parts, g_pad), 99.0, device=kernel_device)
-        sums = torch.full((2, g_pad), 99.0, device=kernel_device)
+        terms = torch.full((8, head_dim // parts, g_pad), 0.5, device=kernel_device)
+        sums = torch.full((2, g_pad), 0.5, device=kernel_device)
         _rotated_query_kernel[(1,)](
             q, rotation, terms, sums, group, head_dim, log2_d, parts, g_pad, interleaved, whole
         )
         results.append((terms.cpu(), sums.cpu()))
     (terms, sums), (whole_terms, whole_sums) = results
-    assert torch.equal(whole_terms, terms)
-    torch.testing.assert_close(whole_sums, sums, rtol=0, atol=0, equal_nan=True)
-    assert sums[0, 2].isnan() and not sums[0, :2].isnan().any()
+    assert torch.equal(whole_terms, terms) and not (terms == 0.5).any()
+    finite = sums.isfinite()
+    assert torch.equal(whole_sums.isfinite(), finite)
+    assert torch.equal(whole_sums[finite].view(torch.int32), sums[finite].view(torch.int32))
+    assert not finite[0, 2:4].any() and finite[0, :2].all() and finite[1].all()
     assert not terms[:, :, group:].any()  # padded rows
