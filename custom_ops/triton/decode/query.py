@@ -17,6 +17,7 @@ __all__ = [
     "rotated_int8_query",
     "query_part",
     "rotate_query",
+    "rotated_parts",
     "original_query",
     "ring_query",
 ]
@@ -36,27 +37,6 @@ def query_part(
 
 
 @triton.jit
-def _rotated_rows(
-    query,
-    rot_ptr,
-    b,
-    q_head,
-    row_ok,
-    q_scale,
-    D: tl.constexpr,
-    LOG2_D: tl.constexpr,
-    INV_SQRT_D: tl.constexpr,
-):
-    """The group's query rows rotated, ``(q @ R / sqrt(D)) * q_scale``: ``[G_PAD, D]`` float32
-    (zero in rows that are not ``row_ok``)."""
-    q_ptr, stride_qb, stride_qh = query
-    d = tl.arange(0, D)
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
-    x = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    return rotate_rows(x, rot_ptr, INV_SQRT_D * q_scale, D, LOG2_D)
-
-
-@triton.jit
 def rotate_query(
     query,
     rot_ptr,
@@ -67,21 +47,30 @@ def rotate_query(
     D: tl.constexpr,
     LOG2_D: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
-    PARTS: tl.constexpr,
-    PC: tl.constexpr,
 ):
-    """The group's queries rotated into the keys' code space, ``(q @ R / sqrt(D)) * q_scale``,
-    as ``PARTS`` transposed parts ``[PC, G_PAD]`` fp16 (unused ones repeat part 0), computed
-    in the split kernel instead of by the preparation kernel (short contexts, where that launch
-    would be on the critical path).
+    """The group's queries rotated into the keys' code space, ``(q @ R / sqrt(D)) * q_scale``:
+    ``[G_PAD, D]`` float32 (zero in rows that are not ``row_ok``), computed in the split kernel
+    instead of by the preparation kernel (short contexts, where that launch would be on the
+    critical path); :func:`rotated_parts` or :func:`rotated_int8_query` cut them into the
+    keys' parts.
 
     For a power-of-two D, ``R = diag(s) @ H`` with ``H`` Walsh-Hadamard and ``s = R[:, 0]``, so
     ``q @ R = (q * s) @ H``: a butterfly over each query row
     (:func:`~custom_ops.triton.hadamard.rotate_rows`, float32 adds), and only R's first column
-    is read. Parts are contiguous ranges of ``PC``
-    outputs, split off the transposed rows.
+    is read.
     """
-    y = _rotated_rows(query, rot_ptr, b, q_head, row_ok, q_scale, D, LOG2_D, INV_SQRT_D)
+    q_ptr, stride_qb, stride_qh = query
+    d = tl.arange(0, D)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
+    x = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    return rotate_rows(x, rot_ptr, INV_SQRT_D * q_scale, D, LOG2_D)
+
+
+@triton.jit
+def rotated_parts(y, PARTS: tl.constexpr, PC: tl.constexpr):
+    """The rotated queries ``y [G_PAD, PARTS * PC]`` (:func:`rotate_query`) as ``PARTS``
+    transposed parts ``[PC, G_PAD]`` fp16 (unused ones repeat part 0): contiguous ranges of
+    ``PC`` outputs, split off the transposed rows."""
     G_PAD: tl.constexpr = y.shape[0]
     tl.static_assert(PARTS > 1, "rotated keys have 2 (4-bit) or 4 (2-, 3- and 5-bit) parts")
     if PARTS == 2:
@@ -262,28 +251,15 @@ def _int8_parts(t, PARTS: tl.constexpr, PC: tl.constexpr, INTERLEAVED: tl.conste
 
 
 @triton.jit
-def rotated_int8_query(
-    query,
-    rot_ptr,
-    b,
-    q_head,
-    row_ok,
-    q_scale,
-    D: tl.constexpr,
-    LOG2_D: tl.constexpr,
-    INV_SQRT_D: tl.constexpr,
-    PARTS: tl.constexpr,
-    PC: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-):
-    """:func:`rotate_query` then :func:`int8_query`, the same bits: the rotated rows rounded to
-    fp16 and to their int8 terms whole, ``[G_PAD, D]``, then cut into parts. Rounding before
+def rotated_int8_query(y, PARTS: tl.constexpr, PC: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """:func:`rotated_parts` then :func:`int8_query`, the same bits: the rotated queries ``y
+    [G_PAD, PARTS * PC]`` (:func:`rotate_query`) rounded to fp16 and to their int8 terms
+    whole, then cut into parts. Rounding before
     the cut moves the parts' permutations onto the int8 terms, out of the float chain that
     Triton computes twice, in the layout of the row sums and in the operands' (sm_90, 4bit_nc's
     split kernel: 1,541 SASS instructions before its streaming loop cut first, 1,376 here).
     Returns :func:`int8_query`'s ``(his, los, half_sum, step)``."""
-    y = _rotated_rows(query, rot_ptr, b, q_head, row_ok, q_scale, D, LOG2_D, INV_SQRT_D)
-    y = y.to(tl.float16).to(tl.float32)  # rotate_query's fp16 parts, which int8_query rounds
+    y = y.to(tl.float16).to(tl.float32)  # rotated_parts' fp16, which int8_query rounds
     step, inv_step = _int8_steps(tl.max(tl.abs(y), axis=1))
     hi, lo = _int8_terms(y * inv_step[:, None])
     half_sum = 0.5 * tl.sum(hi * 254.0 + lo, axis=1)

@@ -49,6 +49,7 @@ from custom_ops.triton.decode.query import (
     ring_query,
     rotate_query,
     rotated_int8_query,
+    rotated_parts,
 )
 from custom_ops.triton.decode.softmax import (
     RESCALE_SLACK,
@@ -514,21 +515,12 @@ def split_kernel(
     row_ok = g < GROUP
     q_head = head * GROUP + g
     q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
+    if QUERY == QUERY_ROTATED_HERE:
+        q_rotated = rotate_query(
+            query, rot_ptr, b, q_head, row_ok, q_scale, D, LOG2_D, INV_SQRT_D
+        )  # [G_PAD, D]
     if INT8_KEYS and QUERY == QUERY_ROTATED_HERE:
-        qs = rotated_int8_query(
-            query,
-            rot_ptr,
-            b,
-            q_head,
-            row_ok,
-            q_scale,
-            D,
-            LOG2_D,
-            INV_SQRT_D,
-            K.PARTS,
-            K.PC,
-            len(K.ASM_INT8) > 0,
-        )
+        qs = rotated_int8_query(q_rotated, K.PARTS, K.PC, len(K.ASM_INT8) > 0)
     else:
         if QUERY == QUERY_SCALED:
             q0 = query_part(query, b, q_head, row_ok, q_scale, 0, K.PC, K.PC_PAD)
@@ -536,9 +528,7 @@ def split_kernel(
             q2 = q0
             q3 = q0
         elif QUERY == QUERY_ROTATED_HERE:
-            q0, q1, q2, q3 = rotate_query(
-                query, rot_ptr, b, q_head, row_ok, q_scale, D, LOG2_D, INV_SQRT_D, K.PARTS, K.PC
-            )
+            q0, q1, q2, q3 = rotated_parts(q_rotated, K.PARTS, K.PC)
         else:
             q_part = q_ptr + q_rows[:, None] * (K.PARTS * K.PC_PAD)
             q_part += tl.arange(0, K.PC_PAD)[None, :]

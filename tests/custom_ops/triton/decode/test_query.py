@@ -14,7 +14,12 @@ from custom_ops import api
 from custom_ops.codebook import int8_key_grid
 from custom_ops.formats import SUPPORTED_HEAD_DIMS, get_format
 from custom_ops.triton.decode.ptx import lut3_int8_asm, lut4_int8_asm, lut5_int8_asm
-from custom_ops.triton.decode.query import int8_query, rotate_query, rotated_int8_query
+from custom_ops.triton.decode.query import (
+    int8_query,
+    rotate_query,
+    rotated_int8_query,
+    rotated_parts,
+)
 
 GROUP = 4  # query rows of a program (G_PAD)
 TOKENS = 8
@@ -166,7 +171,7 @@ def _rotated_query_kernel(
     WHOLE: tl.constexpr,
 ):
     """The rotated query ``q [group, D]``'s int8 operands, by ``rotated_int8_query`` (``WHOLE``)
-    or by ``rotate_query`` then ``int8_query``: ``terms [2, 4, D / PARTS, G_PAD]`` (hi, lo;
+    or by ``rotated_parts`` then ``int8_query``: ``terms [2, 4, D / PARTS, G_PAD]`` (hi, lo;
     four parts, unused ones repeating part 0) as float32, ``sums [2, G_PAD]`` (``half_sum``,
     ``step``)."""
     PC: tl.constexpr = D // PARTS
@@ -174,14 +179,11 @@ def _rotated_query_kernel(
     row_ok = g < group
     query = (q_ptr, 0, D)
     b = tl.program_id(0)
+    y = rotate_query(query, rot_ptr, b, g, row_ok, 0.75, D, LOG2_D, D**-0.5)
     if WHOLE:
-        his, los, half_sum, step = rotated_int8_query(
-            query, rot_ptr, b, g, row_ok, 0.75, D, LOG2_D, D**-0.5, PARTS, PC, INTERLEAVED
-        )
+        his, los, half_sum, step = rotated_int8_query(y, PARTS, PC, INTERLEAVED)
     else:
-        q0, q1, q2, q3 = rotate_query(
-            query, rot_ptr, b, g, row_ok, 0.75, D, LOG2_D, D**-0.5, PARTS, PC
-        )
+        q0, q1, q2, q3 = rotated_parts(y, PARTS, PC)
         his, los, half_sum, step = int8_query(
             tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), PARTS, INTERLEAVED
         )
@@ -201,7 +203,7 @@ def test_rotated_query_rounded_whole_gives_the_two_steps_bits(
     parts, head_dim, interleaved, group, g_pad, kernel_device, seeded
 ):
     """``rotated_int8_query`` rounds the rotated rows whole and cuts them into parts after; it
-    gives ``rotate_query`` then ``int8_query``'s operands, ``half_sum`` and ``step`` bit for
+    gives ``rotated_parts`` then ``int8_query``'s operands, ``half_sum`` and ``step`` bit for
     bit, in both column orders, with padded rows (zero), a row of zeros, rows of very
     different sizes, a row with a NaN and one that overflows fp16 once rotated (their
     ``half_sum`` not finite in both)."""
