@@ -206,7 +206,9 @@ def test_rotated_query_rounded_whole_gives_the_two_steps_bits(
     gives ``rotated_parts`` then ``int8_query``'s operands, ``half_sum`` and ``step`` bit for
     bit, in both column orders, with padded rows (zero), a row of zeros, rows of very
     different sizes, a row with a NaN and one that overflows fp16 once rotated (their
-    ``half_sum`` not finite in both)."""
+    ``half_sum`` not finite in both, so their scores are not finite whatever their int8 terms:
+    those are the conversion's of a NaN or an infinity, which the GPU's and the
+    interpreter's, and the two paths' compiled code, need not agree on)."""
     q = torch.randn(group, head_dim, generator=seeded, dtype=torch.float64)
     q *= torch.logspace(-3, 3, group, dtype=torch.float64)[:, None]
     q[1] = 0.0
@@ -224,9 +226,11 @@ def test_rotated_query_rounded_whole_gives_the_two_steps_bits(
         )
         results.append((terms.cpu(), sums.cpu()))
     (terms, sums), (whole_terms, whole_sums) = results
-    assert torch.equal(whole_terms, terms) and not (terms == 0.5).any()
+    assert not (terms == 0.5).any() and not (whole_terms == 0.5).any()
     finite = sums.isfinite()
     assert torch.equal(whole_sums.isfinite(), finite)
     assert torch.equal(whole_sums[finite].view(torch.int32), sums[finite].view(torch.int32))
     assert not finite[0, 2:4].any() and finite[0, :2].all() and finite[1].all()
+    rows = finite[0]  # half_sum's rows: the terms' last dim
+    assert torch.equal(whole_terms[..., rows], terms[..., rows])
     assert not terms[:, :, group:].any()  # padded rows
