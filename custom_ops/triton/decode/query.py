@@ -14,8 +14,10 @@ from custom_ops.triton.hadamard import rotate_rows
 
 __all__ = [
     "int8_query",
+    "rotated_int8_query",
     "query_part",
     "rotate_query",
+    "rotated_parts",
     "original_query",
     "ring_query",
 ]
@@ -45,25 +47,30 @@ def rotate_query(
     D: tl.constexpr,
     LOG2_D: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
-    PARTS: tl.constexpr,
-    PC: tl.constexpr,
 ):
-    """The group's queries rotated into the keys' code space, ``(q @ R / sqrt(D)) * q_scale``,
-    as ``PARTS`` transposed parts ``[PC, G_PAD]`` fp16 (unused ones repeat part 0), computed
-    in the split kernel instead of by the preparation kernel (short contexts, where that launch
-    would be on the critical path).
+    """The group's queries rotated into the keys' code space, ``(q @ R / sqrt(D)) * q_scale``:
+    ``[G_PAD, D]`` float32 (zero in rows that are not ``row_ok``), computed in the split kernel
+    instead of by the preparation kernel (short contexts, where that launch would be on the
+    critical path); :func:`rotated_parts` or :func:`rotated_int8_query` cut them into the
+    keys' parts.
 
     For a power-of-two D, ``R = diag(s) @ H`` with ``H`` Walsh-Hadamard and ``s = R[:, 0]``, so
     ``q @ R = (q * s) @ H``: a butterfly over each query row
     (:func:`~custom_ops.triton.hadamard.rotate_rows`, float32 adds), and only R's first column
-    is read. Parts are contiguous ranges of ``PC``
-    outputs, split off the transposed rows.
+    is read.
     """
     q_ptr, stride_qb, stride_qh = query
     d = tl.arange(0, D)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
     x = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    y = rotate_rows(x, rot_ptr, INV_SQRT_D * q_scale, D, LOG2_D)  # [G_PAD, D]
+    return rotate_rows(x, rot_ptr, INV_SQRT_D * q_scale, D, LOG2_D)
+
+
+@triton.jit
+def rotated_parts(y, PARTS: tl.constexpr, PC: tl.constexpr):
+    """The rotated queries ``y [G_PAD, PARTS * PC]`` (:func:`rotate_query`) as ``PARTS``
+    transposed parts ``[PC, G_PAD]`` fp16 (unused ones repeat part 0): contiguous ranges of
+    ``PC`` outputs, split off the transposed rows."""
     G_PAD: tl.constexpr = y.shape[0]
     tl.static_assert(PARTS > 1, "rotated keys have 2 (4-bit) or 4 (2-, 3- and 5-bit) parts")
     if PARTS == 2:
@@ -85,6 +92,27 @@ def rotate_query(
 
 
 @triton.jit
+def _int8_steps(largest):
+    """``(step, 1 / step)`` of rows whose largest magnitude is ``largest [G_PAD]`` float32:
+    ``step = 2**(E - 5)`` for ``largest`` in ``[2**E, 2**(E + 1))`` (at least ``2**-126``),
+    both made from the exponent bits (see :func:`int8_query`)."""
+    biased = tl.maximum((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF, 6)
+    step = ((biased - 5) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((259 - biased) << 23).to(tl.float32, bitcast=True)
+    return step, inv_step
+
+
+@triton.jit
+def _int8_terms(z):
+    """Queries ``z`` in units of ``step`` (float32, any shape) -> ``(hi, lo)``, float32 and
+    integral: ``hi`` the rounded multiples of ``step``, ``lo`` the rounded remainder in units
+    of ``step / 254``."""
+    hi = tl.floor(z + 0.5)
+    lo = tl.floor((z - hi) * 254.0 + 0.5)
+    return hi, lo
+
+
+@triton.jit
 def _int8_pair(x, y, INTERLEAVED: tl.constexpr):
     """Two parts of the queries in units of ``step`` (``x, y [G_PAD, PC_PAD]`` float32), whose
     keys one inline-PTX instance decodes together, as ``(hi_x, hi_y, lo_x, lo_y)`` (float32,
@@ -98,10 +126,8 @@ def _int8_pair(x, y, INTERLEAVED: tl.constexpr):
             tl.reshape(x, [G_PAD, PC_PAD // 4, 2, 2]), tl.reshape(y, [G_PAD, PC_PAD // 4, 2, 2])
         )  # [G_PAD, g, a, b, h]
         x, y = tl.split(tl.reshape(tl.permute(parts, [0, 1, 3, 4, 2]), [G_PAD, PC_PAD, 2]))
-    hi_x = tl.floor(x + 0.5)
-    hi_y = tl.floor(y + 0.5)
-    lo_x = tl.floor((x - hi_x) * 254.0 + 0.5)
-    lo_y = tl.floor((y - hi_y) * 254.0 + 0.5)
+    hi_x, lo_x = _int8_terms(x)
+    hi_y, lo_y = _int8_terms(y)
     total = tl.sum(hi_x * 254.0 + lo_x, axis=1) + tl.sum(hi_y * 254.0 + lo_y, axis=1)
     return hi_x, hi_y, lo_x, lo_y, total
 
@@ -155,10 +181,8 @@ def int8_query(q0, q1, q2, q3, PARTS: tl.constexpr, INTERLEAVED: tl.constexpr):
         x3 = q3.to(tl.float32)
         largest = tl.maximum(largest, tl.max(tl.abs(x2), axis=1))
         largest = tl.maximum(largest, tl.max(tl.abs(x3), axis=1))
-    # the biased exponent of the largest magnitude, at least 6 (zero rows: step 2**-126)
-    biased = tl.maximum((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF, 6)
-    step = ((biased - 5) << 23).to(tl.float32, bitcast=True)
-    inv_step = ((259 - biased) << 23).to(tl.float32, bitcast=True)[:, None]
+    step, inv_step = _int8_steps(largest)
+    inv_step = inv_step[:, None]
     if PARTS == 2:
         hi0, hi1, lo0, lo1, total = _int8_pair(x0 * inv_step, x1 * inv_step, INTERLEAVED)
         hi2 = hi0
@@ -182,6 +206,68 @@ def int8_query(q0, q1, q2, q3, PARTS: tl.constexpr, INTERLEAVED: tl.constexpr):
         tl.trans(lo3.to(tl.int8)),
     )
     return his, los, 0.5 * total, step
+
+
+@triton.jit
+def _int8_parts(t, PARTS: tl.constexpr, PC: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The ``PARTS`` parts of whole rows ``t [G_PAD, PARTS * PC]`` (int8), transposed
+    ``[PC, G_PAD]``, in :func:`int8_query`'s column order: part ``p`` is columns ``[p * PC, (p +
+    1) * PC)``; with ``INTERLEAVED`` the two parts of a pair (0 and 1 for 2 parts, 0 and 2, 1
+    and 3 for 4) trade columns as :func:`_int8_pair` arranges them (column ``4g + 2b + h`` of
+    the pair's operand ``a`` takes column ``4g + 2a + b`` of the pair's part ``h``). Unused
+    parts (``PARTS`` 2) repeat part 0."""
+    tl.static_assert(PARTS == 2 or PARTS == 4, "int8 keys have 2 or 4 parts")
+    tl.static_assert(PARTS * PC == t.shape[1], "the rows are the parts, unpadded")
+    tl.static_assert(not INTERLEAVED or PC % 4 == 0, "the PTX's order takes 4 columns at a time")
+    G_PAD: tl.constexpr = t.shape[0]
+    if PARTS == 2:
+        if INTERLEAVED:
+            # [G_PAD, h, g, a, b] -> [G_PAD, g, b, h, a]
+            pairs = tl.permute(tl.reshape(t, [G_PAD, 2, PC // 4, 2, 2]), [0, 2, 4, 1, 3])
+            p0, p1 = tl.split(tl.reshape(pairs, [G_PAD, PC, 2]))
+        else:
+            p0, p1 = tl.split(tl.permute(tl.reshape(t, [G_PAD, 2, PC]), [0, 2, 1]))
+        p0 = tl.trans(p0)
+        p1 = tl.trans(p1)
+        p2 = p0
+        p3 = p0
+    else:
+        # part 2 * h + k: the pairs are the parts of one k, h their place in the pair
+        if INTERLEAVED:
+            # [G_PAD, h, k, g, a, b] -> [G_PAD, g, b, h, k, a]
+            pairs = tl.permute(tl.reshape(t, [G_PAD, 2, 2, PC // 4, 2, 2]), [0, 3, 5, 1, 2, 4])
+            pairs = tl.reshape(pairs, [G_PAD, PC, 2, 2])
+        else:
+            # [G_PAD, h, k, c] -> [G_PAD, c, k, h]: split on h, then on k
+            pairs = tl.permute(tl.reshape(t, [G_PAD, 2, 2, PC]), [0, 3, 2, 1])
+        first, second = tl.split(pairs)  # operand a (h not interleaved): [G_PAD, PC, k] each
+        p0, p1 = tl.split(first)
+        p2, p3 = tl.split(second)
+        p0 = tl.trans(p0)
+        p1 = tl.trans(p1)
+        p2 = tl.trans(p2)
+        p3 = tl.trans(p3)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def rotated_int8_query(y, PARTS: tl.constexpr, PC: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """:func:`rotated_parts` then :func:`int8_query`, the same bits (but for the int8 terms of a
+    row with a NaN or beyond fp16's range: a non-finite value's conversion, left to the compiled
+    code; that row's ``half_sum`` and so its scores are not finite either way): the rotated
+    queries ``y [G_PAD, PARTS * PC]`` (:func:`rotate_query`) rounded to fp16 and to their int8
+    terms whole, then cut into parts. Rounding before
+    the cut moves the parts' permutations onto the int8 terms, out of the float chain that
+    Triton computes twice, in the layout of the row sums and in the operands' (sm_90, 4bit_nc's
+    split kernel: 1,541 SASS instructions before its streaming loop cut first, 1,376 here).
+    Returns :func:`int8_query`'s ``(his, los, half_sum, step)``."""
+    y = y.to(tl.float16).to(tl.float32)  # rotated_parts' fp16, which int8_query rounds
+    step, inv_step = _int8_steps(tl.max(tl.abs(y), axis=1))
+    hi, lo = _int8_terms(y * inv_step[:, None])
+    half_sum = 0.5 * tl.sum(hi * 254.0 + lo, axis=1)
+    his = _int8_parts(hi.to(tl.int8), PARTS, PC, INTERLEAVED)
+    los = _int8_parts(lo.to(tl.int8), PARTS, PC, INTERLEAVED)
+    return his, los, half_sum, step
 
 
 @triton.jit

@@ -43,7 +43,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from custom_ops.formats import PagedKVCache, RecentWindow
 from custom_ops.triton.decode.codes import int8_keys, subnormal_part_scale
-from custom_ops.triton.decode.query import int8_query, query_part, ring_query, rotate_query
+from custom_ops.triton.decode.query import (
+    int8_query,
+    query_part,
+    ring_query,
+    rotate_query,
+    rotated_int8_query,
+    rotated_parts,
+)
 from custom_ops.triton.decode.softmax import (
     RESCALE_SLACK,
     causal_ends,
@@ -501,41 +508,53 @@ def split_kernel(
     # operands of S^T = K @ Q^T (columns >= GROUP: 0). Tokens are the M dimension of both
     # products, so the group is padded to the tensor cores' N = 8, not to M = 16. Unrotated keys
     # scale the query here (one part: 8 bits); rotated keys read q_code (the preparation
-    # kernel) or, at short contexts, rotate it here.
+    # kernel) or, at short contexts, rotate it here. Int8 keys take the integer Q K^T's
+    # operands instead (rows back on the first axis); rotated here, as whole rows.
+    INT8_KEYS: tl.constexpr = int8_keys(K.INT8_UNIT, K.PC_PAD, ONE_TILE)
     g = tl.arange(0, G_PAD)
     row_ok = g < GROUP
     q_head = head * GROUP + g
     q_rows = (b * num_kv_heads * GROUP + q_head).to(tl.int64)
-    if QUERY == QUERY_SCALED:
-        q0 = query_part(query, b, q_head, row_ok, q_scale, 0, K.PC, K.PC_PAD)
-        q1 = q0
-        q2 = q0
-        q3 = q0
-    elif QUERY == QUERY_ROTATED_HERE:
-        q0, q1, q2, q3 = rotate_query(
-            query, rot_ptr, b, q_head, row_ok, q_scale, D, LOG2_D, INV_SQRT_D, K.PARTS, K.PC
-        )
+    if QUERY == QUERY_ROTATED_HERE:
+        q_rotated = rotate_query(
+            query, rot_ptr, b, q_head, row_ok, q_scale, D, LOG2_D, INV_SQRT_D
+        )  # [G_PAD, D]
+    if INT8_KEYS and QUERY == QUERY_ROTATED_HERE:
+        qs = rotated_int8_query(q_rotated, K.PARTS, K.PC, len(K.ASM_INT8) > 0)
     else:
-        q_part = q_ptr + q_rows[:, None] * (K.PARTS * K.PC_PAD)
-        q_part += tl.arange(0, K.PC_PAD)[None, :]
-        if PDL:
-            gdc_wait()  # for the preparation kernel's q_code
-        q0 = tl.trans(tl.load(q_part, mask=row_ok[:, None], other=0.0))
-        q1 = tl.trans(tl.load(q_part + K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 1), other=0.0))
-        q2 = tl.trans(
-            tl.load(q_part + 2 * K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 2), other=0.0)
-        )
-        q3 = tl.trans(
-            tl.load(q_part + 3 * K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 2), other=0.0)
-        )
-    # the integer Q K^T's operands (rows back on the first axis)
-    INT8_KEYS: tl.constexpr = int8_keys(K.INT8_UNIT, K.PC_PAD, ONE_TILE)
-    if INT8_KEYS:
-        qs = int8_query(
-            tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), K.PARTS, len(K.ASM_INT8) > 0
-        )
-    else:
-        qs = (q0, q1, q2, q3)
+        if QUERY == QUERY_SCALED:
+            q0 = query_part(query, b, q_head, row_ok, q_scale, 0, K.PC, K.PC_PAD)
+            q1 = q0
+            q2 = q0
+            q3 = q0
+        elif QUERY == QUERY_ROTATED_HERE:
+            q0, q1, q2, q3 = rotated_parts(q_rotated, K.PARTS, K.PC)
+        else:
+            q_part = q_ptr + q_rows[:, None] * (K.PARTS * K.PC_PAD)
+            q_part += tl.arange(0, K.PC_PAD)[None, :]
+            if PDL:
+                gdc_wait()  # for the preparation kernel's q_code
+            q0 = tl.trans(tl.load(q_part, mask=row_ok[:, None], other=0.0))
+            q1 = tl.trans(
+                tl.load(q_part + K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 1), other=0.0)
+            )
+            q2 = tl.trans(
+                tl.load(q_part + 2 * K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 2), other=0.0)
+            )
+            q3 = tl.trans(
+                tl.load(q_part + 3 * K.PC_PAD, mask=row_ok[:, None] & (K.PARTS > 2), other=0.0)
+            )
+        if INT8_KEYS:
+            qs = int8_query(
+                tl.trans(q0),
+                tl.trans(q1),
+                tl.trans(q2),
+                tl.trans(q3),
+                K.PARTS,
+                len(K.ASM_INT8) > 0,
+            )
+        else:
+            qs = (q0, q1, q2, q3)
 
     k_plane, v_plane, meta_plane = head_planes(planes, head.to(tl.int64))
     masking = (mask_args, causal_ends(seq_len, q_head, Q_TOKENS, MASK))

@@ -1,4 +1,6 @@
-"""The split kernel's int8 query (``int8_query``) against the int8 key strings it pairs with."""
+"""The split kernel's int8 query (``int8_query``) against the int8 key strings it pairs with, and
+the query rotated and rounded in the split kernel (``rotated_int8_query``) against the two steps
+it fuses."""
 
 from __future__ import annotations
 
@@ -8,10 +10,16 @@ import triton
 import triton.language as tl
 from ptx_emulator import run
 
+from custom_ops import api
 from custom_ops.codebook import int8_key_grid
-from custom_ops.formats import SUPPORTED_HEAD_DIMS
+from custom_ops.formats import SUPPORTED_HEAD_DIMS, get_format
 from custom_ops.triton.decode.ptx import lut3_int8_asm, lut4_int8_asm, lut5_int8_asm
-from custom_ops.triton.decode.query import int8_query
+from custom_ops.triton.decode.query import (
+    int8_query,
+    rotate_query,
+    rotated_int8_query,
+    rotated_parts,
+)
 
 GROUP = 4  # query rows of a program (G_PAD)
 TOKENS = 8
@@ -146,3 +154,83 @@ def test_interleaved_keys_and_query_give_the_plain_products(bits, head_dim, kern
                 expected[term] += plain_keys[out] @ plain[term, part].long()
                 actual[term] += ptx_keys[out] @ mixed[term, part].long()
     assert torch.equal(actual, expected)
+
+
+@triton.jit
+def _rotated_query_kernel(
+    q_ptr,
+    rot_ptr,
+    terms_ptr,
+    sums_ptr,
+    group,
+    D: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    PARTS: tl.constexpr,
+    G_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    WHOLE: tl.constexpr,
+):
+    """The rotated query ``q [group, D]``'s int8 operands, by ``rotated_int8_query`` (``WHOLE``)
+    or by ``rotated_parts`` then ``int8_query``: ``terms [2, 4, D / PARTS, G_PAD]`` (hi, lo;
+    four parts, unused ones repeating part 0) as float32, ``sums [2, G_PAD]`` (``half_sum``,
+    ``step``)."""
+    PC: tl.constexpr = D // PARTS
+    g = tl.arange(0, G_PAD)
+    row_ok = g < group
+    query = (q_ptr, 0, D)
+    b = tl.program_id(0)
+    y = rotate_query(query, rot_ptr, b, g, row_ok, 0.75, D, LOG2_D, D**-0.5)
+    if WHOLE:
+        his, los, half_sum, step = rotated_int8_query(y, PARTS, PC, INTERLEAVED)
+    else:
+        q0, q1, q2, q3 = rotated_parts(y, PARTS, PC)
+        his, los, half_sum, step = int8_query(
+            tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), PARTS, INTERLEAVED
+        )
+    out = terms_ptr + tl.arange(0, PC)[:, None] * G_PAD + g[None, :]
+    for part in tl.static_range(4):
+        tl.store(out + part * PC * G_PAD, his[part].to(tl.float32))
+        tl.store(out + (4 + part) * PC * G_PAD, los[part].to(tl.float32))
+    tl.store(sums_ptr + g, half_sum)
+    tl.store(sums_ptr + G_PAD + g, step)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("head_dim", [d for d in SUPPORTED_HEAD_DIMS if d & (d - 1) == 0])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("group", "g_pad"), [(4, 4), (6, 8)])
+def test_rotated_query_rounded_whole_gives_the_two_steps_bits(
+    parts, head_dim, interleaved, group, g_pad, kernel_device, seeded
+):
+    """``rotated_int8_query`` rounds the rotated rows whole and cuts them into parts after; it
+    gives ``rotated_parts`` then ``int8_query``'s operands, ``half_sum`` and ``step`` bit for
+    bit, in both column orders, with padded rows (zero), a row of zeros, rows of very
+    different sizes, a row with a NaN and one that overflows fp16 once rotated (their
+    ``half_sum`` not finite in both, so their scores are not finite whatever their int8 terms:
+    those are the conversion's of a NaN or an infinity, which the GPU's and the
+    interpreter's, and the two paths' compiled code, need not agree on)."""
+    q = torch.randn(group, head_dim, generator=seeded, dtype=torch.float64)
+    q *= torch.logspace(-3, 3, group, dtype=torch.float64)[:, None]
+    q[1] = 0.0
+    q[2, 5] = float("nan")
+    q[3, 0] = 3e6  # times 0.75 / sqrt(D) > 65504 at every head dim
+    q = q.to(torch.bfloat16).to(kernel_device)
+    rotation = api.make_constants(get_format("4bit_nc"), head_dim).rotation.to(kernel_device)
+    log2_d = head_dim.bit_length() - 1
+    results = []
+    for whole in (False, True):
+        terms = torch.full((8, head_dim // parts, g_pad), 0.5, device=kernel_device)
+        sums = torch.full((2, g_pad), 0.5, device=kernel_device)
+        _rotated_query_kernel[(1,)](
+            q, rotation, terms, sums, group, head_dim, log2_d, parts, g_pad, interleaved, whole
+        )
+        results.append((terms.cpu(), sums.cpu()))
+    (terms, sums), (whole_terms, whole_sums) = results
+    assert not (terms == 0.5).any() and not (whole_terms == 0.5).any()
+    finite = sums.isfinite()
+    assert torch.equal(whole_sums.isfinite(), finite)
+    assert torch.equal(whole_sums[finite].view(torch.int32), sums[finite].view(torch.int32))
+    assert not finite[0, 2:4].any() and finite[0, :2].all() and finite[1].all()
+    rows = finite[0]  # half_sum's rows: the terms' last dim
+    assert torch.equal(whole_terms[..., rows], terms[..., rows])
+    assert not terms[:, :, group:].any()  # padded rows
