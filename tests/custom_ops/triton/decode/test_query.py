@@ -198,22 +198,25 @@ def _rotated_query_kernel(
 @pytest.mark.parametrize("parts", [2, 4])
 @pytest.mark.parametrize("head_dim", [d for d in SUPPORTED_HEAD_DIMS if d & (d - 1) == 0])
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize(("group", "g_pad"), [(4, 4), (6, 8)])
+@pytest.mark.parametrize(("group", "g_pad"), [(4, 4), (5, 8), (8, 8)])
 def test_rotated_query_rounded_whole_gives_the_two_steps_bits(
     parts, head_dim, interleaved, group, g_pad, kernel_device, seeded
 ):
-    """``rotated_int8_query`` rounds the rotated rows whole and cuts them into parts after; it
+    """An equivalence test (the float64 reference is ``test_int8_keys_at_every_head_dim``'s):
+    ``rotated_int8_query`` rounds the rotated rows whole and cuts them into parts after; it
     gives ``rotated_parts`` then ``int8_query``'s operands, ``half_sum`` and ``step`` bit for
-    bit, in both column orders, with padded rows (zero), a row of zeros, rows of very
-    different sizes, a row with a NaN and one that overflows fp16 once rotated (their
-    ``half_sum`` not finite in both, so their scores are not finite whatever their int8 terms:
-    those are the conversion's of a NaN or an infinity, which the GPU's and the
-    interpreter's, and the two paths' compiled code, need not agree on)."""
+    bit, in both column orders, with padded rows (zero), a row of zeros and rows of very
+    different sizes. With five rows or more, the last two hold a NaN and a value that
+    overflows fp16 once rotated: their ``half_sum`` is not finite in both, so their scores are
+    not finite whatever their int8 terms, which are the conversion of a NaN or an infinity and
+    which the two paths' compiled code need not agree on (they differ on the H200)."""
     q = torch.randn(group, head_dim, generator=seeded, dtype=torch.float64)
     q *= torch.logspace(-3, 3, group, dtype=torch.float64)[:, None]
     q[1] = 0.0
-    q[2, 5] = float("nan")
-    q[3, 0] = 3e6  # times 0.75 / sqrt(D) > 65504 at every head dim
+    special = group >= 5  # rows group - 2 and group - 1: a NaN, an fp16 overflow
+    if special:
+        q[group - 2, 5] = float("nan")
+        q[group - 1, 0] = 3e6  # times 0.75 / sqrt(D) > 65504 at every head dim
     q = q.to(torch.bfloat16).to(kernel_device)
     rotation = api.make_constants(get_format("4bit_nc"), head_dim).rotation.to(kernel_device)
     log2_d = head_dim.bit_length() - 1
@@ -230,7 +233,12 @@ def test_rotated_query_rounded_whole_gives_the_two_steps_bits(
     finite = sums.isfinite()
     assert torch.equal(whole_sums.isfinite(), finite)
     assert torch.equal(whole_sums[finite].view(torch.int32), sums[finite].view(torch.int32))
-    assert not finite[0, 2:4].any() and finite[0, :2].all() and finite[1].all()
+    expected = torch.ones(g_pad, dtype=torch.bool)
+    if special:
+        expected[group - 2 : group] = False
+    assert torch.equal(finite[0], expected) and finite[1].all()
     rows = finite[0]  # half_sum's rows: the terms' last dim
     assert torch.equal(whole_terms[..., rows], terms[..., rows])
-    assert not terms[:, :, group:].any()  # padded rows
+    # padded rows are zero, and the compared rows are not all trivial
+    assert not terms[:, :, group:].any() and not whole_terms[:, :, group:].any()
+    assert terms[..., rows].abs().sum() > 0
