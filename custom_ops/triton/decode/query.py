@@ -258,8 +258,8 @@ def rotated_int8_query(y, PARTS: tl.constexpr, PC: tl.constexpr, INTERLEAVED: tl
     queries ``y [G_PAD, PARTS * PC]`` (:func:`rotate_query`) rounded to fp16 and to their int8
     terms whole, then cut into parts. Rounding before
     the cut moves the parts' permutations onto the int8 terms, out of the float chain that
-    Triton computes twice, in the layout of the row sums and in the operands' (sm_90, 4bit_nc's
-    split kernel: 1,541 SASS instructions before its streaming loop cut first, 1,376 here).
+    Triton computes twice, in the layout of the row sums and in the operands' (fewer
+    instructions before the split kernel's streaming loop: docs/design/decode.md, "Query mode").
     Returns :func:`int8_query`'s ``(his, los, half_sum, step)``."""
     y = y.to(tl.float16).to(tl.float32)  # rotated_parts' fp16, which int8_query rounds
     step, inv_step = _int8_steps(tl.max(tl.abs(y), axis=1))
