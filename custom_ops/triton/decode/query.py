@@ -67,28 +67,31 @@ def rotate_query(
 
 
 @triton.jit
+def _row_parts(t, PARTS: tl.constexpr, PC: tl.constexpr):
+    """Whole rows ``t [G_PAD, PARTS * PC]`` (any dtype) as ``PARTS`` (2 or 4) transposed parts
+    ``[PC, G_PAD]``, part ``p`` columns ``[p * PC, (p + 1) * PC)`` (unused ones repeat part
+    0)."""
+    G_PAD: tl.constexpr = t.shape[0]
+    if PARTS == 2:
+        p0, p1 = tl.split(tl.permute(tl.reshape(t, [G_PAD, 2, PC]), [2, 0, 1]))
+        p2 = p0
+        p3 = p0
+    else:
+        halves = tl.permute(tl.reshape(t, [G_PAD, 2, 2, PC]), [3, 0, 1, 2])
+        low, high = tl.split(halves)  # part bit 0; [PC, G_PAD, 2] each
+        p0, p2 = tl.split(low)
+        p1, p3 = tl.split(high)
+    return p0, p1, p2, p3
+
+
+@triton.jit
 def rotated_parts(y, PARTS: tl.constexpr, PC: tl.constexpr):
     """The rotated queries ``y [G_PAD, PARTS * PC]`` (:func:`rotate_query`) as ``PARTS``
     transposed parts ``[PC, G_PAD]`` fp16 (unused ones repeat part 0): contiguous ranges of
     ``PC`` outputs, split off the transposed rows."""
-    G_PAD: tl.constexpr = y.shape[0]
     tl.static_assert(PARTS > 1, "rotated keys have 2 (4-bit) or 4 (2-, 3- and 5-bit) parts")
-    if PARTS == 2:
-        q0, q1 = tl.split(tl.permute(tl.reshape(y, [G_PAD, 2, PC]), [2, 0, 1]))
-        q0 = q0.to(tl.float16)
-        q1 = q1.to(tl.float16)
-        q2 = q0
-        q3 = q0
-    else:
-        halves = tl.permute(tl.reshape(y, [G_PAD, 2, 2, PC]), [3, 0, 1, 2])
-        low, high = tl.split(halves)  # part bit 0; [PC, G_PAD, 2] each
-        q0, q2 = tl.split(low)
-        q1, q3 = tl.split(high)
-        q0 = q0.to(tl.float16)
-        q1 = q1.to(tl.float16)
-        q2 = q2.to(tl.float16)
-        q3 = q3.to(tl.float16)
-    return q0, q1, q2, q3
+    q0, q1, q2, q3 = _row_parts(y, PARTS, PC)
+    return q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16)
 
 
 @triton.jit
@@ -219,28 +222,23 @@ def _int8_parts(t, PARTS: tl.constexpr, PC: tl.constexpr, INTERLEAVED: tl.conste
     tl.static_assert(PARTS == 2 or PARTS == 4, "int8 keys have 2 or 4 parts")
     tl.static_assert(PARTS * PC == t.shape[1], "the rows are the parts, unpadded")
     tl.static_assert(not INTERLEAVED or PC % 4 == 0, "the PTX's order takes 4 columns at a time")
+    if not INTERLEAVED:
+        return _row_parts(t, PARTS, PC)
     G_PAD: tl.constexpr = t.shape[0]
     if PARTS == 2:
-        if INTERLEAVED:
-            # [G_PAD, h, g, a, b] -> [G_PAD, g, b, h, a]
-            pairs = tl.permute(tl.reshape(t, [G_PAD, 2, PC // 4, 2, 2]), [0, 2, 4, 1, 3])
-            p0, p1 = tl.split(tl.reshape(pairs, [G_PAD, PC, 2]))
-        else:
-            p0, p1 = tl.split(tl.permute(tl.reshape(t, [G_PAD, 2, PC]), [0, 2, 1]))
+        # [G_PAD, h, g, a, b] -> [G_PAD, g, b, h, a]
+        pairs = tl.permute(tl.reshape(t, [G_PAD, 2, PC // 4, 2, 2]), [0, 2, 4, 1, 3])
+        p0, p1 = tl.split(tl.reshape(pairs, [G_PAD, PC, 2]))
         p0 = tl.trans(p0)
         p1 = tl.trans(p1)
         p2 = p0
         p3 = p0
     else:
-        # part 2 * h + k: the pairs are the parts of one k, h their place in the pair
-        if INTERLEAVED:
-            # [G_PAD, h, k, g, a, b] -> [G_PAD, g, b, h, k, a]
-            pairs = tl.permute(tl.reshape(t, [G_PAD, 2, 2, PC // 4, 2, 2]), [0, 3, 5, 1, 2, 4])
-            pairs = tl.reshape(pairs, [G_PAD, PC, 2, 2])
-        else:
-            # [G_PAD, h, k, c] -> [G_PAD, c, k, h]: split on h, then on k
-            pairs = tl.permute(tl.reshape(t, [G_PAD, 2, 2, PC]), [0, 3, 2, 1])
-        first, second = tl.split(pairs)  # operand a (h not interleaved): [G_PAD, PC, k] each
+        # part 2 * h + k: the pairs are the parts of one k, h their place in the pair;
+        # [G_PAD, h, k, g, a, b] -> [G_PAD, g, b, h, k, a]
+        pairs = tl.permute(tl.reshape(t, [G_PAD, 2, 2, PC // 4, 2, 2]), [0, 3, 5, 1, 2, 4])
+        pairs = tl.reshape(pairs, [G_PAD, PC, 2, 2])
+        first, second = tl.split(pairs)  # operand a: [G_PAD, PC, k] each
         p0, p1 = tl.split(first)
         p2, p3 = tl.split(second)
         p0 = tl.trans(p0)
