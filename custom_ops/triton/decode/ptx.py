@@ -134,8 +134,11 @@ def _high_byte_signs(low: str, high: str, half: int) -> list[str]:
 # opaque to ptxas, which merges the strings' reads of the special registers and rebuilds the
 # words once per iteration (one S2R and a LEA per word; ``(laneid + smid)``: ``%smid`` is
 # volatile, re-read per string; an ``or`` into an odd word is folded, ``o`` being 0 or -1 to
-# ptxas, so the word is ``o + word``). Offline sm_90 SASS, loop per 32-token tile: tqk5v3_nc
-# 1,093 -> 955 instructions, 3bit_nc 745 -> 719, 4bit_nc 670 -> 645, no spills.
+# ptxas, so the word is ``o + word``). The 5-bit and 3-bit int8 key strings and the 3-bit
+# integer values' use it. Offline sm_90 SASS, loop per 32-token tile: tqk5v3_nc 1,093 -> 955
+# instructions, tq3_nc 888 -> 770, 3bit_nc 745 -> 719, no spills; H200, kernel alone at 1 x
+# 131072, 16 x 8192, 64 x 2048 and 165 x 8192: tqk5v3_nc 1.018x-1.037x, tq3_nc 1.011x-1.022x,
+# 3bit_nc and k3v4_nc 0.990x-1.004x (docs/notes/2026-12-01-rotated-rows-and-the-generate-bound.md).
 _OPAQUE_ZERO = (
     "mov.u32 o, %laneid;",
     "mov.u32 oc, %ctaid.y;",
@@ -218,13 +221,13 @@ def lut4_int8_asm(grid: Sequence[int]) -> str:
     Returns:
         The PTX string (input ``$2``, outputs ``$0 $1``: the interleaved order above).
     """
-    words = _int8_tables(grid)
     lines = [
         "{",
-        ".reg .b32 t0, t1, m, s, x, k, o, oc;",
-        # t0: the prmt's register operand (opaque, see _OPAQUE_ZERO); t1 an immediate
-        *_opaque_words({"t0": words[0]}),
-        f"mov.b32 t1, {words[1]:#010x};",
+        ".reg .b32 t0, t1, m, s, x, k;",
+        # constant tables: an opaque t0 (see _OPAQUE_ZERO) took 4bit_nc's loop from 670 to 645
+        # SASS instructions per tile but read 0.99x-1.00x on the H200, tq4_nc and tqk4v2_nc
+        # 0.98x-0.99x
+        *(f"mov.b32 t{i}, {word:#010x};" for i, word in enumerate(_int8_tables(grid))),
         "and.b32 m, $2, 0x77777777;",
         "shl.b32 s, $2, 4;",
     ]
@@ -242,24 +245,20 @@ def lut4_int8_asm(grid: Sequence[int]) -> str:
 
 
 def _lut3_int8_lines(
-    table: Sequence[int], inputs: Sequence[str], outputs: Sequence[str], opaque: bool = False
+    table: Sequence[int], inputs: Sequence[str], outputs: Sequence[str]
 ) -> list[str]:
     """The lines of :func:`lut3_int8_asm` with the 8-byte ``table`` (signed: entries 0-3 for
     positive codes, 4-7 for negative ones), ``inputs`` (the plane, ``low``, ``high``) and
     ``outputs`` (4 registers: quarters 0 and 2 interleaved, then 1 and 3); temporaries ``t0 t1
-    u m x n``."""
+    u m x n o oc``."""
     plane, low, high = inputs
     first, second, third, fourth = outputs
     words = _int8_tables(table)
-    # opaque: t0 (the prmt's register operand) through the opaque zero (_OPAQUE_ZERO; the
-    # caller declares o and oc), t1 an immediate
-    table_lines = (
-        [*_opaque_words({"t0": words[0]}), f"mov.b32 t1, {words[1]:#010x};"]
-        if opaque
-        else [f"mov.b32 t{i}, {word:#010x};" for i, word in enumerate(words)]
-    )
     return [
-        *table_lines,
+        # t0, the prmt's register operand, through the opaque zero (_OPAQUE_ZERO; the caller
+        # declares o and oc); t1 an immediate
+        *_opaque_words({"t0": words[0]}),
+        f"mov.b32 t1, {words[1]:#010x};",
         # bit 2q of each byte: quarter q's sign (bit 7, which gets the next byte's bit 0, is
         # never read)
         f"shr.b32 u, {high}, 1;",
@@ -300,7 +299,7 @@ def lut3_int8_asm(grid: Sequence[int]) -> str:
     lines = [
         "{",
         ".reg .b32 t0, t1, u, m, x, n, o, oc;",
-        *_lut3_int8_lines(signed, ("$4", "$5", "$6"), ("$0", "$1", "$2", "$3"), opaque=True),
+        *_lut3_int8_lines(signed, ("$4", "$5", "$6"), ("$0", "$1", "$2", "$3")),
     ]
     return "\n".join([*lines, "}"])
 
@@ -333,7 +332,7 @@ def lut3_integer_values_asm(grid: Sequence[int], scale: float) -> str:
     lines = [
         "{",
         ".reg .b32 t0, t1, u, m, x, n, a, b, c, d, inv, off, e, o, oc;",
-        *_lut3_int8_lines(biased, ("$8", "$9", "$10"), ("a", "b", "c", "d"), opaque=True),
+        *_lut3_int8_lines(biased, ("$8", "$9", "$10"), ("a", "b", "c", "d")),
         # the exponent bytes as an opaque register: the prmt's selector then goes as an
         # immediate (with both constants, ptxas copies the selector from a uniform register)
         *_opaque_words({"e": 0x64646464}),
