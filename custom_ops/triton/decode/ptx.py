@@ -135,7 +135,8 @@ def _high_byte_signs(low: str, high: str, half: int) -> list[str]:
 # words once per iteration (one S2R and a LEA per word; ``(laneid + smid)``: ``%smid`` is
 # volatile, re-read per string; an ``or`` into an odd word is folded, ``o`` being 0 or -1 to
 # ptxas, so the word is ``o + word``). The 5-bit and 3-bit int8 key strings and the 3-bit
-# integer values' use it. Offline sm_90 SASS, loop per 32-token tile: tqk5v3_nc 1,093 -> 955
+# integer values' use it; so does the 4-bit fp16 string (tq4_nc's values, fp16 keys of one-tile
+# splits, the verify kernel; tq4_nc's loop 844 -> 789 offline, not timed). Offline sm_90 SASS, loop per 32-token tile: tqk5v3_nc 1,093 -> 955
 # instructions, tq3_nc 888 -> 770, 3bit_nc 745 -> 719, no spills; H200, kernel alone at 1 x
 # 131072, 16 x 8192, 64 x 2048 and 165 x 8192: tqk5v3_nc 1.018x-1.037x, tq3_nc 1.011x-1.022x,
 # 3bit_nc and k3v4_nc 0.990x-1.004x (docs/notes/2026-12-01-rotated-rows-and-the-generate-bound.md).
@@ -175,11 +176,10 @@ def lut4_asm(levels: Sequence[float]) -> str:
     # s = $4 << 4's bytes, the high nibbles' bit 7 of $4's.
     lines = [
         "{",
-        ".reg .b32 tl0, tl1, th0, th1, m, x, y, s, k;",
-        *(
-            f"mov.b32 {name}, {tables[i]:#010x};"
-            for i, name in enumerate(("tl0", "tl1", "th0", "th1"))
-        ),
+        ".reg .b32 tl0, tl1, th0, th1, m, x, y, s, k, o, oc;",
+        *_opaque_words({"tl0": tables[0], "th0": tables[2]}),
+        f"mov.b32 tl1, {tables[1]:#010x};",
+        f"mov.b32 th1, {tables[3]:#010x};",
         "and.b32 m, $4, 0x77777777;",
         "shl.b32 s, $4, 4;",
     ]
