@@ -135,11 +135,12 @@ def _high_byte_signs(low: str, high: str, half: int) -> list[str]:
 # words once per iteration (one S2R and a LEA per word; ``(laneid + smid)``: ``%smid`` is
 # volatile, re-read per string; an ``or`` into an odd word is folded, ``o`` being 0 or -1 to
 # ptxas, so the word is ``o + word``). The 5-bit and 3-bit int8 key strings and the 3-bit
-# integer values' use it; so does the 4-bit fp16 string (tq4_nc's values, fp16 keys of one-tile
-# splits, the verify kernel; tq4_nc's loop 844 -> 789 offline, not timed). Offline sm_90 SASS, loop per 32-token tile: tqk5v3_nc 1,093 -> 955
-# instructions, tq3_nc 888 -> 770, 3bit_nc 745 -> 719, no spills; H200, kernel alone at 1 x
-# 131072, 16 x 8192, 64 x 2048 and 165 x 8192: tqk5v3_nc 1.018x-1.037x, tq3_nc 1.011x-1.022x,
-# 3bit_nc and k3v4_nc 0.990x-1.004x (docs/notes/2026-12-01-rotated-rows-and-the-generate-bound.md).
+# integer values' use it; so does the 4-bit fp16 string (tq4_nc's values, fp16 keys of
+# one-tile splits, the verify kernel; tq4_nc's loop 844 -> 789 offline, not timed). Offline
+# sm_90 SASS, loop per 32-token tile: tqk5v3_nc 1,093 -> 955 instructions, tq3_nc 888 -> 770,
+# 3bit_nc 745 -> 719, no spills; H200, kernel alone at 1 x 131072, 16 x 8192, 64 x 2048 and
+# 165 x 8192: tqk5v3_nc 1.018x-1.037x, tq3_nc 1.011x-1.022x, 3bit_nc and k3v4_nc
+# 0.990x-1.004x (docs/notes/2026-12-01-rotated-rows-and-the-generate-bound.md).
 _OPAQUE_ZERO = (
     "mov.u32 o, %laneid;",
     "mov.u32 oc, %ctaid.y;",
