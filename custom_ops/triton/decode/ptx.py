@@ -128,19 +128,15 @@ def _high_byte_signs(low: str, high: str, half: int) -> list[str]:
 
 
 # ptxas keeps table words in uniform registers and copies one into a vector register before
-# every prmt that reads it (``IMAD.U32 R, RZ, RZ, UR``: 143 of tqk5v3_nc's 1,093 loop
-# instructions per tile). A word it cannot fold stays in a vector register across the loop:
-# ``o = (laneid + ctaid.y) >> 31`` (arithmetic) is 0 (``ctaid.y < 2**16``), but per lane and
-# opaque to ptxas, which merges the strings' reads of the special registers and rebuilds the
-# words once per iteration (one S2R and a LEA per word; ``(laneid + smid)``: ``%smid`` is
-# volatile, re-read per string; an ``or`` into an odd word is folded, ``o`` being 0 or -1 to
-# ptxas, so the word is ``o + word``). The 5-bit and 3-bit int8 key strings and the 3-bit
-# integer values' use it; so does the 4-bit fp16 string (tq4_nc's values, fp16 keys of
-# one-tile splits, the verify kernel; tq4_nc's loop 844 -> 789 offline, not timed). Offline
-# sm_90 SASS, loop per 32-token tile: tqk5v3_nc 1,093 -> 955 instructions, tq3_nc 888 -> 770,
-# 3bit_nc 745 -> 719, no spills; H200, kernel alone at 1 x 131072, 16 x 8192, 64 x 2048 and
-# 165 x 8192: tqk5v3_nc 1.018x-1.037x, tq3_nc 1.011x-1.022x, 3bit_nc and k3v4_nc
-# 0.990x-1.004x (docs/notes/2026-12-01-rotated-rows-and-the-generate-bound.md).
+# every prmt that reads it (``IMAD.U32 R, RZ, RZ, UR``). A word it cannot fold stays in a vector
+# register across the loop: ``o = (laneid + ctaid.y) >> 31`` (arithmetic) is 0 (``ctaid.y <
+# 2**16``) but per lane and opaque to ptxas, which merges the strings' reads of the special
+# registers and rebuilds the words once per iteration; the word is ``o + word`` (an ``or`` into
+# an odd word is folded: to ptxas ``o`` is 0 or -1; ``%smid`` instead of ``%ctaid.y`` is
+# volatile, re-read per string). The 5-bit and 3-bit int8 key strings and the 3-bit integer
+# values' use it, where it paid (tqk5v3_nc's loop 1,093 -> 955 SASS instructions per tile:
+# docs/notes/2026-12-01-rotated-rows-and-the-generate-bound.md); so does the 4-bit fp16
+# string, untimed (tq4_nc's values, one-tile splits' fp16 keys, the verify kernel).
 _OPAQUE_ZERO = (
     "mov.u32 o, %laneid;",
     "mov.u32 oc, %ctaid.y;",
@@ -225,9 +221,8 @@ def lut4_int8_asm(grid: Sequence[int]) -> str:
     lines = [
         "{",
         ".reg .b32 t0, t1, m, s, x, k;",
-        # constant tables: an opaque t0 (see _OPAQUE_ZERO) took 4bit_nc's loop from 670 to 645
-        # SASS instructions per tile but read 0.99x-1.00x on the H200, tq4_nc and tqk4v2_nc
-        # 0.98x-0.99x
+        # constant tables: an opaque t0 (_OPAQUE_ZERO) did not pay here
+        # (docs/notes/2026-12-01-rotated-rows-and-the-generate-bound.md)
         *(f"mov.b32 t{i}, {word:#010x};" for i, word in enumerate(_int8_tables(grid))),
         "and.b32 m, $2, 0x77777777;",
         "shl.b32 s, $2, 4;",
@@ -334,9 +329,10 @@ def lut3_integer_values_asm(grid: Sequence[int], scale: float) -> str:
         "{",
         ".reg .b32 t0, t1, u, m, x, n, a, b, c, d, inv, off, e, o, oc;",
         *_lut3_int8_lines(biased, ("$8", "$9", "$10"), ("a", "b", "c", "d")),
-        # the exponent bytes as an opaque register: the prmt's selector then goes as an
-        # immediate (with both constants, ptxas copies the selector from a uniform register)
-        *_opaque_words({"e": 0x64646464}),
+        # the exponent bytes as an opaque register (through the o above): the prmt's selector
+        # then goes as an immediate (with both constants, ptxas copies the selector from a
+        # uniform register)
+        "add.s32 e, o, 0x64646464;",
         f"mov.b32 inv, {inverse | inverse << 16:#010x};",
         f"mov.b32 off, {offset | offset << 16:#010x};",
     ]
