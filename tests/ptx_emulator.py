@@ -48,12 +48,19 @@ def _fma_f16x2(a: int, b: int, c: int) -> int:
     return int((x * y + z).astype(np.float16).view(np.uint32)[0])
 
 
+# special registers the strings read (their opaque zero, ptx._OPAQUE_ZERO): the largest
+# lane and grid row
+SPECIAL = {"%laneid": 31, "%ctaid.y": 65535}
+
+
 def run(asm: str, inputs: dict[int, int]) -> dict[int, int]:
     """Run ``asm`` with ``$i`` operands preset from ``inputs``; returns every ``$i`` register."""
     regs: dict[str, int] = {f"${k}": v for k, v in inputs.items()}
 
     def value(token: str) -> int:
         token = token.strip()
+        if token.startswith("%"):
+            return SPECIAL[token]
         return int(token, 0) if token[0].isdigit() else regs[token]
 
     for line in asm.splitlines():
@@ -68,8 +75,12 @@ def run(asm: str, inputs: dict[int, int]) -> dict[int, int]:
             continue
         dst, *src = [a.strip() for a in args.split(",")]
         vals = [value(s) for s in src]
-        if op == "mov.b32":
+        if op in ("mov.b32", "mov.u32"):
             result = vals[0]
+        elif op in ("add.u32", "add.s32"):
+            result = vals[0] + vals[1]
+        elif op == "shr.s32":
+            result = (vals[0] - (vals[0] >> 31 << 32)) >> vals[1]
         elif op == "and.b32":
             result = vals[0] & vals[1]
         elif op == "or.b32":

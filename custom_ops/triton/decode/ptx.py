@@ -127,6 +127,31 @@ def _high_byte_signs(low: str, high: str, half: int) -> list[str]:
     ]
 
 
+# ptxas keeps table words in uniform registers and copies one into a vector register before
+# every prmt that reads it (``IMAD.U32 R, RZ, RZ, UR``). A word it cannot fold stays in a vector
+# register across the loop: ``o = (laneid + ctaid.y) >> 31`` (arithmetic) is 0 (``ctaid.y <
+# 2**16``) but per lane and opaque to ptxas, which merges the strings' reads of the special
+# registers and rebuilds the words once per iteration; the word is ``o + word`` (an ``or`` into
+# an odd word is folded: to ptxas ``o`` is 0 or -1; ``%smid`` instead of ``%ctaid.y`` is
+# volatile, re-read per string). The 5-bit and 3-bit int8 key strings and the 3-bit integer
+# values' use it, where it paid (tqk5v3_nc's loop 1,093 -> 955 SASS instructions per tile:
+# docs/notes/2026-12-01-rotated-rows-and-the-generate-bound.md); so does the 4-bit fp16
+# string, untimed (tq4_nc's values, one-tile splits' fp16 keys, the verify kernel).
+_OPAQUE_ZERO = (
+    "mov.u32 o, %laneid;",
+    "mov.u32 oc, %ctaid.y;",
+    "add.u32 o, o, oc;",
+    "shr.s32 o, o, 31;",
+)
+
+
+def _opaque_words(words: dict[str, int]) -> list[str]:
+    """Lines setting registers ``words`` (name -> 32-bit word) to their words through the
+    opaque zero ``o`` (temporaries ``o oc``, to declare)."""
+    adds = [f"add.s32 {name}, o, {word:#010x};" for name, word in words.items()]
+    return [*_OPAQUE_ZERO, *adds]
+
+
 def _lookup16(dst: str, tables: Sequence[str]) -> list[str]:
     """``dst``'s bytes: entry ``m``'s nibble of the 16-byte table in registers ``tables`` (4
     words: entries 0-3, .., 12-15), for the low 3 bits of ``m``'s nibbles 0-3 looked up in both
@@ -148,11 +173,10 @@ def lut4_asm(levels: Sequence[float]) -> str:
     # s = $4 << 4's bytes, the high nibbles' bit 7 of $4's.
     lines = [
         "{",
-        ".reg .b32 tl0, tl1, th0, th1, m, x, y, s, k;",
-        *(
-            f"mov.b32 {name}, {tables[i]:#010x};"
-            for i, name in enumerate(("tl0", "tl1", "th0", "th1"))
-        ),
+        ".reg .b32 tl0, tl1, th0, th1, m, x, y, s, k, o, oc;",
+        *_opaque_words({"tl0": tables[0], "th0": tables[2]}),
+        f"mov.b32 tl1, {tables[1]:#010x};",
+        f"mov.b32 th1, {tables[3]:#010x};",
         "and.b32 m, $4, 0x77777777;",
         "shl.b32 s, $4, 4;",
     ]
@@ -197,6 +221,8 @@ def lut4_int8_asm(grid: Sequence[int]) -> str:
     lines = [
         "{",
         ".reg .b32 t0, t1, m, s, x, k;",
+        # constant tables: an opaque t0 (_OPAQUE_ZERO) did not pay here
+        # (docs/notes/2026-12-01-rotated-rows-and-the-generate-bound.md)
         *(f"mov.b32 t{i}, {word:#010x};" for i, word in enumerate(_int8_tables(grid))),
         "and.b32 m, $2, 0x77777777;",
         "shl.b32 s, $2, 4;",
@@ -220,11 +246,15 @@ def _lut3_int8_lines(
     """The lines of :func:`lut3_int8_asm` with the 8-byte ``table`` (signed: entries 0-3 for
     positive codes, 4-7 for negative ones), ``inputs`` (the plane, ``low``, ``high``) and
     ``outputs`` (4 registers: quarters 0 and 2 interleaved, then 1 and 3); temporaries ``t0 t1
-    u m x n``."""
+    u m x n o oc``."""
     plane, low, high = inputs
     first, second, third, fourth = outputs
+    words = _int8_tables(table)
     return [
-        *(f"mov.b32 t{i}, {word:#010x};" for i, word in enumerate(_int8_tables(table))),
+        # t0, the prmt's register operand, through the opaque zero (_OPAQUE_ZERO; the caller
+        # declares o and oc); t1 an immediate
+        *_opaque_words({"t0": words[0]}),
+        f"mov.b32 t1, {words[1]:#010x};",
         # bit 2q of each byte: quarter q's sign (bit 7, which gets the next byte's bit 0, is
         # never read)
         f"shr.b32 u, {high}, 1;",
@@ -264,7 +294,7 @@ def lut3_int8_asm(grid: Sequence[int]) -> str:
     signed = [*grid, *(~r & 0xFF for r in grid)]
     lines = [
         "{",
-        ".reg .b32 t0, t1, u, m, x, n;",
+        ".reg .b32 t0, t1, u, m, x, n, o, oc;",
         *_lut3_int8_lines(signed, ("$4", "$5", "$6"), ("$0", "$1", "$2", "$3")),
     ]
     return "\n".join([*lines, "}"])
@@ -297,8 +327,12 @@ def lut3_integer_values_asm(grid: Sequence[int], scale: float) -> str:
     # c and d (quarters 1 and 3); each prmt's 0x64 pairs take the even or odd bytes
     lines = [
         "{",
-        ".reg .b32 t0, t1, u, m, x, n, a, b, c, d, inv, off;",
+        ".reg .b32 t0, t1, u, m, x, n, a, b, c, d, inv, off, e, o, oc;",
         *_lut3_int8_lines(biased, ("$8", "$9", "$10"), ("a", "b", "c", "d")),
+        # the exponent bytes as an opaque register (through the o above): the prmt's selector
+        # then goes as an immediate (with both constants, ptxas copies the selector from a
+        # uniform register)
+        "add.s32 e, o, 0x64646464;",
         f"mov.b32 inv, {inverse | inverse << 16:#010x};",
         f"mov.b32 off, {offset | offset << 16:#010x};",
     ]
@@ -313,7 +347,7 @@ def lut3_integer_values_asm(grid: Sequence[int], scale: float) -> str:
         ("$7", "d", 0x4341),
     ):
         lines += [
-            f"prmt.b32 {out}, {source}, 0x64646464, {selector:#06x};",
+            f"prmt.b32 {out}, {source}, e, {selector:#06x};",
             f"fma.rn.f16x2 {out}, {out}, inv, off;",
         ]
     return "\n".join([*lines, "}"])
@@ -348,10 +382,15 @@ def lut5_int8_asm(grid: Sequence[int], block: int) -> str:
         The PTX string (inputs ``$2`` plane bytes, ``$3`` ``low``, ``$4`` ``high``; outputs
         ``$0 $1`` in the interleaved order).
     """
+    words = _int8_tables(grid)
     lines = [
         "{",
-        ".reg .b32 t0, t1, t2, t3, m, a, b, k, s, u, x, sl, sh;",
-        *(f"mov.b32 t{i}, {word:#010x};" for i, word in enumerate(_int8_tables(grid))),
+        ".reg .b32 t0, t1, t2, t3, m, a, b, k, s, u, x, sl, sh, o, oc;",
+        # t0 and t2: the prmt's register operands (opaque, see _OPAQUE_ZERO); t1 and t3 go
+        # as immediates
+        *_opaque_words({"t0": words[0], "t2": words[2]}),
+        f"mov.b32 t1, {words[1]:#010x};",
+        f"mov.b32 t3, {words[3]:#010x};",
         # each byte's bit 2c / 2c + 4: its low / high nibble's sign (bit 7, which gets the next
         # byte's bit 0, is never read); sl / sh: those bits at bit 7 of each byte
         "shr.b32 u, $4, 1;",

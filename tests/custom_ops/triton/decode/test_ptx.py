@@ -266,3 +266,44 @@ def test_int8_asm(seeded):
     for word in _random_words(seeded, [0x7F80FF00, 0x01FE817F]):
         (values,) = _outputs(INT8_ASM, {2: word}, 1)
         assert values == [float(b - 256 if b > 127 else b) for b in _bytes(word)]
+
+
+def _strings() -> dict[str, str]:
+    """Every inline-PTX string the decode kernels compile, by a name for the test ids."""
+    strings = {
+        "int8": INT8_ASM,
+        "uint3": UINT3_ASM,
+        "uint3_subnormal": UINT3_SUBNORMAL_ASM,
+        "uint4": UINT4_ASM,
+        "uint4_subnormal": UINT4_SUBNORMAL_ASM,
+        "lut3": lut3_asm(signed_levels(3, 128)),
+        "lut4": lut4_asm(signed_levels(4, 128)),
+        "lut5": lut5_asm(signed_levels(5, 128)),
+        "lut3_int8": lut3_int8_asm(int8_key_grid(3, 128)[0]),
+        "lut4_int8": lut4_int8_asm(int8_key_grid(4, 128)[0]),
+        "lut3_integer_values": lut3_integer_values_asm(int8_key_grid(3, 128)[0], 0.25),
+    }
+    for block in (0, 1):
+        strings[f"lut5_int8_{block}"] = lut5_int8_asm(int8_key_grid(5, 128)[0], block)
+    strings["words_lut4"] = words_asm(strings["lut4"])
+    return strings
+
+
+@pytest.mark.parametrize(("name", "asm"), list(_strings().items()))
+def test_registers_declared_once(name, asm):
+    """Each string declares every register it writes, once: the emulator skips ``.reg`` lines,
+    so a missing or repeated declaration would only show in ptxas, on a GPU."""
+    declared = []
+    written = set()
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if line.startswith(".reg"):
+            names = line.split(None, 2)[2]
+            declared += [n.strip() for n in names.split(",")]
+        elif line and line[0] not in "{}" and not line.startswith("@"):
+            op, _, args = line.partition(" ")
+            dst = args.split(",")[0].strip().lstrip("{")
+            if not dst.startswith("$"):
+                written.add(dst)
+    assert len(declared) == len(set(declared)), f"{name}: declared twice"
+    assert written <= set(declared), f"{name}: {sorted(written - set(declared))} undeclared"
