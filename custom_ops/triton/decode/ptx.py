@@ -136,7 +136,8 @@ def _high_byte_signs(low: str, high: str, half: int) -> list[str]:
 # volatile, re-read per string). The 5-bit and 3-bit int8 key strings and the 3-bit integer
 # values' use it, where it paid (tqk5v3_nc's loop 1,093 -> 955 SASS instructions per tile:
 # docs/notes/2026-12-01-rotated-rows-and-the-generate-bound.md); so does the 4-bit fp16
-# string, untimed (tq4_nc's values, one-tile splits' fp16 keys, the verify kernel).
+# string (tq4_nc's values, one-tile splits' fp16 keys, the verify kernel: tq4_nc's loop 844 ->
+# 789, its time within noise: docs/notes/2026-12-01-table-words-merged-and-the-fixed-cost.md).
 _OPAQUE_ZERO = (
     "mov.u32 o, %laneid;",
     "mov.u32 oc, %ctaid.y;",
