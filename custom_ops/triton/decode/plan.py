@@ -415,7 +415,9 @@ def plan_decode(
         # half of its tile, shortening the chain short contexts wait for
         # (docs/design/decode.md#two-warp-splits-and-the-one-warp-merge)
         num_warps = 2 if cuda and math.prod(split_grid) <= 2 * sm_count else DEFAULT_WARPS
-    num_stages = split_config.num_stages or DEFAULT_STAGES
+    # the format's stages in streaming splits of few rows (custom_ops.tuning.DecodeTuning)
+    streaming_stages = tuning.stages if not one_tile and not many_rows else DEFAULT_STAGES
+    num_stages = split_config.num_stages or streaming_stages
     launch_options = dict(num_warps=num_warps, num_stages=num_stages)
     if max_registers is not None:
         launch_options["maxnreg"] = max_registers

@@ -16,6 +16,7 @@ from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode import MergeConfig, QueryMode
 from custom_ops.triton.decode import plan as plan_module
 from custom_ops.triton.decode.plan import TOKENS_PER_STEP, StepMode, evicts_in_last_split
+from custom_ops.tuning import decode_tuning
 
 
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k2v4_nc", "tq4_nc"])
@@ -42,6 +43,30 @@ def test_one_tile_splits(fmt_name, kernel_device, seeded):
         for t in (stale, long_stale)
     ]
     assert one_tile == [True, False]
+
+
+@pytest.mark.parametrize("fmt_name, streaming_stages", [("4bit_nc", 3), ("k8v4", 2)])
+def test_pipeline_stages_from_the_format_tuning(fmt_name, streaming_stages, kernel_device, seeded):
+    """Streaming splits of one query token take the format's tuned pipeline stages
+    (``DecodeTuning.stages``); splits of one tile and a verify step's many rows keep the
+    default of 2, and a split config's stages override all three."""
+    assert decode_tuning(get_format(fmt_name)).stages == streaming_stages
+    fmt, consts, cache, table, lens, q = decode_case(fmt_name, 64, 4, seeded)
+    q = q.to(kernel_device)
+    stale, long_stale = stale_tables(table, lens)
+    verify_q = q[:, :, None].expand(-1, -1, 8, -1)
+
+    def stages(query, block_table, **config):
+        split_config = triton_decode.SplitConfig(**config)
+        plan = triton_decode.plan_for(fmt, query, cache, block_table, 2, split_config=split_config)
+        return plan.split.kwargs["num_stages"]
+
+    assert [stages(q, long_stale), stages(q, stale), stages(verify_q, long_stale)] == [
+        streaming_stages,
+        plan_module.DEFAULT_STAGES,
+        plan_module.DEFAULT_STAGES,
+    ]
+    assert stages(q, long_stale, num_stages=4) == stages(q, stale, num_stages=4) == 4
 
 
 @pytest.mark.parametrize(
