@@ -26,11 +26,12 @@ class DecodeTuning:
             hold across a tile do not spill.
         value_pages: tiles of two pages read each page's value codes as a tile of their own
             (``docs/design/decode.md``: tiles), where the plan's conditions allow it.
-        stages: software pipeline stages of streaming splits of few query rows (one-tile
-            splits and verify steps keep the plan's default of 2). At 3 Triton's pipeliner
-            reads the block-table entries a tile ahead of the codes they address (the codes
-            keep one buffer), which shortens each tile's chain of dependent loads for more
-            loop instructions (4bit_nc 670 -> 701 per tile offline).
+        stages: software pipeline stages of streaming splits of few query rows (splits of
+            one tile, verify steps of 4 or more tokens and wide GQA groups keep the plan's
+            default of 2). At 3 Triton's pipeliner reads the block-table entries a tile ahead
+            of the codes they address (the codes keep one buffer), which shortens each tile's
+            chain of dependent loads for more loop instructions (4bit_nc 670 -> 701 per tile
+            offline). Timed at page size 16, where each tile's page ids are scalars.
     """
 
     scalars_ahead: bool = True
@@ -41,8 +42,9 @@ class DecodeTuning:
 # Three stages against two, H200, one run side by side (compare_decode.py), speed at 16 x 8192
 # / 210 x 8192 / 1 x 131072: 4bit_nc 1.024 / 1.042 / 1.021, 3bit_nc 1.040 / 1.050 / 1.023,
 # tq3_nc 1.049 / 1.034 / 1.007, tqk4v2_nc 1.024 / 1.040 / 1.009, tq4_nc 1.038 / 1.047 (165 x
-# 8192) / 1.029. Three stay at two: k3v4_nc 1.001 / 1.013 / 0.986, k8v4 0.996 / 0.964 / 1.021,
-# and tqk5v3_nc, 0.994 / 1.019 (165 x 8192: 1.035) / 0.997 but 0.909 at 1 x 32768
+# 8192) / 1.029. Three timed stay at two: k3v4_nc 1.001 / 1.013 / 0.986, k8v4 0.996 / 0.964
+# / 1.021, and tqk5v3_nc, 0.994 / 1.019 (165 x 8192: 1.035) / 0.997 but 0.909 at 1 x 32768;
+# int8, fp8, tq2_nc, k2v2_nc and k2v4_nc were not timed at three
 # (docs/notes/2026-12-02-third-stage.md)
 DECODE_TUNING: dict[str, DecodeTuning] = {
     "k8v4": DecodeTuning(),

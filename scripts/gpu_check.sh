@@ -12,8 +12,8 @@
 #             with .gguf/part2 carried, joins SmolLM2's GGUF for --model smollm2)
 #   compare - benchmarks/compare_decode.py: this tree's decode vs the tree at $COMPARE_BASE
 #             (default .ab/base, a carried export of the base commit) with $COMPARE_ARGS
-#   stages  - compare_decode of the split kernel with $STAGES (default 5) pipeline stages
-#             against this tree's default, with $COMPARE_ARGS
+#   stages  - compare_decode of the split kernel with $STAGES (default 5) pipeline stages in
+#             every launch against this tree's plan, with $COMPARE_ARGS
 #   profile - Nsight Compute on the split kernel at 1 x 131072, per $PROFILE_FORMATS
 # Logs and JSON/PNG results go to $OUT.
 set -uo pipefail
@@ -84,11 +84,16 @@ for stage in "${@:-tests bench}"; do
       ;;
     stages)
       # the split kernel with $STAGES pipeline stages (default 5: the codes double-buffered,
-      # docs/design/decode.md) against this tree's default, by compare_decode ($COMPARE_ARGS)
+      # docs/design/decode.md) in every launch, the formats' tuned stages of streaming splits
+      # (custom_ops.tuning.DecodeTuning.stages) included, against this tree's plan, by
+      # compare_decode ($COMPARE_ARGS)
       rm -rf /tmp/tq-stages && mkdir -p /tmp/tq-stages
       cp -r custom_ops benchmarks tq_compile /tmp/tq-stages/
-      sed -i "s/^DEFAULT_STAGES = .*/DEFAULT_STAGES = ${STAGES:-5}/" \
+      sed -i -e "s/^DEFAULT_STAGES = .*/DEFAULT_STAGES = ${STAGES:-5}/" \
+        -e "s/^\( *streaming_stages = \)tuning.stages /\1${STAGES:-5} /" \
         /tmp/tq-stages/custom_ops/triton/decode/plan.py
+      grep -q "streaming_stages = ${STAGES:-5} " /tmp/tq-stages/custom_ops/triton/decode/plan.py \
+        || { echo "stages: plan.py's streaming_stages line not found" >&2; exit 1; }
       python3 benchmarks/compare_decode.py --head /tmp/tq-stages --base . ${COMPARE_ARGS:-} \
         2>&1 | tee "$OUT/stages.log" | tail -40
       ;;
