@@ -337,6 +337,9 @@ def plan_decode(
     subtiles = split_config.subtiles or 1
     block_n = split_config.block_n or TOKENS_PER_STEP // subtiles
     one_tile = capacity <= num_splits * subtiles * block_n
+    # where a format's tuning of the streaming loop applies (custom_ops.tuning.DecodeTuning):
+    # splits of several tiles and few query rows
+    streaming_few_rows = not one_tile and not many_rows
     token_run = _token_run(page_size, block_n)
     # each page's value codes a tile of their own where the format's tuning allows it, a tile
     # is two pages of at least 16 tokens (the products' K) and a token's value part is 32
@@ -350,7 +353,7 @@ def plan_decode(
         and block_n == 2 * page_size == 2 * token_run
         and (values.PC == 32 or values.PC_PAD >= 64)
     )
-    scalars_ahead = tuning.scalars_ahead and subtiles == 1 and not one_tile and not many_rows
+    scalars_ahead = tuning.scalars_ahead and subtiles == 1 and streaming_few_rows
     # 3- and 4-bit uniform values as fp16 subnormals where measured: Hopper's tensor cores (and
     # the interpreter, which checks the same arithmetic on the CPU)
     # (docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program)
@@ -415,8 +418,7 @@ def plan_decode(
         # half of its tile, shortening the chain short contexts wait for
         # (docs/design/decode.md#two-warp-splits-and-the-one-warp-merge)
         num_warps = 2 if cuda and math.prod(split_grid) <= 2 * sm_count else DEFAULT_WARPS
-    # the format's stages in streaming splits of few rows (custom_ops.tuning.DecodeTuning)
-    streaming_stages = tuning.stages if not one_tile and not many_rows else DEFAULT_STAGES
+    streaming_stages = tuning.stages if streaming_few_rows else DEFAULT_STAGES
     num_stages = split_config.num_stages or streaming_stages
     launch_options = dict(num_warps=num_warps, num_stages=num_stages)
     if max_registers is not None:
