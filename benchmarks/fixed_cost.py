@@ -1,0 +1,211 @@
+"""What a decode call pays whatever its length: the intercept of time against tiles per program,
+and the launch floors it could be made of.
+
+At ``benchmarks/decode.py``'s long shapes every call runs 2,048 one-warp split programs of 16
+tiles, and about 11-15 us of each call do not scale with the tiles
+(``docs/notes/2026-12-01-table-words-merged-and-the-fixed-cost.md``): a fifth to a quarter of the
+time, the difference between the formats' streaming rate and their share in the decode table.
+This script measures that part and what it could be made of, in one run:
+
+* **decode**: ``tq.decode`` at B = 16, 16 splits, Hk 8 (2,048 programs) with 1 to 64 tiles of 32
+  tokens per program (window 0), each timed as ``decode.py`` times its cells (a CUDA graph over
+  enough cache copies to defeat L2); a least-squares line ``a + b * tiles`` through the points
+  from ``--fit-from`` tiles on gives the fixed part ``a`` and the streaming rate (the bytes of
+  one tile per program over ``b``, as a share of the copy bandwidth measured in the same run).
+  The plan changes below 8 tiles (one tile: the one-tile split path; up to 4, rotated keys'
+  queries rotated in the split kernel instead of a preparation launch), so the default fit
+  starts at 8;
+* **launch floor**: 1, 2 or 3 dependent kernels of 2,048 one-warp programs that each store one
+  word, per call, with and without programmatic dependent launch (the decode's kernels are
+  query preparation, split and merge, chained that way);
+* **load chain**: one kernel of 2,048 one-warp programs that each read a length, then a
+  block-table entry at an index the length gives, then a 4 KB row of the page that entry names
+  (the chain a split program waits on before its first tile), from copies that defeat L2.
+
+    python benchmarks/fixed_cost.py                          # 4bit_nc k8v4 3bit_nc tqk5v3_nc
+    python benchmarks/fixed_cost.py --formats 4bit_nc --tiles 1 4 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode as bench  # noqa: E402
+from common import (  # noqa: E402
+    copy_bandwidth,
+    gpu_name,
+    print_table,
+    pyplot,
+    require_cuda,
+    save_figure,
+    write_json,
+)
+
+from custom_ops.formats import get_format  # noqa: E402
+
+BATCH, SPLITS, BLOCK_N = 16, 16, 32
+PROGRAMS = BATCH * SPLITS * bench.NUM_KV_HEADS  # 2,048: one wave of one-warp programs on an H200
+CALLS = 64  # calls per graph replay in the floors
+ROW_BYTES = 4096  # the load chain's row: about one tile of a 4-bit format's codes
+
+
+@triton.jit
+def _store_one(out_ptr, PDL: tl.constexpr):
+    """One word per program; under programmatic dependent launch, after the kernel before."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    tl.store(out_ptr + pid, pid)
+
+
+@triton.jit
+def _load_chain(lens_ptr, table_ptr, rows_ptr, out_ptr, PAGES: tl.constexpr, ROW: tl.constexpr):
+    """A length, the block-table entry it indexes, the row that entry names: three dependent
+    loads, then one word stored."""
+    pid = tl.program_id(0)
+    length = tl.load(lens_ptr + pid)
+    page = tl.load(table_ptr + pid * PAGES + length % PAGES)
+    words = tl.load(rows_ptr + page.to(tl.int64) * (ROW // 4) + tl.arange(0, ROW // 4))
+    tl.store(out_ptr + pid, tl.sum(words, axis=0))
+
+
+def decode_times(name: str, tiles: list[int]) -> list[dict]:
+    """``tq.decode`` at 2,048 programs of each number of ``tiles``: one row per count."""
+    fmt = get_format(name)
+    rows = []
+    for count in tiles:
+        seq = SPLITS * count * BLOCK_N
+        inputs = bench.tq_inputs(fmt, BATCH, seq)
+        calls = bench.tq_calls(fmt, inputs, bench.window_rings(inputs, 0), SPLITS)
+        us = bench.time_graph(calls)
+        rows.append(dict(format=name, tiles=count, us=us))
+        print(f"{name:10s} {count:3d} tiles per program: {us:7.1f} us", flush=True)
+        del inputs, calls
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fit_line(rows: list[dict], fit_from: int) -> tuple[float, float]:
+    """Least-squares ``(a, b)`` of ``us = a + b * tiles`` over the rows from ``fit_from`` tiles."""
+    points = [(r["tiles"], r["us"]) for r in rows if r["tiles"] >= fit_from]
+    x = torch.tensor([p[0] for p in points], dtype=torch.float64)
+    y = torch.tensor([p[1] for p in points], dtype=torch.float64)
+    design = torch.stack([torch.ones_like(x), x], dim=1)
+    a, b = torch.linalg.lstsq(design, y[:, None]).solution.flatten().tolist()
+    return a, b
+
+
+def launch_floors() -> list[dict]:
+    """us per call of 1-3 dependent kernels of ``PROGRAMS`` one-warp programs, with and without
+    programmatic dependent launch, and of the load chain."""
+    out = torch.zeros(PROGRAMS, dtype=torch.int32, device="cuda")
+    rows = []
+    for pdl in (False, True):
+        for kernels in (1, 2, 3):
+
+            def call(kernels=kernels, pdl=pdl):
+                for _ in range(kernels):
+                    _store_one[(PROGRAMS,)](out, PDL=pdl, num_warps=1, launch_pdl=pdl)
+
+            us = bench.time_graph([call] * CALLS)
+            label = f"{kernels} kernel(s){' with PDL' if pdl else ''}"
+            rows.append(dict(floor=label, us=us))
+            print(f"launch floor, {label}: {us:.2f} us per call", flush=True)
+    # copies of the chain's inputs that together defeat L2, one per call
+    pages = 64
+    copies = []
+    for _ in range(CALLS):
+        lens = torch.randint(0, 1 << 20, (PROGRAMS,), dtype=torch.int32, device="cuda")
+        table = torch.randint(0, PROGRAMS, (PROGRAMS, pages), dtype=torch.int32, device="cuda")
+        data = torch.randint(
+            -(1 << 30), 1 << 30, (PROGRAMS, ROW_BYTES // 4), dtype=torch.int32, device="cuda"
+        )
+        copies.append((lens, table, data))
+    calls = [
+        lambda c=c: _load_chain[(PROGRAMS,)](*c, out, PAGES=pages, ROW=ROW_BYTES, num_warps=1)
+        for c in copies
+    ]
+    us = bench.time_graph(calls)
+    rows.append(dict(floor=f"load chain: length, table entry, {ROW_BYTES} B row", us=us))
+    print(f"load chain: {us:.2f} us per call", flush=True)
+    return rows
+
+
+def plot(payload: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, fit in payload["fits"].items():
+        rows = [r for r in payload["decode"] if r["format"] == name]
+        x = [r["tiles"] for r in rows]
+        (line,) = ax.plot(x, [r["us"] for r in rows], "o", label=f"{name}: a {fit['a_us']:.1f} us")
+        ax.plot(x, [fit["a_us"] + fit["b_us"] * t for t in x], "-", color=line.get_color())
+    for row in payload["floors"]:
+        ax.axhline(row["us"], color="grey", linewidth=0.6, linestyle=":")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tiles of 32 tokens per program (2,048 programs)")
+    ax.set_ylabel("us per decode call")
+    ax.set_title(f"Fixed cost per decode call ({payload['gpu']}; dotted: launch floors)")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--formats", nargs="+", default=["4bit_nc", "k8v4", "3bit_nc", "tqk5v3_nc"]
+    )
+    parser.add_argument("--tiles", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument(
+        "--fit-from", type=int, default=8, help="tiles per program the fit starts at"
+    )
+    parser.add_argument("--out", default="fixed_cost.json")
+    args = parser.parse_args()
+    if sum(t >= args.fit_from for t in set(args.tiles)) < 2:
+        parser.error(f"--fit-from {args.fit_from} leaves fewer than 2 of --tiles {args.tiles}")
+    require_cuda("benchmarks/fixed_cost.py")
+    copy_bps = copy_bandwidth()
+    decode_rows, fits = [], {}
+    for name in args.formats:
+        rows = decode_times(name, args.tiles)
+        a, b = fit_line(rows, args.fit_from)
+        step_bytes = PROGRAMS * BLOCK_N * get_format(name).bytes_per_token_head(bench.HEAD_DIM)
+        share = step_bytes / (b * 1e-6) / copy_bps
+        fits[name] = dict(a_us=a, b_us=b, streaming_share_of_copy=share)
+        decode_rows += rows
+    floors = launch_floors()
+    print(f"\n{gpu_name()}, copy bandwidth {copy_bps / 1e12:.2f} TB/s")
+    print_table(
+        [dict(format=n, **f) for n, f in fits.items()],
+        {"format": "", "a_us": ".1f", "b_us": ".2f", "streaming_share_of_copy": ".1%"},
+    )
+    print()
+    print_table(floors, {"floor": "", "us": ".2f"})
+    payload = dict(
+        gpu=gpu_name(),
+        copy_bandwidth_bytes_per_s=copy_bps,
+        programs=PROGRAMS,
+        fit_from=args.fit_from,
+        decode=decode_rows,
+        fits=fits,
+        floors=floors,
+    )
+    out = write_json(args.out, payload)
+    print(f"wrote {out}")
+    try:
+        plot(payload, out.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+
+
+if __name__ == "__main__":
+    main()

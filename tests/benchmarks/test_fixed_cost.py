@@ -1,0 +1,60 @@
+"""benchmarks/fixed_cost.py: the line fitted through the decode times, and the floors' kernels
+(run by Triton's interpreter on a CPU, by the GPU where there is one)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import fixed_cost  # noqa: E402
+
+
+def test_the_fit_takes_the_streaming_points_only():
+    """``fit_line``: the intercept and slope of the points from ``fit_from`` tiles on, exactly
+    for points on a line; the short ones (another plan) left out."""
+    rows = [dict(tiles=t, us=11.5 + 2.75 * t) for t in (8, 16, 32, 64)]
+    rows += [dict(tiles=1, us=40.0), dict(tiles=4, us=3.0)]
+    a, b = fixed_cost.fit_line(rows, 8)
+    assert a == pytest.approx(11.5, abs=1e-9) and b == pytest.approx(2.75, abs=1e-9)
+    a_all, _ = fixed_cost.fit_line(rows, 1)
+    assert abs(a_all - 11.5) > 1.0
+
+
+def test_a_fit_of_fewer_than_two_counts_is_refused_before_any_work():
+    """``--fit-from`` past all but one of ``--tiles``: an argument error naming both, before the
+    script asks for a GPU."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fixed_cost.py"), "--tiles", "1", "64"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert "--fit-from 8 leaves fewer than 2 of --tiles [1, 64]" in result.stderr
+
+
+def test_the_floor_kernels_store_what_they_read(kernel_device):
+    """``_store_one`` writes each program's index (on a GPU also with the dependent-launch
+    wait, which the interpreter does not run); ``_load_chain`` sums the row that the length's
+    table entry names, for each program."""
+    device = kernel_device
+    programs, pages, row = 8, 4, 64
+    for pdl in (False, True) if device == "cuda" else (False,):
+        out = torch.full((programs,), -1, dtype=torch.int32, device=device)
+        fixed_cost._store_one[(programs,)](out, PDL=pdl, num_warps=1, launch_pdl=pdl)
+        assert out.tolist() == list(range(programs))
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(0, 1000, (programs,), generator=gen, dtype=torch.int32)
+    table = torch.randint(0, programs, (programs, pages), generator=gen, dtype=torch.int32)
+    data = torch.randint(-1000, 1000, (programs, row // 4), generator=gen, dtype=torch.int32)
+    fixed_cost._load_chain[(programs,)](
+        lens.to(device), table.to(device), data.to(device), out, PAGES=pages, ROW=row, num_warps=1
+    )
+    pids = torch.arange(programs)
+    expected = data[table[pids, lens.long() % pages].long()].sum(dim=1)
+    assert out.cpu().tolist() == expected.tolist()
