@@ -2,7 +2,7 @@
 and the launch floors it could be made of.
 
 At ``benchmarks/decode.py``'s long shapes every call runs 2,048 one-warp split programs of 16
-tiles, and about 11-15 us of each call do not scale with the tiles
+tiles, and about 11-14 us of each call do not scale with the tiles
 (``docs/notes/2026-12-01-table-words-merged-and-the-fixed-cost.md``): a fifth to a quarter of the
 time, the difference between the formats' streaming rate and their share in the decode table.
 This script measures that part and what it could be made of, in one run:
@@ -16,13 +16,21 @@ This script measures that part and what it could be made of, in one run:
   queries rotated in the split kernel instead of a preparation launch), so the default fit
   starts at 8;
 * **launch floor**: 1, 2 or 3 dependent kernels of 2,048 one-warp programs that each store one
-  word, per call, with and without programmatic dependent launch (the decode's kernels are
-  query preparation, split and merge, chained that way);
+  word, per call, with and without programmatic dependent launch as the decode chains its
+  query preparation, split and merge: the first kernel of a call launched plainly, the later
+  ones with the attribute, each releasing its dependents at its start and waiting for the
+  kernel before it after that;
 * **load chain**: one kernel of 2,048 one-warp programs that each read a length, then a
   block-table entry at an index the length gives, then a 4 KB row of the page that entry names
-  (the chain a split program waits on before its first tile), from copies that defeat L2.
+  (the chain a split program waits on before its first tile; every program's page a
+  different one), from copies that defeat L2.
 
-    python benchmarks/fixed_cost.py                          # 4bit_nc k8v4 3bit_nc tqk5v3_nc
+Every timed graph replays at least ``MIN_CALLS`` calls (the decode's cache copies cycled), so
+that one replay's launch latency weighs alike in each; and a throw-away graph is captured first,
+because a CUDA graph captured after another one in the same process waits longer before each
+kernel (``docs/notes/2026-11-29-first-graph.md``): every graph here is such a later one.
+
+    python benchmarks/fixed_cost.py          # 4bit_nc k8v4 k3v4_nc 3bit_nc tqk5v3_nc
     python benchmarks/fixed_cost.py --formats 4bit_nc --tiles 1 4 16 64
 """
 
@@ -54,15 +62,18 @@ from custom_ops.formats import get_format  # noqa: E402
 BATCH, SPLITS, BLOCK_N = 16, 16, 32
 PROGRAMS = BATCH * SPLITS * bench.NUM_KV_HEADS  # 2,048: one wave of one-warp programs on an H200
 CALLS = 64  # calls per graph replay in the floors
+MIN_CALLS = 16  # calls per graph replay at least, in the decode's cells
 ROW_BYTES = 4096  # the load chain's row: about one tile of a 4-bit format's codes
 
 
 @triton.jit
 def _store_one(out_ptr, PDL: tl.constexpr):
-    """One word per program; under programmatic dependent launch, after the kernel before."""
+    """One word per program; under programmatic dependent launch (``PDL``) the next kernel is
+    released at once and this one's store waits for the kernel before it, as the decode's
+    kernels do."""
     if PDL:
-        gdc_wait()
         gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     tl.store(out_ptr + pid, pid)
 
@@ -86,7 +97,7 @@ def decode_times(name: str, tiles: list[int]) -> list[dict]:
         seq = SPLITS * count * BLOCK_N
         inputs = bench.tq_inputs(fmt, BATCH, seq)
         calls = bench.tq_calls(fmt, inputs, bench.window_rings(inputs, 0), SPLITS)
-        us = bench.time_graph(calls)
+        us = bench.time_graph(calls * -(-MIN_CALLS // len(calls)))
         rows.append(dict(format=name, tiles=count, us=us))
         print(f"{name:10s} {count:3d} tiles per program: {us:7.1f} us", flush=True)
         del inputs, calls
@@ -104,17 +115,33 @@ def fit_line(rows: list[dict], fit_from: int) -> tuple[float, float]:
     return a, b
 
 
+def streaming_share(name: str, b_us: float, copy_bytes_per_s: float) -> float:
+    """The share of the copy bandwidth at which format ``name`` streams when one more tile per
+    program (``PROGRAMS`` tiles of ``BLOCK_N`` tokens) costs ``b_us``."""
+    step_bytes = PROGRAMS * BLOCK_N * get_format(name).bytes_per_token_head(bench.HEAD_DIM)
+    return step_bytes / (b_us * 1e-6) / copy_bytes_per_s
+
+
+def discard_first_graph() -> None:
+    """Capture and replay one throw-away graph, so that every graph timed after it is a later
+    graph of the process (which waits longer before each kernel) alike."""
+    out = torch.zeros(PROGRAMS, dtype=torch.int32, device="cuda")
+    bench.capture([lambda: _store_one[(PROGRAMS,)](out, PDL=False, num_warps=1)]).replay()
+    torch.cuda.synchronize()
+
+
 def launch_floors() -> list[dict]:
     """us per call of 1-3 dependent kernels of ``PROGRAMS`` one-warp programs, with and without
     programmatic dependent launch, and of the load chain."""
     out = torch.zeros(PROGRAMS, dtype=torch.int32, device="cuda")
     rows = []
-    for pdl in (False, True):
-        for kernels in (1, 2, 3):
+    for pdl, chains in ((False, (1, 2, 3)), (True, (2, 3))):
+        for kernels in chains:
 
             def call(kernels=kernels, pdl=pdl):
-                for _ in range(kernels):
-                    _store_one[(PROGRAMS,)](out, PDL=pdl, num_warps=1, launch_pdl=pdl)
+                for i in range(kernels):
+                    chained = pdl and i > 0
+                    _store_one[(PROGRAMS,)](out, PDL=chained, num_warps=1, launch_pdl=chained)
 
             us = bench.time_graph([call] * CALLS)
             label = f"{kernels} kernel(s){' with PDL' if pdl else ''}"
@@ -125,7 +152,9 @@ def launch_floors() -> list[dict]:
     copies = []
     for _ in range(CALLS):
         lens = torch.randint(0, 1 << 20, (PROGRAMS,), dtype=torch.int32, device="cuda")
-        table = torch.randint(0, PROGRAMS, (PROGRAMS, pages), dtype=torch.int32, device="cuda")
+        # each program's entries name one page, a different one for each program
+        page = torch.randperm(PROGRAMS, device="cuda").to(torch.int32)
+        table = page[:, None].expand(PROGRAMS, pages).contiguous()
         data = torch.randint(
             -(1 << 30), 1 << 30, (PROGRAMS, ROW_BYTES // 4), dtype=torch.int32, device="cuda"
         )
@@ -162,7 +191,7 @@ def plot(payload: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--formats", nargs="+", default=["4bit_nc", "k8v4", "3bit_nc", "tqk5v3_nc"]
+        "--formats", nargs="+", default=["4bit_nc", "k8v4", "k3v4_nc", "3bit_nc", "tqk5v3_nc"]
     )
     parser.add_argument("--tiles", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument(
@@ -174,12 +203,12 @@ def main() -> None:
         parser.error(f"--fit-from {args.fit_from} leaves fewer than 2 of --tiles {args.tiles}")
     require_cuda("benchmarks/fixed_cost.py")
     copy_bps = copy_bandwidth()
+    discard_first_graph()
     decode_rows, fits = [], {}
     for name in args.formats:
         rows = decode_times(name, args.tiles)
         a, b = fit_line(rows, args.fit_from)
-        step_bytes = PROGRAMS * BLOCK_N * get_format(name).bytes_per_token_head(bench.HEAD_DIM)
-        share = step_bytes / (b * 1e-6) / copy_bps
+        share = streaming_share(name, b, copy_bps)
         fits[name] = dict(a_us=a, b_us=b, streaming_share_of_copy=share)
         decode_rows += rows
     floors = launch_floors()

@@ -13,6 +13,10 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import fixed_cost  # noqa: E402
 
+from custom_ops.formats import get_format  # noqa: E402
+from custom_ops.triton import decode  # noqa: E402
+from custom_ops.triton.decode import QueryMode  # noqa: E402
+
 
 def test_the_fit_takes_the_streaming_points_only():
     """``fit_line``: the intercept and slope of the points from ``fit_from`` tiles on, exactly
@@ -23,6 +27,39 @@ def test_the_fit_takes_the_streaming_points_only():
     assert a == pytest.approx(11.5, abs=1e-9) and b == pytest.approx(2.75, abs=1e-9)
     a_all, _ = fixed_cost.fit_line(rows, 1)
     assert abs(a_all - 11.5) > 1.0
+
+
+def test_the_streaming_share_counts_one_tile_per_program():
+    """``streaming_share``: 2,048 programs' 32-token tiles of the format's bytes per token-head
+    over the slope, against the copy bandwidth (4bit_nc at 2.63 us per tile-step and 4.28 TB/s:
+    session 47's 78%)."""
+    share = fixed_cost.streaming_share("4bit_nc", 2.63, 4.28e12)
+    step_bytes = 2048 * 32 * get_format("4bit_nc").bytes_per_token_head(128)
+    assert share == pytest.approx(step_bytes / 2.63e-6 / 4.28e12, rel=1e-12)
+    assert 0.77 < share < 0.79
+
+
+@pytest.mark.parametrize("name", ["4bit_nc", "k8v4"])
+def test_the_decode_shape_is_2048_programs_of_the_given_tiles(name):
+    """B = 16 x 16 splits x Hk 8 at ``tiles`` x 32 tokens per split: the plan keeps the 16
+    splits (2,048 programs), one tile is the one-tile path and from 8 tiles on (where the fit
+    starts) the splits stream with the query prepared by its own launch (rotated keys) or
+    scaled in the split kernel (8-bit keys), the same plan at every count the fit takes."""
+    fmt = get_format(name)
+    plans = {}
+    for tiles in (1, 4, 8, 16, 64):
+        seq = fixed_cost.SPLITS * tiles * fixed_cost.BLOCK_N
+        pages = fixed_cost.BATCH * seq // 16
+        cache = fmt.allocate(pages, 8, 16, 128, "meta")
+        q = torch.empty(fixed_cost.BATCH, 32, 128, dtype=torch.bfloat16, device="meta")
+        table = torch.empty(fixed_cost.BATCH, seq // 16, dtype=torch.int32, device="meta")
+        plan = decode.plan_for(fmt, q, cache, table, fixed_cost.SPLITS, fast=True)
+        assert plan.num_splits == fixed_cost.SPLITS
+        plans[tiles] = (plan.one_tile, plan.query)
+    assert fixed_cost.PROGRAMS == 2048
+    streaming = QueryMode.PREPARED if fmt.key.rotated else QueryMode.SCALED
+    assert plans[1][0]
+    assert plans[8] == plans[16] == plans[64] == (False, streaming)
 
 
 def test_a_fit_of_fewer_than_two_counts_is_refused_before_any_work():
