@@ -177,6 +177,18 @@ def window_rings(inputs, window: int, sinks: int = 0) -> list:
     return rings
 
 
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"BxS"`` -> ``(B, S)``: the ``type`` of the decode benchmarks' ``--shapes`` (a cache of B
+    sequences of S tokens in whole pages)."""
+    try:
+        batch, seq = (int(x) for x in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes BxS, e.g. 1x131072, got {text!r}") from None
+    if batch < 1 or seq < PAGE_SIZE or seq % PAGE_SIZE:
+        raise argparse.ArgumentTypeError(f"{text}: B >= 1 and S a multiple of {PAGE_SIZE}")
+    return batch, seq
+
+
 def default_splits(batch: int, seq: int) -> int:
     """The split count a cache of ``batch`` x ``seq`` positions gets by default."""
     return api.default_num_splits(batch, NUM_KV_HEADS, seq // PAGE_SIZE, PAGE_SIZE, 0, "cuda")
@@ -387,7 +399,7 @@ def plot(payload: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="*", default=list(FORMATS))
-    parser.add_argument("--shapes", nargs="*", help="BxS, e.g. 1x131072")
+    parser.add_argument("--shapes", nargs="*", type=parse_shape, help="BxS, e.g. 1x131072")
     parser.add_argument("--sweep", action="store_true", help="tune block/warps/stages/splits")
     parser.add_argument(
         "--windows",
@@ -417,10 +429,9 @@ def main() -> None:
         plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return
     require_cuda("benchmarks/decode.py")
-    shapes = SHAPES
-    if args.shapes:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
-    payload = run(args.formats, shapes, args.sweep, args.windows, args.tokens, args.sinks)
+    payload = run(
+        args.formats, args.shapes or SHAPES, args.sweep, args.windows, args.tokens, args.sinks
+    )
     path = write_json(args.out, payload)
     print(f"wrote {path}")
     try:

@@ -35,7 +35,7 @@ from custom_ops import api, reference  # noqa: E402
 from custom_ops.formats import FORMATS, get_format  # noqa: E402
 
 FORMATS_DEFAULT = ["4bit_nc", "3bit_nc", "tq3_nc", "tqk5v3_nc", "k8v4"]
-SHAPES_DEFAULT = ["4x8192", "1x32768", "1x131072", "165x8192"]
+SHAPES_DEFAULT = [(4, 8192), (1, 32768), (1, 131072), (165, 8192)]
 
 
 def relative_errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -45,8 +45,9 @@ def relative_errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]
     return rms, (err.abs().max() / ref.double().abs().max()).item()
 
 
-def measure(name: str, batch: int, seq: int, splits: int | None, seed: int) -> dict:
-    """One format at one shape and split count: the row of the table."""
+def measure(name: str, batch: int, seq: int, splits: int, seed: int) -> dict:
+    """One format at one shape and split count (0: the cache's default): the row of the
+    table."""
     torch.manual_seed(seed)
     fmt = get_format(name)
     cache, consts, table, lens = bench.filled_cache(fmt, batch, seq)
@@ -90,28 +91,25 @@ def plot(payload: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=FORMATS_DEFAULT, choices=sorted(FORMATS))
-    parser.add_argument("--shapes", nargs="+", default=SHAPES_DEFAULT, help="BxS, e.g. 1x131072")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        type=bench.parse_shape,
+        default=SHAPES_DEFAULT,
+        help="BxS, e.g. 1x131072",
+    )
     parser.add_argument(
         "--splits", nargs="+", type=int, default=[0], help="split counts (0: the cache's default)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="decode_error.json")
     args = parser.parse_args()
-    shapes = []
-    for text in args.shapes:
-        try:
-            batch, seq = (int(x) for x in text.split("x"))
-        except ValueError:
-            parser.error(f"--shapes takes BxS, e.g. 1x131072, got {text!r}")
-        if batch < 1 or seq < bench.PAGE_SIZE or seq % bench.PAGE_SIZE:
-            parser.error(f"--shapes {text}: B >= 1 and S a multiple of {bench.PAGE_SIZE}")
-        shapes.append((batch, seq))
     if any(s < 0 or s & (s - 1) for s in args.splits):
         parser.error(f"--splits takes 0 or powers of two, got {args.splits}")
     require_cuda("benchmarks/decode_error.py")
     rows = []
     for name in args.formats:
-        for batch, seq in shapes:
+        for batch, seq in args.shapes:
             for splits in args.splits:
                 row = measure(name, batch, seq, splits, args.seed)
                 print(

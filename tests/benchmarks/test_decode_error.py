@@ -29,8 +29,8 @@ def test_errors_are_relative_to_the_reference():
     "argv, message",
     [
         (["--splits", "3"], "--splits takes 0 or powers of two, got [3]"),
-        (["--shapes", "4by8192"], "--shapes takes BxS, e.g. 1x131072, got '4by8192'"),
-        (["--shapes", "4x100"], "--shapes 4x100: B >= 1 and S a multiple of 16"),
+        (["--shapes", "4by8192"], "--shapes: takes BxS, e.g. 1x131072, got '4by8192'"),
+        (["--shapes", "4x100"], "--shapes: 4x100: B >= 1 and S a multiple of 16"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_work(argv, message):
