@@ -24,6 +24,11 @@ This script measures that part and what it could be made of, in one run:
   block-table entry at an index the length gives, then a 4 KB row of the page that entry names
   (the chain a split program waits on before its first tile; every program's page a
   different one), from copies that defeat L2.
+* **merge floor**: what one kernel fewer per call would be worth if the merge moved into the
+  split kernel: each of 2,048 programs writes a 2 KB partial (four query rows of 128 fp32),
+  and the partials of each group of ``SPLITS`` programs (a sequence-head's splits) are summed
+  either by a kernel of their own (plain or under programmatic dependent launch) or by the
+  group's last program, found by an acquire-release count per group.
 
 Every timed graph replays at least ``MIN_CALLS`` calls (the decode's cache copies cycled), so
 that one replay's launch latency weighs alike in each; and a throw-away graph is captured first,
@@ -64,6 +69,7 @@ PROGRAMS = BATCH * SPLITS * bench.NUM_KV_HEADS  # 2,048: one wave of one-warp pr
 CALLS = 64  # calls per graph replay in the floors
 MIN_CALLS = 16  # calls per graph replay at least, in the decode's cells
 ROW_BYTES = 4096  # the load chain's row: about one tile of a 4-bit format's codes
+PARTIAL = 512  # a split's partial in the merge floor: GQA group 4 x D 128 fp32 (2 KB)
 
 
 @triton.jit
@@ -87,6 +93,61 @@ def _load_chain(lens_ptr, table_ptr, rows_ptr, out_ptr, PAGES: tl.constexpr, ROW
     page = tl.load(table_ptr + pid * PAGES + length % PAGES)
     words = tl.load(rows_ptr + page.to(tl.int64) * (ROW // 4) + tl.arange(0, ROW // 4))
     tl.store(out_ptr + pid, tl.sum(words, axis=0))
+
+
+@triton.jit
+def _write_partial(partials_ptr, PARTIAL: tl.constexpr, PDL: tl.constexpr):
+    """Each program's partial: ``PARTIAL`` fp32 ``pid + i``; under programmatic dependent launch
+    (``PDL``) the kernel after it (the merge) is released at once, as the split kernel does."""
+    if PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    i = tl.arange(0, PARTIAL)
+    tl.store(partials_ptr + pid * PARTIAL + i, (pid + i).to(tl.float32))
+
+
+@triton.jit
+def _sum_partials(partials_ptr, out_ptr, group, SPLITS: tl.constexpr, PARTIAL: tl.constexpr):
+    """``out[group] = the sum of the group's SPLITS partials``, read from L2 (``.cg``: a line an
+    earlier call left in this SM's L1 may be stale), four at a time (64 registers a lane for
+    a partial of 512)."""
+    CHUNK: tl.constexpr = min(4, SPLITS)
+    tl.static_assert(SPLITS % CHUNK == 0, "_sum_partials: whole chunks of 4")
+    i = tl.arange(0, PARTIAL)
+    total = tl.zeros([PARTIAL], tl.float32)
+    for first in range(0, SPLITS, CHUNK):
+        rows = (group * SPLITS + first + tl.arange(0, CHUNK))[:, None] * PARTIAL + i[None, :]
+        total += tl.sum(tl.load(partials_ptr + rows, cache_modifier=".cg"), axis=0)
+    tl.store(out_ptr + group * PARTIAL + i, total)
+
+
+@triton.jit
+def _merge_partials(
+    partials_ptr, out_ptr, SPLITS: tl.constexpr, PARTIAL: tl.constexpr, PDL: tl.constexpr
+):
+    """The merge as its own kernel, one program per group; under ``PDL`` it waits for the
+    partials' kernel before it reads."""
+    if PDL:
+        gdc_wait()
+    _sum_partials(partials_ptr, out_ptr, tl.program_id(0), SPLITS, PARTIAL)
+
+
+@triton.jit
+def _write_partial_counted(
+    partials_ptr, counts_ptr, out_ptr, SPLITS: tl.constexpr, PARTIAL: tl.constexpr
+):
+    """Each program writes its partial, then counts itself into its group (acquire-release, GPU
+    scope); the group's last program sums the group's partials and sets the count back to 0
+    for the next call (stream order makes that visible to it)."""
+    pid = tl.program_id(0)
+    group = pid // SPLITS
+    i = tl.arange(0, PARTIAL)
+    tl.store(partials_ptr + pid * PARTIAL + i, (pid + i).to(tl.float32))
+    tl.debug_barrier()  # every lane's stores before the count's release
+    arrived = tl.atomic_add(counts_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        _sum_partials(partials_ptr, out_ptr, group, SPLITS, PARTIAL)
+        tl.store(counts_ptr + group, 0)
 
 
 def decode_times(name: str, tiles: list[int]) -> list[dict]:
@@ -169,6 +230,37 @@ def launch_floors() -> list[dict]:
     return rows
 
 
+def merge_floors() -> list[dict]:
+    """us per call of 2,048 partials merged in groups of ``SPLITS``: by a merge kernel (plain,
+    or under programmatic dependent launch) or by each group's last program (one kernel)."""
+    groups = PROGRAMS // SPLITS
+    partials = torch.empty(PROGRAMS, PARTIAL, device="cuda")
+    out = torch.empty(groups, PARTIAL, device="cuda")
+    counts = torch.zeros(groups, dtype=torch.int32, device="cuda")
+    rows = []
+    for pdl in (False, True):
+
+        def call(pdl=pdl):
+            _write_partial[(PROGRAMS,)](partials, PARTIAL=PARTIAL, PDL=pdl, num_warps=1)
+            _merge_partials[(groups,)](
+                partials, out, SPLITS=SPLITS, PARTIAL=PARTIAL, PDL=pdl, num_warps=1, launch_pdl=pdl
+            )
+
+        label = f"partials, then a merge kernel{' under PDL' if pdl else ''}"
+        rows.append(dict(floor=label, us=bench.time_graph([call] * CALLS)))
+        print(f"merge floor, {label}: {rows[-1]['us']:.2f} us per call", flush=True)
+
+    def counted():
+        _write_partial_counted[(PROGRAMS,)](
+            partials, counts, out, SPLITS=SPLITS, PARTIAL=PARTIAL, num_warps=1
+        )
+
+    label = "partials merged by each group's last program (one kernel)"
+    rows.append(dict(floor=label, us=bench.time_graph([counted] * CALLS)))
+    print(f"merge floor, {label}: {rows[-1]['us']:.2f} us per call", flush=True)
+    return rows
+
+
 def plot(payload: dict, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -211,7 +303,7 @@ def main() -> None:
         share = streaming_share(name, b, copy_bps)
         fits[name] = dict(a_us=a, b_us=b, streaming_share_of_copy=share)
         decode_rows += rows
-    floors = launch_floors()
+    floors = launch_floors() + merge_floors()
     print(f"\n{gpu_name()}, copy bandwidth {copy_bps / 1e12:.2f} TB/s")
     print_table(
         [dict(format=n, **f) for n, f in fits.items()],
