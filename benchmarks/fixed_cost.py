@@ -23,7 +23,7 @@ This script measures that part and what it could be made of, in one run:
 * **load chain**: one kernel of 2,048 one-warp programs that each read a length, then a
   block-table entry at an index the length gives, then a 4 KB row of the page that entry names
   (the chain a split program waits on before its first tile; every program's page a
-  different one), from copies that defeat L2.
+  different one), from copies that defeat L2;
 * **merge floor**: what one kernel fewer per call would be worth if the merge moved into the
   split kernel: each of 2,048 programs writes a 2 KB partial (four query rows of 128 fp32),
   and the partials of each group of ``SPLITS`` programs (a sequence-head's splits) are summed
@@ -96,28 +96,33 @@ def _load_chain(lens_ptr, table_ptr, rows_ptr, out_ptr, PAGES: tl.constexpr, ROW
 
 
 @triton.jit
-def _write_partial(partials_ptr, PARTIAL: tl.constexpr, PDL: tl.constexpr):
-    """Each program's partial: ``PARTIAL`` fp32 ``pid + i``; under programmatic dependent launch
-    (``PDL``) the kernel after it (the merge) is released at once, as the split kernel does."""
-    if PDL:
-        gdc_launch_dependents()
+def _store_partial(partials_ptr, PARTIAL: tl.constexpr):
+    """This program's partial: ``PARTIAL`` fp32 ``pid + i`` (the same code in both floors)."""
     pid = tl.program_id(0)
     i = tl.arange(0, PARTIAL)
     tl.store(partials_ptr + pid * PARTIAL + i, (pid + i).to(tl.float32))
 
 
 @triton.jit
+def _write_partial(partials_ptr, PARTIAL: tl.constexpr, PDL: tl.constexpr):
+    """Each program's partial; under programmatic dependent launch (``PDL``) the kernel after
+    it (the merge) is released at once, as the split kernel does."""
+    if PDL:
+        gdc_launch_dependents()
+    _store_partial(partials_ptr, PARTIAL)
+
+
+@triton.jit
 def _sum_partials(partials_ptr, out_ptr, group, SPLITS: tl.constexpr, PARTIAL: tl.constexpr):
-    """``out[group] = the sum of the group's SPLITS partials``, read from L2 (``.cg``: a line an
-    earlier call left in this SM's L1 may be stale), four at a time (64 registers a lane for
-    a partial of 512)."""
+    """``out[group] = the sum of the group's SPLITS partials``, four at a time (64 registers a
+    lane for a partial of 512), unrolled so that both floors issue the same loads."""
     CHUNK: tl.constexpr = min(4, SPLITS)
-    tl.static_assert(SPLITS % CHUNK == 0, "_sum_partials: whole chunks of 4")
+    tl.static_assert(SPLITS % CHUNK == 0, "SPLITS: a multiple of 4, or a power of two below it")
     i = tl.arange(0, PARTIAL)
     total = tl.zeros([PARTIAL], tl.float32)
-    for first in range(0, SPLITS, CHUNK):
+    for first in tl.static_range(0, SPLITS, CHUNK):
         rows = (group * SPLITS + first + tl.arange(0, CHUNK))[:, None] * PARTIAL + i[None, :]
-        total += tl.sum(tl.load(partials_ptr + rows, cache_modifier=".cg"), axis=0)
+        total += tl.sum(tl.load(partials_ptr + rows), axis=0)
     tl.store(out_ptr + group * PARTIAL + i, total)
 
 
@@ -137,13 +142,14 @@ def _write_partial_counted(
     partials_ptr, counts_ptr, out_ptr, SPLITS: tl.constexpr, PARTIAL: tl.constexpr
 ):
     """Each program writes its partial, then counts itself into its group (acquire-release, GPU
-    scope); the group's last program sums the group's partials and sets the count back to 0
-    for the next call (stream order makes that visible to it)."""
-    pid = tl.program_id(0)
-    group = pid // SPLITS
-    i = tl.arange(0, PARTIAL)
-    tl.store(partials_ptr + pid * PARTIAL + i, (pid + i).to(tl.float32))
-    tl.debug_barrier()  # every lane's stores before the count's release
+    scope: the acquire also drops the SM's L1 lines, so the last program reads every partial
+    from L2); the group's last program sums the group's partials and sets the count back to 0.
+    The next call sees that 0 because its kernel is launched plainly, after this one ends: a
+    call chained to this one by programmatic dependent launch would need the reset ordered
+    before its wait."""
+    group = tl.program_id(0) // SPLITS
+    _store_partial(partials_ptr, PARTIAL)
+    tl.debug_barrier()  # every lane's stores before lane 0's release
     arrived = tl.atomic_add(counts_ptr + group, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLITS - 1:
         _sum_partials(partials_ptr, out_ptr, group, SPLITS, PARTIAL)
@@ -247,8 +253,9 @@ def merge_floors() -> list[dict]:
             )
 
         label = f"partials, then a merge kernel{' under PDL' if pdl else ''}"
-        rows.append(dict(floor=label, us=bench.time_graph([call] * CALLS)))
-        print(f"merge floor, {label}: {rows[-1]['us']:.2f} us per call", flush=True)
+        us = bench.time_graph([call] * CALLS)
+        rows.append(dict(floor=label, us=us))
+        print(f"merge floor, {label}: {us:.2f} us per call", flush=True)
 
     def counted():
         _write_partial_counted[(PROGRAMS,)](
@@ -256,8 +263,9 @@ def merge_floors() -> list[dict]:
         )
 
     label = "partials merged by each group's last program (one kernel)"
-    rows.append(dict(floor=label, us=bench.time_graph([counted] * CALLS)))
-    print(f"merge floor, {label}: {rows[-1]['us']:.2f} us per call", flush=True)
+    us = bench.time_graph([counted] * CALLS)
+    rows.append(dict(floor=label, us=us))
+    print(f"merge floor, {label}: {us:.2f} us per call", flush=True)
     return rows
 
 
@@ -275,7 +283,7 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("tiles of 32 tokens per program (2,048 programs)")
     ax.set_ylabel("us per decode call")
-    ax.set_title(f"Fixed cost per decode call ({payload['gpu']}; dotted: launch floors)")
+    ax.set_title(f"Fixed cost per decode call ({payload['gpu']}; dotted: floors)")
     ax.legend(fontsize=8)
     save_figure(fig, path)
 

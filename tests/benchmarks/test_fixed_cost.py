@@ -101,16 +101,25 @@ def test_both_merges_sum_each_groups_partials(kernel_device):
     """The merge floor's two ways give the same sums: ``_write_partial`` then
     ``_merge_partials`` (on a GPU also under programmatic dependent launch), and
     ``_write_partial_counted``, whose last program of each group merges and sets the group's
-    count back to 0, so that a second call merges again (outputs poisoned before each call)."""
+    count back to 0, so that a second call merges again. Partials and outputs are poisoned
+    before every launch; two chunks of 4 partials per group. A launch one program short leaves
+    the first group unmerged and its count at 7 (the interpreter runs programs in order, so
+    this is what catches a wrong group or an early merge on a CPU; the barrier and the
+    acquire-release order only a GPU run can show)."""
     device = kernel_device
-    splits, partial, groups = 4, 8, 3
+    splits, partial, groups = 8, 8, 3
     programs = splits * groups
     pids = torch.arange(programs, dtype=torch.float32)[:, None]
     written = pids + torch.arange(partial, dtype=torch.float32)[None, :]
     expected = written.view(groups, splits, partial).sum(dim=1)
-    partials = torch.full((programs, partial), float("nan"), device=device)
+    partials = torch.empty(programs, partial, device=device)
+
+    def poisoned():
+        partials.fill_(float("nan"))
+        return torch.full((groups, partial), float("nan"), device=device)
+
     for pdl in (False, True) if device == "cuda" else (False,):
-        out = torch.full((groups, partial), float("nan"), device=device)
+        out = poisoned()
         fixed_cost._write_partial[(programs,)](partials, PARTIAL=partial, PDL=pdl, num_warps=1)
         fixed_cost._merge_partials[(groups,)](
             partials, out, SPLITS=splits, PARTIAL=partial, PDL=pdl, num_warps=1, launch_pdl=pdl
@@ -118,9 +127,15 @@ def test_both_merges_sum_each_groups_partials(kernel_device):
         assert torch.equal(out.cpu(), expected)
     counts = torch.zeros(groups, dtype=torch.int32, device=device)
     for _ in range(2):
-        out = torch.full((groups, partial), float("nan"), device=device)
+        out = poisoned()
         fixed_cost._write_partial_counted[(programs,)](
             partials, counts, out, SPLITS=splits, PARTIAL=partial, num_warps=1
         )
         assert torch.equal(out.cpu(), expected)
         assert counts.tolist() == [0] * groups
+    out = poisoned()
+    fixed_cost._write_partial_counted[(splits - 1,)](
+        partials, counts, out, SPLITS=splits, PARTIAL=partial, num_warps=1
+    )
+    assert out.isnan().all()
+    assert counts.tolist() == [splits - 1] + [0] * (groups - 1)
