@@ -150,6 +150,26 @@ def write_json(path: str | Path, payload: Any) -> Path:
     return out
 
 
+def write_results(
+    path: str | Path, payload: Any, plot: Callable[[Any, Path], None] | None, replot: str = ""
+) -> Path:
+    """Write ``payload`` as JSON (:func:`write_json`), print where, and draw its PNG beside it
+    with ``plot(payload, png_path)`` where ``plot`` is given; matplotlib is optional, so
+    without it say that there is no PNG (and ``replot``, the command that draws it later).
+
+    Returns:
+        The JSON's path.
+    """
+    out = write_json(path, payload)
+    print(f"wrote {out}")
+    if plot is not None:
+        try:
+            plot(payload, out.with_suffix(".png"))
+        except ImportError:
+            print(f"matplotlib not installed: no PNG{f' ({replot})' if replot else ''}")
+    return out
+
+
 def pyplot():
     """matplotlib's ``pyplot`` on the file-only Agg backend, imported when a plot is drawn
     (matplotlib is optional)."""

@@ -47,7 +47,7 @@ from common import (  # noqa: E402
     pyplot,
     require_cuda,
     save_figure,
-    write_json,
+    write_results,
 )
 
 from custom_ops import api  # noqa: E402
@@ -432,12 +432,7 @@ def main() -> None:
     payload = run(
         args.formats, args.shapes or SHAPES, args.sweep, args.windows, args.tokens, args.sinks
     )
-    path = write_json(args.out, payload)
-    print(f"wrote {path}")
-    try:
-        plot(payload, path.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed: no PNG (python benchmarks/decode.py --plot JSON later)")
+    write_results(args.out, payload, plot, "python benchmarks/decode.py --plot JSON later")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode as bench  # noqa: E402
-from common import gpu_name, print_table, pyplot, require_cuda, save_figure, write_json  # noqa: E402
+from common import gpu_name, print_table, pyplot, require_cuda, save_figure, write_results  # noqa: E402
 
 from custom_ops import api, reference  # noqa: E402
 from custom_ops.formats import FORMATS, get_format  # noqa: E402
@@ -124,12 +124,7 @@ def main() -> None:
     columns = {"format": "", "shape": "", "splits": "d", "tokens_per_split": "d"}
     print_table(rows, {**columns, "rel_rms": ".3e", "rel_max": ".3e"})
     payload = dict(gpu=gpu_name(), seed=args.seed, rows=rows)
-    out = write_json(args.out, payload)
-    print(f"wrote {out}")
-    try:
-        plot(payload, out.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed: no PNG")
+    write_results(args.out, payload, plot)
 
 
 if __name__ == "__main__":

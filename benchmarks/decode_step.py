@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import capture, gpu_name, print_table, pyplot, require_cuda, save_figure, write_json
+from common import capture, gpu_name, print_table, pyplot, require_cuda, save_figure, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -151,12 +151,7 @@ def main() -> None:
     ]
     print_table(shown, dict(format="", batch="d", context="d", separate="", fused="", ratio=".2f"))
     payload = dict(gpu=gpu_name(), layers=args.layers, rows=rows)
-    path = write_json(args.out, payload)
-    print(f"wrote {path}")
-    try:
-        plot(payload, path.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed: no PNG")
+    write_results(args.out, payload, plot)
 
 
 if __name__ == "__main__":

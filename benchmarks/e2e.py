@@ -80,7 +80,7 @@ from common import (  # noqa: E402
     require_cuda,
     save_figure,
     time_in_process,
-    write_json,
+    write_results,
 )
 from profiling import attention_kernels, kernel_table  # noqa: E402
 
@@ -819,13 +819,12 @@ def main() -> None:
         if args.capacity_gb:  # the batch comes from the budget: no context to trade for it
             del columns["max_context"]
         print_table([_printable(r) for r in payload["rows"]], columns)
-    path = write_json(args.out, payload)
-    print(f"wrote {path}")
-    if payload["rows"]:
-        try:
-            plot_run(payload, path.with_suffix(".png"))
-        except ImportError:
-            print("matplotlib not installed: no PNG (python benchmarks/e2e.py --plot JSON)")
+    write_results(
+        args.out,
+        payload,
+        plot_run if payload["rows"] else None,
+        "python benchmarks/e2e.py --plot JSON",
+    )
 
 
 if __name__ == "__main__":

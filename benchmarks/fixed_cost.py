@@ -59,7 +59,7 @@ from common import (  # noqa: E402
     pyplot,
     require_cuda,
     save_figure,
-    write_json,
+    write_results,
 )
 
 from custom_ops.formats import get_format  # noqa: E402
@@ -328,12 +328,7 @@ def main() -> None:
         fits=fits,
         floors=floors,
     )
-    out = write_json(args.out, payload)
-    print(f"wrote {out}")
-    try:
-        plot(payload, out.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed: no PNG")
+    write_results(args.out, payload, plot)
 
 
 if __name__ == "__main__":

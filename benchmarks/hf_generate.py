@@ -61,7 +61,7 @@ from common import (  # noqa: E402
     require_cuda,
     save_figure,
     time_in_process,
-    write_json,
+    write_results,
 )
 from profiling import attention_kernels, kernel_table  # noqa: E402
 
@@ -460,12 +460,7 @@ def main() -> None:
             peak_gb="",
         ),
     )
-    path = write_json(args.out, payload)
-    print(f"wrote {path}")
-    try:
-        plot(payload, path.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed: no PNG (python benchmarks/hf_generate.py --plot JSON)")
+    write_results(args.out, payload, plot, "python benchmarks/hf_generate.py --plot JSON")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import sys
@@ -48,7 +49,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import gpu_name, print_table, write_json  # noqa: E402
+from common import gpu_name, print_table, write_results  # noqa: E402
 from e2e import BASELINE, MODES, _printable, plot, run_cells  # noqa: E402
 
 from examples.model import ModelArgs, Transformer, init_weights  # noqa: E402
@@ -148,12 +149,7 @@ def report(payload: dict, out: str) -> None:
             f"{text['tp_speedup']} vs one GPU at B={c['single_batch']} "
             f"{text['single_speedup']} (ratio {text['tp_over_single']})"
         )
-    path = write_json(out, payload)
-    print(f"wrote {path}")
-    try:
-        plot(payload, path.with_suffix(".png"), cell=_setting, label=_setting_label)
-    except ImportError:
-        print("matplotlib not installed: no PNG")
+    write_results(out, payload, functools.partial(plot, cell=_setting, label=_setting_label))
 
 
 def main() -> None:
