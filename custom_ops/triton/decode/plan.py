@@ -499,8 +499,9 @@ def plan_decode(
     q_code_columns = 0
     if query == QueryMode.PREPARED:
         q_code_columns = keys.PARTS * keys.PC_PAD
+        block_q, block_c = prep.prep_blocks(num_rows)
         prep_launch = KernelLaunch(
-            (triton.cdiv(num_rows, prep.BLOCK_Q), q_code_columns // prep.BLOCK_C),
+            (triton.cdiv(num_rows, block_q), q_code_columns // block_c),
             Launcher(
                 prep.prep_query_kernel,
                 dict(
@@ -508,8 +509,8 @@ def plan_decode(
                     PARTS=keys.PARTS,
                     PC=keys.PC,
                     PC_PAD=keys.PC_PAD,
-                    BLOCK_Q=prep.BLOCK_Q,
-                    BLOCK_C=prep.BLOCK_C,
+                    BLOCK_Q=block_q,
+                    BLOCK_C=block_c,
                 ),
             ),
         )
