@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import decode_case, longer_table
+from helpers import clone_cache, decode_case, longer_table
 
 from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode import QueryMode
@@ -37,8 +37,9 @@ def test_prepared_query_of_each_block_shape(
     fmt, consts, cache, table, _, _ = decode_case(fmt_name, head_dim, 2, seeded)
     q = torch.randn(batch, 4, head_dim, generator=seeded).to(torch.bfloat16)
     table = longer_table(table)[torch.arange(batch) % table.shape[0]]
-    device_cache = type(cache)(*(p.to(kernel_device) for p in cache))
-    plan = triton_decode.plan_for(fmt, q.to(kernel_device), device_cache, table, 2)
+    plan = triton_decode.plan_for(
+        fmt, q.to(kernel_device), clone_cache(cache, kernel_device), table, 2
+    )
     assert plan.query == QueryMode.PREPARED
     keys = plan.keys
     columns = keys.PARTS * keys.PC_PAD
