@@ -52,8 +52,10 @@ from custom_ops.triton.decode.query import (
     rotated_parts,
 )
 from custom_ops.triton.decode.softmax import (
+    LANE_ROW_STRIDE,
     RESCALE_SLACK,
     causal_ends,
+    lane_row_sums,
     mask_scores,
     needs_rescale,
     partial_normalizer,
@@ -176,14 +178,16 @@ def _compressed_pass(
     ) = tiles
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     m_sub = tl.zeros([G_PAD], tl.float32)  # m_i, 0 where -inf: what exp2 subtracts
-    l_i = tl.zeros([G_PAD], tl.float32)
+    # l and the zero term's sum as each lane's share, [8, G_PAD] (softmax.lane_row_sums),
+    # summed over the 8 rows once, after the loop
+    l_rows = tl.zeros([LANE_ROW_STRIDE, G_PAD], tl.float32)
     # O^T = V^T @ P^T per value part: [V_PC_PAD, G_PAD] float32
     V_PC_PAD: tl.constexpr = V.PC_PAD
     acc0 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
     acc1 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
     acc2 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
     acc3 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
-    zero_acc = tl.zeros([G_PAD], tl.float32)
+    zero_rows = tl.zeros([LANE_ROW_STRIDE, G_PAD], tl.float32)
     v_seen = tl.zeros([BLOCK_N], tl.float32)  # per lane: no cross-lane step in the loop
     # 3-bit Lloyd-Max values as the grid's integers in streaming splits (H200: 5-8% at long
     # contexts); a one-tile split keeps their levels, where the zero term's reduction would
@@ -270,8 +274,8 @@ def _compressed_pass(
         tile_max = tl.max(tile_max, axis=0)
         if needs_rescale(tile_max, m_i):
             m_i, m_sub, alpha = softmax_rescale(tile_max, m_i)
-            l_i *= alpha
-            zero_acc *= alpha
+            l_rows *= alpha[None, :]
+            zero_rows *= alpha[None, :]
             acc0 *= alpha[None, :]
             acc1 *= alpha[None, :]
             acc2 *= alpha[None, :]
@@ -281,11 +285,11 @@ def _compressed_pass(
         if SUBTILES == 2:
             p_b = tl.math.exp2(scores_b - m_sub[None, :])
             p_sum = p_a + p_b
-        l_i += tl.sum(p_sum, axis=0)
+        l_rows += lane_row_sums(p_sum)
         if v_mul_a is None:
             v_mul_a = value_multipliers(m_row_a, valid_a, V)
         v_seen = tl.maximum(v_seen, v_mul_a)
-        acc0, acc1, acc2, acc3, zero_acc = compressed_values(
+        acc0, acc1, acc2, acc3, zero_rows = compressed_values(
             p_a,
             v_mul_a,
             inv_unit,
@@ -297,7 +301,7 @@ def _compressed_pass(
             acc1,
             acc2,
             acc3,
-            zero_acc,
+            zero_rows,
             v_plane,
             PAGE_SIZE,
             TOKEN_RUN,
@@ -312,7 +316,7 @@ def _compressed_pass(
         if SUBTILES == 2:
             v_mul_b = value_multipliers(m_row_b, valid_b, V)
             v_seen = tl.maximum(v_seen, v_mul_b)
-            acc0, acc1, acc2, acc3, zero_acc = compressed_values(
+            acc0, acc1, acc2, acc3, zero_rows = compressed_values(
                 p_b,
                 v_mul_b,
                 inv_unit,
@@ -324,7 +328,7 @@ def _compressed_pass(
                 acc1,
                 acc2,
                 acc3,
-                zero_acc,
+                zero_rows,
                 v_plane,
                 PAGE_SIZE,
                 TOKEN_RUN,
@@ -336,6 +340,8 @@ def _compressed_pass(
                 SUBNORMAL_VALUES,
                 pages_b,
             )
+    l_i = tl.sum(l_rows, axis=0)
+    zero_acc = tl.sum(zero_rows, axis=0)
     return m_i, l_i, acc0, acc1, acc2, acc3, zero_acc, tl.max(v_seen, axis=0)
 
 

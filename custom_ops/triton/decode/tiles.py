@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.triton.decode.codes import decode_int8_keys, decode_tile
-from custom_ops.triton.decode.softmax import mask_scores
+from custom_ops.triton.decode.softmax import lane_row_sums, mask_scores
 from custom_ops.triton.kinds import UNIFORM
 
 __all__ = [
@@ -210,9 +210,9 @@ def compressed_scores(
         for part in tl.static_range(1, PARTS):
             high = tl.dot(keys[part], his[part], high, out_dtype=tl.int32)
             low = tl.dot(keys[part], los[part], low, out_dtype=tl.int32)
-        scores = ((high * 254 + low).to(tl.float32) + half_sum[None, :]) * (
-            q_step * (K.INT8_UNIT / 254.0)
-        )[None, :]
+        # one FFMA per score: the half-sum term is scaled once per row, not added per score
+        q_unit = q_step * (K.INT8_UNIT / 254.0)
+        scores = (high * 254 + low).to(tl.float32) * q_unit[None, :] + (half_sum * q_unit)[None, :]
     else:
         q0, q1, q2, q3 = qs
         k0, k1, k2, k3 = decode_tile(k_codes_ptr, k_rows, k_byte, k_byte < K.PC, K, D, 1, 1)
@@ -379,7 +379,7 @@ def compressed_values(
     acc1,
     acc2,
     acc3,
-    zero_acc,
+    zero_rows,
     v_plane,
     PAGE_SIZE: tl.constexpr,
     TOKEN_RUN: tl.constexpr,
@@ -395,18 +395,20 @@ def compressed_values(
     ``v_rel = v_mul * inv_unit``, the tokens' value multipliers ``v_mul [BLOCK_N]`` relative to
     the accumulators' unit, which the split kernel keeps within ``[2**-10, 2**11]`` (``p <=
     2**4``), so that the fp16 products neither overflow nor flush to zero whatever the values'
-    magnitude), and ``sum(p * v_zero)`` (absolute) to ``zero_acc`` for uniform values
-    (``v_zero``: their zeros if loaded ahead, :func:`tile_scalars`; None: loaded here).
+    magnitude), and ``sum(p * v_zero)`` (absolute) to ``zero_rows`` for uniform values
+    (``v_zero``: their zeros if loaded ahead, :func:`tile_scalars`; None: loaded here), whose
+    ``[8, G_PAD]`` rows are each lane's share of that sum
+    (:func:`~custom_ops.triton.decode.softmax.lane_row_sums`).
 
     ``INTEGERS`` (3-bit Lloyd-Max values, ``V.INTEGER_SCALE``): the values enter as the grid's
     integers ``k / S`` (:func:`~custom_ops.triton.decode.codes.decode_tile`'s ``INTEGERS``:
     fewer instructions than their levels), the multipliers take ``unit * S`` (1 to 1.75, the
     unit's 3 significant bits: ``p * v_rel`` times it stays below 1.75 * 2**15, within fp16's
-    range) and each level's ``unit / 2`` goes to ``zero_acc`` as ``v_zero = v_mul * unit /
+    range) and each level's ``unit / 2`` goes to ``zero_rows`` as ``v_zero = v_mul * unit /
     2``. ``SUBNORMAL`` (3- and 4-bit uniform values): the codes enter as fp16 subnormals, and
     part ``i``'s accumulator is in units of ``1 /`` its
     :func:`~custom_ops.triton.decode.codes.subnormal_part_scale` until the caller scales it
-    back (``zero_acc`` stays absolute).
+    back (``zero_rows`` stays absolute).
 
     ``VALUE_PAGES`` (a tile of two whole pages, ``BLOCK_N == 2 * PAGE_SIZE == 2 * TOKEN_RUN``):
     each page's value codes are loaded and multiplied as a tile of their own, so that the
@@ -435,9 +437,9 @@ def compressed_values(
     if V.KIND == UNIFORM:
         if v_zero is None:
             v_zero = value_zeros(m_row, valid, V)
-        zero_acc += tl.sum(p * v_zero[:, None], axis=0)
+        zero_rows += lane_row_sums(p * v_zero[:, None])
     if INTEGERS:
-        zero_acc += tl.sum(p * (v_mul * (V.INT8_UNIT * 0.5))[:, None], axis=0)
+        zero_rows += lane_row_sums(p * (v_mul * (V.INT8_UNIT * 0.5))[:, None])
         v_rel = v_rel * (V.INT8_UNIT * V.INTEGER_SCALE)
     pv = (p * v_rel[:, None]).to(tl.float16)
     if VALUE_PAGES:
@@ -463,7 +465,7 @@ def compressed_values(
         )
     else:
         acc0, acc1, acc2, acc3 = _value_products(parts, pv, acc0, acc1, acc2, acc3, V)
-    return acc0, acc1, acc2, acc3, zero_acc
+    return acc0, acc1, acc2, acc3, zero_rows
 
 
 @triton.jit
