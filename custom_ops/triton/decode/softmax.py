@@ -14,6 +14,7 @@ __all__ = [
     "softcap_scores",
     "needs_rescale",
     "softmax_rescale",
+    "LANE_ROWS",
     "lane_row_sums",
     "partial_normalizer",
 ]
@@ -116,21 +117,22 @@ def softmax_rescale(tile_max, m_i):
 
 # Rows of a tile one lane's share of a column sum gathers: a tensor-core accumulator of tokens
 # on M gives each lane rows r, r + 8, r + 16, ... (an m16 tile's halves, then its tiles).
-LANE_ROW_STRIDE = tl.constexpr(8)
+LANE_ROWS = tl.constexpr(8)
 
 
 @triton.jit
 def lane_row_sums(x):
     """``x [N, G]`` summed over its rows ``r + 8 i``: ``[8, G]``, whose column sums are
     ``x``'s. The split kernel keeps its running sums in this shape and sums the 8 rows once
-    per split: in the tensor cores' accumulator layout each lane holds rows ``r + 8 i``, so
-    these adds stay within a lane, where a column sum per tile took three cross-lane shuffles
-    per column (sm_90 SASS: 3bit_nc's streaming loop 755 -> 732 instructions, 4bit_nc 701 ->
-    677; docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program). The sum is the same
-    in any layout; only its cost depends on it."""
+    per split: in the tensor cores' accumulator layout of one warp on M each lane holds rows
+    ``r + 8 i``, so these adds stay within a lane, where a column sum per tile took three
+    cross-lane shuffles per column (sm_90 SASS, these sums alone: 3bit_nc's streaming loop 755
+    -> 732 instructions, 4bit_nc 701 -> 677;
+    docs/design/decode.md#tiles-tokens-on-m-one-warp-per-program). The sum is the same in any
+    layout; only its cost depends on it (with warps on M it still crosses warps)."""
     N: tl.constexpr = x.shape[0]
-    tl.static_assert(N % LANE_ROW_STRIDE == 0, "lane_row_sums: rows in groups of 8")
-    return tl.sum(tl.reshape(x, [N // LANE_ROW_STRIDE, LANE_ROW_STRIDE, x.shape[1]]), axis=0)
+    tl.static_assert(N % LANE_ROWS == 0, "lane_row_sums: rows in groups of 8")
+    return tl.sum(tl.reshape(x, [N // LANE_ROWS, LANE_ROWS, x.shape[1]]), axis=0)
 
 
 @triton.jit

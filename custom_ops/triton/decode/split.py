@@ -52,7 +52,7 @@ from custom_ops.triton.decode.query import (
     rotated_parts,
 )
 from custom_ops.triton.decode.softmax import (
-    LANE_ROW_STRIDE,
+    LANE_ROWS,
     RESCALE_SLACK,
     causal_ends,
     lane_row_sums,
@@ -180,14 +180,14 @@ def _compressed_pass(
     m_sub = tl.zeros([G_PAD], tl.float32)  # m_i, 0 where -inf: what exp2 subtracts
     # l and the zero term's sum as each lane's share, [8, G_PAD] (softmax.lane_row_sums),
     # summed over the 8 rows once, after the loop
-    l_rows = tl.zeros([LANE_ROW_STRIDE, G_PAD], tl.float32)
+    l_rows = tl.zeros([LANE_ROWS, G_PAD], tl.float32)
     # O^T = V^T @ P^T per value part: [V_PC_PAD, G_PAD] float32
     V_PC_PAD: tl.constexpr = V.PC_PAD
     acc0 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
     acc1 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
     acc2 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
     acc3 = tl.zeros([V_PC_PAD, G_PAD], tl.float32)
-    zero_rows = tl.zeros([LANE_ROW_STRIDE, G_PAD], tl.float32)
+    zero_rows = tl.zeros([LANE_ROWS, G_PAD], tl.float32)
     v_seen = tl.zeros([BLOCK_N], tl.float32)  # per lane: no cross-lane step in the loop
     # 3-bit Lloyd-Max values as the grid's integers in streaming splits (H200: 5-8% at long
     # contexts); a one-tile split keeps their levels, where the zero term's reduction would
