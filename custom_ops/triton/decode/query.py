@@ -149,20 +149,18 @@ def int8_query(q0, q1, q2, q3, PARTS: tl.constexpr, INTERLEAVED: tl.constexpr):
     k) + half_sum) * step * unit / 254`` with ``half_sum = sum(254 hi + lo) / 2``.
 
     The integer score is exact and rounds once, to float32, so the inline-PTX and plain-Triton
-    paths give the same bits: ``step`` is a power of two (made from
-    the exponent bits; a division would round differently on the GPU and under the
-    interpreter), the fp16 queries times ``1 / step`` keep 11 significant bits, so ``(x - hi) *
-    254`` is exact; ``half_sum`` is an integer sum below ``2**22``, the integer score is below
-    ``2**30`` (``|k| <= 128``: no int32 overflow at D 256), and its conversion to float32 is the
-    one rounding. The split kernel then scales it in one multiply-add, ``float(score) * s +
-    half_sum * s`` with ``s = step * unit / 254`` (``half_sum * s`` rounded once per row); the
-    GPU fuses it into one ``FFMA`` where the interpreter rounds the product and the sum apart,
-    so GPU and interpreter scores may differ in their last bit. A row with a NaN or infinite
-    query has a NaN or infinite ``half_sum`` (taken
-    from the float terms, before their int8 conversion), so its scores are not finite, as with
-    fp16 keys. ``INTERLEAVED``: the columns follow the inline PTX's key order, parts 0 and 1
-    paired for 4-bit keys, 0 and 2, 1 and 3 for 3- and 5-bit ones (the quarters one string
-    decodes together).
+    paths give the same bits: ``step`` is a power of two (made from the exponent bits; a division
+    would round differently on the GPU and under the interpreter), the fp16 queries times ``1 /
+    step`` keep 11 significant bits, so ``(x - hi) * 254`` is exact; ``half_sum`` is an integer sum
+    below ``2**22``, the integer score is below ``2**30`` (``|k| <= 128``: no int32 overflow at D
+    256), and its conversion to float32 is the one rounding. The split kernel then scales it in one
+    multiply-add, ``float(score) * s + half_sum * s`` with ``s = step * unit / 254`` (``half_sum *
+    s`` rounded once per row); the GPU fuses it into one ``FFMA`` where the interpreter rounds the
+    product and the sum apart, so GPU and interpreter scores may differ in their last bit. A row
+    with a NaN or infinite query has a NaN or infinite ``half_sum`` (taken from the float terms,
+    before their int8 conversion), so its scores are not finite, as with fp16 keys.
+    ``INTERLEAVED``: the columns follow the inline PTX's key order, parts 0 and 1 paired for 4-bit
+    keys, 0 and 2, 1 and 3 for 3- and 5-bit ones (the quarters one string decodes together).
 
     Args:
         q0: part 0 of the head dim, ``[G_PAD, PC_PAD]``.
