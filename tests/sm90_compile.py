@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import sys
 
 import torch
@@ -16,7 +17,7 @@ from custom_ops import api
 from custom_ops.formats import RecentWindow, get_format
 from custom_ops.triton import center, decode, dequant, prefill, store, store_window
 from custom_ops.triton.decode import verify
-from custom_ops.triton.decode.codes import part_params
+from custom_ops.triton.decode.codes import int8_keys, part_params
 from custom_ops.triton.decode.merge import MergeConfig, merge_arguments
 from custom_ops.triton.decode.merge_fill import merge_fill_arguments
 from custom_ops.triton.decode.plan import SplitConfig, StepMode, step_supported
@@ -218,8 +219,42 @@ def kernels(name: str) -> dict:
                     ),
                 )
             for kernel, (launch, args) in launches.items():
-                jobs[f"{kernel} ({label} splits, fast={fast})"] = _compile_job(launch, args)
+                job = _compile_job(launch, args)
+                keys = plan.keys
+                if (
+                    kernel == "split"
+                    and keys.ASM_INT8
+                    and int8_keys(keys.INT8_UNIT, keys.PC_PAD, plan.one_tile)
+                ):
+                    job = _int8_layout_checked(job)
+                jobs[f"{kernel} ({label} splits, fast={fast})"] = job
     return jobs
+
+
+# the operand types of a TTGIR dot with an int32 result: the int8 products of Q K^T
+_INT8_DOT = re.compile(r"tt\.dot .*-> tensor<[0-9x]+xi32")
+_KWIDTH = re.compile(r"xi8, #ttg\.dot_op<\{opIdx = \d, parent = #\w+, kWidth = (\d+)\}>")
+
+
+def _int8_layout_checked(compile_it):
+    """``compile_it`` (a split kernel with the inline PTX's int8 keys), then a check of its
+    int8 products' operand layout: 8 consecutive k per lane (``kWidth = 8``), the layout the 3-
+    and 5-bit key strings are written for. Triton picks it by a heuristic (its width from the
+    operands' loads, halved after a ``tl.join`` in their chain, which the query's
+    preparation has); from plain int8 loads it chose 4, and on the H200 the inline PTX's 3- and
+    5-bit keys no longer matched the plain decoding (docs/design/decode.md, "Integer keys")."""
+
+    def run():
+        compiled = compile_it()
+        dots = [line for line in compiled.asm["ttgir"].splitlines() if _INT8_DOT.search(line)]
+        widths = {width for line in dots for width in _KWIDTH.findall(line)}
+        if not dots or widths != {"8"}:
+            raise RuntimeError(
+                f"int8 products: {len(dots)} dots, operand kWidth {sorted(widths)}; want 8"
+            )
+        return compiled
+
+    return run
 
 
 def prefill_kernels() -> dict:

@@ -21,7 +21,9 @@ def test_every_kernel_compiles_for_sm90():
     run them under the interpreter, which accepts programs that the compiler rejects (seen: a
     tuple of floats passed to a jit helper; a NamedTuple's field in a tensor's shape;
     an early return in a constexpr branch; a 16-byte cp.async from rows Triton cannot tell
-    aligned)."""
+    aligned). The split kernels with the inline PTX's int8 keys must also give their int8
+    products the operand layout the PTX is written for (``kWidth = 8``, which Triton picks by
+    a heuristic; sm90_compile.py's ``_int8_layout_checked``)."""
     result = run_compiler_script("sm90_compile.py", *FORMATS)
     lines = result.stdout.splitlines()
     failed = [line for line in lines if "FAILED" in line]
