@@ -240,9 +240,10 @@ def _int8_layout_checked(compile_it):
     """``compile_it`` (a split kernel with the inline PTX's int8 keys), then a check of its
     int8 products' operand layout: 8 consecutive k per lane (``kWidth = 8``), the layout the 3-
     and 5-bit key strings are written for. Triton picks it by a heuristic (its width from the
-    operands' loads, halved after a ``tl.join`` in their chain, which the query's
-    preparation has); from plain int8 loads it chose 4, and on the H200 the inline PTX's 3- and
-    5-bit keys no longer matched the plain decoding (docs/design/decode.md, "Integer keys")."""
+    operands' loads, halved after a ``tl.join`` in their chain: the query's int8 rounding has
+    one in its interleave, the rotation in its butterfly); from plain int8 loads it chose 4,
+    and on the H200 the inline PTX's 3- and 5-bit keys no longer matched the plain decoding
+    (docs/design/decode.md, "Integer keys")."""
 
     def run():
         compiled = compile_it()
