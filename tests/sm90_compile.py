@@ -218,14 +218,11 @@ def kernels(name: str) -> dict:
                         HEADS,
                     ),
                 )
+            keys = plan.keys
+            ptx_int8_keys = keys.ASM_INT8 and int8_keys(keys.INT8_UNIT, keys.PC_PAD, plan.one_tile)
             for kernel, (launch, args) in launches.items():
                 job = _compile_job(launch, args)
-                keys = plan.keys
-                if (
-                    kernel == "split"
-                    and keys.ASM_INT8
-                    and int8_keys(keys.INT8_UNIT, keys.PC_PAD, plan.one_tile)
-                ):
+                if kernel == "split" and ptx_int8_keys:
                     job = _int8_layout_checked(job)
                 jobs[f"{kernel} ({label} splits, fast={fast})"] = job
     return jobs
