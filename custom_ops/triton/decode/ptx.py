@@ -384,6 +384,9 @@ def lut5_int8_asm(grid: Sequence[int], block: int) -> str:
     Returns:
         The PTX string (inputs ``$2`` plane bytes, ``$3`` ``low``, ``$4`` ``high``; outputs
         ``$0 $1`` in the interleaved order).
+
+    Raises:
+        ValueError: a magnitude above 127 (its flagged lookups would not be 0).
     """
     words = _int8_tables(grid)
     if max(grid) > 127:

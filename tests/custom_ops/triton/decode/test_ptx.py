@@ -156,6 +156,12 @@ def test_lut5_int8_asm(head_dim, block, seeded):
         assert ((decoded + 0.5) * unit).tolist() == [levels[c].item() for c in codes]
 
 
+def test_lut5_int8_asm_needs_magnitudes_below_128():
+    """A flagged lookup must give 0: a magnitude of 128 (bit 7 set) is refused."""
+    with pytest.raises(ValueError, match="up to 127"):
+        lut5_int8_asm([*range(15), 128], 0)
+
+
 def _codes3(plane_word: int, low_word: int, high_word: int, quarter: int) -> list[int]:
     """3-bit codes of quarter ``q``: bits 2q of the 2-bit plane bytes, bit 2q of the sign
     halves' bytes ``low | high >> 1``."""
