@@ -386,13 +386,14 @@ def lut5_int8_asm(grid: Sequence[int], block: int) -> str:
         ``$0 $1`` in the interleaved order).
 
     Raises:
-        ValueError: a magnitude above 127 (its flagged lookups would not be 0).
+        ValueError: ``grid`` not 16 magnitudes in 0..127 (above 127 a flagged lookup would not
+            be 0).
     """
-    words = _int8_tables(grid)
-    if max(grid) > 127:
+    if len(grid) != 16 or not all(0 <= r <= 127 for r in grid):
         raise ValueError(
-            f"grid: magnitudes up to 127 (a replicated byte must be 0), got {max(grid)}"
+            f"grid: 16 magnitudes in 0..127 (a replicated byte must be 0), got {list(grid)}"
         )
+    words = _int8_tables(grid)
     lines = [
         "{",
         ".reg .b32 t0, t1, t2, t3, a, b, m, f, k, u, sl, sh, o, oc;",
@@ -407,15 +408,15 @@ def lut5_int8_asm(grid: Sequence[int], block: int) -> str:
         "or.b32 u, u, $3;",
         f"shl.b32 sl, u, {7 - 2 * block};",
         f"shl.b32 sh, u, {3 - 2 * block};",
-        # m / f: the nibbles as selectors of the low / high table (f: bit 3 flipped)
-        "mov.b32 m, $2;",
+        # the nibbles as selectors of the low table ($2, then m) and, bit 3 flipped, of the
+        # high one (f)
         "xor.b32 f, $2, 0x88888888;",
     ]
     for half, out in enumerate(("$0", "$1")):
         if half:
-            lines += ["shr.b32 m, m, 16;", "shr.b32 f, f, 16;"]
+            lines += ["shr.b32 m, $2, 16;", "shr.b32 f, f, 16;"]
         lines += [
-            "prmt.b32 a, t0, t1, m;",
+            f"prmt.b32 a, t0, t1, {'m' if half else '$2'};",
             "prmt.b32 b, t2, t3, f;",
             f"prmt.b32 k, sl, sh, {_NIBBLE_ORDER[half] | _REPLICATE:#06x};",
             f"lop3.b32 {out}, a, b, k, {_A_OR_B_XOR_C:#x};",

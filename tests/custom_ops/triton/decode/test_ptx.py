@@ -157,9 +157,28 @@ def test_lut5_int8_asm(head_dim, block, seeded):
 
 
 def test_lut5_int8_asm_needs_magnitudes_below_128():
-    """A flagged lookup must give 0: a magnitude of 128 (bit 7 set) is refused."""
-    with pytest.raises(ValueError, match="up to 127"):
-        lut5_int8_asm([*range(15), 128], 0)
+    """A flagged lookup must give 0: a magnitude of 128 (bit 7 set), a negative one or a grid
+    of other than 16 is refused."""
+    for grid in ([*range(15), 128], [-1, *range(15)], list(range(15))):
+        with pytest.raises(ValueError, match="16 magnitudes in 0..127"):
+            lut5_int8_asm(grid, 0)
+
+
+@pytest.mark.parametrize("block", [0, 1])
+def test_lut5_int8_asm_top_magnitudes(block, seeded):
+    """Magnitudes up to 127, above the real grids' (113-119 at D 64-256): each code still gets
+    ``r`` or ``~r`` of its magnitude."""
+    grid = list(range(112, 128))
+    asm = lut5_int8_asm(grid, block)
+    for plane_word, low_word, high_word in _sign_cases(seeded):
+        regs = run(asm, {2: plane_word, 3: low_word, 4: high_word})
+        signs = [lo | hi >> 1 for lo, hi in zip(_bytes(low_word), _bytes(high_word), strict=True)]
+        expected = [
+            grid[(b >> (4 * half)) & 15] ^ (0xFF if (s >> (2 * block + 4 * half)) & 1 else 0)
+            for b, s in zip(_bytes(plane_word), signs, strict=True)
+            for half in (0, 1)
+        ]
+        assert _bytes(regs[0]) + _bytes(regs[1]) == expected
 
 
 def _codes3(plane_word: int, low_word: int, high_word: int, quarter: int) -> list[int]:
