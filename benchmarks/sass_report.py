@@ -6,6 +6,14 @@ compiles a kernel with Triton's bundled ptxas (no GPU needed), disassembles the 
 bundled nvdisasm, finds the innermost loop and reports its instruction mix divided by the
 tokens one iteration handles. Registers and spills come from the cubin's resource usage.
 
+It also sums the loop's *static stall cycles*: the cycles ptxas has a warp wait after each
+instruction for fixed-latency results (4 bits of each instruction's control code), which is
+one warp's issue schedule less its waits on variable latencies (memory, shared memory, MMA,
+shuffles). The decode loop is bound by latency with about one eligible warp per scheduler, so
+this predicted the 5-bit keys' whole-nibble lookups (1,757 -> 1,660 cycles, 1.035x-1.050x on
+an H200) better than the instruction count; it did not predict that right shifts as
+``IMAD.HI`` lose (docs/notes/2026-12-03-whole-nibble-lookups.md).
+
     python benchmarks/sass_report.py --format 4bit_nc --block-n 64
     python benchmarks/sass_report.py --format tqk5v3_nc --source-lines 12
 """
@@ -34,7 +42,10 @@ def disassemble(cubin: bytes) -> list[str]:
         f.write(cubin)
         f.flush()
         sass = subprocess.run(
-            [_tool("nvdisasm"), "-c", "-g", f.name], capture_output=True, text=True, check=True
+            [_tool("nvdisasm"), "-c", "-g", "-hex", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
     return sass.splitlines()
 
@@ -58,26 +69,37 @@ _LABEL = re.compile(r"^\.L_x_(\d+):")
 
 
 _SOURCE = re.compile(r'//## File "([^"]+)", line (\d+)')
+# ``nvdisasm -hex``: an instruction's high 64 bits on the line after it; bits 41-44 of that
+# word (105-108 of the instruction) are its stall count
+_HIGH_WORD = re.compile(r"^\s*/\* (0x[0-9a-f]{16}) \*/\s*$")
 
 
-def loops(lines: list[str]) -> list[list[tuple[str, str]]]:
-    """``(opcode, source line)`` of each instruction of each loop closed by a predicated
+def _stall(line: str) -> int:
+    """The stall cycles in the control code of the instruction whose high word is ``line``."""
+    m = _HIGH_WORD.match(line)
+    return (int(m.group(1), 16) >> 41) & 0xF if m else 0
+
+
+def loops(lines: list[str]) -> list[list[tuple[str, str, int]]]:
+    """``(opcode, source line, stall cycles)`` of each instruction of each loop closed by a
+    predicated
     backward branch, largest first (the streaming loop; with a ring read by the split kernel,
     the ring's loop is the second). Triton's loops end in their exit test; an unpredicated jump
     back comes from the out-of-line code of a divergent branch (``BRA.DIV``) and would span
     unrelated code. The source line (``file:line``, from ``nvdisasm -g``) is the innermost
     one Triton records: inlined helpers keep their own lines."""
     instrs, labels, source = [], {}, "?"
-    for line in lines:
+    for i, line in enumerate(lines):
         if m := _SOURCE.search(line):
             source = f"{os.path.basename(m.group(1))}:{m.group(2)}"
             continue
         if m := _LABEL.match(line.strip()):
             labels[m.group(1)] = len(instrs)
         if m := _INSTR.search(line):
-            instrs.append((m.group(3), bool(m.group(2)), line, source))
+            stall = _stall(lines[i + 1]) if i + 1 < len(lines) else 0
+            instrs.append((m.group(3), bool(m.group(2)), line, source, stall))
     found = []
-    for end, (op, predicated, line, _) in enumerate(instrs):
+    for end, (op, predicated, line, _, _) in enumerate(instrs):
         if (
             op.startswith("BRA")
             and predicated
@@ -86,14 +108,17 @@ def loops(lines: list[str]) -> list[list[tuple[str, str]]]:
         ):
             start = labels[m.group(1)]
             if start < end:
-                found.append([(op, where) for op, _, _, where in instrs[start : end + 1]])
+                found.append(
+                    [(op, where, stall) for op, _, _, where, stall in instrs[start : end + 1]]
+                )
     return sorted(found, key=len, reverse=True) or [[]]
 
 
 def report(compiled, tokens_per_iteration: int, title: str, source_lines: int = 0) -> dict:
     lines = disassemble(compiled.asm["cubin"])
     body, *others = loops(lines)
-    mix = collections.Counter(op.split(".")[0] for op, _ in body)
+    mix = collections.Counter(op.split(".")[0] for op, _, _ in body)
+    stalls = sum(stall for _, _, stall in body)
     per_token = len(body) / tokens_per_iteration
     print(f"{title}: {resource_usage(compiled.asm['cubin'])}")
     print(f"  shared memory: {compiled.metadata.shared} bytes")
@@ -103,19 +128,27 @@ def report(compiled, tokens_per_iteration: int, title: str, source_lines: int = 
     )
     top = ", ".join(f"{op} {n}" for op, n in mix.most_common(14))
     print(f"  mix: {top}")
+    print(f"  static stall cycles: {stalls} per iteration (one warp, fixed latencies only)")
     if others:
         print(f"  other loops (instructions): {[len(loop) for loop in others]}")
     if source_lines:
         # where the loop's instructions come from: the decode strings, the products, the softmax
         by_source = collections.defaultdict(collections.Counter)
-        for op, where in body:
+        stalls_by_source = collections.Counter()
+        for op, where, stall in body:
             by_source[where][op.split(".")[0]] += 1
+            stalls_by_source[where] += stall
         ranked = sorted(by_source.items(), key=lambda item: -item[1].total())
-        print(f"  by source line (top {source_lines}):")
+        print(f"  by source line (top {source_lines}; instructions, static stall cycles):")
         for where, ops in ranked[:source_lines]:
             top_ops = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
-            print(f"    {ops.total():5d}  {where}: {top_ops}")
-    return {"loop_instructions": len(body), "per_token": per_token, "mix": dict(mix)}
+            print(f"    {ops.total():5d} {stalls_by_source[where]:5d}  {where}: {top_ops}")
+    return {
+        "loop_instructions": len(body),
+        "per_token": per_token,
+        "mix": dict(mix),
+        "static_stall_cycles": stalls,
+    }
 
 
 def main() -> None:
