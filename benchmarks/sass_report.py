@@ -82,12 +82,12 @@ def _stall(line: str) -> int:
 
 def loops(lines: list[str]) -> list[list[tuple[str, str, int]]]:
     """``(opcode, source line, stall cycles)`` of each instruction of each loop closed by a
-    predicated
-    backward branch, largest first (the streaming loop; with a ring read by the split kernel,
-    the ring's loop is the second). Triton's loops end in their exit test; an unpredicated jump
-    back comes from the out-of-line code of a divergent branch (``BRA.DIV``) and would span
-    unrelated code. The source line (``file:line``, from ``nvdisasm -g``) is the innermost
-    one Triton records: inlined helpers keep their own lines."""
+    predicated backward branch, largest first (the streaming loop; with a ring read by the
+    split kernel, the ring's loop is the second). Triton's loops end in their exit test; an
+    unpredicated jump back comes from the out-of-line code of a divergent branch (``BRA.DIV``)
+    and would span unrelated code. The source line (``file:line``, from ``nvdisasm -g``) is the
+    innermost one Triton records: inlined helpers keep their own lines. The stall cycles: the
+    fixed-latency wait ptxas puts after the instruction (:func:`_stall`)."""
     instrs, labels, source = [], {}, "?"
     for i, line in enumerate(lines):
         if m := _SOURCE.search(line):
