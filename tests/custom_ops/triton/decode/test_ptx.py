@@ -113,6 +113,25 @@ def test_uint4_subnormal_asm(seeded):
         assert [v * subnormal_part_scale(4, 1) for v in high] == [b >> 4 for b in _bytes(word)]
 
 
+def _codes5(plane_word: int, low_word: int, high_word: int, block: int, half: int) -> list[int]:
+    """5-bit codes of block ``c``'s low (``half`` 0) or high (1) quarter, bytes in order: each
+    plane byte's nibble is the magnitude, bit ``2c + 4 half`` of the sign halves' ``low | high
+    >> 1`` the sign."""
+    signs = [lo | hi >> 1 for lo, hi in zip(_bytes(low_word), _bytes(high_word), strict=True)]
+    return [
+        ((b >> (4 * half)) & 15) | (((s >> (2 * block + 4 * half)) & 1) << 4)
+        for b, s in zip(_bytes(plane_word), signs, strict=True)
+    ]
+
+
+def _interleaved_codes5(plane_word: int, low_word: int, high_word: int, block: int) -> list[int]:
+    """:func:`_codes5` of both quarters, each byte's low-quarter code then its high-quarter one
+    (the int8 strings' output order)."""
+    low = _codes5(plane_word, low_word, high_word, block, 0)
+    high = _codes5(plane_word, low_word, high_word, block, 1)
+    return [c for pair in zip(low, high, strict=True) for c in pair]
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block", [0, 1])
 def test_lut5_asm(head_dim, block, seeded):
@@ -125,12 +144,8 @@ def test_lut5_asm(head_dim, block, seeded):
     for plane_word, low_word, high_word in _sign_cases(seeded):
         inputs = {4: plane_word, 5: low_word, 6: high_word, 7: 2 * block * 0x01010101}
         low, high = _outputs(asm, inputs, 2)
-        signs = [lo | hi >> 1 for lo, hi in zip(_bytes(low_word), _bytes(high_word), strict=True)]
         for half, values in ((0, low), (1, high)):
-            codes = [
-                ((b >> (4 * half)) & 15) | (((s >> (2 * block + 4 * half)) & 1) << 4)
-                for b, s in zip(_bytes(plane_word), signs, strict=True)
-            ]
+            codes = _codes5(plane_word, low_word, high_word, block, half)
             assert values == [levels[c].item() for c in codes]
 
 
@@ -145,12 +160,7 @@ def test_lut5_int8_asm(head_dim, block, seeded):
     asm = lut5_int8_asm(grid, block)
     for plane_word, low_word, high_word in _sign_cases(seeded):
         regs = run(asm, {2: plane_word, 3: low_word, 4: high_word})
-        signs = [lo | hi >> 1 for lo, hi in zip(_bytes(low_word), _bytes(high_word), strict=True)]
-        codes = [
-            ((b >> (4 * half)) & 15) | (((s >> (2 * block + 4 * half)) & 1) << 4)
-            for b, s in zip(_bytes(plane_word), signs, strict=True)
-            for half in (0, 1)
-        ]
+        codes = _interleaved_codes5(plane_word, low_word, high_word, block)
         out = _bytes(regs[0]) + _bytes(regs[1])
         decoded = torch.tensor(out, dtype=torch.uint8).view(torch.int8).double()
         assert ((decoded + 0.5) * unit).tolist() == [levels[c].item() for c in codes]
@@ -172,12 +182,8 @@ def test_lut5_int8_asm_top_magnitudes(block, seeded):
     asm = lut5_int8_asm(grid, block)
     for plane_word, low_word, high_word in _sign_cases(seeded):
         regs = run(asm, {2: plane_word, 3: low_word, 4: high_word})
-        signs = [lo | hi >> 1 for lo, hi in zip(_bytes(low_word), _bytes(high_word), strict=True)]
-        expected = [
-            grid[(b >> (4 * half)) & 15] ^ (0xFF if (s >> (2 * block + 4 * half)) & 1 else 0)
-            for b, s in zip(_bytes(plane_word), signs, strict=True)
-            for half in (0, 1)
-        ]
+        codes = _interleaved_codes5(plane_word, low_word, high_word, block)
+        expected = [grid[c & 15] ^ (0xFF if c & 16 else 0) for c in codes]
         assert _bytes(regs[0]) + _bytes(regs[1]) == expected
 
 
