@@ -19,6 +19,7 @@ __all__ = [
     "num_splits_for",
     "splits_in_one_wave",
     "resident_programs",
+    "many_long_splits",
 ]
 
 MAX_SPLITS = 512
@@ -114,6 +115,23 @@ def splits_in_one_wave(
     resident = resident_programs(num_warps, max_registers, sm_count)
     fitting = max(1, resident // max(1, programs_per_split))
     return min(num_splits, 1 << (fitting.bit_length() - 1))
+
+
+def many_long_splits(
+    num_splits: int, programs_per_split: int, capacity: int, sm_count: int
+) -> bool:
+    """Whether a launch streams the large batches' splits (:func:`choose_num_splits`' second
+    count): at least :data:`LONG_SPLIT_TOKENS` positions each, and at least
+    :data:`MANY_PROGRAMS_PER_SM` programs per SM, several waves of them.
+
+    Args:
+        num_splits: the launch's split count.
+        programs_per_split: programs per split in the grid (``B * Hk``).
+        capacity: positions one sequence can hold.
+        sm_count: the GPU's streaming multiprocessors.
+    """
+    long_splits = capacity >= num_splits * LONG_SPLIT_TOKENS
+    return long_splits and num_splits * programs_per_split >= MANY_PROGRAMS_PER_SM * sm_count
 
 
 def resident_programs(num_warps: int, max_registers: int, sm_count: int) -> int:

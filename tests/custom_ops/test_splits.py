@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from custom_ops.splits import choose_num_splits, resident_programs, splits_in_one_wave
+from custom_ops.splits import (
+    choose_num_splits,
+    many_long_splits,
+    resident_programs,
+    splits_in_one_wave,
+)
 
 
 @pytest.mark.parametrize(
@@ -77,3 +82,22 @@ def test_choose_num_splits(batch, capacity, expected):
     positions, or at least 32 per SM where no split is shorter than 2,048 positions; a power
     of two at most 512."""
     assert choose_num_splits(batch, 8, capacity, 132) == expected
+
+
+@pytest.mark.parametrize(
+    "batch, capacity, expected",
+    [
+        (210, 8320, True),  # 3bit_nc's capacity batch at 24 GB: 6,720 programs of 2,080
+        (165, 8192, True),  # 5,280 programs of 2,048 positions
+        (64, 32768, True),  # 8,192 programs of 2,048
+        (112, 8320, False),  # splits of 2,080 but 3,584 programs: under two waves
+        (16, 8192, False),  # issue 50's decode table: splits of 512 positions
+        (1, 1 << 20, False),  # 512 splits of 2,048 positions but 4,096 programs
+        (4, 1 << 20, True),  # 256 splits of 4,096 positions, 8,192 programs
+    ],
+)
+def test_many_long_splits(batch, capacity, expected):
+    """The large batches' launches on 132 SMs at Hk 8, with the cache's split count: splits of
+    at least 2,048 positions and at least 32 programs per SM (4,224)."""
+    num_splits = choose_num_splits(batch, 8, capacity, 132)
+    assert many_long_splits(num_splits, batch * 8, capacity, 132) is expected

@@ -22,7 +22,7 @@ import torch
 import triton
 
 from custom_ops.formats import KVFormat
-from custom_ops.splits import resident_programs, splits_in_one_wave
+from custom_ops.splits import many_long_splits, resident_programs, splits_in_one_wave
 from custom_ops.triton.decode import merge, merge_fill, prep, ring, verify
 from custom_ops.triton.decode.codes import PartParams, part_params, subnormal_values
 from custom_ops.triton.decode.softmax import LOG2E
@@ -418,7 +418,17 @@ def plan_decode(
         # half of its tile, shortening the chain short contexts wait for
         # (docs/design/decode.md#two-warp-splits-and-the-one-warp-merge)
         num_warps = 2 if cuda and math.prod(split_grid) <= 2 * sm_count else DEFAULT_WARPS
-    streaming_stages = tuning.stages if streaming_few_rows else DEFAULT_STAGES
+    streaming_stages = DEFAULT_STAGES
+    if streaming_few_rows:
+        streaming_stages = tuning.stages
+        # the large batches' long splits: the code tiles double-buffered where that pays
+        # (custom_ops.tuning.DecodeTuning.long_split_stages)
+        if (
+            cuda
+            and tuning.long_split_stages
+            and many_long_splits(num_splits, batch * num_kv_heads, capacity, sm_count)
+        ):
+            streaming_stages = tuning.long_split_stages
     num_stages = split_config.num_stages or streaming_stages
     launch_options = dict(num_warps=num_warps, num_stages=num_stages)
     if max_registers is not None:

@@ -71,6 +71,43 @@ def test_pipeline_stages_from_the_format_tuning(fmt_name, streaming_stages, kern
     assert overridden == [4, 4, 4]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="the large batches' stages are planned for a GPU's SMs")
+@pytest.mark.parametrize(
+    "fmt_name, long_split_stages", [("tqk5v3_nc", 5), ("3bit_nc", 5), ("4bit_nc", 3)]
+)
+def test_large_batches_long_splits_take_their_stages(fmt_name, long_split_stages):
+    """The large batches' splits (``splits.many_long_splits``: 2,048 positions or more and at
+    least 32 programs per SM) take the format's ``long_split_stages`` (0: its ``stages``);
+    the same cache at a batch of 16 keeps ``stages``."""
+    fmt = get_format(fmt_name)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = -(-32 * sm_count // (8 * 4))  # 4 splits of 2,048 positions, 32 programs per SM
+
+    def stages(batch):
+        plan = plan_module.plan_decode(
+            fmt,
+            batch,
+            32,
+            8,
+            128,
+            16,
+            512,
+            0,
+            torch.bfloat16,
+            None,
+            0,
+            4,
+            torch.device("cuda"),
+            True,
+        )
+        return plan.split.kwargs["num_stages"]
+
+    tuning = decode_tuning(fmt)
+    assert (tuning.long_split_stages or tuning.stages) == long_split_stages
+    assert [stages(batch), stages(16)] == [long_split_stages, tuning.stages]
+
+
 @pytest.mark.parametrize(
     "fmt_name, page_size, value_pages",
     [("4bit_nc", 16, True), ("4bit_nc", 8, False), ("4bit_nc", 32, False), ("k8v4", 8, False)],
