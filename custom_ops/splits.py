@@ -14,6 +14,8 @@ import torch
 
 __all__ = [
     "MAX_SPLITS",
+    "LONG_SPLIT_TOKENS",
+    "MANY_PROGRAMS_PER_SM",
     "is_valid_num_splits",
     "choose_num_splits",
     "num_splits_for",
@@ -120,15 +122,20 @@ def splits_in_one_wave(
 def many_long_splits(
     num_splits: int, programs_per_split: int, capacity: int, sm_count: int
 ) -> bool:
-    """Whether a launch streams the large batches' splits (:func:`choose_num_splits`' second
-    count): at least :data:`LONG_SPLIT_TOKENS` positions each, and at least
-    :data:`MANY_PROGRAMS_PER_SM` programs per SM, several waves of them.
+    """Whether a launch's splits are long and fill several waves, as the large batches' do
+    (:func:`choose_num_splits`' second count): at least :data:`LONG_SPLIT_TOKENS` positions
+    each, and at least :data:`MANY_PROGRAMS_PER_SM` programs per SM (two waves of the 16
+    one-warp programs that fit).
 
     Args:
         num_splits: the launch's split count.
         programs_per_split: programs per split in the grid (``B * Hk``).
-        capacity: positions one sequence can hold.
+        capacity: the positions the splits divide among them (the split kernel's: the paged
+            positions, without a recent window's).
         sm_count: the GPU's streaming multiprocessors.
+
+    Returns:
+        Whether both hold.
     """
     long_splits = capacity >= num_splits * LONG_SPLIT_TOKENS
     return long_splits and num_splits * programs_per_split >= MANY_PROGRAMS_PER_SM * sm_count

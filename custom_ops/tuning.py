@@ -32,13 +32,13 @@ class DecodeTuning:
             of the codes they address (the codes keep one buffer), which shortens each tile's
             chain of dependent loads for more loop instructions (4bit_nc 670 -> 701 per tile
             offline). Timed at page size 16, where each tile's page ids are scalars.
-        long_split_stages: the stages of those splits where they are the large batches' (at
-            least 2,048 positions each and several waves of programs,
-            :func:`custom_ops.splits.many_long_splits`); 0 keeps ``stages``. At 5 Triton gives
-            each code plane two shared-memory buffers, so a tile's copy starts a whole tile
-            earlier than at 2-4, where it waits for the tile before to read the one buffer;
-            the longer prologue and the shared memory (tqk5v3_nc 14.6 KB, 14 programs per
-            SM) lose at shorter splits of one wave (``docs/notes/2026-12-03-loop-head-wait.md``).
+        long_split_stages: the stages of those splits where they are long and fill several
+            waves, as the large batches' do (:func:`custom_ops.splits.many_long_splits`), on
+            Hopper; 0 keeps ``stages``. At 5 Triton gives each code plane two shared-memory
+            buffers, so a tile's copy starts a whole tile earlier than with one, where it
+            waits for the tile before to read the buffer. The longer prologue (four tiles
+            ahead) and the shared memory (tqk5v3_nc 14.6 KB: 14 programs per SM, not 16) cost
+            more than that at shorter splits (``docs/notes/2026-12-03-loop-head-wait.md``).
     """
 
     scalars_ahead: bool = True
@@ -53,22 +53,23 @@ class DecodeTuning:
 # 8192) / 1.029. Three timed stay at two: k3v4_nc 1.001 / 1.013 / 0.986, k8v4 0.996 / 0.964
 # / 1.021, and tqk5v3_nc, 0.994 / 1.019 (165 x 8192: 1.035) / 0.997 but 0.909 at 1 x 32768;
 # int8, fp8, tq2_nc, k2v2_nc and k2v4_nc were not timed at three
-# (docs/notes/2026-12-02-third-stage.md). Five stages in the large batches' splits against the
-# row's stages, H200, two runs, 210 x 8192 / 165 x 8192 (2,048 positions per split): k3v4_nc
-# 1.044-1.052 / 1.054-1.074, tqk5v3_nc 1.036-1.052 / 1.004-1.008, tq4_nc 1.019-1.030 /
-# 1.021-1.030, tq3_nc 1.013-1.024 / 1.015-1.019, 3bit_nc 1.008-1.025 / 1.004-1.020; not taken:
-# 4bit_nc 1.019 / 1.017 but 0.989 at 64 x 32768, tqk4v2_nc 0.984 at 210 x 8192. At the
-# 512-position splits of 16 x 8192 five stages lost 1-12% but for tq4_nc
-# (docs/notes/2026-12-03-loop-head-wait.md)
+# (docs/notes/2026-12-02-third-stage.md). Five stages in long splits of several waves against
+# the row's stages, H200, two runs, 210 x 8192 / 165 x 8192 (2,048 positions per split), and 64
+# x 32768 once: k3v4_nc 1.044-1.052 / 1.054-1.074 / 1.022, tqk5v3_nc 1.036-1.052 / 1.004-1.008 /
+# 1.047, taken; within the noise (unchanged kernels read up to 1.025), not taken: tq4_nc
+# 1.019-1.030 / 1.021-1.030 / 1.011, tq3_nc 1.013-1.024 / 1.015-1.019 / 1.021, 3bit_nc
+# 1.008-1.025 / 1.004-1.020 / 1.005, 4bit_nc 1.019 / 1.017 / 0.989; tqk4v2_nc 0.984 at 210 x
+# 8192. Window 0 only: the split kernel's ring loop beside it (k3v4_nc's window) and the decode
+# step were compiled, not timed (docs/notes/2026-12-03-loop-head-wait.md)
 DECODE_TUNING: dict[str, DecodeTuning] = {
     "k8v4": DecodeTuning(),
     "4bit_nc": DecodeTuning(stages=3),
     "k3v4_nc": DecodeTuning(long_split_stages=5),
-    "3bit_nc": DecodeTuning(stages=3, long_split_stages=5),
+    "3bit_nc": DecodeTuning(stages=3),
     "int8": DecodeTuning(),
     "fp8": DecodeTuning(),
-    "tq4_nc": DecodeTuning(stages=3, long_split_stages=5),
-    "tq3_nc": DecodeTuning(stages=3, long_split_stages=5),
+    "tq4_nc": DecodeTuning(stages=3),
+    "tq3_nc": DecodeTuning(stages=3),
     # value pages against two-page value tiles, H200, 1 x 131072 / 16 x 8192 / 1 x 4096:
     # 0.99x / 0.96x / 0.93x (not understood: tqk4v2_nc's 2-bit values gained 1.03x / 1.02x /
     # 1.01x, k2v2_nc's 1.00x / 1.00x / 1.06x); tq2_nc and k2v2_nc keep their scalars in their

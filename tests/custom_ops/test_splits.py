@@ -92,12 +92,13 @@ def test_choose_num_splits(batch, capacity, expected):
         (64, 32768, True),  # 8,192 programs of 2,048
         (112, 8320, False),  # splits of 2,080 but 3,584 programs: under two waves
         (16, 8192, False),  # issue 50's decode table: splits of 512 positions
+        (600, 1024, False),  # 4,800 programs, but one split of 1,024 positions
         (1, 1 << 20, False),  # 512 splits of 2,048 positions but 4,096 programs
         (4, 1 << 20, True),  # 256 splits of 4,096 positions, 8,192 programs
     ],
 )
 def test_many_long_splits(batch, capacity, expected):
-    """The large batches' launches on 132 SMs at Hk 8, with the cache's split count: splits of
-    at least 2,048 positions and at least 32 programs per SM (4,224)."""
+    """Launches on 132 SMs at Hk 8 with the cache's split count: long splits of several waves
+    are those of at least 2,048 positions and at least 32 programs per SM (4,224)."""
     num_splits = choose_num_splits(batch, 8, capacity, 132)
     assert many_long_splits(num_splits, batch * 8, capacity, 132) is expected

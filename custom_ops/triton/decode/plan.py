@@ -421,10 +421,10 @@ def plan_decode(
     streaming_stages = DEFAULT_STAGES
     if streaming_few_rows:
         streaming_stages = tuning.stages
-        # the large batches' long splits: the code tiles double-buffered where that pays
-        # (custom_ops.tuning.DecodeTuning.long_split_stages)
+        # the large batches' long splits: the code tiles double-buffered where that pays, on
+        # Hopper, where it was measured (custom_ops.tuning.DecodeTuning.long_split_stages)
         if (
-            cuda
+            hopper
             and tuning.long_split_stages
             and many_long_splits(num_splits, batch * num_kv_heads, capacity, sm_count)
         ):

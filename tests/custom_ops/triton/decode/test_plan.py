@@ -11,12 +11,19 @@ from helpers import clone_cache, decode_case, filled_cache, longer_table, rel_er
 
 from custom_ops import api, reference
 from custom_ops.formats import RecentWindow, get_format
-from custom_ops.splits import splits_in_one_wave
+from custom_ops.splits import (
+    LONG_SPLIT_TOKENS,
+    MANY_PROGRAMS_PER_SM,
+    choose_num_splits,
+    splits_in_one_wave,
+)
 from custom_ops.triton import decode as triton_decode
 from custom_ops.triton.decode import MergeConfig, QueryMode
 from custom_ops.triton.decode import plan as plan_module
 from custom_ops.triton.decode.plan import TOKENS_PER_STEP, StepMode, evicts_in_last_split
 from custom_ops.tuning import decode_tuning
+
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] >= 9
 
 
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "3bit_nc", "k2v4_nc", "tq4_nc"])
@@ -71,41 +78,59 @@ def test_pipeline_stages_from_the_format_tuning(fmt_name, streaming_stages, kern
     assert overridden == [4, 4, 4]
 
 
+def _stages(fmt, batch, num_splits, device, split_config=None):
+    """The split kernel's stages for B x 8,192 paged positions (Hq 32, Hk 8, D 128, page 16)."""
+    plan = plan_module.plan_decode(
+        fmt,
+        batch,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        max_pages=512,
+        window=0,
+        q_dtype=torch.bfloat16,
+        ring_dtype=None,
+        mask_kind=0,
+        num_splits=num_splits,
+        device=torch.device(device),
+        fast=device == "cuda",
+        split_config=split_config,
+    )
+    return plan.split.kwargs["num_stages"]
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="the large batches' stages are planned for a GPU's SMs")
+@pytest.mark.skipif(not HOPPER, reason="long splits take their stages on Hopper only")
 @pytest.mark.parametrize(
-    "fmt_name, long_split_stages", [("tqk5v3_nc", 5), ("3bit_nc", 5), ("4bit_nc", 3)]
+    "fmt_name, long_split_stages", [("tqk5v3_nc", 5), ("k3v4_nc", 5), ("4bit_nc", 3)]
 )
-def test_large_batches_long_splits_take_their_stages(fmt_name, long_split_stages):
-    """The large batches' splits (``splits.many_long_splits``: 2,048 positions or more and at
-    least 32 programs per SM) take the format's ``long_split_stages`` (0: its ``stages``);
-    the same cache at a batch of 16 keeps ``stages``."""
+def test_long_splits_of_several_waves_take_their_stages(fmt_name, long_split_stages):
+    """Splits of at least LONG_SPLIT_TOKENS positions in a grid of at least
+    MANY_PROGRAMS_PER_SM programs per SM (``splits.many_long_splits``) take the format's
+    ``long_split_stages`` (0: its ``stages``); the same cache at a batch of 16, with its own
+    split count (splits of 512 positions), keeps ``stages``, and a split config's stages
+    override both."""
     fmt = get_format(fmt_name)
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    batch = -(-32 * sm_count // (8 * 4))  # 4 splits of 2,048 positions, 32 programs per SM
-
-    def stages(batch):
-        plan = plan_module.plan_decode(
-            fmt,
-            batch,
-            32,
-            8,
-            128,
-            16,
-            512,
-            0,
-            torch.bfloat16,
-            None,
-            0,
-            4,
-            torch.device("cuda"),
-            True,
-        )
-        return plan.split.kwargs["num_stages"]
-
     tuning = decode_tuning(fmt)
     assert (tuning.long_split_stages or tuning.stages) == long_split_stages
-    assert [stages(batch), stages(16)] == [long_split_stages, tuning.stages]
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    num_splits = 512 * 16 // LONG_SPLIT_TOKENS  # splits of exactly LONG_SPLIT_TOKENS positions
+    batch = -(-MANY_PROGRAMS_PER_SM * sm_count // (8 * num_splits))  # the fewest programs
+    assert [
+        _stages(fmt, batch, num_splits, "cuda"),
+        _stages(fmt, batch - 1, num_splits, "cuda"),
+        _stages(fmt, 16, choose_num_splits(16, 8, 512 * 16, sm_count), "cuda"),
+        _stages(fmt, batch, num_splits, "cuda", triton_decode.SplitConfig(num_stages=2)),
+    ] == [long_split_stages, tuning.stages, tuning.stages, 2]
+
+
+def test_long_split_stages_not_under_the_interpreter():
+    """The interpreter (and any device but a Hopper GPU) keeps a format's ``stages`` at any
+    batch: ``long_split_stages`` were measured on an H200 only."""
+    fmt = get_format("tqk5v3_nc")
+    assert decode_tuning(fmt).long_split_stages == 5
+    assert _stages(fmt, 1024, 4, "cpu") == decode_tuning(fmt).stages
 
 
 @pytest.mark.parametrize(
