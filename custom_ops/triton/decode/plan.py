@@ -418,17 +418,16 @@ def plan_decode(
         # half of its tile, shortening the chain short contexts wait for
         # (docs/design/decode.md#two-warp-splits-and-the-one-warp-merge)
         num_warps = 2 if cuda and math.prod(split_grid) <= 2 * sm_count else DEFAULT_WARPS
-    streaming_stages = DEFAULT_STAGES
-    if streaming_few_rows:
-        streaming_stages = tuning.stages
-        # the large batches' long splits: the code tiles double-buffered where that pays, on
-        # Hopper, where it was measured (custom_ops.tuning.DecodeTuning.long_split_stages)
-        if (
-            hopper
-            and tuning.long_split_stages
-            and many_long_splits(num_splits, batch * num_kv_heads, capacity, sm_count)
-        ):
-            streaming_stages = tuning.long_split_stages
+    streaming_stages = tuning.stages if streaming_few_rows else DEFAULT_STAGES
+    # the large batches' long splits: the code tiles double-buffered where that pays, on
+    # Hopper, where it was measured (custom_ops.tuning.DecodeTuning.long_split_stages)
+    if (
+        streaming_few_rows
+        and hopper
+        and tuning.long_split_stages
+        and many_long_splits(num_splits, batch * num_kv_heads, capacity, sm_count)
+    ):
+        streaming_stages = tuning.long_split_stages
     num_stages = split_config.num_stages or streaming_stages
     launch_options = dict(num_warps=num_warps, num_stages=num_stages)
     if max_registers is not None:

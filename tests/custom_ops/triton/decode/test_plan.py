@@ -78,6 +78,10 @@ def test_pipeline_stages_from_the_format_tuning(fmt_name, streaming_stages, kern
     assert overridden == [4, 4, 4]
 
 
+# the caches of the stage tests: 512 pages of 16 positions per sequence
+_PAGES, _PAGE = 512, 16
+
+
 def _stages(fmt, batch, num_splits, device, split_config=None):
     """The split kernel's stages for B x 8,192 paged positions (Hq 32, Hk 8, D 128, page 16)."""
     plan = plan_module.plan_decode(
@@ -86,8 +90,8 @@ def _stages(fmt, batch, num_splits, device, split_config=None):
         num_q_heads=32,
         num_kv_heads=8,
         head_dim=128,
-        page_size=16,
-        max_pages=512,
+        page_size=_PAGE,
+        max_pages=_PAGES,
         window=0,
         q_dtype=torch.bfloat16,
         ring_dtype=None,
@@ -115,12 +119,13 @@ def test_long_splits_of_several_waves_take_their_stages(fmt_name, long_split_sta
     tuning = decode_tuning(fmt)
     assert (tuning.long_split_stages or tuning.stages) == long_split_stages
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    num_splits = 512 * 16 // LONG_SPLIT_TOKENS  # splits of exactly LONG_SPLIT_TOKENS positions
+    # splits of exactly LONG_SPLIT_TOKENS positions
+    num_splits = _PAGES * _PAGE // LONG_SPLIT_TOKENS
     batch = -(-MANY_PROGRAMS_PER_SM * sm_count // (8 * num_splits))  # the fewest programs
     assert [
         _stages(fmt, batch, num_splits, "cuda"),
         _stages(fmt, batch - 1, num_splits, "cuda"),
-        _stages(fmt, 16, choose_num_splits(16, 8, 512 * 16, sm_count), "cuda"),
+        _stages(fmt, 16, choose_num_splits(16, 8, _PAGES * _PAGE, sm_count), "cuda"),
         _stages(fmt, batch, num_splits, "cuda", triton_decode.SplitConfig(num_stages=2)),
     ] == [long_split_stages, tuning.stages, tuning.stages, 2]
 
