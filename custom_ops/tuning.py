@@ -56,20 +56,22 @@ class DecodeTuning:
 # (docs/notes/2026-12-02-third-stage.md). Five stages in long splits of several waves against
 # the row's stages, H200, two runs, 210 x 8192 / 165 x 8192 (2,048 positions per split), and 64
 # x 32768 once: k3v4_nc 1.044-1.052 / 1.054-1.074 / 1.022, tqk5v3_nc 1.036-1.052 / 1.004-1.008 /
-# 1.047, taken; within the noise (unchanged kernels read up to 1.025), not taken: tq4_nc
-# 1.019-1.030 / 1.021-1.030 / 1.011, tq3_nc 1.013-1.024 / 1.015-1.019 / 1.021, 3bit_nc
-# 1.008-1.025 / 1.004-1.020 / 1.005, 4bit_nc 1.019 / 1.017 / 0.989; tqk4v2_nc 0.984 at 210 x
-# 8192. Window 0 only: the split kernel's ring loop beside it (k3v4_nc's window) and the decode
-# step were compiled, not timed (docs/notes/2026-12-03-loop-head-wait.md)
+# 1.047, taken; tq4_nc 1.019-1.030 / 1.021-1.030 / 1.011, tq3_nc 1.013-1.024 / 1.015-1.019 /
+# 1.021, 3bit_nc 1.008-1.025 / 1.004-1.020 / 1.005, within those runs' noise (unchanged kernels
+# read up to 1.025), then taken on a third run of four rounds at windows 0 and 128, all 18
+# cells 1.006-1.034 where the same tree against itself read 0.997-1.007
+# (docs/notes/2026-12-03-long-split-stages-everywhere.md); 4bit_nc (1.019 / 1.017 / 0.989
+# once) taken on four rounds at 163 x 8192 / 214 x 8192 / 64 x 32768, windows 0 and 128:
+# 1.011-1.024. Not taken: tqk4v2_nc, 0.985-0.992 in the same run
 DECODE_TUNING: dict[str, DecodeTuning] = {
     "k8v4": DecodeTuning(),
-    "4bit_nc": DecodeTuning(stages=3),
+    "4bit_nc": DecodeTuning(stages=3, long_split_stages=5),
     "k3v4_nc": DecodeTuning(long_split_stages=5),
-    "3bit_nc": DecodeTuning(stages=3),
+    "3bit_nc": DecodeTuning(stages=3, long_split_stages=5),
     "int8": DecodeTuning(),
     "fp8": DecodeTuning(),
-    "tq4_nc": DecodeTuning(stages=3),
-    "tq3_nc": DecodeTuning(stages=3),
+    "tq4_nc": DecodeTuning(stages=3, long_split_stages=5),
+    "tq3_nc": DecodeTuning(stages=3, long_split_stages=5),
     # value pages against two-page value tiles, H200, 1 x 131072 / 16 x 8192 / 1 x 4096:
     # 0.99x / 0.96x / 0.93x (not understood: tqk4v2_nc's 2-bit values gained 1.03x / 1.02x /
     # 1.01x, k2v2_nc's 1.00x / 1.00x / 1.06x); tq2_nc and k2v2_nc keep their scalars in their

@@ -107,7 +107,8 @@ def _stages(fmt, batch, num_splits, device, split_config=None):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="long splits take their stages on Hopper only")
 @pytest.mark.parametrize(
-    "fmt_name, long_split_stages", [("tqk5v3_nc", 5), ("k3v4_nc", 5), ("4bit_nc", 3)]
+    "fmt_name, long_split_stages",
+    [("tqk5v3_nc", 5), ("k3v4_nc", 5), ("4bit_nc", 5), ("tqk4v2_nc", 3)],
 )
 def test_long_splits_of_several_waves_take_their_stages(fmt_name, long_split_stages):
     """Splits of at least LONG_SPLIT_TOKENS positions in a grid of at least
