@@ -53,14 +53,16 @@ def _fma_f16x2(a: int, b: int, c: int) -> int:
 SPECIAL = {"%laneid": 31, "%ctaid.y": 65535}
 
 
-def run(asm: str, inputs: dict[int, int]) -> dict[int, int]:
-    """Run ``asm`` with ``$i`` operands preset from ``inputs``; returns every ``$i`` register."""
+def run(asm: str, inputs: dict[int, int], lane: int = SPECIAL["%laneid"]) -> dict[int, int]:
+    """Run ``asm`` with ``$i`` operands preset from ``inputs`` in lane ``lane`` (``%laneid``);
+    returns every ``$i`` register."""
     regs: dict[str, int] = {f"${k}": v for k, v in inputs.items()}
+    special = {**SPECIAL, "%laneid": lane}
 
     def value(token: str) -> int:
         token = token.strip()
         if token.startswith("%"):
-            return SPECIAL[token]
+            return special[token]
         return int(token, 0) if token[0].isdigit() else regs[token]
 
     for line in asm.splitlines():

@@ -65,6 +65,8 @@ class PartParams(NamedTuple):
         ASM_INT8: the inline PTX that decodes 4 key code bytes to int8, one string (3 and 4
             bits) or one per block of the magnitude plane (5 bits); ``()``: plain Triton, or no
             grid.
+        LANE_SIGNS: the int8 keys' sign plane is read as one tile (:func:`_lane_signs`) instead
+            of two sign halves (3- and 5-bit keys at D 128).
         INTEGER_SCALE: for 3-bit Lloyd-Max values, the power of two ``S`` the split kernel's
             values are decoded in units of: the grid's integer ``k`` as ``k / S``
             (:func:`decode_tile` with ``INTEGERS``), ``S * INT8_UNIT`` the grid unit's 3
@@ -87,6 +89,7 @@ class PartParams(NamedTuple):
     INT8_GRID: tuple[int, ...]
     INT8_UNIT: float
     ASM_INT8: tuple[str, ...]
+    LANE_SIGNS: bool
     INTEGER_SCALE: float
     ASM_INTEGERS: str
     ASM_SUBNORMAL: str
@@ -102,14 +105,16 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
     parts = parts_of(codec)
     chunk = head_dim // parts
     grid, unit, int8_asm, scale, integers_asm = (), 0.0, (), 0.0, ""
+    int8_lanes = False
     if side == "k" and codec.kind == Kind.LLOYD_MAX and codec.bits in INT8_GRID_BITS:
         grid, unit = int8_key_grid(codec.bits, head_dim)
+        int8_lanes = _lane_signs(codec.bits, head_dim)
         if fast and codec.bits == 3:
-            int8_asm = (lut3_int8_asm(grid),)
+            int8_asm = (lut3_int8_asm(grid, int8_lanes),)
         elif fast and codec.bits == 4:
             int8_asm = (lut4_int8_asm(grid),)
         elif fast:
-            int8_asm = (lut5_int8_asm(grid, 0), lut5_int8_asm(grid, 1))
+            int8_asm = tuple(lut5_int8_asm(grid, block, int8_lanes) for block in (0, 1))
     if side == "v" and codec.kind == Kind.LLOYD_MAX and codec.bits == 3:
         grid, unit = int8_key_grid(codec.bits, head_dim)
         # the unit's power of two (unit = c * 2**e, 1 <= c < 2): S = 2**-e
@@ -129,6 +134,7 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
         grid,
         unit,
         int8_asm,
+        int8_lanes,
         scale,
         integers_asm,
         {4: UINT4_SUBNORMAL_ASM, 3: UINT3_SUBNORMAL_ASM}[codec.bits]
@@ -163,6 +169,17 @@ def subnormal_part_scale(bits: int, part: int) -> float:
 def _subnormals(codes, BITS: tl.constexpr, PART: tl.constexpr):
     """Integer codes -> the fp16 subnormals of value part ``PART`` (plain Triton)."""
     return (codes.to(tl.float32) * (1.0 / subnormal_part_scale(BITS, PART))).to(tl.float16)
+
+
+def _lane_signs(bits: int, head_dim: int) -> bool:
+    """Whether 3- or 5-bit int8 keys read their sign plane as one tile (byte ``j``: the plane's
+    byte ``j mod D/8``), not as two sign halves: where the plane tiles are ``D/4 = 32`` bytes,
+    one row of the int8 product's operand, whose lanes hold 8 consecutive bytes each (Triton's
+    ``kWidth = 8``, checked by ``tests/sm90_compile.py``), so that bytes ``j < D/8`` and ``j >=
+    D/8`` are in different lanes and the strings take each lane's half from its lane id
+    (:mod:`~custom_ops.triton.decode.ptx`). Half the sign tiles' shared memory and copies, one
+    instruction fewer per 4 codes."""
+    return bits in (3, 5) and head_dim // 4 == 32
 
 
 @triton.constexpr_function
@@ -243,7 +260,7 @@ def decode_int8_keys(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.con
         k2 = k0
         k3 = k0
     elif P.BITS == 3:
-        low, high = _sign_halves(codes_ptr, row_offsets, j, mask, P, D, 1, 1)
+        low, high = _key_sign_tiles(codes_ptr, row_offsets, j, mask, P, D)
         if len(P.ASM_INT8) > 0:
             k0, k2, k1, k3 = tl.inline_asm_elementwise(
                 P.ASM_INT8[0],
@@ -261,10 +278,30 @@ def decode_int8_keys(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.con
             k3 = _int8_keys(c3, P)
     else:
         second = tl.load(codes_ptr + row_offsets + j + D // 4, mask=mask, other=0)
-        low, high = _sign_halves(codes_ptr, row_offsets, j, mask, P, D, 1, 1)
+        low, high = _key_sign_tiles(codes_ptr, row_offsets, j, mask, P, D)
         k0, k2 = _int8_lut5_block(plane, low, high, 0, P)
         k1, k3 = _int8_lut5_block(second, low, high, 1, P)
     return k0, k1, k2, k3
+
+
+@triton.jit
+def _key_sign_tiles(codes_ptr, row_offsets, j, mask, P: tl.constexpr, D: tl.constexpr):
+    """The int8 keys' sign operands ``(low, high)``: the sign halves (:func:`_sign_halves`), or
+    with ``P.LANE_SIGNS`` one tile of the sign plane (byte ``j``: its byte ``j mod D/8``),
+    passed twice to the strings, which read it once and take each lane's half from its lane
+    id; plain Triton splits it into the halves by ``j``."""
+    D8: tl.constexpr = D // 8
+    if P.LANE_SIGNS:
+        signs = tl.load(codes_ptr + _sign_offsets(row_offsets, j, P, D, 1, 1), mask=mask, other=0)
+        if len(P.ASM_INT8) > 0:
+            low = signs
+            high = signs
+        else:
+            low = tl.where(j < D8, signs, 0).to(tl.uint8)
+            high = tl.where(j >= D8, signs, 0).to(tl.uint8)
+    else:
+        low, high = _sign_halves(codes_ptr, row_offsets, j, mask, P, D, 1, 1)
+    return low, high
 
 
 @triton.jit

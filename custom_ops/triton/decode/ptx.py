@@ -40,6 +40,9 @@ following the strided bit planes of :mod:`custom_ops.formats`:
   (above), inputs ``$2`` (plane bytes), ``$3`` (``low``), ``$4`` (``high``); outputs ``$0`` and
   ``$1`` interleaved as the 4-bit int8 string's: block ``c``'s quarters ``c`` and ``c + 2`` side
   by side.
+* Both int8 strings at D 128 (``lane_signs``): ``low`` is one tile of the sign plane (byte
+  ``j``: its byte ``j mod D/8``) and ``high`` is not read; the lane's position in the int8
+  operand says which half of the row it holds, so which of each byte's bits are its signs.
 * 3 bits to the grid's integers (:func:`lut3_integer_values_asm`, the split kernel's values):
   the contract of the 3-bit string above, the outputs ``k / S`` instead of the levels.
 * 2 bits, one plane: bits ``2q`` of byte ``j`` = element ``j + q D/4``. Input ``$8``; outputs
@@ -242,14 +245,39 @@ def lut4_int8_asm(grid: Sequence[int]) -> str:
     return "\n".join([*lines, "}"])
 
 
+def _sign_bits(signs: Sequence[str]) -> list[str]:
+    """Lines setting ``u``: bit ``2q`` of each byte is the sign of that byte's quarter ``q``
+    (bit 7, which gets the next byte's bit 0, is never read), from the sign halves ``(low,
+    high)``: ``low | high >> 1``; or from one sign tile ``(signs,)`` whose byte ``j`` is the
+    sign plane's byte ``j mod D/8`` (:func:`_lane_half_lines`). Temporaries ``u`` and, for one
+    tile, ``h``."""
+    if len(signs) == 2:
+        low, high = signs
+        return [f"shr.b32 u, {high}, 1;", f"or.b32 u, u, {low};"]
+    (tile,) = signs
+    return [*_lane_half_lines("h"), f"shr.b32 u, {tile}, h;"]
+
+
+def _lane_half_lines(dst: str) -> list[str]:
+    """Lines setting ``dst`` to 1 in lanes 2 and 3 of each quad, else 0: which half of a 32-byte
+    int8 operand row the lane holds where Triton lays the operand out 8 consecutive bytes per
+    lane (``kWidth = 8``: lane ``l`` holds bytes ``8 (l mod 4) .. 8 (l mod 4) + 7`` of each of
+    its rows). At D 128 the 3- and 5-bit keys' plane tiles are such rows (``D/4 = 32`` bytes),
+    so the sign bits of byte ``j`` sit one bit higher for ``j >= D/8`` than for ``j < D/8``:
+    one tile of the sign plane serves both halves, shifted by the lane's half. ptxas computes
+    it once, outside the loop."""
+    return [f"mov.u32 {dst}, %laneid;", f"shr.b32 {dst}, {dst}, 1;", f"and.b32 {dst}, {dst}, 1;"]
+
+
 def _lut3_int8_lines(
     table: Sequence[int], inputs: Sequence[str], outputs: Sequence[str]
 ) -> list[str]:
     """The lines of :func:`lut3_int8_asm` with the 8-byte ``table`` (signed: entries 0-3 for
-    positive codes, 4-7 for negative ones), ``inputs`` (the plane, ``low``, ``high``) and
-    ``outputs`` (4 registers: quarters 0 and 2 interleaved, then 1 and 3); temporaries ``t0 t1
-    u m x n o oc``."""
-    plane, low, high = inputs
+    positive codes, 4-7 for negative ones), ``inputs`` (the plane, then ``low`` and ``high`` or
+    one sign tile: :func:`_sign_bits`) and ``outputs`` (4 registers: quarters 0 and 2
+    interleaved, then 1 and 3); temporaries ``t0 t1 u m x n o oc`` (and ``h``, one sign
+    tile)."""
+    plane, *signs = inputs
     first, second, third, fourth = outputs
     words = _int8_tables(table)
     return [
@@ -257,10 +285,7 @@ def _lut3_int8_lines(
         # declares o and oc); t1 an immediate
         *_opaque_words({"t0": words[0]}),
         f"mov.b32 t1, {words[1]:#010x};",
-        # bit 2q of each byte: quarter q's sign (bit 7, which gets the next byte's bit 0, is
-        # never read)
-        f"shr.b32 u, {high}, 1;",
-        f"or.b32 u, u, {low};",
+        *_sign_bits(signs),
         # quarters 0 and 2: magnitudes at bits 0-1 and 4-5, signs from bits 0 and 4 up by 2
         "shl.b32 x, u, 2;",
         "and.b32 x, x, 0x44444444;",
@@ -274,7 +299,7 @@ def _lut3_int8_lines(
     ]
 
 
-def lut3_int8_asm(grid: Sequence[int]) -> str:
+def lut3_int8_asm(grid: Sequence[int], lane_signs: bool = False) -> str:
     """3-bit sign-magnitude Lloyd-Max codes (the 2-bit plane and the sign halves, as
     :func:`lut3_asm` reads them) -> int8 (``grid``: the 4 magnitudes' ``r`` of
     :func:`custom_ops.codebook.int8_key_grid`), ``r`` or ``~r`` as :func:`lut4_int8_asm`.
@@ -288,16 +313,20 @@ def lut3_int8_asm(grid: Sequence[int]) -> str:
 
     Args:
         grid: the 4 magnitudes' ``r`` (0..127), ascending.
+        lane_signs: ``$5`` is one tile of the sign plane (byte ``j``: its byte ``j mod
+            D/8``), each lane's half from its position (:func:`_lane_half_lines`: D 128, the
+            int8 operand's layout), and ``$6`` is not read; else the sign halves.
 
     Returns:
         The PTX string (inputs ``$4`` plane bytes, ``$5`` ``low``, ``$6`` ``high``; outputs
         ``$0 $1`` quarters 0 and 2, ``$2 $3`` quarters 1 and 3, interleaved).
     """
     signed = [*grid, *(~r & 0xFF for r in grid)]
+    inputs = ("$4", "$5") if lane_signs else ("$4", "$5", "$6")
     lines = [
         "{",
-        ".reg .b32 t0, t1, u, m, x, n, o, oc;",
-        *_lut3_int8_lines(signed, ("$4", "$5", "$6"), ("$0", "$1", "$2", "$3")),
+        ".reg .b32 t0, t1, u, m, x, n, o, oc" + (", h;" if lane_signs else ";"),
+        *_lut3_int8_lines(signed, inputs, ("$0", "$1", "$2", "$3")),
     ]
     return "\n".join([*lines, "}"])
 
@@ -365,7 +394,7 @@ def _signed_lookup(first: str, second: str) -> list[str]:
     ]
 
 
-def lut5_int8_asm(grid: Sequence[int], block: int) -> str:
+def lut5_int8_asm(grid: Sequence[int], block: int, lane_signs: bool = False) -> str:
     """Block ``block`` of 5-bit sign-magnitude Lloyd-Max codes (4-bit magnitudes and the sign
     halves, as :func:`lut5_asm` reads them) -> int8 (``grid``: the 16 magnitudes' ``r`` of
     :func:`custom_ops.codebook.int8_key_grid`), ``r`` or ``~r`` as :func:`lut4_int8_asm`.
@@ -380,6 +409,8 @@ def lut5_int8_asm(grid: Sequence[int], block: int) -> str:
     Args:
         grid: the 16 magnitudes' ``r`` (0..127), ascending.
         block: the block ``c`` (0 or 1) of the magnitude plane.
+        lane_signs: ``$3`` is one tile of the sign plane and ``$4`` is not read, as
+            :func:`lut3_int8_asm`'s.
 
     Returns:
         The PTX string (inputs ``$2`` plane bytes, ``$3`` ``low``, ``$4`` ``high``; outputs
@@ -396,16 +427,16 @@ def lut5_int8_asm(grid: Sequence[int], block: int) -> str:
     words = _int8_tables(grid)
     lines = [
         "{",
-        ".reg .b32 t0, t1, t2, t3, a, b, m, f, k, u, sl, sh, o, oc;",
+        ".reg .b32 t0, t1, t2, t3, a, b, m, f, k, u, sl, sh, o, oc"
+        + (", h;" if lane_signs else ";"),
         # t0 and t2: the prmt's register operands (opaque, see _OPAQUE_ZERO); t1 and t3 go
         # as immediates
         *_opaque_words({"t0": words[0], "t2": words[2]}),
         f"mov.b32 t1, {words[1]:#010x};",
         f"mov.b32 t3, {words[3]:#010x};",
-        # each byte's bit 2c / 2c + 4: its low / high nibble's sign (bit 7, which gets the next
-        # byte's bit 0, is never read); sl / sh: those bits at bit 7 of each byte
-        "shr.b32 u, $4, 1;",
-        "or.b32 u, u, $3;",
+        # each byte's bit 2c / 2c + 4: its low / high nibble's sign; sl / sh: those bits at
+        # bit 7 of each byte
+        *_sign_bits(("$3",) if lane_signs else ("$3", "$4")),
         f"shl.b32 sl, u, {7 - 2 * block};",
         f"shl.b32 sh, u, {3 - 2 * block};",
         # the nibbles as selectors of the low table ($2, then m) and, bit 3 flipped, of the

@@ -239,7 +239,8 @@ def test_which_codes_are_decoded_to_integers():
     16, below the int8 MMA's k 32); never in one-tile splits or other codecs. Its values as the
     grid's integers: 3-bit Lloyd-Max ones at every head dim, in units of a power of two ``S``
     with ``S * unit`` in [1, 1.75] (the value multipliers' factor, which the split kernel's
-    fp16 products allow); keys never."""
+    fp16 products allow); keys never. 3- and 5-bit int8 keys read their sign plane as one
+    tile at D 128 only, with the inline PTX or without."""
     for name, fmt in FORMATS.items():
         for head_dim in SUPPORTED_HEAD_DIMS:
             keys = part_params(fmt, "k", head_dim, True)
@@ -248,6 +249,9 @@ def test_which_codes_are_decoded_to_integers():
             assert int8_keys(keys.INT8_UNIT, keys.PC_PAD, False) == expected, (name, head_dim)
             assert not int8_keys(keys.INT8_UNIT, keys.PC_PAD, True)
             assert (len(keys.ASM_INT8) > 0) == lloyd_max
+            # one sign tile, told apart by lane, where a plane tile is one 32-byte operand row
+            lanes = lloyd_max and fmt.key.bits != 4 and head_dim == 128
+            assert keys.LANE_SIGNS == part_params(fmt, "k", head_dim, False).LANE_SIGNS == lanes
             assert keys.INTEGER_SCALE == 0.0 and keys.ASM_INTEGERS == ""
             values = part_params(fmt, "v", head_dim, True)
             integers = fmt.value.kind == Kind.LLOYD_MAX and fmt.value.bits == 3

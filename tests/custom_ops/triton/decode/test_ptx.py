@@ -166,6 +166,28 @@ def test_lut5_int8_asm(head_dim, block, seeded):
         assert ((decoded + 0.5) * unit).tolist() == [levels[c].item() for c in codes]
 
 
+@pytest.mark.parametrize("lane", range(32))
+def test_int8_asm_lane_signs(lane, seeded):
+    """At D 128 the 3- and 5-bit int8 strings read one tile of the sign plane and take the
+    lane's half of the row from its lane id (lanes 2 and 3 of each quad: bytes ``j >= D/8``):
+    the same int8 as from the sign halves that half's bytes would load (the tile as ``low``,
+    or as ``high``), whatever the unread third operand holds."""
+    half = lane >> 1 & 1
+    lut3 = lut3_int8_asm(int8_key_grid(3, 128)[0], lane_signs=True)
+    halves3 = lut3_int8_asm(int8_key_grid(3, 128)[0])
+    lut5 = [lut5_int8_asm(int8_key_grid(5, 128)[0], block, lane_signs=True) for block in (0, 1)]
+    halves5 = [lut5_int8_asm(int8_key_grid(5, 128)[0], block) for block in (0, 1)]
+    for plane_word, sign_word, other in _sign_cases(seeded):
+        low, high = (0, sign_word) if half else (sign_word, 0)
+        got = run(lut3, {4: plane_word, 5: sign_word, 6: other}, lane)
+        want = run(halves3, {4: plane_word, 5: low, 6: high}, lane)
+        assert [got[i] for i in range(4)] == [want[i] for i in range(4)]
+        for lanes, halves in zip(lut5, halves5, strict=True):
+            got = run(lanes, {2: plane_word, 3: sign_word, 4: other}, lane)
+            want = run(halves, {2: plane_word, 3: low, 4: high}, lane)
+            assert [got[0], got[1]] == [want[0], want[1]]
+
+
 def test_lut5_int8_asm_needs_magnitudes_below_128():
     """A flagged lookup must give 0: a magnitude of 128 (bit 7 set), a negative one or a grid
     of other than 16 is refused."""
@@ -314,8 +336,12 @@ def _strings() -> dict[str, str]:
         "lut4_int8": lut4_int8_asm(int8_key_grid(4, 128)[0]),
         "lut3_integer_values": lut3_integer_values_asm(int8_key_grid(3, 128)[0], 0.25),
     }
+    strings["lut3_int8_lanes"] = lut3_int8_asm(int8_key_grid(3, 128)[0], lane_signs=True)
     for block in (0, 1):
         strings[f"lut5_int8_{block}"] = lut5_int8_asm(int8_key_grid(5, 128)[0], block)
+        strings[f"lut5_int8_{block}_lanes"] = lut5_int8_asm(
+            int8_key_grid(5, 128)[0], block, lane_signs=True
+        )
     strings["words_lut4"] = words_asm(strings["lut4"])
     return strings
 
