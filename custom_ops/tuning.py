@@ -60,7 +60,7 @@ class DecodeTuning:
 # 1.021, 3bit_nc 1.008-1.025 / 1.004-1.020 / 1.005, within those runs' noise (unchanged kernels
 # read up to 1.025), then taken on a third run of four rounds at windows 0 and 128, all 18
 # cells 1.006-1.034 where the same tree against itself read 0.997-1.007
-# (docs/notes/2026-12-03-long-split-stages-everywhere.md); 4bit_nc (1.019 / 1.017 / 0.989
+# (docs/notes/2026-12-03-sign-tiles-and-long-split-stages.md); 4bit_nc (1.019 / 1.017 / 0.989
 # once) taken on four rounds at 163 x 8192 / 214 x 8192 / 64 x 32768, windows 0 and 128:
 # 1.011-1.024. Not taken: tqk4v2_nc, 0.985-0.992 in the same run
 DECODE_TUNING: dict[str, DecodeTuning] = {
