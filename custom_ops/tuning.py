@@ -37,8 +37,9 @@ class DecodeTuning:
             Hopper; 0 keeps ``stages``. At 5 Triton gives each code plane two shared-memory
             buffers, so a tile's copy starts a whole tile earlier than with one, where it
             waits for the tile before to read the buffer. The longer prologue (four tiles
-            ahead) and the shared memory (tqk5v3_nc 14.6 KB: 14 programs per SM, not 16) cost
-            more than that at shorter splits (``docs/notes/2026-12-03-loop-head-wait.md``).
+            ahead) and the shared memory (tqk5v3_nc's two buffers: 12.6 KB since its keys read
+            one sign tile, 14.6 KB before, when 14 programs fit an SM, not 16) cost more than
+            that at shorter splits (``docs/notes/2026-12-03-loop-head-wait.md``).
     """
 
     scalars_ahead: bool = True

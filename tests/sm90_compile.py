@@ -223,17 +223,36 @@ def kernels(name: str) -> dict:
             for kernel, (launch, args) in launches.items():
                 job = _compile_job(launch, args)
                 if kernel == "split" and ptx_int8_keys:
-                    job = _int8_layout_checked(job)
+                    job = _int8_layout_checked(job, keys.LANE_SIGNS)
                 jobs[f"{kernel} ({label} splits, fast={fast})"] = job
+            if ptx_int8_keys and keys.LANE_SIGNS and label == "long":
+                # the launches whose layouts could differ (warps over the tile's tokens, the
+                # Hopper-only five stages): the lane-signed keys' strings still in the operand
+                split_args = split_arguments(*split_inputs)
+                for name, config in (
+                    ("two warps", SplitConfig(num_warps=2)),
+                    ("five stages", SplitConfig(num_stages=5)),
+                ):
+                    variant = decode.plan_for(
+                        fmt, q, cache, block_table, 2, None, window, fast, split_config=config
+                    )
+                    jobs[f"split (long splits, {name}, fast={fast})"] = _int8_layout_checked(
+                        _compile_job(variant.split, split_args), True
+                    )
     return jobs
 
 
 # the operand types of a TTGIR dot with an int32 result: the int8 products of Q K^T
 _INT8_DOT = re.compile(r"tt\.dot .*-> tensor<[0-9x]+xi32")
 _KWIDTH = re.compile(r"xi8, #ttg\.dot_op<\{opIdx = \d, parent = #\w+, kWidth = (\d+)\}>")
+# the inline asm of the keys' strings that take their sign half from the lane id
+# (ptx._lane_half_lines), and the layout they are written for: the A operand of a version 2
+# MMA (mma.sync), 8 consecutive bytes per lane
+_LANE_ASM = "shr.b32 h, h, 1"
+_LANE_OPERAND = re.compile(r"xi8, #ttg\.dot_op<\{opIdx = 0, parent = #(\w+), kWidth = 8\}>")
 
 
-def _int8_layout_checked(compile_it):
+def _int8_layout_checked(compile_it, lane_signs: bool):
     """``compile_it`` (a split kernel with the inline PTX's int8 keys), then a check of its
     int8 products' operand layout: 8 consecutive k per lane (``kWidth = 8``), the layout the 3-
     and 5-bit key strings are written for. Triton picks it by a heuristic (its width from the
@@ -244,12 +263,35 @@ def _int8_layout_checked(compile_it):
 
     def run():
         compiled = compile_it()
-        dots = [line for line in compiled.asm["ttgir"].splitlines() if _INT8_DOT.search(line)]
+        ttgir = compiled.asm["ttgir"].splitlines()
+        dots = [line for line in ttgir if _INT8_DOT.search(line)]
         widths = {width for line in dots for width in _KWIDTH.findall(line)}
         if not dots or widths != {"8"}:
             raise RuntimeError(
                 f"int8 products: {len(dots)} dots, operand kWidth {sorted(widths)}; want 8"
             )
+        # the one-sign-tile strings (3- and 5-bit keys at D 128) must also run in that layout,
+        # not in one Triton converts from afterwards: they read each lane's half of its row
+        # from the lane id
+        lane_asm = [
+            line for line in ttgir if "elementwise_inline_asm" in line and _LANE_ASM in line
+        ]
+        if bool(lane_asm) != lane_signs:
+            raise RuntimeError(f"{len(lane_asm)} lane-signed key strings; want some: {lane_signs}")
+        for line in lane_asm:
+            results = line.rsplit("->", 1)[1]
+            parents = set(_LANE_OPERAND.findall(results))
+            mma = {
+                alias
+                for alias in parents
+                if f"#{alias} = #ttg.nvidia_mma<{{versionMajor = 2" in compiled.asm["ttgir"]
+            }
+            if (
+                results.count("tensor<") != results.count("kWidth = 8")
+                or not parents
+                or mma != parents
+            ):
+                raise RuntimeError(f"lane-signed keys decoded outside the int8 operand: {results}")
         return compiled
 
     return run

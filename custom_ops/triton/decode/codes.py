@@ -105,16 +105,16 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
     parts = parts_of(codec)
     chunk = head_dim // parts
     grid, unit, int8_asm, scale, integers_asm = (), 0.0, (), 0.0, ""
-    int8_lanes = False
+    lane_signs = False
     if side == "k" and codec.kind == Kind.LLOYD_MAX and codec.bits in INT8_GRID_BITS:
         grid, unit = int8_key_grid(codec.bits, head_dim)
-        int8_lanes = _lane_signs(codec.bits, head_dim)
+        lane_signs = _lane_signs(codec.bits, head_dim)
         if fast and codec.bits == 3:
-            int8_asm = (lut3_int8_asm(grid, int8_lanes),)
+            int8_asm = (lut3_int8_asm(grid, lane_signs),)
         elif fast and codec.bits == 4:
             int8_asm = (lut4_int8_asm(grid),)
         elif fast:
-            int8_asm = tuple(lut5_int8_asm(grid, block, int8_lanes) for block in (0, 1))
+            int8_asm = tuple(lut5_int8_asm(grid, block, lane_signs) for block in (0, 1))
     if side == "v" and codec.kind == Kind.LLOYD_MAX and codec.bits == 3:
         grid, unit = int8_key_grid(codec.bits, head_dim)
         # the unit's power of two (unit = c * 2**e, 1 <= c < 2): S = 2**-e
@@ -134,7 +134,7 @@ def part_params(fmt, side: str, head_dim: int, fast: bool) -> PartParams:
         grid,
         unit,
         int8_asm,
-        int8_lanes,
+        lane_signs,
         scale,
         integers_asm,
         {4: UINT4_SUBNORMAL_ASM, 3: UINT3_SUBNORMAL_ASM}[codec.bits]
@@ -179,7 +179,7 @@ def _lane_signs(bits: int, head_dim: int) -> bool:
     D/8`` are in different lanes and the strings take each lane's half from its lane id
     (:mod:`~custom_ops.triton.decode.ptx`). Half the sign tiles' shared memory and copies, one
     instruction fewer per 4 codes."""
-    return bits in (3, 5) and head_dim // 4 == 32
+    return bits in (3, 5) and head_dim == 128
 
 
 @triton.constexpr_function

@@ -265,7 +265,7 @@ def _lane_half_lines(dst: str) -> list[str]:
     its rows). At D 128 the 3- and 5-bit keys' plane tiles are such rows (``D/4 = 32`` bytes),
     so the sign bits of byte ``j`` sit one bit higher for ``j >= D/8`` than for ``j < D/8``:
     one tile of the sign plane serves both halves, shifted by the lane's half. ptxas computes
-    it once, outside the loop."""
+    it once, at the kernel's start (from the thread id it reads there; sm_90)."""
     return [f"mov.u32 {dst}, %laneid;", f"shr.b32 {dst}, {dst}, 1;", f"and.b32 {dst}, {dst}, 1;"]
 
 
@@ -318,7 +318,8 @@ def lut3_int8_asm(grid: Sequence[int], lane_signs: bool = False) -> str:
             int8 operand's layout), and ``$6`` is not read; else the sign halves.
 
     Returns:
-        The PTX string (inputs ``$4`` plane bytes, ``$5`` ``low``, ``$6`` ``high``; outputs
+        The PTX string (inputs ``$4`` plane bytes, ``$5`` ``low``, ``$6`` ``high``, with
+        ``lane_signs`` the sign tile and an unread operand; outputs
         ``$0 $1`` quarters 0 and 2, ``$2 $3`` quarters 1 and 3, interleaved).
     """
     signed = [*grid, *(~r & 0xFF for r in grid)]
@@ -413,7 +414,8 @@ def lut5_int8_asm(grid: Sequence[int], block: int, lane_signs: bool = False) -> 
             :func:`lut3_int8_asm`'s.
 
     Returns:
-        The PTX string (inputs ``$2`` plane bytes, ``$3`` ``low``, ``$4`` ``high``; outputs
+        The PTX string (inputs ``$2`` plane bytes, ``$3`` ``low``, ``$4`` ``high``, with
+        ``lane_signs`` the sign tile and an unread operand; outputs
         ``$0 $1`` in the interleaved order).
 
     Raises:
