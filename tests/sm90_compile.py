@@ -263,7 +263,8 @@ def _int8_layout_checked(compile_it, lane_signs: bool):
 
     def run():
         compiled = compile_it()
-        ttgir = compiled.asm["ttgir"].splitlines()
+        text = compiled.asm["ttgir"]
+        ttgir = text.splitlines()
         dots = [line for line in ttgir if _INT8_DOT.search(line)]
         widths = {width for line in dots for width in _KWIDTH.findall(line)}
         if not dots or widths != {"8"}:
@@ -284,7 +285,7 @@ def _int8_layout_checked(compile_it, lane_signs: bool):
             mma = {
                 alias
                 for alias in parents
-                if f"#{alias} = #ttg.nvidia_mma<{{versionMajor = 2" in compiled.asm["ttgir"]
+                if f"#{alias} = #ttg.nvidia_mma<{{versionMajor = 2" in text
             }
             if (
                 results.count("tensor<") != results.count("kWidth = 8")

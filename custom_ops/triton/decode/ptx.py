@@ -249,13 +249,13 @@ def _sign_bits(signs: Sequence[str]) -> list[str]:
     """Lines setting ``u``: bit ``2q`` of each byte is the sign of that byte's quarter ``q``
     (bit 7, which gets the next byte's bit 0, is never read), from the sign halves ``(low,
     high)``: ``low | high >> 1``; or from one sign tile ``(signs,)`` whose byte ``j`` is the
-    sign plane's byte ``j mod D/8`` (:func:`_lane_half_lines`). Temporaries ``u`` and, for one
-    tile, ``h``."""
+    sign plane's byte ``j mod D/8`` (:func:`_lane_half_lines`, in a scope of its own that
+    declares its temporary). Temporary ``u``, for the caller to declare."""
     if len(signs) == 2:
         low, high = signs
         return [f"shr.b32 u, {high}, 1;", f"or.b32 u, u, {low};"]
     (tile,) = signs
-    return [*_lane_half_lines("h"), f"shr.b32 u, {tile}, h;"]
+    return ["{", ".reg .b32 h;", *_lane_half_lines("h"), f"shr.b32 u, {tile}, h;", "}"]
 
 
 def _lane_half_lines(dst: str) -> list[str]:
@@ -275,8 +275,7 @@ def _lut3_int8_lines(
     """The lines of :func:`lut3_int8_asm` with the 8-byte ``table`` (signed: entries 0-3 for
     positive codes, 4-7 for negative ones), ``inputs`` (the plane, then ``low`` and ``high`` or
     one sign tile: :func:`_sign_bits`) and ``outputs`` (4 registers: quarters 0 and 2
-    interleaved, then 1 and 3); temporaries ``t0 t1 u m x n o oc`` (and ``h``, one sign
-    tile)."""
+    interleaved, then 1 and 3); temporaries ``t0 t1 u m x n o oc``."""
     plane, *signs = inputs
     first, second, third, fourth = outputs
     words = _int8_tables(table)
@@ -326,7 +325,7 @@ def lut3_int8_asm(grid: Sequence[int], lane_signs: bool = False) -> str:
     inputs = ("$4", "$5") if lane_signs else ("$4", "$5", "$6")
     lines = [
         "{",
-        ".reg .b32 t0, t1, u, m, x, n, o, oc" + (", h;" if lane_signs else ";"),
+        ".reg .b32 t0, t1, u, m, x, n, o, oc;",
         *_lut3_int8_lines(signed, inputs, ("$0", "$1", "$2", "$3")),
     ]
     return "\n".join([*lines, "}"])
@@ -429,8 +428,7 @@ def lut5_int8_asm(grid: Sequence[int], block: int, lane_signs: bool = False) -> 
     words = _int8_tables(grid)
     lines = [
         "{",
-        ".reg .b32 t0, t1, t2, t3, a, b, m, f, k, u, sl, sh, o, oc"
-        + (", h;" if lane_signs else ";"),
+        ".reg .b32 t0, t1, t2, t3, a, b, m, f, k, u, sl, sh, o, oc;",
         # t0 and t2: the prmt's register operands (opaque, see _OPAQUE_ZERO); t1 and t3 go
         # as immediates
         *_opaque_words({"t0": words[0], "t2": words[2]}),
