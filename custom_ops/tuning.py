@@ -63,7 +63,10 @@ class DecodeTuning:
 # cells 1.006-1.034 where the same tree against itself read 0.997-1.007
 # (docs/notes/2026-12-03-sign-tiles-and-long-split-stages.md); 4bit_nc (1.019 / 1.017 / 0.989
 # once) taken on four rounds at 163 x 8192 / 214 x 8192 / 64 x 32768, windows 0 and 128:
-# 1.011-1.024. Not taken: tqk4v2_nc, 0.985-0.992 in the same run
+# 1.011-1.024. Not taken: tqk4v2_nc, 0.985-0.992 in the same run; tqk5v3_nc at five stages in
+# every streaming split, 16 programs per SM since its keys' sign tile: 0.951 / 0.943 / 0.943 at
+# 1 x 131072 / 4 x 32768 / 16 x 8192
+# (docs/notes/2026-12-03-value-sign-tile-and-page-planar-keys.md)
 DECODE_TUNING: dict[str, DecodeTuning] = {
     "k8v4": DecodeTuning(),
     "4bit_nc": DecodeTuning(stages=3, long_split_stages=5),
