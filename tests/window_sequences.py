@@ -49,7 +49,8 @@ class Sequences:
     """Two sequences in a paged cache with a shuffled block table, their rings (``window``
     slots and ``sinks``), with ``center`` their keys' centres (``key_center [B, Hk, D]``,
     stored centred), and every token appended so far (bf16 ``[B, Hk, S, D]``); each sequence
-    has ``pages_per_seq`` pages (the module's ``CAPACITY`` assumes the default)."""
+    has ``pages_per_seq`` pages of ``page_size`` slots and ``head_dim`` elements per token-head
+    (the module's ``CAPACITY`` assumes the defaults)."""
 
     def __init__(
         self,
@@ -61,24 +62,27 @@ class Sequences:
         sinks=0,
         center=False,
         pages_per_seq=PAGES_PER_SEQ,
+        head_dim=HEAD_DIM,
+        page_size=PAGE_SIZE,
     ):
         self.fmt = get_format(fmt_name)
         self.window, self.sinks = window, sinks
-        self.capacity = PAGE_SIZE * pages_per_seq + window
-        self.consts = api.make_constants(self.fmt, HEAD_DIM, seed=5)
+        self.head_dim, self.page_size = head_dim, page_size
+        self.capacity = page_size * pages_per_seq + window
+        self.consts = api.make_constants(self.fmt, head_dim, seed=5)
         num_pages = BATCH * pages_per_seq + 2
-        self.cache = poisoned_cache(self.fmt, num_pages, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM, gen)
+        self.cache = poisoned_cache(self.fmt, num_pages, NUM_KV_HEADS, page_size, head_dim, gen)
         pages = torch.randperm(num_pages, generator=gen)[: BATCH * pages_per_seq]
         self.block_table = pages.to(torch.int32).reshape(BATCH, pages_per_seq)
-        shape = (BATCH, NUM_KV_HEADS, window + sinks, HEAD_DIM)
+        shape = (BATCH, NUM_KV_HEADS, window + sinks, head_dim)
         self.k_window = torch.randn(shape, generator=gen).to(dtype)  # poison: never read
         self.v_window = torch.randn(shape, generator=gen).to(dtype)
         self.window_pos = torch.full(shape[:3], -1, dtype=torch.int32)  # no slot holds one yet
-        self.key_center = torch.zeros(BATCH, NUM_KV_HEADS, HEAD_DIM) if center else None
+        self.key_center = torch.zeros(BATCH, NUM_KV_HEADS, head_dim) if center else None
         # with centring, keys share a per-head offset (real models' keys do): a key stored
         # with another centre than the others then shows
-        self.key_offset = 3 * torch.randn(NUM_KV_HEADS, 1, HEAD_DIM, generator=gen) * center
-        self.keys = torch.zeros(BATCH, NUM_KV_HEADS, self.capacity, HEAD_DIM, dtype=torch.bfloat16)
+        self.key_offset = 3 * torch.randn(NUM_KV_HEADS, 1, head_dim, generator=gen) * center
+        self.keys = torch.zeros(BATCH, NUM_KV_HEADS, self.capacity, head_dim, dtype=torch.bfloat16)
         self.values = torch.zeros_like(self.keys)
         self.lens = torch.zeros(BATCH, dtype=torch.int32)
         # where each sequence's ring run starts: positions below it are quantized (sinks aside)
@@ -99,11 +103,12 @@ class Sequences:
         """Write ``n_new`` random tokens at ``starts`` (a negative start skips the sequence; a
         start below the length rewrites from there on); ``launch``: the window store's ``(rows
         per program, warps)`` instead of its default (the Triton launcher called directly)."""
-        key, value = random_kv(BATCH * n_new, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, gen)
-        key = key.reshape(BATCH, n_new, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)  # strided
+        head_dim = self.head_dim
+        key, value = random_kv(BATCH * n_new, NUM_KV_HEADS, head_dim, torch.bfloat16, gen)
+        key = key.reshape(BATCH, n_new, NUM_KV_HEADS, head_dim).transpose(1, 2)  # strided
         if self.key_center is not None:
             key = (key + self.key_offset).to(key.dtype)
-        value = value.reshape(BATCH, n_new, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+        value = value.reshape(BATCH, n_new, NUM_KV_HEADS, head_dim).transpose(1, 2)
         if self.k_window is not None:  # the model's dtype: the rings' (store_window checks it)
             key, value = key.to(self.k_window.dtype), value.to(self.k_window.dtype)
         start_pos = torch.tensor(starts, dtype=torch.int32)
@@ -183,5 +188,5 @@ class Sequences:
         return (positions[None, :] >= self.ring_from[:, None]) | (positions[None, :] < self.sinks)
 
     def slots_of(self, b, positions):
-        pages = self.block_table.cpu()[b, positions // PAGE_SIZE].to(torch.int64)
-        return pages * PAGE_SIZE + positions % PAGE_SIZE
+        pages = self.block_table.cpu()[b, positions // self.page_size].to(torch.int64)
+        return pages * self.page_size + positions % self.page_size

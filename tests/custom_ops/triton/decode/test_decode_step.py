@@ -16,18 +16,19 @@ from window_sequences import BATCH, HEAD_DIM, NUM_KV_HEADS, REWRITE_STEPS, STEPS
 from custom_ops import api, reference
 from custom_ops.formats import FORMATS
 from custom_ops.triton import decode as triton_decode
+from custom_ops.triton.decode.codes import int8_keys
 from custom_ops.triton.decode.plan import QueryMode, StepMode, step_supported
 
 GROUP = 4
 STEP_FORMATS = sorted(name for name, fmt in FORMATS.items() if not fmt.value.rotated)
 
 
-def _own_tokens(gen):
-    """The next step's keys and values ``[B, Hk, 1, D]`` as ``Sequences.append`` draws them
-    from ``gen`` (the same generator state gives the same tokens)."""
-    key, value = random_kv(BATCH, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, gen)
-    key = key.reshape(BATCH, 1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
-    value = value.reshape(BATCH, 1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+def _own_tokens(gen, head_dim):
+    """The next step's keys and values ``[B, Hk, 1, head_dim]`` as ``Sequences.append`` draws
+    them from ``gen`` (the same generator state gives the same tokens)."""
+    key, value = random_kv(BATCH, NUM_KV_HEADS, head_dim, torch.bfloat16, gen)
+    key = key.reshape(BATCH, 1, NUM_KV_HEADS, head_dim).transpose(1, 2)
+    value = value.reshape(BATCH, 1, NUM_KV_HEADS, head_dim).transpose(1, 2)
     return key, value
 
 
@@ -52,7 +53,7 @@ def _expected(seqs, q, key, value, starts):
     for b, start in enumerate(starts):
         k[b, :, max(start, 0)] = key[b, :, 0].double()
         v[b, :, max(start, 0)] = value[b, :, 0].double()
-    return reference.attention(q.double(), k, v, lens, HEAD_DIM**-0.5)
+    return reference.attention(q.double(), k, v, lens, seqs.head_dim**-0.5)
 
 
 def _checked_step(seqs, starts, gen, num_splits, split_config=None, merge_config=None):
@@ -60,9 +61,9 @@ def _checked_step(seqs, starts, gen, num_splits, split_config=None, merge_config
     1e-3 of float64 attention over the cache as it was and the step's token, the cache
     afterwards byte-equal to the window store's and the new lengths the store's. Returns the
     sequences after the step (the store's bookkeeping)."""
-    q = torch.randn(BATCH, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen).half()
+    q = torch.randn(BATCH, NUM_KV_HEADS * GROUP, seqs.head_dim, generator=gen).half()
     state = gen.get_state()
-    key, value = _own_tokens(gen)
+    key, value = _own_tokens(gen, seqs.head_dim)
     expected = _expected(seqs, q, key, value, starts)
     stored = copy.deepcopy(seqs)
     gen.set_state(state)
@@ -79,7 +80,7 @@ def _checked_step(seqs, starts, gen, num_splits, split_config=None, merge_config
             torch.tensor(starts, dtype=torch.int32, device=d),
             seqs.consts.rotation,
             num_splits,
-            HEAD_DIM**-0.5,
+            seqs.head_dim**-0.5,
             seqs.recent,
             split_config=split_config,
             merge_config=merge_config,
@@ -165,6 +166,36 @@ def test_step_rotates_its_query_in_a_streaming_split(kernel_device, seeded):
         seqs = _checked_step(seqs, tuple(int(x) for x in seqs.lens), seeded, num_splits=1)
 
 
+@pytest.mark.parametrize("fmt_name", ["3bit_nc", "k3v4_nc"])
+def test_step_at_head_dim_128_over_16_token_pages(fmt_name, kernel_device, seeded):
+    """The shape real models decode at: D 128, 16-token pages, a 16-slot window and 4 sinks,
+    where the split kernel takes 32-token tiles of two pages, each page's value codes as a tile
+    of its own (3- and 4-bit values), and the 3-bit keys as int8 with one sign tile (plain
+    Triton on the CPU): after a 40-token prefill, steps from two lengths (one sequence skipped
+    once), each checked as above (attention within 1e-3 of float64, the cache afterwards the
+    window store's, byte for byte)."""
+    seqs = Sequences(
+        fmt_name,
+        seeded,
+        kernel_device,
+        window=16,
+        sinks=4,
+        head_dim=128,
+        page_size=16,
+        pages_per_seq=8,
+    )
+    q = torch.zeros(BATCH, NUM_KV_HEADS * GROUP, 128, dtype=torch.float16)
+    args = (seqs.fmt, q.to(kernel_device), seqs.cache, seqs.block_table, 2, None, seqs.recent)
+    launch = triton_decode.plan_for(*args, step=StepMode.APPEND).split.kwargs
+    keys = launch["K"]
+    assert launch["VALUE_PAGES"] and keys.LANE_SIGNS, launch
+    assert int8_keys(keys.INT8_UNIT, keys.PC_PAD, launch["ONE_TILE"]), launch
+    seqs.append(40, (0, 0), seeded, use_triton=False)
+    seqs.append(3, (40, 40), seeded, use_triton=False)
+    for starts in ((43, 43), (44, -1), (45, 44)):
+        seqs = _checked_step(seqs, starts, seeded, num_splits=2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("evict_in_split", [False, True])
 @pytest.mark.parametrize("fmt_name", ["4bit_nc", "k8v4"])
@@ -223,7 +254,7 @@ def _op_case(fmt_name, sinks, device, gen):
     seqs.append(11, (0, 0), gen, use_triton=False)
     seqs.append(1, (11, 11), gen, use_triton=False)
     q = torch.randn(BATCH, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(torch.bfloat16)
-    key, value = (t.contiguous() for t in _own_tokens(gen))
+    key, value = (t.contiguous() for t in _own_tokens(gen, HEAD_DIM))
     starts = torch.tensor([12, -1], dtype=torch.int32)
     return seqs, [t.to(device) for t in (q, key, value, starts)]
 
